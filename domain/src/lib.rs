@@ -1,0 +1,12 @@
+//! The pure domain of zhihui.
+//!
+//! Every aggregate here is a *decider* (see [`Decider`]): given the state folded from past events
+//! and a command, it decides which new events happen, or refuses with a precise error. Nothing in
+//! this crate does IO, reads a clock or draws random numbers: the application puts the time and the
+//! ids into the command, so a decision is a pure function and replay is a fold.
+//!
+//! The crate depends on no IO crate; `ARCHITECTURE.md` lists that as an invariant.
+
+pub mod decider;
+
+pub use decider::Decider;

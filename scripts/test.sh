@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The whole gate, from a bare Debian machine: local services, formatting, lints, the compose file,
+# every test. CI (.ci/run) calls exactly this.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+started="$(date +%s)"
+# Start (or reuse) PostgreSQL and Redis; exports DATABASE_URL and REDIS_URL for the tests.
+eval "$(scripts/services.sh start | sed 's/^/export /')"
+# Every test creates its own database; drop those left by earlier runs on this cluster.
+psql "$DATABASE_URL" -tAc "SELECT datname FROM pg_database WHERE datname LIKE 'zhihui\_test\_%'" \
+    | while read -r stale; do psql "$DATABASE_URL" -qc "DROP DATABASE IF EXISTS \"$stale\"" >/dev/null; done
+
+echo "gate: cargo fmt --all --check"
+cargo fmt --all --check
+echo "gate: cargo clippy --workspace --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+echo "gate: docker/compose.yaml"
+scripts/check-compose.sh
+echo "gate: tests"
+if cargo nextest --version >/dev/null 2>&1; then
+    cargo nextest run --workspace --locked --no-fail-fast
+else
+    cargo test --workspace --locked --no-fail-fast
+fi
+echo "gate: passed in $(( $(date +%s) - started ))s"

@@ -1,0 +1,164 @@
+//! Typed, layered settings: built-in defaults, then an optional TOML file, then `ZHIHUI_`
+//! environment variables (`ZHIHUI_DATABASE__URL`, `ZHIHUI_REDIS__KEY_PREFIX`, ...; a double
+//! underscore separates levels).
+//!
+//! Every timeout and pool size is a named setting with its unit in the name. Secrets (the database
+//! and Redis URLs may carry passwords) are [`SecretString`]s: their `Debug` output is redacted, so
+//! logging the settings never leaks them.
+
+use std::path::Path;
+
+use anyhow::Context;
+use secrecy::{ExposeSecret, SecretString};
+use serde::Deserialize;
+
+/// Environment variable prefix for every setting.
+pub const ENV_PREFIX: &str = "ZHIHUI";
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Settings {
+    pub http: HttpSettings,
+    pub database: DatabaseSettings,
+    pub redis: RedisSettings,
+    pub log: LogSettings,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct HttpSettings {
+    /// Address to bind; `127.0.0.1` locally, `0.0.0.0` in a container.
+    pub host: String,
+    /// Port to bind; 0 lets the OS choose (tests).
+    pub port: u16,
+    /// actix-web worker threads. Defaults to the number of cores.
+    pub workers: Option<usize>,
+    /// How long in-flight requests may run after SIGINT/SIGTERM before being dropped.
+    pub shutdown_timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct DatabaseSettings {
+    /// `postgres://user:password@host:port/dbname`. Secret: may carry a password.
+    pub url: SecretString,
+    /// Connections in the pool. Bounded so many instances cannot exhaust `max_connections`.
+    pub pool_max_size: usize,
+    /// How long a request waits for a pooled connection before failing.
+    pub pool_wait_timeout_ms: u64,
+    /// How long opening one new connection may take.
+    pub connect_timeout_ms: u64,
+    /// Run pending migrations when `serve` starts.
+    pub migrate_on_start: bool,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct RedisSettings {
+    /// `redis://[:password@]host:port[/db]`. Secret: may carry a password.
+    pub url: SecretString,
+    /// Prepended to every key, so several deployments (or tests) can share one Redis.
+    pub key_prefix: String,
+    /// How long opening the connection may take.
+    pub connect_timeout_ms: u64,
+    /// How long one command may take before it counts as failed.
+    pub response_timeout_ms: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines, for a terminal.
+    Pretty,
+    /// One JSON object per line, for log collectors.
+    Json,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct LogSettings {
+    pub format: LogFormat,
+    /// An `EnvFilter` directive, e.g. `info,zhihui=debug`. `RUST_LOG` overrides it.
+    pub filter: String,
+}
+
+/// The defaults, as TOML, so that the file format and the defaults can never disagree.
+const DEFAULTS_TOML: &str = include_str!("default_settings.toml");
+
+impl Settings {
+    /// Load defaults, then `file` if given, then `ZHIHUI_*` environment variables.
+    pub fn load(file: Option<&Path>) -> anyhow::Result<Settings> {
+        let mut builder = config::Config::builder().add_source(config::File::from_str(
+            DEFAULTS_TOML,
+            config::FileFormat::Toml,
+        ));
+        if let Some(path) = file {
+            builder = builder.add_source(config::File::from(path).required(true));
+        }
+        builder = builder.add_source(
+            config::Environment::with_prefix(ENV_PREFIX)
+                .prefix_separator("_")
+                .separator("__")
+                .try_parsing(true),
+        );
+        let settings: Settings = builder
+            .build()
+            .context("reading settings")?
+            .try_deserialize()
+            .context("settings do not match the expected shape")?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    fn validate(&self) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.database.pool_max_size >= 1,
+            "database.pool_max_size must be at least 1"
+        );
+        anyhow::ensure!(
+            !self.redis.key_prefix.is_empty(),
+            "redis.key_prefix must not be empty: every key needs a namespace"
+        );
+        Ok(())
+    }
+}
+
+impl DatabaseSettings {
+    /// Parsed connection parameters (the URL stays secret; only this config object sees it).
+    pub fn pg_config(&self) -> anyhow::Result<tokio_postgres::Config> {
+        let mut pg_config: tokio_postgres::Config = self
+            .url
+            .expose_secret()
+            .parse()
+            .context("database.url is not a valid PostgreSQL URL")?;
+        pg_config.connect_timeout(std::time::Duration::from_millis(self.connect_timeout_ms));
+        Ok(pg_config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_parse_and_are_valid() {
+        let settings: Settings = config::Config::builder()
+            .add_source(config::File::from_str(
+                DEFAULTS_TOML,
+                config::FileFormat::Toml,
+            ))
+            .build()
+            .and_then(|c| c.try_deserialize())
+            .expect("defaults deserialize");
+        settings.validate().expect("defaults are valid");
+        assert_eq!(settings.log.format, LogFormat::Pretty);
+    }
+
+    #[test]
+    fn debug_output_never_shows_the_database_password() {
+        let settings = DatabaseSettings {
+            url: SecretString::from("postgres://u:hunter2@localhost/db"),
+            pool_max_size: 1,
+            pool_wait_timeout_ms: 1,
+            connect_timeout_ms: 1,
+            migrate_on_start: true,
+        };
+        let printed = format!("{settings:?}");
+        assert!(!printed.contains("hunter2"), "{printed}");
+    }
+}

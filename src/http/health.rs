@@ -1,0 +1,56 @@
+//! `/health` says the process serves HTTP; `/ready` says it can do its work, i.e. PostgreSQL and
+//! Redis both answer. A load balancer routes on `/ready`; an orchestrator restarts on `/health`.
+
+use std::time::Duration;
+
+use actix_web::{HttpResponse, web};
+use serde::Serialize;
+
+use crate::http::ApiError;
+use crate::startup::AppState;
+
+/// How long one dependency check may take before it counts as failed. Shorter than typical
+/// load-balancer probe timeouts so that the 503 arrives, rather than a probe time-out.
+const READY_CHECK_TIMEOUT_MS: u64 = 2_000;
+
+#[derive(Debug, Serialize)]
+struct Status {
+    status: &'static str,
+}
+
+pub async fn health() -> HttpResponse {
+    HttpResponse::Ok().json(Status { status: "ok" })
+}
+
+pub async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
+    let timeout = Duration::from_millis(READY_CHECK_TIMEOUT_MS);
+    let (postgres, redis) = tokio::join!(
+        tokio::time::timeout(timeout, crate::postgres::ping(&state.pg_pool)),
+        tokio::time::timeout(timeout, state.redis.ping()),
+    );
+    let mut failed = Vec::new();
+    for (name, outcome) in [("postgres", postgres), ("redis", redis)] {
+        match outcome {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => {
+                tracing::warn!(dependency = name, error = %crate::telemetry::error_chain(&error), "readiness check failed");
+                failed.push(name.to_string());
+            }
+            Err(_elapsed) => {
+                tracing::warn!(
+                    dependency = name,
+                    timeout_ms = READY_CHECK_TIMEOUT_MS,
+                    "readiness check timed out"
+                );
+                failed.push(name.to_string());
+            }
+        }
+    }
+    if failed.is_empty() {
+        Ok(HttpResponse::Ok().json(Status { status: "ready" }))
+    } else {
+        Err(ApiError::Unavailable {
+            dependencies: failed,
+        })
+    }
+}

@@ -1,0 +1,9 @@
+//! zhihui: the backend of an AI text-to-image cloud platform. See `ARCHITECTURE.md` for the map.
+
+pub mod cli;
+pub mod configuration;
+pub mod http;
+pub mod postgres;
+pub mod redis_store;
+pub mod startup;
+pub mod telemetry;

@@ -1,0 +1,87 @@
+//! The Redis connection shared by the whole process, and its key namespace.
+//!
+//! One multiplexed [`ConnectionManager`] carries every command (concurrent commands are pipelined on
+//! one socket, and it reconnects by itself). It is opened on first use rather than at start, so
+//! `serve` starts, and `/ready` answers 503 naming Redis, while Redis is down.
+//!
+//! Every key goes through [`RedisStore::key`], which prepends the configured prefix: several
+//! deployments, and every integration test, share one Redis without seeing each other's keys.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use secrecy::ExposeSecret;
+use tokio::sync::OnceCell;
+
+use crate::configuration::RedisSettings;
+
+#[derive(Clone)]
+pub struct RedisStore {
+    client: redis::Client,
+    connection: std::sync::Arc<OnceCell<ConnectionManager>>,
+    key_prefix: String,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The client holds the URL, which may carry a password: never print it.
+        f.debug_struct("RedisStore")
+            .field("key_prefix", &self.key_prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    pub fn new(settings: &RedisSettings) -> anyhow::Result<RedisStore> {
+        let client = redis::Client::open(settings.url.expose_secret())
+            .context("redis.url is not a valid Redis URL")?;
+        Ok(RedisStore {
+            client,
+            connection: std::sync::Arc::new(OnceCell::new()),
+            key_prefix: settings.key_prefix.clone(),
+            connect_timeout: Duration::from_millis(settings.connect_timeout_ms),
+            response_timeout: Duration::from_millis(settings.response_timeout_ms),
+        })
+    }
+
+    /// `<prefix>:<suffix>`, the only way keys are named.
+    pub fn key(&self, suffix: &str) -> String {
+        format!("{}:{suffix}", self.key_prefix)
+    }
+
+    pub fn key_prefix(&self) -> &str {
+        &self.key_prefix
+    }
+
+    /// The shared connection, opened on first use. A failed open is not cached: the next call
+    /// tries again.
+    pub async fn connection(&self) -> anyhow::Result<ConnectionManager> {
+        let manager = self
+            .connection
+            .get_or_try_init(|| async {
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(self.connect_timeout))
+                    .set_response_timeout(Some(self.response_timeout))
+                    .set_number_of_retries(1);
+                ConnectionManager::new_with_config(self.client.clone(), config)
+                    .await
+                    .context("connecting to Redis")
+            })
+            .await?;
+        Ok(manager.clone())
+    }
+
+    /// Liveness of Redis for `/ready`.
+    pub async fn ping(&self) -> anyhow::Result<()> {
+        let mut connection = self.connection().await?;
+        let answer: String = redis::cmd("PING")
+            .query_async(&mut connection)
+            .await
+            .context("sending PING")?;
+        anyhow::ensure!(answer == "PONG", "PING answered {answer:?}");
+        Ok(())
+    }
+}

@@ -1,0 +1,81 @@
+//! The composition root: [`Application::build`] wires settings into pools, stores and the HTTP
+//! server; `main` only parses the command line and calls it. Port 0 binds a free port (tests).
+
+use std::net::TcpListener;
+use std::time::Duration;
+
+use actix_web::{App, HttpServer, dev::Server, web};
+use anyhow::Context;
+use deadpool_postgres::Pool;
+
+use crate::configuration::Settings;
+use crate::redis_store::RedisStore;
+
+/// What every request handler may use.
+#[derive(Debug, Clone)]
+pub struct AppState {
+    pub pg_pool: Pool,
+    pub redis: RedisStore,
+}
+
+pub struct Application {
+    port: u16,
+    server: Server,
+}
+
+impl std::fmt::Debug for Application {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Application")
+            .field("port", &self.port)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Application {
+    /// Build everything and bind the listener; serving starts with [`Self::run_until_stopped`].
+    /// Runs pending migrations first when `database.migrate_on_start` is set.
+    pub async fn build(settings: &Settings) -> anyhow::Result<Application> {
+        let pg_pool = crate::postgres::build_pool(&settings.database)?;
+        if settings.database.migrate_on_start {
+            let report = crate::postgres::migrate(&pg_pool).await?;
+            tracing::info!(applied = ?report.applied, "migrations up to date");
+        }
+        let redis = RedisStore::new(&settings.redis)?;
+        let state = web::Data::new(AppState { pg_pool, redis });
+
+        let address = format!("{}:{}", settings.http.host, settings.http.port);
+        let listener =
+            TcpListener::bind(&address).with_context(|| format!("binding http on {address}"))?;
+        let port = listener
+            .local_addr()
+            .context("reading the bound port")?
+            .port();
+
+        let mut server = HttpServer::new(move || {
+            App::new()
+                .wrap(actix_web::middleware::Logger::new("%r %s %Dms").log_target("zhihui::http"))
+                .app_data(state.clone())
+                .configure(crate::http::routes)
+        })
+        .shutdown_timeout(Duration::from_millis(settings.http.shutdown_timeout_ms).as_secs())
+        .listen(listener)
+        .context("listening")?;
+        if let Some(workers) = settings.http.workers {
+            server = server.workers(workers);
+        }
+        // actix-web stops gracefully on SIGINT and SIGTERM by itself (its `signals` feature):
+        // it stops accepting, lets in-flight requests finish within `shutdown_timeout`, then returns.
+        let server = server.run();
+        tracing::info!(%address, port, "http listening");
+        Ok(Application { port, server })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Serve until SIGINT/SIGTERM (or until the server handle is stopped).
+    pub async fn run_until_stopped(self) -> anyhow::Result<()> {
+        self.server.await.context("http server failed")
+    }
+}
