@@ -65,7 +65,8 @@ CREATE FUNCTION zhihui_append(
     p_metadata         jsonb[],
     OUT status         text,
     OUT version        bigint,
-    OUT last_position  bigint
+    OUT last_position  bigint,
+    OUT last_transaction bigint
 ) LANGUAGE plpgsql AS $$
 DECLARE
     v_version      bigint;
@@ -89,7 +90,8 @@ BEGIN
             OR (p_expected_kind = 2 AND v_first_ver = p_expected_version + 1)) THEN
             status := 'duplicate';
             version := v_first_ver + v_count - 1;
-            SELECT e.global_position INTO last_position
+            SELECT e.global_position, e.transaction_id::text::bigint
+              INTO last_position, last_transaction
               FROM events e WHERE e.event_id = p_event_ids[v_count];
         ELSE
             status := 'id_reused';
@@ -130,8 +132,11 @@ BEGIN
     UPDATE streams s SET version = v_version + v_count, last_transaction_id = pg_current_xact_id()
      WHERE s.stream_id = p_stream_id;
 
-    SELECT max(e.global_position) INTO last_position
+    SELECT e.global_position INTO last_position
       FROM events e WHERE e.stream_id = p_stream_id AND e.stream_version = v_version + v_count;
+    last_transaction := pg_current_xact_id()::text::bigint;
+    -- Delivered on commit; identical notifications of one transaction are folded into one.
+    PERFORM pg_notify('zhihui_events', '');
     status := 'appended';
     version := v_version + v_count;
 END;

@@ -20,7 +20,32 @@ pub struct Settings {
     pub http: HttpSettings,
     pub database: DatabaseSettings,
     pub redis: RedisSettings,
+    pub event_store: EventStoreSettings,
     pub log: LogSettings,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct EventStoreSettings {
+    /// Empty: PostgreSQL (the database of `database.url`). `kurrentdb://...` or `esdb://...`:
+    /// KurrentDB / EventStoreDB, e.g. `esdb://localhost:2113?tls=false` for a local dev server.
+    /// Secret: may carry credentials.
+    pub url: SecretString,
+    /// PostgreSQL: let concurrent appends share one transaction (one fsync per batch).
+    pub group_commit: bool,
+    /// PostgreSQL: most appends per group-commit transaction; bounds lock hold time.
+    pub group_commit_max_batch: usize,
+    /// PostgreSQL: writer tasks committing batches in parallel (each holds a pooled connection).
+    pub group_commit_writers: usize,
+    /// PostgreSQL: re-queues of an append that met a newer transaction on its stream.
+    pub append_retries_max: u32,
+    /// Events per round trip when subscriptions read the log.
+    pub subscription_batch_size: usize,
+    /// PostgreSQL: ceiling of the re-check backoff while an unfinished transaction holds the
+    /// global log's horizon back.
+    pub held_back_recheck_max_ms: u64,
+    /// PostgreSQL: longest `read_all` waits for older in-flight transactions to finish so that
+    /// it includes the caller's own committed appends.
+    pub read_all_settle_max_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -109,6 +134,16 @@ impl Settings {
         anyhow::ensure!(
             self.database.pool_max_size >= 1,
             "database.pool_max_size must be at least 1"
+        );
+        anyhow::ensure!(
+            self.event_store.group_commit_max_batch >= 1
+                && self.event_store.group_commit_writers >= 1
+                && self.event_store.subscription_batch_size >= 1,
+            "event_store.group_commit_max_batch, group_commit_writers and subscription_batch_size must be at least 1"
+        );
+        anyhow::ensure!(
+            self.event_store.group_commit_writers < self.database.pool_max_size,
+            "event_store.group_commit_writers must be below database.pool_max_size, or writers starve every other query"
         );
         anyhow::ensure!(
             !self.redis.key_prefix.is_empty(),

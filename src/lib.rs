@@ -2,6 +2,7 @@
 
 pub mod cli;
 pub mod configuration;
+pub mod event_store;
 pub mod http;
 pub mod postgres;
 pub mod redis_store;

@@ -27,7 +27,10 @@ pub fn build_pool(settings: &DatabaseSettings) -> anyhow::Result<Pool> {
         settings.pg_config()?,
         NoTls,
         ManagerConfig {
-            recycling_method: RecyclingMethod::Fast,
+            // Verified (one empty round trip per checkout) rather than Fast: a connection whose
+            // backend was terminated may not look closed yet when it returns to the pool, and
+            // handing it out again would fail the next request for nothing.
+            recycling_method: RecyclingMethod::Verified,
         },
     );
     let timeouts = Timeouts {

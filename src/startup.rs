@@ -9,6 +9,7 @@ use anyhow::Context;
 use deadpool_postgres::Pool;
 
 use crate::configuration::Settings;
+use crate::event_store::AnyEventStore;
 use crate::redis_store::RedisStore;
 
 /// What every request handler may use.
@@ -16,6 +17,7 @@ use crate::redis_store::RedisStore;
 pub struct AppState {
     pub pg_pool: Pool,
     pub redis: RedisStore,
+    pub event_store: AnyEventStore,
 }
 
 pub struct Application {
@@ -41,7 +43,12 @@ impl Application {
             tracing::info!(applied = ?report.applied, "migrations up to date");
         }
         let redis = RedisStore::new(&settings.redis)?;
-        let state = web::Data::new(AppState { pg_pool, redis });
+        let event_store = crate::event_store::from_settings(settings, pg_pool.clone())?;
+        let state = web::Data::new(AppState {
+            pg_pool,
+            redis,
+            event_store,
+        });
 
         let address = format!("{}:{}", settings.http.host, settings.http.port);
         let listener =

@@ -24,12 +24,25 @@ pub async fn health() -> HttpResponse {
 
 pub async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
     let timeout = Duration::from_millis(READY_CHECK_TIMEOUT_MS);
-    let (postgres, redis) = tokio::join!(
+    let kurrentdb = async {
+        match &state.event_store {
+            crate::event_store::AnyEventStore::Kurrent(store) => {
+                Some(tokio::time::timeout(timeout, crate::event_store::kurrent::ping(store)).await)
+            }
+            crate::event_store::AnyEventStore::Postgres(_) => None,
+        }
+    };
+    let (postgres, redis, kurrentdb) = tokio::join!(
         tokio::time::timeout(timeout, crate::postgres::ping(&state.pg_pool)),
         tokio::time::timeout(timeout, state.redis.ping()),
+        kurrentdb,
     );
     let mut failed = Vec::new();
-    for (name, outcome) in [("postgres", postgres), ("redis", redis)] {
+    let mut checks = vec![("postgres", postgres), ("redis", redis)];
+    if let Some(kurrentdb) = kurrentdb {
+        checks.push(("kurrentdb", kurrentdb));
+    }
+    for (name, outcome) in checks {
         match outcome {
             Ok(Ok(())) => {}
             Ok(Err(error)) => {

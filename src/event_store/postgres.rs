@@ -1,0 +1,771 @@
+//! The PostgreSQL event store (the default).
+//!
+//! Appends go through the SQL function `zhihui_append` (migrations/V1__event_store.sql), which
+//! checks the expected version under a row lock on the stream and reports every expected outcome
+//! as a status instead of raising, so that many appends can share one transaction.
+//!
+//! **Group commit.** Appends are queued to a few writer tasks. Each takes every queued append (up
+//! to `group_commit_max_batch`), sorts them by stream (one lock order, so writers never deadlock),
+//! sends them pipelined in ONE transaction and commits once: one fsync for the whole batch, while
+//! each append keeps its own version check. If the batch transaction fails as a whole, each of its
+//! appends is retried alone, so one bad append never fails the others.
+//!
+//! **Gap-safe global order.** Readers of the global log only return events whose writing
+//! transaction is below `pg_snapshot_xmin(pg_current_snapshot())`, in (transaction id, sequence)
+//! order. Every transaction below that horizon has finished, so no event can later appear before a
+//! position a reader has passed. An append is re-queued into a newer transaction when a newer one
+//! already wrote its stream (status `retry`), which keeps each stream's events in stream order in
+//! the global log. See ARCHITECTURE.md.
+//!
+//! **Live delivery.** `zhihui_append` calls `pg_notify('zhihui_events')`; one LISTEN connection
+//! per store wakes every subscription. While an unfinished transaction holds the horizon back, a
+//! subscription re-checks with a short, capped backoff (it never skips; it waits).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use deadpool_postgres::{GenericClient, Pool};
+use futures::stream::BoxStream;
+use tokio::sync::{Mutex, mpsc, oneshot, watch};
+use tokio_postgres::Row;
+use tokio_postgres::types::ToSql;
+use uuid::Uuid;
+
+use super::{
+    ActualVersion, AllSlice, AppendOutcome, Direction, EventFilter, EventMetadata, EventStore,
+    EventStoreError, ExpectedVersion, NewEvent, Position, ReadFrom, RecordedEvent,
+    SubscriptionMessage, validate_append,
+};
+
+/// The NOTIFY channel `zhihui_append` signals on commit.
+pub const NOTIFY_CHANNEL: &str = "zhihui_events";
+
+/// Tuning of the PostgreSQL store; from `[event_store]` settings.
+#[derive(Debug, Clone)]
+pub struct PostgresEventStoreOptions {
+    /// Share transactions between concurrent appends (see module docs). Off: one transaction
+    /// per append.
+    pub group_commit: bool,
+    /// Most appends in one group-commit transaction. Bounds the time locks are held.
+    pub group_commit_max_batch: usize,
+    /// Writer tasks (each a pooled connection) committing batches in parallel.
+    pub group_commit_writers: usize,
+    /// How often an append that met a newer transaction on its stream is re-queued before it
+    /// fails; each retry runs in a fresh, newer transaction, so one retry nearly always suffices.
+    pub append_retries_max: u32,
+    /// Events fetched per round trip by subscriptions.
+    pub subscription_batch_size: usize,
+    /// Ceiling of the re-check backoff while an unfinished transaction holds the horizon back.
+    pub held_back_recheck_max_ms: u64,
+    /// Longest `read_all` waits for transactions older than its caller's appends to finish (they
+    /// normally last milliseconds; a stuck one must not stall a read forever).
+    pub read_all_settle_max_ms: u64,
+    /// Connection parameters of the LISTEN connection (the pool's database).
+    pub listen_config: tokio_postgres::Config,
+}
+
+#[derive(Clone)]
+pub struct PostgresEventStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for PostgresEventStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresEventStore")
+            .field("group_commit", &self.inner.options.group_commit)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    pool: Pool,
+    options: PostgresEventStoreOptions,
+    /// Queue to the group-commit writers (None when group commit is off).
+    appends: Option<mpsc::Sender<AppendRequest>>,
+    /// Bumped on every NOTIFY (and on every LISTEN (re)connect): subscriptions wait on it.
+    wake: watch::Receiver<u64>,
+    /// Background tasks (listener, writers), stopped when the store is dropped.
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+}
+
+struct AppendRequest {
+    stream: String,
+    expected: ExpectedVersion,
+    events: Vec<NewEvent>,
+    retries: u32,
+    reply: oneshot::Sender<Result<AppendOutcome, EventStoreError>>,
+}
+
+const APPEND_SQL: &str = "SELECT status, version, last_position, last_transaction \
+     FROM zhihui_append($1, $2, $3, $4, $5, $6, $7, $8)";
+
+const EVENT_COLUMNS: &str = "event_id, stream_id, stream_version, event_type, schema_version, \
+     payload, metadata, recorded_at, transaction_id::text::bigint AS commit_position, \
+     global_position";
+
+impl PostgresEventStore {
+    /// Start the store's background tasks (LISTEN connection, group-commit writers).
+    pub fn start(pool: Pool, options: PostgresEventStoreOptions) -> PostgresEventStore {
+        assert!(options.group_commit_max_batch >= 1);
+        assert!(options.group_commit_writers >= 1);
+        assert!(options.subscription_batch_size >= 1);
+        let (wake_sender, wake) = watch::channel(0_u64);
+        let mut tasks = vec![tokio::spawn(listen(
+            options.listen_config.clone(),
+            wake_sender,
+        ))];
+        let appends = if options.group_commit {
+            // Bounded: a flood of appends waits here instead of growing memory without limit.
+            let (sender, receiver) =
+                mpsc::channel(options.group_commit_max_batch * options.group_commit_writers * 4);
+            let receiver = Arc::new(Mutex::new(receiver));
+            for _ in 0..options.group_commit_writers {
+                tasks.push(tokio::spawn(group_writer(
+                    pool.clone(),
+                    receiver.clone(),
+                    options.group_commit_max_batch,
+                    options.append_retries_max,
+                )));
+            }
+            Some(sender)
+        } else {
+            None
+        };
+        PostgresEventStore {
+            inner: Arc::new(Inner {
+                pool,
+                options,
+                appends,
+                wake,
+                tasks,
+            }),
+        }
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.inner.pool
+    }
+
+    async fn append_alone(
+        &self,
+        stream: &str,
+        expected: ExpectedVersion,
+        events: &[NewEvent],
+    ) -> Result<AppendOutcome, EventStoreError> {
+        let mut retries = 0;
+        loop {
+            let client = self.inner.pool.get().await.map_err(unavailable)?;
+            let statement = client
+                .prepare_cached(APPEND_SQL)
+                .await
+                .map_err(unavailable)?;
+            let params = AppendParams::new(stream, expected, events);
+            // One statement outside an explicit transaction is its own transaction.
+            let row = client
+                .query_one(&statement, &params.as_refs())
+                .await
+                .map_err(unavailable)?;
+            match interpret(stream, expected, events, &row)? {
+                Interpreted::Done(outcome) => return outcome,
+                Interpreted::RetryInNewerTransaction
+                    if retries < self.inner.options.append_retries_max =>
+                {
+                    retries += 1;
+                }
+                Interpreted::RetryInNewerTransaction => {
+                    return Err(EventStoreError::Unavailable(anyhow::anyhow!(
+                        "stream {stream}: still behind a newer writer after {retries} retries"
+                    )));
+                }
+            }
+        }
+    }
+
+    /// Wait until every transaction that had committed events when this call began is below the
+    /// horizon, so `read_all` includes the caller's own committed appends (read-your-writes, as
+    /// KurrentDB gives on `$all`). Waits at most `read_all_settle_max_ms`; then the read returns
+    /// what is safe, never more.
+    async fn settle(&self) -> Result<(), EventStoreError> {
+        let client = self.inner.pool.get().await.map_err(unavailable)?;
+        let target: Option<i64> = client
+            .query_one("SELECT max(transaction_id)::text::bigint FROM events", &[])
+            .await
+            .map_err(unavailable)?
+            .get(0);
+        let Some(target) = target else {
+            return Ok(());
+        };
+        let deadline = tokio::time::Instant::now()
+            + Duration::from_millis(self.inner.options.read_all_settle_max_ms);
+        let mut backoff_ms = 1;
+        loop {
+            let horizon: i64 = client
+                .query_one(
+                    "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint",
+                    &[],
+                )
+                .await
+                .map_err(unavailable)?
+                .get(0);
+            if horizon > target || tokio::time::Instant::now() >= deadline {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
+            backoff_ms = (backoff_ms * 2).min(20);
+        }
+    }
+
+    /// The safe window of the global log after `after`: events of finished transactions only.
+    /// Also says whether committed events exist that an unfinished, older transaction still
+    /// holds back (so the caller knows to re-check rather than wait for a NOTIFY).
+    async fn read_window(
+        &self,
+        after: Option<Position>,
+        max_count: usize,
+        filter: &EventFilter,
+    ) -> Result<(AllSlice, bool), EventStoreError> {
+        let mut client = self.inner.pool.get().await.map_err(unavailable)?;
+        // One snapshot for both statements, so the horizon and the "held back" check agree.
+        // Read-only transactions take no transaction id and so never hold anyone's horizon back.
+        let transaction = client
+            .build_transaction()
+            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
+            .read_only(true)
+            .start()
+            .await
+            .map_err(unavailable)?;
+        let after = after.unwrap_or(Position {
+            commit: 0,
+            prepare: 0,
+        });
+        let after_commit = i64::try_from(after.commit).map_err(|_| position_out_of_range(after))?;
+        let after_prepare =
+            i64::try_from(after.prepare).map_err(|_| position_out_of_range(after))?;
+        let limit = i64::try_from(max_count).unwrap_or(i64::MAX);
+        let window_sql = format!(
+            "SELECT {EVENT_COLUMNS} FROM events \
+              WHERE (transaction_id, global_position) > ($1::bigint::text::xid8, $2::bigint) \
+                AND transaction_id < pg_snapshot_xmin(pg_current_snapshot()) \
+              ORDER BY transaction_id, global_position LIMIT $3"
+        );
+        let rows = transaction
+            .query(&window_sql, &[&after_commit, &after_prepare, &limit])
+            .await
+            .map_err(unavailable)?;
+        let held_back: bool = transaction
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM events \
+                  WHERE transaction_id >= pg_snapshot_xmin(pg_current_snapshot()))",
+                &[],
+            )
+            .await
+            .map_err(unavailable)?
+            .get(0);
+        transaction.commit().await.map_err(unavailable)?;
+
+        let full = rows.len() >= max_count;
+        let mut scanned_to = None;
+        let mut events = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let event = event_from_row(row)?;
+            scanned_to = Some(event.position);
+            if filter.matches(&event.stream, &event.event_type) {
+                events.push(event);
+            }
+        }
+        Ok((
+            AllSlice {
+                events,
+                scanned_to,
+                end_of_log: !full,
+            },
+            held_back,
+        ))
+    }
+}
+
+impl EventStore for PostgresEventStore {
+    async fn append(
+        &self,
+        stream: &str,
+        expected: ExpectedVersion,
+        events: Vec<NewEvent>,
+    ) -> Result<AppendOutcome, EventStoreError> {
+        validate_append(stream, &events)?;
+        let Some(appends) = &self.inner.appends else {
+            return self.append_alone(stream, expected, &events).await;
+        };
+        let (reply, answer) = oneshot::channel();
+        appends
+            .send(AppendRequest {
+                stream: stream.to_owned(),
+                expected,
+                events,
+                retries: 0,
+                reply,
+            })
+            .await
+            .map_err(|_| unavailable_msg("the group-commit writers have stopped"))?;
+        answer
+            .await
+            .map_err(|_| unavailable_msg("a group-commit writer stopped before answering"))?
+    }
+
+    async fn read_stream(
+        &self,
+        stream: &str,
+        direction: Direction,
+        from: ReadFrom,
+        max_count: usize,
+    ) -> Result<Vec<RecordedEvent>, EventStoreError> {
+        let client = self.inner.pool.get().await.map_err(unavailable)?;
+        let limit = i64::try_from(max_count).unwrap_or(i64::MAX);
+        let (comparison, order, bound) = match (direction, from) {
+            (Direction::Forwards, ReadFrom::Start) => (">=", "ASC", 0_i64),
+            (Direction::Forwards, ReadFrom::End) => (">", "ASC", i64::MAX),
+            (Direction::Forwards, ReadFrom::Version(v)) => (">=", "ASC", to_i64(v)),
+            (Direction::Backwards, ReadFrom::Start) => ("<=", "DESC", 0),
+            (Direction::Backwards, ReadFrom::End) => ("<=", "DESC", i64::MAX),
+            (Direction::Backwards, ReadFrom::Version(v)) => ("<=", "DESC", to_i64(v)),
+        };
+        let sql = format!(
+            "SELECT {EVENT_COLUMNS} FROM events WHERE stream_id = $1 AND stream_version {comparison} $2 \
+              ORDER BY stream_version {order} LIMIT $3"
+        );
+        let rows = client
+            .query(&sql, &[&stream, &bound, &limit])
+            .await
+            .map_err(unavailable)?;
+        rows.iter().map(event_from_row).collect()
+    }
+
+    async fn read_all(
+        &self,
+        after: Option<Position>,
+        max_count: usize,
+        filter: &EventFilter,
+    ) -> Result<AllSlice, EventStoreError> {
+        self.settle().await?;
+        Ok(self.read_window(after, max_count, filter).await?.0)
+    }
+
+    fn subscribe_all(
+        &self,
+        after: Option<Position>,
+        filter: EventFilter,
+    ) -> BoxStream<'static, Result<SubscriptionMessage, EventStoreError>> {
+        let (sender, mut receiver) = mpsc::channel(self.inner.options.subscription_batch_size);
+        tokio::spawn(run_subscription(self.clone(), after, filter, sender));
+        Box::pin(futures::stream::poll_fn(move |cx| receiver.poll_recv(cx)))
+    }
+}
+
+/// Feed one subscription until its consumer goes away.
+async fn run_subscription(
+    store: PostgresEventStore,
+    mut checkpoint: Option<Position>,
+    filter: EventFilter,
+    sender: mpsc::Sender<Result<SubscriptionMessage, EventStoreError>>,
+) {
+    const HELD_BACK_RECHECK_MIN_MS: u64 = 1;
+    const READ_ERROR_BACKOFF_MAX_MS: u64 = 2_000;
+    let batch_size = store.inner.options.subscription_batch_size;
+    let held_back_max = store
+        .inner
+        .options
+        .held_back_recheck_max_ms
+        .max(HELD_BACK_RECHECK_MIN_MS);
+    let mut wake = store.inner.wake.clone();
+    let mut caught_up_sent = false;
+    let mut held_back_backoff_ms = HELD_BACK_RECHECK_MIN_MS;
+    let mut error_backoff_ms = 10;
+    loop {
+        // Mark the current wake-up as seen BEFORE reading: a NOTIFY that arrives during the read
+        // then makes `changed()` return at once, so no commit can slip between read and wait.
+        wake.borrow_and_update();
+        let (slice, held_back) = match store.read_window(checkpoint, batch_size, &filter).await {
+            Ok(read) => {
+                error_backoff_ms = 10;
+                read
+            }
+            Err(error) => {
+                tracing::warn!(%error, retry_in_ms = error_backoff_ms, "subscription read failed");
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_millis(error_backoff_ms)) => {}
+                    () = sender.closed() => return,
+                }
+                error_backoff_ms = (error_backoff_ms * 2).min(READ_ERROR_BACKOFF_MAX_MS);
+                continue;
+            }
+        };
+        let delivered_up_to = slice.events.last().map(|event| event.position);
+        for event in slice.events {
+            if sender
+                .send(Ok(SubscriptionMessage::Event(Box::new(event))))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        if let Some(scanned_to) = slice.scanned_to {
+            debug_assert!(checkpoint.is_none_or(|previous| scanned_to > previous));
+            checkpoint = Some(scanned_to);
+            if delivered_up_to != Some(scanned_to)
+                && sender
+                    .send(Ok(SubscriptionMessage::Checkpoint(scanned_to)))
+                    .await
+                    .is_err()
+            {
+                return;
+            }
+        }
+        if !slice.end_of_log {
+            continue;
+        }
+        if !caught_up_sent {
+            caught_up_sent = true;
+            if sender
+                .send(Ok(SubscriptionMessage::CaughtUp))
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        if held_back {
+            tokio::select! {
+                changed = wake.changed() => if changed.is_err() { return },
+                () = tokio::time::sleep(Duration::from_millis(held_back_backoff_ms)) => {}
+                () = sender.closed() => return,
+            }
+            held_back_backoff_ms = (held_back_backoff_ms * 2).min(held_back_max);
+        } else {
+            held_back_backoff_ms = HELD_BACK_RECHECK_MIN_MS;
+            tokio::select! {
+                changed = wake.changed() => if changed.is_err() { return },
+                () = sender.closed() => return,
+            }
+        }
+    }
+}
+
+/// Hold a LISTEN connection; bump `wake` on every notification and on every (re)connect (a
+/// commit may have happened while we were not listening, so everyone re-reads).
+async fn listen(config: tokio_postgres::Config, wake: watch::Sender<u64>) {
+    const RECONNECT_BACKOFF_MAX_MS: u64 = 2_000;
+    let mut backoff_ms = 50;
+    loop {
+        match listen_once(&config, &wake).await {
+            Ok(()) => backoff_ms = 50,
+            Err(error) => {
+                tracing::warn!(error = %format!("{error:#}"), retry_in_ms = backoff_ms, "event LISTEN connection lost");
+            }
+        }
+        wake.send_modify(|generation| *generation += 1);
+        tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
+        backoff_ms = (backoff_ms * 2).min(RECONNECT_BACKOFF_MAX_MS);
+    }
+}
+
+async fn listen_once(
+    config: &tokio_postgres::Config,
+    wake: &watch::Sender<u64>,
+) -> anyhow::Result<()> {
+    let (client, mut connection) = config
+        .connect(tokio_postgres::NoTls)
+        .await
+        .context("opening the LISTEN connection")?;
+    let (messages_sender, mut messages) = mpsc::unbounded_channel();
+    let driver = tokio::spawn(async move {
+        let mut stream = futures::stream::poll_fn(move |cx| connection.poll_message(cx));
+        while let Some(message) = futures::StreamExt::next(&mut stream).await {
+            if messages_sender.send(message).is_err() {
+                break;
+            }
+        }
+    });
+    client
+        .batch_execute(&format!("LISTEN {NOTIFY_CHANNEL}"))
+        .await
+        .context("LISTEN")?;
+    wake.send_modify(|generation| *generation += 1);
+    while let Some(message) = messages.recv().await {
+        // Notices and other messages carry nothing for us.
+        if let tokio_postgres::AsyncMessage::Notification(_) =
+            message.context("LISTEN connection")?
+        {
+            wake.send_modify(|generation| *generation += 1);
+        }
+    }
+    driver.abort();
+    anyhow::bail!("LISTEN connection closed")
+}
+
+/// One group-commit writer: take a batch from the shared queue, commit it, answer each caller.
+async fn group_writer(
+    pool: Pool,
+    queue: Arc<Mutex<mpsc::Receiver<AppendRequest>>>,
+    max_batch: usize,
+    retries_max: u32,
+) {
+    let mut carried_over: Vec<AppendRequest> = Vec::new();
+    loop {
+        let mut batch = std::mem::take(&mut carried_over);
+        {
+            let mut queue = queue.lock().await;
+            if batch.is_empty() {
+                match queue.recv().await {
+                    Some(request) => batch.push(request),
+                    None => return,
+                }
+            }
+            while batch.len() < max_batch {
+                match queue.try_recv() {
+                    Ok(request) => batch.push(request),
+                    Err(_) => break,
+                }
+            }
+        }
+        // One lock order for every writer: no deadlocks between concurrent batches.
+        batch.sort_by(|left, right| left.stream.cmp(&right.stream));
+        let results = match commit_batch(&pool, &batch).await {
+            Ok(results) => results,
+            Err(error) => {
+                tracing::debug!(error = %format!("{error:#}"), size = batch.len(), "group commit failed; appending one by one");
+                let mut results = Vec::with_capacity(batch.len());
+                for request in &batch {
+                    results.push(
+                        commit_batch(&pool, std::slice::from_ref(request))
+                            .await
+                            .map_or_else(
+                                |error| Interpreted::Done(Err(EventStoreError::Unavailable(error))),
+                                |mut single| single.remove(0),
+                            ),
+                    );
+                }
+                results
+            }
+        };
+        for (mut request, result) in batch.into_iter().zip(results) {
+            match result {
+                Interpreted::Done(outcome) => {
+                    // The caller may have given up (dropped its future); nothing to do then.
+                    let _ = request.reply.send(outcome);
+                }
+                Interpreted::RetryInNewerTransaction if request.retries < retries_max => {
+                    request.retries += 1;
+                    carried_over.push(request);
+                }
+                Interpreted::RetryInNewerTransaction => {
+                    let stream = request.stream.clone();
+                    let _ = request.reply.send(Err(EventStoreError::Unavailable(anyhow::anyhow!(
+                        "stream {stream}: still behind a newer writer after {retries_max} retries"
+                    ))));
+                }
+            }
+        }
+    }
+}
+
+/// Run every append of `batch` pipelined in one transaction and commit once. An error means the
+/// transaction did not commit (or its outcome is unknown) for the whole batch.
+async fn commit_batch(pool: &Pool, batch: &[AppendRequest]) -> anyhow::Result<Vec<Interpreted>> {
+    let mut client = pool.get().await.context("getting a connection")?;
+    let statement = client
+        .prepare_cached(APPEND_SQL)
+        .await
+        .context("preparing append")?;
+    let params: Vec<AppendParams> = batch
+        .iter()
+        .map(|request| AppendParams::new(&request.stream, request.expected, &request.events))
+        .collect();
+    let param_refs: Vec<Vec<&(dyn ToSql + Sync)>> =
+        params.iter().map(AppendParams::as_refs).collect();
+    let rows = if let [refs] = param_refs.as_slice() {
+        // A batch of one is a single statement: its own transaction, without BEGIN/COMMIT trips.
+        vec![
+            client
+                .query_one(&statement, refs)
+                .await
+                .context("appending")?,
+        ]
+    } else {
+        let transaction = client.transaction().await.context("BEGIN")?;
+        // Issued together, tokio-postgres pipelines them: one round trip for the batch.
+        let rows = futures::future::try_join_all(
+            param_refs
+                .iter()
+                .map(|refs| transaction.query_one(&statement, refs)),
+        )
+        .await
+        .context("appending")?;
+        // Interpret before COMMIT: an unknown status aborts the whole batch rather than
+        // committing appends whose callers would be told they failed.
+        let _ = interpret_all(batch, &rows)?;
+        transaction.commit().await.context("COMMIT")?;
+        rows
+    };
+    interpret_all(batch, &rows)
+}
+
+fn interpret_all(batch: &[AppendRequest], rows: &[Row]) -> anyhow::Result<Vec<Interpreted>> {
+    batch
+        .iter()
+        .zip(rows)
+        .map(|(request, row)| interpret(&request.stream, request.expected, &request.events, row))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|error| anyhow::anyhow!("{error}"))
+}
+
+/// The owned parameters of one `zhihui_append` call.
+struct AppendParams<'a> {
+    stream: &'a str,
+    expected_kind: i16,
+    expected_version: i64,
+    ids: Vec<Uuid>,
+    types: Vec<&'a str>,
+    schema_versions: Vec<i32>,
+    payloads: Vec<&'a serde_json::Value>,
+    metadata: Vec<serde_json::Value>,
+}
+
+impl<'a> AppendParams<'a> {
+    fn new(stream: &'a str, expected: ExpectedVersion, events: &'a [NewEvent]) -> Self {
+        let (expected_kind, expected_version) = match expected {
+            ExpectedVersion::Any => (0, -1),
+            ExpectedVersion::NoStream => (1, -1),
+            ExpectedVersion::Exact(version) => (2, to_i64(version)),
+            ExpectedVersion::StreamExists => (3, -1),
+        };
+        AppendParams {
+            stream,
+            expected_kind,
+            expected_version,
+            ids: events.iter().map(|event| event.id).collect(),
+            types: events
+                .iter()
+                .map(|event| event.event_type.as_str())
+                .collect(),
+            schema_versions: events
+                .iter()
+                .map(|event| i32::try_from(event.schema_version).unwrap_or(i32::MAX))
+                .collect(),
+            payloads: events.iter().map(|event| &event.payload).collect(),
+            metadata: events
+                .iter()
+                .map(|event| {
+                    serde_json::to_value(&event.metadata).unwrap_or(serde_json::Value::Null)
+                })
+                .collect(),
+        }
+    }
+
+    fn as_refs(&self) -> Vec<&(dyn ToSql + Sync)> {
+        vec![
+            &self.stream,
+            &self.expected_kind,
+            &self.expected_version,
+            &self.ids,
+            &self.types,
+            &self.schema_versions,
+            &self.payloads,
+            &self.metadata,
+        ]
+    }
+}
+
+enum Interpreted {
+    Done(Result<AppendOutcome, EventStoreError>),
+    RetryInNewerTransaction,
+}
+
+fn interpret(
+    stream: &str,
+    expected: ExpectedVersion,
+    events: &[NewEvent],
+    row: &Row,
+) -> Result<Interpreted, EventStoreError> {
+    let status: &str = row.try_get("status").map_err(unavailable)?;
+    let version: i64 = row.try_get("version").map_err(unavailable)?;
+    let outcome = || -> Result<AppendOutcome, EventStoreError> {
+        let prepare: i64 = row.try_get("last_position").map_err(unavailable)?;
+        let commit: i64 = row.try_get("last_transaction").map_err(unavailable)?;
+        Ok(AppendOutcome {
+            stream_version: from_i64(version),
+            position: Position {
+                commit: from_i64(commit),
+                prepare: from_i64(prepare),
+            },
+        })
+    };
+    Ok(match status {
+        "appended" | "duplicate" => Interpreted::Done(outcome()),
+        "conflict" => Interpreted::Done(Err(EventStoreError::WrongExpectedVersion {
+            stream: stream.to_owned(),
+            expected,
+            actual: ActualVersion((version >= 0).then(|| from_i64(version))),
+        })),
+        "id_reused" => Interpreted::Done(Err(EventStoreError::EventIdReused {
+            event_id: events.first().map_or(Uuid::nil(), |event| event.id),
+        })),
+        "retry" => Interpreted::RetryInNewerTransaction,
+        other => {
+            return Err(unavailable_msg(format!(
+                "zhihui_append answered unknown status {other:?}"
+            )));
+        }
+    })
+}
+
+fn event_from_row(row: &Row) -> Result<RecordedEvent, EventStoreError> {
+    let metadata: serde_json::Value = row.try_get("metadata").map_err(unavailable)?;
+    let metadata: EventMetadata = serde_json::from_value(metadata)
+        .map_err(|error| unavailable_msg(format!("stored metadata is malformed: {error}")))?;
+    let schema_version: i32 = row.try_get("schema_version").map_err(unavailable)?;
+    let recorded_at: DateTime<Utc> = row.try_get("recorded_at").map_err(unavailable)?;
+    Ok(RecordedEvent {
+        id: row.try_get("event_id").map_err(unavailable)?,
+        stream: row.try_get("stream_id").map_err(unavailable)?,
+        event_type: row.try_get("event_type").map_err(unavailable)?,
+        schema_version: u32::try_from(schema_version).unwrap_or(0),
+        payload: row.try_get("payload").map_err(unavailable)?,
+        metadata,
+        recorded_at,
+        stream_version: from_i64(row.try_get("stream_version").map_err(unavailable)?),
+        position: Position {
+            commit: from_i64(row.try_get("commit_position").map_err(unavailable)?),
+            prepare: from_i64(row.try_get("global_position").map_err(unavailable)?),
+        },
+    })
+}
+
+fn to_i64(value: u64) -> i64 {
+    i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+fn from_i64(value: i64) -> u64 {
+    u64::try_from(value).unwrap_or(0)
+}
+
+fn position_out_of_range(position: Position) -> EventStoreError {
+    EventStoreError::InvalidAppend(format!("position {position} is out of range"))
+}
+
+fn unavailable<E: Into<anyhow::Error>>(error: E) -> EventStoreError {
+    EventStoreError::Unavailable(error.into())
+}
+
+fn unavailable_msg(message: impl std::fmt::Display) -> EventStoreError {
+    EventStoreError::Unavailable(anyhow::anyhow!("{message}"))
+}

@@ -1,0 +1,702 @@
+//! The event-store conformance suite: the same test functions run against PostgreSQL (always,
+//! with and without group commit) and against KurrentDB when `KURRENTDB_URL` is set. Then the
+//! hard cases of the PostgreSQL store: a held transaction under 32 concurrent writers, and a
+//! connection killed mid-append.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use futures::StreamExt;
+use uuid::Uuid;
+use zhihui::event_store::postgres::{PostgresEventStore, PostgresEventStoreOptions};
+use zhihui::event_store::{
+    ActualVersion, Direction, EventFilter, EventMetadata, EventStore, EventStoreError,
+    ExpectedVersion, NewEvent, Position, ReadFrom, RecordedEvent, SubscriptionMessage,
+};
+
+use crate::helpers::{connect, create_database, test_settings};
+
+/// Upper bound for waiting on a subscription; a correct store delivers in milliseconds.
+const DELIVERY_TIMEOUT: Duration = Duration::from_secs(20);
+
+fn event(event_type: &str, n: u64) -> NewEvent {
+    NewEvent {
+        id: Uuid::now_v7(),
+        event_type: event_type.into(),
+        schema_version: 1,
+        payload: serde_json::json!({ "n": n }),
+        metadata: EventMetadata {
+            correlation_id: Uuid::now_v7(),
+            causation_id: None,
+            actor: "system:test".into(),
+        },
+    }
+}
+
+/// A unique stream-name prefix per test, so tests can share one KurrentDB server.
+fn prefix() -> String {
+    format!("t{}-", Uuid::now_v7().simple())
+}
+
+pub struct PgStore {
+    pub store: PostgresEventStore,
+    pub settings: zhihui::configuration::Settings,
+}
+
+pub async fn pg_store(group_commit: bool) -> PgStore {
+    let settings = test_settings(&create_database().await);
+    let pool = zhihui::postgres::build_pool(&settings.database).unwrap();
+    zhihui::postgres::migrate(&pool).await.unwrap();
+    let store = PostgresEventStore::start(
+        pool,
+        PostgresEventStoreOptions {
+            group_commit,
+            group_commit_max_batch: 64,
+            group_commit_writers: 2,
+            append_retries_max: 16,
+            subscription_batch_size: 100,
+            held_back_recheck_max_ms: 20,
+            // Short: the held-transaction test reads while a transaction is held on purpose.
+            read_all_settle_max_ms: 300,
+            listen_config: settings.database.pg_config().unwrap(),
+        },
+    );
+    PgStore { store, settings }
+}
+
+/// Collect subscription events until `wanted` of them arrived (ignoring other messages).
+async fn collect_events(
+    subscription: &mut futures::stream::BoxStream<
+        'static,
+        Result<SubscriptionMessage, EventStoreError>,
+    >,
+    wanted: usize,
+) -> Vec<RecordedEvent> {
+    let mut events = Vec::new();
+    while events.len() < wanted {
+        let message = tokio::time::timeout(DELIVERY_TIMEOUT, subscription.next())
+            .await
+            .unwrap_or_else(|_| panic!("only {} of {wanted} events delivered", events.len()))
+            .expect("subscription still open")
+            .expect("no subscription error");
+        if let SubscriptionMessage::Event(event) = message {
+            events.push(*event);
+        }
+    }
+    events
+}
+
+// ---------------------------------------------------------------- the conformance suite
+
+async fn appends_and_reads_a_stream_both_ways<S: EventStore>(store: &S) {
+    let stream = format!("{}account-1", prefix());
+    let first = store
+        .append(
+            &stream,
+            ExpectedVersion::NoStream,
+            vec![event("A", 0), event("B", 1)],
+        )
+        .await
+        .unwrap();
+    assert_eq!(first.stream_version, 1);
+    let second = store
+        .append(&stream, ExpectedVersion::Exact(1), vec![event("C", 2)])
+        .await
+        .unwrap();
+    assert_eq!(second.stream_version, 2);
+    assert!(second.position > first.position);
+
+    let forwards = store
+        .read_stream(&stream, Direction::Forwards, ReadFrom::Start, 100)
+        .await
+        .unwrap();
+    let types: Vec<_> = forwards.iter().map(|e| e.event_type.as_str()).collect();
+    assert_eq!(types, ["A", "B", "C"]);
+    assert_eq!(
+        forwards
+            .iter()
+            .map(|e| e.stream_version)
+            .collect::<Vec<_>>(),
+        [0, 1, 2]
+    );
+    assert!(
+        forwards
+            .windows(2)
+            .all(|pair| pair[0].position < pair[1].position)
+    );
+    assert_eq!(forwards[2].position, second.position);
+    assert_eq!(forwards[0].metadata.actor, "system:test");
+    assert_eq!(forwards[1].payload, serde_json::json!({ "n": 1 }));
+
+    let backwards = store
+        .read_stream(&stream, Direction::Backwards, ReadFrom::End, 2)
+        .await
+        .unwrap();
+    let types: Vec<_> = backwards.iter().map(|e| e.event_type.as_str()).collect();
+    assert_eq!(types, ["C", "B"]);
+
+    let from_middle = store
+        .read_stream(&stream, Direction::Forwards, ReadFrom::Version(1), 100)
+        .await
+        .unwrap();
+    assert_eq!(from_middle.len(), 2);
+
+    let missing = store
+        .read_stream(
+            &format!("{}nothing", prefix()),
+            Direction::Forwards,
+            ReadFrom::Start,
+            10,
+        )
+        .await
+        .unwrap();
+    assert!(missing.is_empty());
+}
+
+async fn a_wrong_expected_version_is_a_typed_conflict<S: EventStore>(store: &S) {
+    let stream = format!("{}s", prefix());
+    let missing = store
+        .append(&stream, ExpectedVersion::StreamExists, vec![event("A", 0)])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            missing,
+            EventStoreError::WrongExpectedVersion {
+                actual: ActualVersion(None),
+                ..
+            }
+        ),
+        "{missing:?}"
+    );
+    store
+        .append(&stream, ExpectedVersion::NoStream, vec![event("A", 0)])
+        .await
+        .unwrap();
+    let again = store
+        .append(&stream, ExpectedVersion::NoStream, vec![event("A", 1)])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            again,
+            EventStoreError::WrongExpectedVersion {
+                actual: ActualVersion(Some(0)),
+                ..
+            }
+        ),
+        "{again:?}"
+    );
+    let stale = store
+        .append(&stream, ExpectedVersion::Exact(5), vec![event("A", 2)])
+        .await
+        .unwrap_err();
+    match stale {
+        EventStoreError::WrongExpectedVersion {
+            stream: named,
+            expected,
+            actual,
+        } => {
+            assert_eq!(named, stream);
+            assert_eq!(expected, ExpectedVersion::Exact(5));
+            assert_eq!(actual, ActualVersion(Some(0)));
+        }
+        other => panic!("expected a conflict, got {other:?}"),
+    }
+    store
+        .append(&stream, ExpectedVersion::Any, vec![event("A", 3)])
+        .await
+        .unwrap();
+    let all = store
+        .read_stream(&stream, Direction::Forwards, ReadFrom::Start, 10)
+        .await
+        .unwrap();
+    assert_eq!(all.len(), 2, "refused appends stored nothing");
+}
+
+async fn a_retried_identical_append_stores_nothing_new<S: EventStore>(store: &S) {
+    let stream = format!("{}s", prefix());
+    let events = vec![event("A", 0), event("B", 1)];
+    let first = store
+        .append(&stream, ExpectedVersion::NoStream, events.clone())
+        .await
+        .unwrap();
+    let retried = store
+        .append(&stream, ExpectedVersion::NoStream, events.clone())
+        .await
+        .unwrap();
+    assert_eq!(retried.stream_version, first.stream_version);
+    let next = store
+        .append(&stream, ExpectedVersion::Exact(1), vec![event("C", 2)])
+        .await
+        .unwrap();
+    // Retrying the first append once more, after the stream moved on, is still a no-op.
+    store
+        .append(&stream, ExpectedVersion::NoStream, events)
+        .await
+        .unwrap();
+    let all = store
+        .read_stream(&stream, Direction::Forwards, ReadFrom::Start, 10)
+        .await
+        .unwrap();
+    assert_eq!(all.len(), 3);
+    assert_eq!(next.stream_version, 2);
+}
+
+async fn two_appends_with_the_same_expected_version_one_wins<S: EventStore>(store: &S) {
+    for round in 0..10 {
+        let stream = format!("{}race-{round}", prefix());
+        store
+            .append(&stream, ExpectedVersion::NoStream, vec![event("A", 0)])
+            .await
+            .unwrap();
+        let (left, right) = tokio::join!(
+            store.append(&stream, ExpectedVersion::Exact(0), vec![event("L", 1)]),
+            store.append(&stream, ExpectedVersion::Exact(0), vec![event("R", 1)]),
+        );
+        let outcomes = [left, right];
+        let winners = outcomes.iter().filter(|outcome| outcome.is_ok()).count();
+        assert_eq!(winners, 1, "round {round}: {outcomes:?}");
+        let loser = outcomes.into_iter().find_map(Result::err).unwrap();
+        assert!(loser.is_wrong_expected_version(), "{loser:?}");
+        let all = store
+            .read_stream(&stream, Direction::Forwards, ReadFrom::Start, 10)
+            .await
+            .unwrap();
+        assert_eq!(all.len(), 2);
+    }
+}
+
+async fn reads_the_global_log_from_a_position_with_filters<S: EventStore>(store: &S) {
+    let prefix = prefix();
+    let accounts = format!("{prefix}account-");
+    let tasks = format!("{prefix}task-");
+    store
+        .append(
+            &format!("{accounts}1"),
+            ExpectedVersion::NoStream,
+            vec![event("PointsGranted", 0)],
+        )
+        .await
+        .unwrap();
+    store
+        .append(
+            &format!("{tasks}1"),
+            ExpectedVersion::NoStream,
+            vec![event("TaskSubmitted", 1)],
+        )
+        .await
+        .unwrap();
+    store
+        .append(
+            &format!("{accounts}2"),
+            ExpectedVersion::NoStream,
+            vec![event("PointsFrozen", 2)],
+        )
+        .await
+        .unwrap();
+
+    let ours = EventFilter::StreamPrefixes(vec![prefix.clone()]);
+    let mut all = Vec::new();
+    let mut after = None;
+    loop {
+        let slice = store.read_all(after, 2, &ours).await.unwrap();
+        all.extend(slice.events);
+        if let Some(scanned) = slice.scanned_to {
+            after = Some(scanned);
+        }
+        if slice.end_of_log {
+            break;
+        }
+    }
+    let numbers: Vec<_> = all
+        .iter()
+        .map(|e| e.payload["n"].as_u64().unwrap())
+        .collect();
+    assert_eq!(numbers, [0, 1, 2]);
+    assert!(
+        all.windows(2)
+            .all(|pair| pair[0].position < pair[1].position)
+    );
+
+    let from_first = store
+        .read_all(Some(all[0].position), 100, &ours)
+        .await
+        .unwrap();
+    assert_eq!(
+        from_first.events.len(),
+        2,
+        "reading after a position excludes it"
+    );
+
+    let account_events = store
+        .read_all(None, 10_000, &EventFilter::StreamPrefixes(vec![accounts]))
+        .await
+        .unwrap();
+    let types: Vec<_> = account_events
+        .events
+        .iter()
+        .map(|e| e.event_type.as_str())
+        .collect();
+    assert_eq!(types, ["PointsGranted", "PointsFrozen"]);
+
+    let task_type = format!("{prefix}TaskSubmitted");
+    store
+        .append(
+            &format!("{tasks}2"),
+            ExpectedVersion::NoStream,
+            vec![event(&task_type, 3)],
+        )
+        .await
+        .unwrap();
+    let by_type = store
+        .read_all(
+            None,
+            10_000,
+            &EventFilter::EventTypes(vec![task_type.clone()]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(by_type.events.len(), 1);
+    assert_eq!(by_type.events[0].event_type, task_type);
+}
+
+async fn a_subscription_catches_up_then_follows_live<S: EventStore>(store: &S) {
+    let prefix = prefix();
+    let stream = format!("{prefix}s");
+    store
+        .append(
+            &stream,
+            ExpectedVersion::NoStream,
+            vec![event("A", 0), event("B", 1)],
+        )
+        .await
+        .unwrap();
+    let mut subscription =
+        store.subscribe_all(None, EventFilter::StreamPrefixes(vec![prefix.clone()]));
+    let caught_up = collect_events(&mut subscription, 2).await;
+    assert_eq!(
+        caught_up
+            .iter()
+            .map(|e| e.stream_version)
+            .collect::<Vec<_>>(),
+        [0, 1]
+    );
+    // Live: appended after the subscription caught up.
+    store
+        .append(&stream, ExpectedVersion::Exact(1), vec![event("C", 2)])
+        .await
+        .unwrap();
+    store
+        .append(
+            &format!("{}other", self::prefix()),
+            ExpectedVersion::NoStream,
+            vec![event("X", 9)],
+        )
+        .await
+        .unwrap();
+    let live = collect_events(&mut subscription, 1).await;
+    assert_eq!(live[0].event_type, "C");
+    assert!(live[0].position > caught_up[1].position);
+
+    // A second subscription from the first's checkpoint sees only what came after.
+    let mut resumed = store.subscribe_all(
+        Some(caught_up[1].position),
+        EventFilter::StreamPrefixes(vec![prefix]),
+    );
+    let after_checkpoint = collect_events(&mut resumed, 1).await;
+    assert_eq!(after_checkpoint[0].id, live[0].id);
+}
+
+macro_rules! conformance {
+    ($($name:ident),* $(,)?) => {
+        mod postgres_group_commit {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let pg = super::pg_store(true).await;
+                    super::$name(&pg.store).await;
+                }
+            )*
+        }
+        mod postgres_one_transaction_per_append {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let pg = super::pg_store(false).await;
+                    super::$name(&pg.store).await;
+                }
+            )*
+        }
+        /// Runs only where a KurrentDB server is reachable (`KURRENTDB_URL`, e.g.
+        /// `esdb://localhost:2113?tls=false`); elsewhere each test says so and passes.
+        mod kurrentdb {
+            $(
+                #[tokio::test]
+                async fn $name() {
+                    let Ok(url) = std::env::var("KURRENTDB_URL") else {
+                        eprintln!("KURRENTDB_URL not set: KurrentDB conformance not run");
+                        return;
+                    };
+                    let store = zhihui::event_store::kurrent::KurrentEventStore::connect(&url)
+                        .expect("KURRENTDB_URL is a valid connection string");
+                    super::$name(&store).await;
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    appends_and_reads_a_stream_both_ways,
+    a_wrong_expected_version_is_a_typed_conflict,
+    a_retried_identical_append_stores_nothing_new,
+    two_appends_with_the_same_expected_version_one_wins,
+    reads_the_global_log_from_a_position_with_filters,
+    a_subscription_catches_up_then_follows_live,
+);
+
+// ---------------------------------------------------------------- PostgreSQL hard cases
+
+/// Begin a transaction on a separate connection that appends one event and stays open.
+async fn hold_an_append(
+    settings: &zhihui::configuration::Settings,
+    stream: &str,
+    event_id: Uuid,
+) -> (tokio_postgres::Client, Position) {
+    let client = connect(settings).await;
+    client.batch_execute("BEGIN").await.unwrap();
+    let row = client
+        .query_one(
+            "SELECT status, last_position, last_transaction FROM zhihui_append($1, 0::smallint, -1, $2, $3, $4, $5, $6)",
+            &[
+                &stream,
+                &vec![event_id],
+                &vec!["Held"],
+                &vec![1_i32],
+                &vec![serde_json::json!({"held": true})],
+                &vec![serde_json::json!({"correlation_id": Uuid::nil(), "causation_id": null, "actor": "system:test"})],
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>("status"), "appended");
+    let position = Position {
+        commit: u64::try_from(row.get::<_, i64>("last_transaction")).unwrap(),
+        prepare: u64::try_from(row.get::<_, i64>("last_position")).unwrap(),
+    };
+    (client, position)
+}
+
+#[tokio::test]
+async fn a_held_transaction_is_never_passed_by_a_subscriber_while_32_writers_commit() {
+    const WRITERS: usize = 32;
+    const APPENDS_PER_WRITER: u64 = 5;
+    let pg = pg_store(true).await;
+    let prefix = prefix();
+    let filter = EventFilter::StreamPrefixes(vec![prefix.clone()]);
+    let mut subscription = pg.store.subscribe_all(None, filter.clone());
+
+    let held_id = Uuid::now_v7();
+    let (held, held_position) =
+        hold_an_append(&pg.settings, &format!("{prefix}held"), held_id).await;
+
+    let writers = (0..WRITERS).map(|writer| {
+        let store = pg.store.clone();
+        let stream = format!("{prefix}writer-{writer}");
+        async move {
+            for n in 0..APPENDS_PER_WRITER {
+                let expected = if n == 0 {
+                    ExpectedVersion::NoStream
+                } else {
+                    ExpectedVersion::Exact(n - 1)
+                };
+                store
+                    .append(&stream, expected, vec![event("Written", n)])
+                    .await
+                    .unwrap();
+            }
+        }
+    });
+    futures::future::join_all(writers).await;
+
+    // Every writer committed, but all of them began after the held transaction: the safe log
+    // (what subscribers read) must not show any of them yet.
+    let visible = pg.store.read_all(None, 10_000, &filter).await.unwrap();
+    assert!(
+        visible.events.is_empty(),
+        "events passed the held transaction: {:?}",
+        visible.events.len()
+    );
+
+    held.batch_execute("COMMIT").await.unwrap();
+
+    let total = WRITERS * APPENDS_PER_WRITER as usize + 1;
+    let delivered = collect_events(&mut subscription, total).await;
+    assert_eq!(
+        delivered[0].id, held_id,
+        "the held event comes first: nothing passed it"
+    );
+    assert_eq!(delivered[0].position, held_position);
+    let unique: HashSet<Uuid> = delivered.iter().map(|e| e.id).collect();
+    assert_eq!(unique.len(), total, "every event exactly once");
+    assert!(
+        delivered
+            .windows(2)
+            .all(|pair| pair[0].position < pair[1].position),
+        "global order strictly increasing"
+    );
+    for writer in 0..WRITERS {
+        let stream = format!("{prefix}writer-{writer}");
+        let versions: Vec<u64> = delivered
+            .iter()
+            .filter(|e| e.stream == stream)
+            .map(|e| e.stream_version)
+            .collect();
+        assert_eq!(
+            versions,
+            (0..APPENDS_PER_WRITER).collect::<Vec<_>>(),
+            "{stream} in stream order"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_connection_killed_mid_append_leaves_none_of_it() {
+    let pg = pg_store(false).await;
+    let prefix = prefix();
+    let shared_id = Uuid::now_v7();
+    // The blocker holds `shared_id` uncommitted; the victim's second event uses the same id, so
+    // its INSERT stops half-way, waiting on the unique index, after writing its first event.
+    let (blocker, _) = hold_an_append(&pg.settings, &format!("{prefix}blocker"), shared_id).await;
+    let victim_stream = format!("{prefix}victim");
+    let first = event("First", 0);
+    let mut second = event("Second", 1);
+    second.id = shared_id;
+    let store = pg.store.clone();
+    let stream = victim_stream.clone();
+    let victim = tokio::spawn(async move {
+        store
+            .append(&stream, ExpectedVersion::NoStream, vec![first, second])
+            .await
+    });
+
+    let observer = connect(&pg.settings).await;
+    let database = pg
+        .settings
+        .database
+        .pg_config()
+        .unwrap()
+        .get_dbname()
+        .unwrap()
+        .to_owned();
+    let victim_pid: i32 = loop {
+        let rows = observer
+            .query(
+                "SELECT pid FROM pg_stat_activity WHERE datname = $1 AND wait_event_type = 'Lock' \
+                   AND query LIKE '%zhihui_append%'",
+                &[&database],
+            )
+            .await
+            .unwrap();
+        if let Some(row) = rows.first() {
+            break row.get(0);
+        }
+        tokio::task::yield_now().await;
+    };
+    observer
+        .execute("SELECT pg_terminate_backend($1)", &[&victim_pid])
+        .await
+        .unwrap();
+    let outcome = victim.await.unwrap();
+    assert!(
+        matches!(outcome, Err(EventStoreError::Unavailable(_))),
+        "{outcome:?}"
+    );
+    blocker.batch_execute("ROLLBACK").await.unwrap();
+
+    let stored = pg
+        .store
+        .read_stream(&victim_stream, Direction::Forwards, ReadFrom::Start, 10)
+        .await
+        .unwrap();
+    assert!(stored.is_empty(), "half an append survived: {stored:?}");
+    // The store recovers: the same stream can now be created.
+    let outcome = pg
+        .store
+        .append(
+            &victim_stream,
+            ExpectedVersion::NoStream,
+            vec![event("First", 0)],
+        )
+        .await
+        .unwrap();
+    assert_eq!(outcome.stream_version, 0);
+}
+
+#[tokio::test]
+async fn stored_events_cannot_be_updated_or_deleted() {
+    let pg = pg_store(true).await;
+    pg.store
+        .append(
+            &format!("{}s", prefix()),
+            ExpectedVersion::NoStream,
+            vec![event("A", 0)],
+        )
+        .await
+        .unwrap();
+    let client = connect(&pg.settings).await;
+    let update = client
+        .execute("UPDATE events SET event_type = 'B'", &[])
+        .await;
+    assert!(update.unwrap_err().to_string().contains("db error"));
+    let delete = client.execute("DELETE FROM events", &[]).await;
+    assert!(delete.is_err());
+}
+
+#[tokio::test]
+async fn invalid_appends_are_refused_before_anything_is_stored() {
+    let pg = pg_store(true).await;
+    let empty = pg.store.append("s", ExpectedVersion::Any, vec![]).await;
+    assert!(matches!(empty, Err(EventStoreError::InvalidAppend(_))));
+    let reserved = pg
+        .store
+        .append("$all", ExpectedVersion::Any, vec![event("A", 0)])
+        .await;
+    assert!(matches!(reserved, Err(EventStoreError::InvalidAppend(_))));
+    let one = event("A", 0);
+    let twice = pg
+        .store
+        .append("s", ExpectedVersion::Any, vec![one.clone(), one])
+        .await;
+    assert!(matches!(twice, Err(EventStoreError::InvalidAppend(_))));
+}
+
+#[tokio::test]
+async fn an_event_id_reused_in_another_stream_is_refused() {
+    let pg = pg_store(true).await;
+    let prefix = prefix();
+    let shared = event("A", 0);
+    pg.store
+        .append(
+            &format!("{prefix}one"),
+            ExpectedVersion::NoStream,
+            vec![shared.clone()],
+        )
+        .await
+        .unwrap();
+    let reused = pg
+        .store
+        .append(
+            &format!("{prefix}two"),
+            ExpectedVersion::NoStream,
+            vec![shared.clone()],
+        )
+        .await;
+    assert!(
+        matches!(reused, Err(EventStoreError::EventIdReused { event_id }) if event_id == shared.id),
+        "{reused:?}"
+    );
+}
