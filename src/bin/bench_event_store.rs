@@ -65,24 +65,17 @@ async fn run(
 ) -> anyhow::Result<Vec<(String, f64, &'static str)>> {
     let pool = zhihui::postgres::build_pool(&settings.database)?;
     zhihui::postgres::migrate(&pool).await?;
-    let server_version = pool
+    let row = pool
         .get()
         .await?
-        .query_one("SHOW server_version", &[])
-        .await?
-        .get::<_, String>(0);
-    let fsync = pool
-        .get()
-        .await?
-        .query_one("SHOW fsync", &[])
-        .await?
-        .get::<_, String>(0);
-    let synchronous_commit = pool
-        .get()
-        .await?
-        .query_one("SHOW synchronous_commit", &[])
-        .await?
-        .get::<_, String>(0);
+        .query_one(
+            "SELECT current_setting('server_version'), current_setting('fsync'), \
+                    current_setting('synchronous_commit')",
+            &[],
+        )
+        .await?;
+    let (server_version, fsync, synchronous_commit): (String, String, String) =
+        (row.get(0), row.get(1), row.get(2));
     println!(
         "PostgreSQL {server_version}, fsync={fsync}, synchronous_commit={synchronous_commit}, {} s per case",
         seconds

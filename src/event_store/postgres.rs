@@ -592,31 +592,28 @@ async fn commit_batch(pool: &Pool, batch: &[AppendRequest]) -> anyhow::Result<Ve
         .collect();
     let param_refs: Vec<Vec<&(dyn ToSql + Sync)>> =
         params.iter().map(AppendParams::as_refs).collect();
-    let rows = if let [refs] = param_refs.as_slice() {
+    if let [refs] = param_refs.as_slice() {
         // A batch of one is a single statement: its own transaction, without BEGIN/COMMIT trips.
-        vec![
-            client
-                .query_one(&statement, refs)
-                .await
-                .context("appending")?,
-        ]
-    } else {
-        let transaction = client.transaction().await.context("BEGIN")?;
-        // Issued together, tokio-postgres pipelines them: one round trip for the batch.
-        let rows = futures::future::try_join_all(
-            param_refs
-                .iter()
-                .map(|refs| transaction.query_one(&statement, refs)),
-        )
-        .await
-        .context("appending")?;
-        // Interpret before COMMIT: an unknown status aborts the whole batch rather than
-        // committing appends whose callers would be told they failed.
-        let _ = interpret_all(batch, &rows)?;
-        transaction.commit().await.context("COMMIT")?;
-        rows
-    };
-    interpret_all(batch, &rows)
+        let row = client
+            .query_one(&statement, refs)
+            .await
+            .context("appending")?;
+        return interpret_all(batch, &[row]);
+    }
+    let transaction = client.transaction().await.context("BEGIN")?;
+    // Issued together, tokio-postgres pipelines them: one round trip for the batch.
+    let rows = futures::future::try_join_all(
+        param_refs
+            .iter()
+            .map(|refs| transaction.query_one(&statement, refs)),
+    )
+    .await
+    .context("appending")?;
+    // Interpret before COMMIT: an unknown status aborts the whole batch rather than committing
+    // appends whose callers would be told they failed.
+    let results = interpret_all(batch, &rows)?;
+    transaction.commit().await.context("COMMIT")?;
+    Ok(results)
 }
 
 fn interpret_all(batch: &[AppendRequest], rows: &[Row]) -> anyhow::Result<Vec<Interpreted>> {

@@ -34,11 +34,7 @@ impl TestApp {
 pub fn test_settings(database_name: &str) -> Settings {
     let mut settings = Settings::load(None).expect("default settings load");
     let admin_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
-    let mut url = url_with_database(&admin_url, database_name);
-    if url.is_empty() {
-        url = admin_url;
-    }
-    settings.database.url = SecretString::from(url);
+    settings.database.url = SecretString::from(url_with_database(&admin_url, database_name));
     settings.database.pool_max_size = 8;
     settings.redis.url =
         SecretString::from(std::env::var("REDIS_URL").unwrap_or_else(|_| DEFAULT_REDIS_URL.into()));
