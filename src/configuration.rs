@@ -21,7 +21,50 @@ pub struct Settings {
     pub database: DatabaseSettings,
     pub redis: RedisSettings,
     pub event_store: EventStoreSettings,
+    pub auth: AuthSettings,
     pub log: LogSettings,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct AuthSettings {
+    /// `POST /api/v1/auth/register` answers 403 when false (invite-only deployments); admins
+    /// are then created with `zhihui users create`.
+    pub registration_enabled: bool,
+    /// A bearer token dies after this long without use; each use renews it.
+    pub session_idle_ttl_ms: u64,
+    /// A phone login code is valid this long after it is sent.
+    pub code_ttl_ms: u64,
+    /// At most one code per phone per this interval (SMS costs money and annoys people).
+    pub code_send_interval_ms: u64,
+    /// At most this many codes per phone per calendar day.
+    pub code_sends_per_day_max: u32,
+    /// This many wrong codes in a row lock the phone.
+    pub code_failures_max: u32,
+    /// How long such a lock lasts.
+    pub code_lockout_ms: u64,
+    /// Who delivers codes: `log` (development: the code goes to the log).
+    pub code_sender: CodeSenderKind,
+    /// Offset from UTC of the calendar day used by daily limits (480 = UTC+8).
+    pub day_utc_offset_minutes: i32,
+    /// This many wrong passwords in a row lock a username.
+    pub password_failures_max: u32,
+    /// How long such a lock lasts.
+    pub password_lockout_ms: u64,
+    /// A username or phone claim whose user was never recorded (a crash between the two appends)
+    /// is released by the next registration once it is this old; long enough that a registration
+    /// still in flight is never robbed.
+    pub orphan_claim_release_ms: u64,
+    /// argon2id memory cost (KiB). 19456 with 2 iterations is OWASP's recommended minimum.
+    pub argon2_memory_kib: u32,
+    pub argon2_iterations: u32,
+    pub argon2_parallelism: u32,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CodeSenderKind {
+    /// Write the code to the log (development only).
+    Log,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -144,6 +187,18 @@ impl Settings {
         anyhow::ensure!(
             self.event_store.group_commit_writers < self.database.pool_max_size,
             "event_store.group_commit_writers must be below database.pool_max_size, or writers starve every other query"
+        );
+        anyhow::ensure!(
+            self.auth.session_idle_ttl_ms >= 1_000
+                && self.auth.code_ttl_ms >= 1_000
+                && self.auth.code_failures_max >= 1
+                && self.auth.password_failures_max >= 1
+                && self.auth.code_sends_per_day_max >= 1,
+            "auth: ttls must be at least 1000 ms and every *_max at least 1"
+        );
+        anyhow::ensure!(
+            self.auth.day_utc_offset_minutes.abs() <= 14 * 60,
+            "auth.day_utc_offset_minutes must be within -840..=840"
         );
         anyhow::ensure!(
             !self.redis.key_prefix.is_empty(),

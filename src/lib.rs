@@ -1,10 +1,15 @@
 //! zhihui: the backend of an AI text-to-image cloud platform. See `ARCHITECTURE.md` for the map.
 
+pub mod auth;
 pub mod cli;
+pub mod clock;
+pub mod command;
 pub mod configuration;
 pub mod event_store;
 pub mod http;
+pub mod lua;
 pub mod postgres;
 pub mod redis_store;
 pub mod startup;
 pub mod telemetry;
+pub mod users;

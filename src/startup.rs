@@ -2,22 +2,89 @@
 //! server; `main` only parses the command line and calls it. Port 0 binds a free port (tests).
 
 use std::net::TcpListener;
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::{App, HttpServer, dev::Server, web};
 use anyhow::Context;
 use deadpool_postgres::Pool;
 
-use crate::configuration::Settings;
+use crate::auth::PasswordGuard;
+use crate::auth::password::Passwords;
+use crate::auth::phone_codes::{CodeSender, LogCodeSender, PhoneCodes};
+use crate::auth::sessions::Sessions;
+use crate::clock::Clock;
+use crate::command::RetryPolicy;
+use crate::configuration::{AuthSettings, CodeSenderKind, Settings};
 use crate::event_store::AnyEventStore;
 use crate::redis_store::RedisStore;
+use crate::users::Users;
 
-/// What every request handler may use.
+/// What every request handler (and every CLI command) may use: the services, built once.
 #[derive(Debug, Clone)]
 pub struct AppState {
     pub pg_pool: Pool,
     pub redis: RedisStore,
     pub event_store: AnyEventStore,
+    pub clock: Clock,
+    pub users: Users,
+    pub passwords: Passwords,
+    pub password_guard: PasswordGuard,
+    pub sessions: Sessions,
+    pub phone_codes: PhoneCodes,
+    pub auth_settings: AuthSettings,
+}
+
+/// What tests (and only tests) replace: the clock and the code sender.
+#[derive(Debug, Clone, Default)]
+pub struct Overrides {
+    pub clock: Clock,
+    pub code_sender: Option<Arc<dyn CodeSender>>,
+}
+
+impl AppState {
+    /// Build every service from the settings. Connects lazily: nothing here needs the network.
+    pub fn build(
+        settings: &Settings,
+        pg_pool: Pool,
+        overrides: Overrides,
+    ) -> anyhow::Result<AppState> {
+        let redis = RedisStore::new(&settings.redis)?;
+        let event_store = crate::event_store::from_settings(settings, pg_pool.clone())?;
+        let clock = overrides.clock;
+        let auth = &settings.auth;
+        let code_sender = overrides
+            .code_sender
+            .unwrap_or_else(|| match auth.code_sender {
+                CodeSenderKind::Log => Arc::new(LogCodeSender),
+            });
+        Ok(AppState {
+            users: Users::new(
+                event_store.clone(),
+                clock.clone(),
+                RetryPolicy::default(),
+                Duration::from_millis(auth.orphan_claim_release_ms),
+            ),
+            passwords: Passwords::new(auth)?,
+            password_guard: PasswordGuard::new(
+                redis.clone(),
+                clock.clone(),
+                auth.password_failures_max,
+                Duration::from_millis(auth.password_lockout_ms),
+            ),
+            sessions: Sessions::new(
+                redis.clone(),
+                clock.clone(),
+                Duration::from_millis(auth.session_idle_ttl_ms),
+            ),
+            phone_codes: PhoneCodes::new(redis.clone(), clock.clone(), code_sender, auth),
+            auth_settings: auth.clone(),
+            pg_pool,
+            redis,
+            event_store,
+            clock,
+        })
+    }
 }
 
 pub struct Application {
@@ -37,18 +104,20 @@ impl Application {
     /// Build everything and bind the listener; serving starts with [`Self::run_until_stopped`].
     /// Runs pending migrations first when `database.migrate_on_start` is set.
     pub async fn build(settings: &Settings) -> anyhow::Result<Application> {
+        Self::build_with(settings, Overrides::default()).await
+    }
+
+    /// [`Self::build`] with a test's clock or code sender.
+    pub async fn build_with(
+        settings: &Settings,
+        overrides: Overrides,
+    ) -> anyhow::Result<Application> {
         let pg_pool = crate::postgres::build_pool(&settings.database)?;
         if settings.database.migrate_on_start {
             let report = crate::postgres::migrate(&pg_pool).await?;
             tracing::info!(applied = ?report.applied, "migrations up to date");
         }
-        let redis = RedisStore::new(&settings.redis)?;
-        let event_store = crate::event_store::from_settings(settings, pg_pool.clone())?;
-        let state = web::Data::new(AppState {
-            pg_pool,
-            redis,
-            event_store,
-        });
+        let state = web::Data::new(AppState::build(settings, pg_pool, overrides)?);
 
         let address = format!("{}:{}", settings.http.host, settings.http.port);
         let listener =

@@ -7,6 +7,10 @@
 //!
 //! The crate depends on no IO crate; `ARCHITECTURE.md` lists that as an invariant.
 
+pub mod claim;
 pub mod decider;
+pub mod event;
+pub mod user;
 
 pub use decider::Decider;
+pub use event::{DecodeError, DomainEvent};

@@ -1,16 +1,95 @@
 //! The HTTP edge: routes, JSON DTOs and the mapping of errors to problem+json. Only this module
 //! knows JSON shapes; the domain and the stores never see an HTTP type.
 
+mod auth;
+pub mod extract;
 mod health;
+mod openapi;
 pub mod problem;
+mod users;
 
-use actix_web::web;
+use actix_web::{HttpRequest, web};
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
 
+pub use openapi::ApiDoc;
 pub use problem::ApiError;
 
-/// Mount every route. Later issues add `/api/v1/...` scopes here.
+use crate::clock::Clock;
+use crate::event_store::EventMetadata;
+
+/// Largest JSON body accepted. Requests here are small forms; a bigger body is a mistake or abuse.
+pub const JSON_BODY_BYTES_MAX: usize = 64 * 1024;
+
+/// Header a client may set to tie its request to events and logs (a UUID); one is made otherwise.
+pub const CORRELATION_ID_HEADER: &str = "x-correlation-id";
+
+/// Mount every route.
 pub fn routes(config: &mut web::ServiceConfig) {
     config
+        .app_data(json_config())
+        .app_data(path_config())
         .route("/health", web::get().to(health::health))
-        .route("/ready", web::get().to(health::ready));
+        .route("/ready", web::get().to(health::ready))
+        .route("/api/openapi.json", web::get().to(openapi::document))
+        .service(
+            web::scope("/api/v1")
+                .route("/auth/register", web::post().to(auth::register))
+                .route("/auth/login", web::post().to(auth::login))
+                .route("/auth/code", web::post().to(auth::send_code))
+                .route("/auth/logout", web::post().to(auth::logout))
+                .route("/me", web::get().to(users::me))
+                .route("/me/password", web::put().to(users::change_password))
+                .route("/me/phone", web::post().to(users::bind_phone))
+                .route("/users/{id}", web::get().to(users::user))
+                .route("/admin/users/{id}", web::get().to(users::admin_user))
+                .route("/admin/users/{id}/role", web::put().to(users::change_role)),
+        );
+}
+
+/// Malformed JSON answers a problem+json naming what was wrong, not actix's plain-text 400.
+fn json_config() -> web::JsonConfig {
+    web::JsonConfig::default()
+        .limit(JSON_BODY_BYTES_MAX)
+        .error_handler(|error, _request| {
+            let (field, message) = match &error {
+                actix_web::error::JsonPayloadError::Deserialize(inner) => {
+                    // serde names the missing or mistyped field in its message.
+                    ("body".to_owned(), inner.to_string())
+                }
+                actix_web::error::JsonPayloadError::ContentType => (
+                    "content-type".to_owned(),
+                    "must be application/json".to_owned(),
+                ),
+                other => ("body".to_owned(), other.to_string()),
+            };
+            ApiError::Validation { field, message }.into()
+        })
+}
+
+fn path_config() -> web::PathConfig {
+    web::PathConfig::default()
+        .error_handler(|_error, _request| ApiError::NotFound("no such resource".into()).into())
+}
+
+/// Metadata for the events a request causes: its correlation id (from the header when it is a
+/// UUID, else fresh) and who acted.
+pub fn event_metadata(request: &HttpRequest, actor: String) -> EventMetadata {
+    let correlation_id = request
+        .headers()
+        .get(CORRELATION_ID_HEADER)
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| Uuid::parse_str(value).ok())
+        .unwrap_or_else(Uuid::now_v7);
+    EventMetadata {
+        correlation_id,
+        causation_id: None,
+        actor,
+    }
+}
+
+/// Whole seconds until `at` by the application clock, at least 1 (for `Retry-After`).
+pub fn retry_after(clock: &Clock, at: DateTime<Utc>) -> u64 {
+    let millis = (at - clock.now()).num_milliseconds().max(0);
+    u64::try_from(millis).unwrap_or(0).div_ceil(1000).max(1)
 }

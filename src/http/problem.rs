@@ -5,24 +5,74 @@
 //! whether we failed (`Unexpected`, whose cause chain is logged but never sent).
 
 use actix_web::{HttpResponse, ResponseError, http::StatusCode};
+use chrono::{DateTime, Utc};
 use serde::Serialize;
 
+/// Every error an endpoint answers with. Variants with a `rule` name the rule that refused the
+/// request; it becomes the problem type (`/problems/<rule>`) so clients can branch on it.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
     #[error("{field}: {message}")]
     Validation { field: String, message: String },
+    /// No valid credentials: a missing, unknown, expired or revoked token, or a failed login.
+    #[error("{detail}")]
+    Unauthorized { rule: &'static str, detail: String },
+    /// Known caller, not allowed (e.g. a user on an admin endpoint). Never used to hide
+    /// another user's resources: those are `NotFound`.
+    #[error("{detail}")]
+    Forbidden { rule: &'static str, detail: String },
     #[error("{0}")]
     NotFound(String),
-    #[error("{0}")]
-    Conflict(String),
+    #[error("{detail}")]
+    Conflict { rule: &'static str, detail: String },
+    /// A limit or lock: try again at `retry_at`.
+    #[error("{detail}")]
+    TooManyRequests {
+        rule: &'static str,
+        detail: String,
+        retry_at: DateTime<Utc>,
+        retry_after_s: u64,
+    },
     #[error("not ready: {} unavailable", .dependencies.join(", "))]
     Unavailable { dependencies: Vec<String> },
     #[error(transparent)]
-    Unexpected(#[from] anyhow::Error),
+    Unexpected(anyhow::Error),
+}
+
+/// Failures of a dependency become 503 naming it (the client may retry later); everything else is
+/// our bug (500).
+impl From<anyhow::Error> for ApiError {
+    fn from(error: anyhow::Error) -> ApiError {
+        let redis_down = error.chain().any(|cause| {
+            cause
+                .downcast_ref::<redis::RedisError>()
+                .is_some_and(|redis_error| {
+                    redis_error.is_io_error()
+                        || redis_error.is_timeout()
+                        || redis_error.is_connection_dropped()
+                        || redis_error.is_connection_refusal()
+                })
+        });
+        let event_store_down = error.chain().any(|cause| {
+            matches!(
+                cause.downcast_ref::<crate::event_store::EventStoreError>(),
+                Some(crate::event_store::EventStoreError::Unavailable(_))
+            )
+        });
+        let dependency = match (redis_down, event_store_down) {
+            (true, _) => "redis",
+            (false, true) => "event-store",
+            (false, false) => return ApiError::Unexpected(error),
+        };
+        tracing::warn!(error = %crate::telemetry::error_chain(&error), dependency, "dependency unavailable");
+        ApiError::Unavailable {
+            dependencies: vec![dependency.to_owned()],
+        }
+    }
 }
 
 /// The problem+json body.
-#[derive(Debug, Serialize)]
+#[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct Problem {
     /// A stable identifier of the rule that failed, e.g. `/problems/validation`.
     #[serde(rename = "type")]
@@ -36,6 +86,9 @@ pub struct Problem {
     /// For 503: the dependencies that failed their check.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dependencies: Option<Vec<String>>,
+    /// For 429: when the limit or lock ends.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_at: Option<DateTime<Utc>>,
 }
 
 impl ApiError {
@@ -43,8 +96,11 @@ impl ApiError {
         let status = self.status_code().as_u16();
         let (problem_type, title) = match self {
             ApiError::Validation { .. } => ("validation", "Invalid request"),
+            ApiError::Unauthorized { rule, .. } => (*rule, "Not authenticated"),
+            ApiError::Forbidden { rule, .. } => (*rule, "Forbidden"),
             ApiError::NotFound(_) => ("not-found", "Not found"),
-            ApiError::Conflict(_) => ("conflict", "Conflict"),
+            ApiError::Conflict { rule, .. } => (*rule, "Conflict"),
+            ApiError::TooManyRequests { rule, .. } => (*rule, "Too many requests"),
             ApiError::Unavailable { .. } => ("unavailable", "Dependency unavailable"),
             ApiError::Unexpected(_) => ("internal", "Internal error"),
         };
@@ -66,6 +122,10 @@ impl ApiError {
                 ApiError::Unavailable { dependencies } => Some(dependencies.clone()),
                 _ => None,
             },
+            retry_at: match self {
+                ApiError::TooManyRequests { retry_at, .. } => Some(*retry_at),
+                _ => None,
+            },
         }
     }
 }
@@ -74,8 +134,11 @@ impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
         match self {
             ApiError::Validation { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden { .. } => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
-            ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::Conflict { .. } => StatusCode::CONFLICT,
+            ApiError::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Unexpected(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -85,8 +148,24 @@ impl ResponseError for ApiError {
         if let ApiError::Unexpected(error) = self {
             tracing::error!(error = %crate::telemetry::error_chain(error), "request failed");
         }
-        HttpResponse::build(self.status_code())
-            .content_type("application/problem+json")
-            .json(self.problem())
+        let mut response = HttpResponse::build(self.status_code());
+        response.content_type("application/problem+json");
+        match self {
+            // RFC 6750: a 401 names the scheme the client should use.
+            ApiError::Unauthorized { rule, .. } => {
+                response.insert_header((
+                    actix_web::http::header::WWW_AUTHENTICATE,
+                    format!("Bearer error=\"{rule}\""),
+                ));
+            }
+            ApiError::TooManyRequests { retry_after_s, .. } => {
+                response.insert_header((
+                    actix_web::http::header::RETRY_AFTER,
+                    retry_after_s.to_string(),
+                ));
+            }
+            _ => {}
+        }
+        response.json(self.problem())
     }
 }

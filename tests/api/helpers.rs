@@ -6,18 +6,74 @@
 
 #![allow(clippy::unwrap_used)]
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use futures::future::BoxFuture;
 use secrecy::{ExposeSecret, SecretString};
+use serde_json::{Value, json};
+use zhihui::auth::phone_codes::CodeSender;
+use zhihui::clock::{Clock, ManualClock};
 use zhihui::configuration::Settings;
-use zhihui::startup::Application;
+use zhihui::startup::{Application, Overrides};
+use zhihui_domain::user::PhoneNumber;
 
 pub const DEFAULT_DATABASE_URL: &str = "postgres://zhihui@127.0.0.1:55432/zhihui";
 pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:56379/0";
+
+/// Where every test app's clock starts: 09:00 in UTC+8 (the default day offset), so a test
+/// that needs "the same day" has fifteen hours of it.
+pub fn test_epoch() -> chrono::DateTime<chrono::Utc> {
+    chrono::DateTime::parse_from_rfc3339("2027-01-15T01:00:00Z")
+        .unwrap()
+        .into()
+}
+
+/// The code sender of tests: remembers every code it was asked to send.
+#[derive(Debug, Default)]
+pub struct CapturedCodes {
+    codes: Mutex<HashMap<String, Vec<String>>>,
+}
+
+impl CapturedCodes {
+    /// The last code sent to `phone` (normalised form, e.g. `+8613800138000`).
+    pub fn last(&self, phone: &str) -> Option<String> {
+        self.codes
+            .lock()
+            .unwrap()
+            .get(phone)
+            .and_then(|codes| codes.last().cloned())
+    }
+
+    pub fn count(&self, phone: &str) -> usize {
+        self.codes.lock().unwrap().get(phone).map_or(0, Vec::len)
+    }
+}
+
+impl CodeSender for CapturedCodes {
+    fn send<'a>(
+        &'a self,
+        phone: &'a PhoneNumber,
+        code: &'a str,
+    ) -> BoxFuture<'a, anyhow::Result<()>> {
+        self.codes
+            .lock()
+            .unwrap()
+            .entry(phone.to_string())
+            .or_default()
+            .push(code.to_owned());
+        Box::pin(async { Ok(()) })
+    }
+}
 
 #[derive(Debug)]
 pub struct TestApp {
     pub address: String,
     pub settings: Settings,
     pub http: reqwest::Client,
+    /// The app's clock: tests move time with `clock.advance(..)` instead of sleeping.
+    pub clock: ManualClock,
+    pub codes: Arc<CapturedCodes>,
 }
 
 impl TestApp {
@@ -27,6 +83,96 @@ impl TestApp {
             .send()
             .await
             .expect("request reaches the app")
+    }
+
+    /// GET with a bearer token.
+    pub async fn get_as(&self, token: &str, path: &str) -> reqwest::Response {
+        self.http
+            .get(format!("{}{path}", self.address))
+            .bearer_auth(token)
+            .send()
+            .await
+            .expect("request reaches the app")
+    }
+
+    /// POST a JSON body, with a bearer token when given.
+    pub async fn post(&self, path: &str, token: Option<&str>, body: &Value) -> reqwest::Response {
+        self.send(reqwest::Method::POST, path, token, body).await
+    }
+
+    pub async fn put(&self, path: &str, token: Option<&str>, body: &Value) -> reqwest::Response {
+        self.send(reqwest::Method::PUT, path, token, body).await
+    }
+
+    async fn send(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        token: Option<&str>,
+        body: &Value,
+    ) -> reqwest::Response {
+        let mut request = self
+            .http
+            .request(method, format!("{}{path}", self.address))
+            .json(body);
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        request.send().await.expect("request reaches the app")
+    }
+
+    /// Register a user over HTTP and return its id.
+    pub async fn register(&self, username: &str, password: &str) -> String {
+        let response = self
+            .post(
+                "/api/v1/auth/register",
+                None,
+                &json!({"username": username, "password": password}),
+            )
+            .await;
+        assert_eq!(response.status(), 201, "registering {username}");
+        let body: Value = response.json().await.unwrap();
+        body["id"].as_str().unwrap().to_owned()
+    }
+
+    /// Log in with a password and return the token.
+    pub async fn login(&self, username: &str, password: &str) -> String {
+        let response = self
+            .post(
+                "/api/v1/auth/login",
+                None,
+                &json!({"username": username, "password": password}),
+            )
+            .await;
+        assert_eq!(response.status(), 200, "logging in {username}");
+        let body: Value = response.json().await.unwrap();
+        body["token"].as_str().unwrap().to_owned()
+    }
+
+    /// Create an admin through the users service (as `zhihui users create --admin` does) and
+    /// return its token.
+    pub async fn admin_token(&self, username: &str) -> String {
+        let pool = zhihui::postgres::build_pool(&self.settings.database).unwrap();
+        let state =
+            zhihui::startup::AppState::build(&self.settings, pool, Overrides::default()).unwrap();
+        let metadata = zhihui::event_store::EventMetadata {
+            correlation_id: uuid::Uuid::now_v7(),
+            causation_id: None,
+            actor: "test:admin".into(),
+        };
+        let password = zhihui::auth::password::PlainPassword::parse("admin password").unwrap();
+        state
+            .users
+            .register_with_password(
+                zhihui_domain::user::Username::parse(username).unwrap(),
+                &password,
+                &state.passwords,
+                zhihui_domain::user::Role::Admin,
+                &metadata,
+            )
+            .await
+            .unwrap();
+        self.login(username, "admin password").await
     }
 }
 
@@ -87,7 +233,13 @@ pub async fn spawn_app_with(customise: impl FnOnce(&mut Settings)) -> TestApp {
     let database_name = create_database().await;
     let mut settings = test_settings(&database_name);
     customise(&mut settings);
-    let application = Application::build(&settings)
+    let clock = ManualClock::starting_at(test_epoch());
+    let codes = Arc::new(CapturedCodes::default());
+    let overrides = Overrides {
+        clock: Clock::Manual(clock.clone()),
+        code_sender: Some(codes.clone()),
+    };
+    let application = Application::build_with(&settings, overrides)
         .await
         .expect("application builds");
     let port = application.port();
@@ -96,6 +248,8 @@ pub async fn spawn_app_with(customise: impl FnOnce(&mut Settings)) -> TestApp {
         address: format!("http://127.0.0.1:{port}"),
         settings,
         http: reqwest::Client::new(),
+        clock,
+        codes,
     }
 }
 

@@ -1,0 +1,179 @@
+//! Bearer-token sessions in Redis with a sliding expiry.
+//!
+//! A token is the user's id (16 bytes) followed by 32 random bytes, base64url-encoded. The id part
+//! only tells which user's session set to touch, in the same round trip; the random part is what
+//! makes it unguessable, and Redis stores only the token's SHA-256 digest, so a copy of the Redis
+//! data does not hand out sessions. A forged token naming someone else's id matches no digest. Each use slides the expiry to `now + idle ttl`; an
+//! expired session is deleted on its next use. The expiry is checked against the application clock
+//! (see `crate::clock`); the Redis TTL set alongside is a longer safety net that reclaims memory.
+//!
+//! Each user's session keys are also kept in a set, so that a password or role change can revoke
+//! all of them at once.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use base64::Engine as _;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use chrono::{DateTime, Utc};
+use rand::RngCore;
+use sha2::{Digest, Sha256};
+use uuid::Uuid;
+use zhihui_domain::user::{Role, UserId};
+
+use crate::clock::Clock;
+use crate::redis_store::RedisStore;
+
+/// Random bytes in a token: 256 bits, far beyond guessing.
+pub const TOKEN_BYTES: usize = 32;
+/// How much longer than the logical expiry Redis keeps a session key (clock skew between the
+/// application and Redis, and a margin so the logical check always runs first).
+pub const SESSION_SAFETY_SLACK_MS: u64 = 10 * 60 * 1000;
+
+/// Who is calling, as a valid token says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Session {
+    pub user_id: UserId,
+    pub role: Role,
+    pub expires_at: DateTime<Utc>,
+    /// Digest of the token, the handle to revoke exactly this session.
+    pub token_digest: String,
+}
+
+#[derive(Debug, Clone)]
+pub struct Sessions {
+    redis: RedisStore,
+    clock: Clock,
+    idle_ttl: Duration,
+}
+
+impl Sessions {
+    pub fn new(redis: RedisStore, clock: Clock, idle_ttl: Duration) -> Sessions {
+        Sessions {
+            redis,
+            clock,
+            idle_ttl,
+        }
+    }
+
+    pub fn idle_ttl(&self) -> Duration {
+        self.idle_ttl
+    }
+
+    fn session_key(&self, token_digest: &str) -> String {
+        self.redis.key(&format!("session:{token_digest}"))
+    }
+
+    fn user_sessions_key(&self, user_id: UserId) -> String {
+        self.redis.key(&format!("user-sessions:{user_id}"))
+    }
+
+    fn idle_ttl_ms(&self) -> u64 {
+        u64::try_from(self.idle_ttl.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Open a session and return its token (shown to the client once, never stored).
+    pub async fn create(
+        &self,
+        user_id: UserId,
+        role: Role,
+    ) -> anyhow::Result<(String, DateTime<Utc>)> {
+        let mut bytes = [0u8; 16 + TOKEN_BYTES];
+        bytes[..16].copy_from_slice(user_id.as_uuid().as_bytes());
+        rand::rng().fill_bytes(&mut bytes[16..]);
+        let token = URL_SAFE_NO_PAD.encode(bytes);
+        let digest = token_digest(&token);
+        let mut connection = self.redis.connection().await?;
+        let expires_at_ms: i64 = crate::lua::SESSION_CREATE
+            .key(self.session_key(&digest))
+            .key(self.user_sessions_key(user_id))
+            .arg(user_id.to_string())
+            .arg(role.as_str())
+            .arg(self.clock.now_ms())
+            .arg(self.idle_ttl_ms())
+            .arg(self.idle_ttl_ms() + SESSION_SAFETY_SLACK_MS)
+            .invoke_async(&mut connection)
+            .await
+            .context("creating a session in Redis")?;
+        Ok((token, from_ms(expires_at_ms)))
+    }
+
+    /// The session of `token` if it is valid now; using it slides its expiry.
+    pub async fn touch(&self, token: &str) -> anyhow::Result<Option<Session>> {
+        // A token we never issued cannot be valid; skip Redis for obvious garbage.
+        let Some(user_id) = token_user_id(token) else {
+            return Ok(None);
+        };
+        let digest = token_digest(token);
+        let mut connection = self.redis.connection().await?;
+        let touched: Option<(String, String, i64)> = crate::lua::SESSION_TOUCH
+            .key(self.session_key(&digest))
+            .key(self.user_sessions_key(user_id))
+            .arg(self.clock.now_ms())
+            .arg(self.idle_ttl_ms())
+            .arg(self.idle_ttl_ms() + SESSION_SAFETY_SLACK_MS)
+            .invoke_async(&mut connection)
+            .await
+            .context("touching a session")?;
+        let Some((stored_user_id, role, expires_at_ms)) = touched else {
+            return Ok(None);
+        };
+        if stored_user_id != user_id.to_string() {
+            // Only a token forged from a real digest's owner could get here: treat as unknown.
+            return Ok(None);
+        }
+        let role = match role.as_str() {
+            "admin" => Role::Admin,
+            "user" => Role::User,
+            other => anyhow::bail!("session {digest} has an unknown role {other:?}"),
+        };
+        Ok(Some(Session {
+            user_id,
+            role,
+            expires_at: from_ms(expires_at_ms),
+            token_digest: digest,
+        }))
+    }
+
+    /// Revoke one session (logout). True when it existed.
+    pub async fn revoke(&self, session: &Session) -> anyhow::Result<bool> {
+        let mut connection = self.redis.connection().await?;
+        let removed: i64 = crate::lua::SESSION_REVOKE
+            .key(self.session_key(&session.token_digest))
+            .key(self.user_sessions_key(session.user_id))
+            .invoke_async(&mut connection)
+            .await
+            .context("revoking a session")?;
+        Ok(removed == 1)
+    }
+
+    /// Revoke every session of a user; returns how many there were.
+    pub async fn revoke_all(&self, user_id: UserId) -> anyhow::Result<u64> {
+        let mut connection = self.redis.connection().await?;
+        let revoked: u64 = crate::lua::SESSIONS_REVOKE_USER
+            .key(self.user_sessions_key(user_id))
+            .invoke_async(&mut connection)
+            .await
+            .context("revoking a user's sessions")?;
+        Ok(revoked)
+    }
+}
+
+/// The user id a well-formed token names (not yet verified: only Redis can say it is valid).
+fn token_user_id(token: &str) -> Option<UserId> {
+    let bytes = URL_SAFE_NO_PAD.decode(token).ok()?;
+    if bytes.len() != 16 + TOKEN_BYTES {
+        return None;
+    }
+    let id = Uuid::from_slice(&bytes[..16]).ok()?;
+    Some(UserId::from_uuid(id))
+}
+
+/// SHA-256 of the token, base64url: the only form in which Redis sees a token.
+fn token_digest(token: &str) -> String {
+    URL_SAFE_NO_PAD.encode(Sha256::digest(token.as_bytes()))
+}
+
+fn from_ms(unix_ms: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_millis(unix_ms).unwrap_or_default()
+}

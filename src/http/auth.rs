@@ -1,0 +1,317 @@
+//! `/api/v1/auth/*`: register, log in (password or phone code), ask for a code, log out.
+
+use actix_web::{HttpRequest, HttpResponse, web};
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use zhihui_domain::claim::Identifier;
+use zhihui_domain::user::{PhoneNumber, RegisteredUser, Role, Username};
+
+use crate::auth::GuardState;
+use crate::auth::password::PlainPassword;
+use crate::auth::phone_codes::{SendOutcome, VerifyOutcome};
+use crate::http::extract::Authenticated;
+use crate::http::users::{UserView, register_error};
+use crate::http::{ApiError, event_metadata, retry_after};
+use crate::startup::AppState;
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+pub struct RegisterRequest {
+    /// 3 to 32 letters, digits, `_`, `-`, `.`; starts with a letter; case-insensitive.
+    pub username: String,
+    /// 8 to 128 characters.
+    pub password: String,
+}
+
+/// Either `username` + `password`, or `phone` + `code` (from `POST /api/v1/auth/code`).
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+pub struct LoginRequest {
+    pub username: Option<String>,
+    pub password: Option<String>,
+    /// E.164 (`+8613800138000`), or an 11-digit mainland mobile number.
+    pub phone: Option<String>,
+    pub code: Option<String>,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct LoginResponse {
+    /// Send as `Authorization: Bearer <token>`. Shown once; zhihui keeps only its digest.
+    pub token: String,
+    pub token_type: &'static str,
+    /// The token dies this long after its last use; every use renews it.
+    pub idle_timeout_s: u64,
+    pub expires_at: DateTime<Utc>,
+    pub user: UserView,
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+pub struct CodeRequest {
+    pub phone: String,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct CodeSent {
+    /// The code is valid until then.
+    pub expires_at: DateTime<Utc>,
+    /// No new code for this phone before then.
+    pub next_send_at: DateTime<Utc>,
+}
+
+pub(crate) fn parse_username(raw: &str) -> Result<Username, ApiError> {
+    Username::parse(raw).map_err(|error| ApiError::Validation {
+        field: "username".into(),
+        message: error.to_string(),
+    })
+}
+
+pub(crate) fn parse_phone(raw: &str) -> Result<PhoneNumber, ApiError> {
+    PhoneNumber::parse(raw).map_err(|error| ApiError::Validation {
+        field: "phone".into(),
+        message: error.to_string(),
+    })
+}
+
+pub(crate) fn parse_password(field: &str, raw: &str) -> Result<PlainPassword, ApiError> {
+    PlainPassword::parse(raw).map_err(|message| ApiError::Validation {
+        field: field.into(),
+        message,
+    })
+}
+
+/// Register with a username and a password. Answers the new user; log in to get a token.
+#[utoipa::path(
+    post, path = "/api/v1/auth/register", tag = "auth",
+    request_body = RegisterRequest,
+    responses(
+        (status = 201, description = "registered", body = UserView),
+        (status = 403, description = "registration is switched off (`registration-closed`)", body = crate::http::problem::Problem),
+        (status = 409, description = "the username is taken (`username-taken`)", body = crate::http::problem::Problem),
+        (status = 422, description = "a field breaks its rule (`validation`, names the field)", body = crate::http::problem::Problem),
+    )
+)]
+pub async fn register(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    body: web::Json<RegisterRequest>,
+) -> Result<HttpResponse, ApiError> {
+    if !state.auth_settings.registration_enabled {
+        return Err(ApiError::Forbidden {
+            rule: "registration-closed",
+            detail: "registration is switched off on this server; ask an admin for an account"
+                .into(),
+        });
+    }
+    let username = parse_username(&body.username)?;
+    let password = parse_password("password", &body.password)?;
+    let metadata = event_metadata(&request, "anonymous:registration".into());
+    let user = state
+        .users
+        .register_with_password(username, &password, &state.passwords, Role::User, &metadata)
+        .await
+        .map_err(register_error)?;
+    Ok(HttpResponse::Created().json(UserView::from(&user)))
+}
+
+/// Log in with `username` + `password`, or with `phone` + `code`. A first code login of a phone
+/// creates its user.
+#[utoipa::path(
+    post, path = "/api/v1/auth/login", tag = "auth",
+    request_body = LoginRequest,
+    responses(
+        (status = 200, description = "a fresh bearer token", body = LoginResponse),
+        (status = 401, description = "`wrong-credentials`, `wrong-code` or `code-expired`", body = crate::http::problem::Problem),
+        (status = 422, description = "a field breaks its rule", body = crate::http::problem::Problem),
+        (status = 429, description = "`username-locked` or `phone-locked` until `retry_at`", body = crate::http::problem::Problem),
+    )
+)]
+pub async fn login(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    body: web::Json<LoginRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let body = body.into_inner();
+    let user = match (body.username, body.password, body.phone, body.code) {
+        (Some(username), Some(password), None, None) => {
+            password_login(&state, &username, &password).await?
+        }
+        (None, None, Some(phone), Some(code)) => {
+            let metadata = event_metadata(&request, "anonymous:phone-login".into());
+            code_login(&state, &phone, &code, &metadata).await?
+        }
+        (Some(_), None, None, None) => return Err(missing("password", "username")),
+        (None, Some(_), None, None) => return Err(missing("username", "password")),
+        (None, None, Some(_), None) => return Err(missing("code", "phone")),
+        (None, None, None, Some(_)) => return Err(missing("phone", "code")),
+        (None, None, None, None) => {
+            return Err(ApiError::Validation {
+                field: "username".into(),
+                message: "give username and password, or phone and code".into(),
+            });
+        }
+        _ => {
+            return Err(ApiError::Validation {
+                field: "phone".into(),
+                message: "give username and password, or phone and code, not both".into(),
+            });
+        }
+    };
+    let (token, expires_at) = state.sessions.create(user.user_id, user.role).await?;
+    Ok(HttpResponse::Ok().json(LoginResponse {
+        token,
+        token_type: "Bearer",
+        idle_timeout_s: state.sessions.idle_ttl().as_secs(),
+        expires_at,
+        user: UserView::from(&user),
+    }))
+}
+
+fn missing(field: &str, with: &str) -> ApiError {
+    ApiError::Validation {
+        field: field.into(),
+        message: format!("is required with {with}"),
+    }
+}
+
+fn wrong_credentials() -> ApiError {
+    ApiError::Unauthorized {
+        rule: "wrong-credentials",
+        detail: "wrong username or password".into(),
+    }
+}
+
+fn locked(state: &AppState, rule: &'static str, what: &str, until: DateTime<Utc>) -> ApiError {
+    ApiError::TooManyRequests {
+        rule,
+        detail: format!("{what} is locked after too many wrong attempts, until {until}"),
+        retry_at: until,
+        retry_after_s: retry_after(&state.clock, until),
+    }
+}
+
+async fn password_login(
+    state: &AppState,
+    username: &str,
+    password: &str,
+) -> Result<RegisteredUser, ApiError> {
+    // A name that cannot exist cannot log in; answering like any wrong password keeps the
+    // username rules from becoming an oracle.
+    let Ok(username) = Username::parse(username) else {
+        return Err(wrong_credentials());
+    };
+    if let GuardState::Locked { until } = state.password_guard.check(&username).await? {
+        return Err(locked(state, "username-locked", "this username", until));
+    }
+    let user = state
+        .users
+        .find(&Identifier::Username(username.clone()))
+        .await?;
+    let hash = user.as_ref().and_then(|user| user.password_hash.as_ref());
+    if state.passwords.verify(password, hash).await? {
+        state.password_guard.reset(&username).await?;
+        // `verify` is false without a hash, and a hash only exists on a found user.
+        return user.ok_or_else(wrong_credentials);
+    }
+    match state.password_guard.record_failure(&username).await? {
+        GuardState::Locked { until } => {
+            Err(locked(state, "username-locked", "this username", until))
+        }
+        GuardState::Open => Err(wrong_credentials()),
+    }
+}
+
+async fn code_login(
+    state: &AppState,
+    phone: &str,
+    code: &str,
+    metadata: &crate::event_store::EventMetadata,
+) -> Result<RegisteredUser, ApiError> {
+    let phone = parse_phone(phone)?;
+    verify_code(state, &phone, code).await?;
+    state
+        .users
+        .find_or_register_by_phone(&phone, metadata)
+        .await
+        .map_err(register_error)
+}
+
+/// Use up the code of `phone`, or answer why not (wrong, expired, locked).
+pub(crate) async fn verify_code(
+    state: &AppState,
+    phone: &PhoneNumber,
+    code: &str,
+) -> Result<(), ApiError> {
+    match state.phone_codes.verify(phone, code).await? {
+        VerifyOutcome::Accepted => Ok(()),
+        VerifyOutcome::Wrong { attempts_left } => Err(ApiError::Unauthorized {
+            rule: "wrong-code",
+            detail: format!("wrong code; {attempts_left} more wrong code(s) lock this phone"),
+        }),
+        VerifyOutcome::Expired => Err(ApiError::Unauthorized {
+            rule: "code-expired",
+            detail: "no valid code for this phone: it expired, was used, or was never sent; ask \
+                     for a new one"
+                .into(),
+        }),
+        VerifyOutcome::Locked { until } => Err(locked(state, "phone-locked", "this phone", until)),
+    }
+}
+
+/// Send a one-time login code to a phone.
+#[utoipa::path(
+    post, path = "/api/v1/auth/code", tag = "auth",
+    request_body = CodeRequest,
+    responses(
+        (status = 202, description = "a code is on its way", body = CodeSent),
+        (status = 422, description = "the phone number breaks its rule", body = crate::http::problem::Problem),
+        (status = 429, description = "`too-many-sends` (one per interval), `daily-send-limit`, or `phone-locked`, until `retry_at`", body = crate::http::problem::Problem),
+    )
+)]
+pub async fn send_code(
+    state: web::Data<AppState>,
+    body: web::Json<CodeRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let phone = parse_phone(&body.phone)?;
+    match state.phone_codes.send(&phone).await? {
+        SendOutcome::Sent {
+            expires_at,
+            next_send_at,
+        } => Ok(HttpResponse::Accepted().json(CodeSent {
+            expires_at,
+            next_send_at,
+        })),
+        SendOutcome::TooSoon { retry_at } => Err(ApiError::TooManyRequests {
+            rule: "too-many-sends",
+            detail: format!(
+                "a code was sent to this phone moments ago; the next one at {retry_at}"
+            ),
+            retry_at,
+            retry_after_s: retry_after(&state.clock, retry_at),
+        }),
+        SendOutcome::DailyLimit { retry_at } => Err(ApiError::TooManyRequests {
+            rule: "daily-send-limit",
+            detail: format!(
+                "this phone has had the most codes a day allows ({}); the next one at {retry_at}",
+                state.auth_settings.code_sends_per_day_max
+            ),
+            retry_at,
+            retry_after_s: retry_after(&state.clock, retry_at),
+        }),
+        SendOutcome::Locked { until } => Err(locked(&state, "phone-locked", "this phone", until)),
+    }
+}
+
+/// Revoke the token of this request.
+#[utoipa::path(
+    post, path = "/api/v1/auth/logout", tag = "auth",
+    security(("bearer" = [])),
+    responses(
+        (status = 204, description = "the token is revoked"),
+        (status = 401, description = "`missing-token` or `invalid-token`", body = crate::http::problem::Problem),
+    )
+)]
+pub async fn logout(
+    state: web::Data<AppState>,
+    caller: Authenticated,
+) -> Result<HttpResponse, ApiError> {
+    state.sessions.revoke(&caller.0).await?;
+    Ok(HttpResponse::NoContent().finish())
+}

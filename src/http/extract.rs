@@ -1,0 +1,121 @@
+//! Authorization as extractors: a handler that takes [`Authenticated`] only runs for a valid
+//! bearer token (else 401), one that takes [`Admin`] only for an admin's token (else 403). Using a
+//! token renews it (sliding expiry).
+//!
+//! Ownership is the handler's job and always answers 404 for another user's resource
+//! ([`ensure_owner`]): a 403 would confirm that the resource exists.
+
+use actix_web::dev::Payload;
+use actix_web::{FromRequest, HttpRequest, web};
+use futures::future::LocalBoxFuture;
+use zhihui_domain::user::{Role, UserId};
+
+use crate::auth::sessions::Session;
+use crate::http::ApiError;
+use crate::startup::AppState;
+
+/// A caller with a valid token.
+#[derive(Debug, Clone)]
+pub struct Authenticated(pub Session);
+
+/// A caller with a valid token and the admin role.
+#[derive(Debug, Clone)]
+pub struct Admin(pub Session);
+
+impl Authenticated {
+    pub fn user_id(&self) -> UserId {
+        self.0.user_id
+    }
+
+    /// The `actor` recorded on events this caller causes.
+    pub fn actor(&self) -> String {
+        match self.0.role {
+            Role::Admin => format!("admin:{}", self.0.user_id),
+            Role::User => format!("user:{}", self.0.user_id),
+        }
+    }
+}
+
+impl Admin {
+    pub fn actor(&self) -> String {
+        format!("admin:{}", self.0.user_id)
+    }
+}
+
+fn bearer_token(request: &HttpRequest) -> Result<String, ApiError> {
+    let header = request
+        .headers()
+        .get(actix_web::http::header::AUTHORIZATION)
+        .ok_or_else(|| ApiError::Unauthorized {
+            rule: "missing-token",
+            detail: "this endpoint needs an `Authorization: Bearer <token>` header; get a token \
+                     from POST /api/v1/auth/login"
+                .into(),
+        })?;
+    let value = header.to_str().unwrap_or("");
+    match value.split_once(' ') {
+        Some((scheme, token))
+            if scheme.eq_ignore_ascii_case("bearer") && !token.trim().is_empty() =>
+        {
+            Ok(token.trim().to_owned())
+        }
+        _ => Err(ApiError::Unauthorized {
+            rule: "missing-token",
+            detail: "the Authorization header must be `Bearer <token>`".into(),
+        }),
+    }
+}
+
+async fn authenticate(request: HttpRequest) -> Result<Session, ApiError> {
+    let token = bearer_token(&request)?;
+    let state = request
+        .app_data::<web::Data<AppState>>()
+        .ok_or_else(|| anyhow::anyhow!("AppState is not registered"))?
+        .clone();
+    state
+        .sessions
+        .touch(&token)
+        .await?
+        .ok_or_else(|| ApiError::Unauthorized {
+            rule: "invalid-token",
+            detail: "the token is unknown, expired or revoked; log in again".into(),
+        })
+}
+
+impl FromRequest for Authenticated {
+    type Error = ApiError;
+    type Future = LocalBoxFuture<'static, Result<Self, Self::Error>>;
+
+    fn from_request(request: &HttpRequest, _payload: &mut Payload) -> Self::Future {
+        let request = request.clone();
+        Box::pin(async move { authenticate(request).await.map(Authenticated) })
+    }
+}
+
+impl FromRequest for Admin {
+    type Error = ApiError;
+    type Future = LocalBoxFuture<'static, Result<Self, Self::Error>>;
+
+    fn from_request(request: &HttpRequest, _payload: &mut Payload) -> Self::Future {
+        let request = request.clone();
+        Box::pin(async move {
+            let session = authenticate(request).await?;
+            if session.role != Role::Admin {
+                return Err(ApiError::Forbidden {
+                    rule: "admin-only",
+                    detail: "this endpoint is for admins".into(),
+                });
+            }
+            Ok(Admin(session))
+        })
+    }
+}
+
+/// 404 unless the caller owns the resource (see the module comment).
+pub fn ensure_owner(caller: &Authenticated, owner: UserId, what: &str) -> Result<(), ApiError> {
+    if caller.user_id() == owner {
+        Ok(())
+    } else {
+        Err(ApiError::NotFound(format!("no such {what}")))
+    }
+}

@@ -1,0 +1,262 @@
+//! `/api/v1/me`, `/api/v1/users/{id}` and `/api/v1/admin/users/*`: profiles, password and phone
+//! changes, roles.
+
+use actix_web::{HttpRequest, HttpResponse, web};
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+use zhihui_domain::user::{RegisteredUser, Role, UserCommand, UserError, UserId};
+
+use crate::http::auth::{parse_password, parse_phone, verify_code};
+use crate::http::extract::{Admin, Authenticated, ensure_owner};
+use crate::http::{ApiError, event_metadata};
+use crate::startup::AppState;
+use crate::users::RegisterError;
+
+/// A user as the API shows it. Never carries the password hash.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct UserView {
+    pub id: Uuid,
+    pub username: Option<String>,
+    pub phone: Option<String>,
+    #[schema(value_type = String, example = "user")]
+    pub role: Role,
+    pub registered_at: DateTime<Utc>,
+}
+
+impl From<&RegisteredUser> for UserView {
+    fn from(user: &RegisteredUser) -> UserView {
+        UserView {
+            id: user.user_id.as_uuid(),
+            username: user.username.as_ref().map(|name| name.to_string()),
+            phone: user.phone.as_ref().map(|phone| phone.to_string()),
+            role: user.role,
+            registered_at: user.registered_at,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+pub struct ChangePasswordRequest {
+    pub current_password: String,
+    pub new_password: String,
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+pub struct BindPhoneRequest {
+    pub phone: String,
+    /// A code sent to that phone by `POST /api/v1/auth/code`.
+    pub code: String,
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+pub struct ChangeRoleRequest {
+    #[schema(value_type = String, example = "admin")]
+    pub role: Role,
+}
+
+pub(crate) fn register_error(error: RegisterError) -> ApiError {
+    match error {
+        RegisterError::Taken { what } => ApiError::Conflict {
+            rule: if what == "username" {
+                "username-taken"
+            } else {
+                "phone-taken"
+            },
+            detail: format!("this {what} is already taken"),
+        },
+        RegisterError::Rejected(UserError::NotRegistered) => {
+            ApiError::NotFound("no such user".into())
+        }
+        RegisterError::Rejected(error @ UserError::PhoneAlreadyBound { .. }) => {
+            ApiError::Conflict {
+                rule: "phone-already-bound",
+                detail: error.to_string(),
+            }
+        }
+        RegisterError::Rejected(error) => ApiError::Conflict {
+            rule: "user-rule",
+            detail: error.to_string(),
+        },
+        RegisterError::Unexpected(error) => ApiError::Unexpected(error),
+    }
+}
+
+fn parse_user_id(raw: &str) -> Result<UserId, ApiError> {
+    // A malformed id names no user: 404 like any other unknown id.
+    Uuid::parse_str(raw)
+        .map(UserId::from_uuid)
+        .map_err(|_| ApiError::NotFound("no such user".into()))
+}
+
+async fn existing_user(state: &AppState, user_id: UserId) -> Result<RegisteredUser, ApiError> {
+    state
+        .users
+        .get(user_id)
+        .await?
+        .ok_or_else(|| ApiError::NotFound("no such user".into()))
+}
+
+/// The caller's own profile.
+#[utoipa::path(
+    get, path = "/api/v1/me", tag = "users", security(("bearer" = [])),
+    responses(
+        (status = 200, body = UserView),
+        (status = 401, description = "`missing-token` or `invalid-token`", body = crate::http::problem::Problem),
+    )
+)]
+pub async fn me(
+    state: web::Data<AppState>,
+    caller: Authenticated,
+) -> Result<HttpResponse, ApiError> {
+    let user = existing_user(&state, caller.user_id()).await?;
+    Ok(HttpResponse::Ok().json(UserView::from(&user)))
+}
+
+/// A user's profile: only one's own; any other id answers 404.
+#[utoipa::path(
+    get, path = "/api/v1/users/{id}", tag = "users", security(("bearer" = [])),
+    params(("id" = Uuid, Path, description = "user id")),
+    responses(
+        (status = 200, body = UserView),
+        (status = 401, body = crate::http::problem::Problem),
+        (status = 404, description = "no such user, or not the caller", body = crate::http::problem::Problem),
+    )
+)]
+pub async fn user(
+    state: web::Data<AppState>,
+    caller: Authenticated,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let user_id = parse_user_id(&path)?;
+    ensure_owner(&caller, user_id, "user")?;
+    let user = existing_user(&state, user_id).await?;
+    Ok(HttpResponse::Ok().json(UserView::from(&user)))
+}
+
+/// Change one's password. Every session of the user ends, this one included.
+#[utoipa::path(
+    put, path = "/api/v1/me/password", tag = "users", security(("bearer" = [])),
+    request_body = ChangePasswordRequest,
+    responses(
+        (status = 204, description = "changed; log in again"),
+        (status = 401, description = "`wrong-credentials`: the current password is wrong", body = crate::http::problem::Problem),
+        (status = 409, description = "`user-rule`: a phone-only user has no password", body = crate::http::problem::Problem),
+        (status = 422, body = crate::http::problem::Problem),
+    )
+)]
+pub async fn change_password(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    caller: Authenticated,
+    body: web::Json<ChangePasswordRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let new_password = parse_password("new_password", &body.new_password)?;
+    let user = existing_user(&state, caller.user_id()).await?;
+    if !state
+        .passwords
+        .verify(&body.current_password, user.password_hash.as_ref())
+        .await?
+    {
+        return Err(ApiError::Unauthorized {
+            rule: "wrong-credentials",
+            detail: "current_password is wrong".into(),
+        });
+    }
+    let password_hash = state.passwords.hash(&new_password).await?;
+    let command = UserCommand::ChangePassword {
+        password_hash,
+        at: state.clock.now(),
+    };
+    let metadata = event_metadata(&request, caller.actor());
+    state
+        .users
+        .update(caller.user_id(), command, &metadata)
+        .await
+        .map_err(register_error)?;
+    state.sessions.revoke_all(caller.user_id()).await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// Bind a phone number to one's account, proven by a code sent to it.
+#[utoipa::path(
+    post, path = "/api/v1/me/phone", tag = "users", security(("bearer" = [])),
+    request_body = BindPhoneRequest,
+    responses(
+        (status = 200, body = UserView),
+        (status = 401, description = "`wrong-code` or `code-expired`", body = crate::http::problem::Problem),
+        (status = 409, description = "`phone-taken` or `phone-already-bound`", body = crate::http::problem::Problem),
+        (status = 429, description = "`phone-locked`", body = crate::http::problem::Problem),
+    )
+)]
+pub async fn bind_phone(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    caller: Authenticated,
+    body: web::Json<BindPhoneRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let phone = parse_phone(&body.phone)?;
+    verify_code(&state, &phone, &body.code).await?;
+    let metadata = event_metadata(&request, caller.actor());
+    let user = state
+        .users
+        .bind_phone(caller.user_id(), phone, &metadata)
+        .await
+        .map_err(register_error)?;
+    Ok(HttpResponse::Ok().json(UserView::from(&user)))
+}
+
+/// Any user's profile (admins).
+#[utoipa::path(
+    get, path = "/api/v1/admin/users/{id}", tag = "admin", security(("bearer" = [])),
+    params(("id" = Uuid, Path, description = "user id")),
+    responses(
+        (status = 200, body = UserView),
+        (status = 403, description = "`admin-only`", body = crate::http::problem::Problem),
+        (status = 404, body = crate::http::problem::Problem),
+    )
+)]
+pub async fn admin_user(
+    state: web::Data<AppState>,
+    _admin: Admin,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let user = existing_user(&state, parse_user_id(&path)?).await?;
+    Ok(HttpResponse::Ok().json(UserView::from(&user)))
+}
+
+/// Change a user's role (admins). The user's sessions end; the new role holds from the next login.
+#[utoipa::path(
+    put, path = "/api/v1/admin/users/{id}/role", tag = "admin", security(("bearer" = [])),
+    params(("id" = Uuid, Path, description = "user id")),
+    request_body = ChangeRoleRequest,
+    responses(
+        (status = 200, body = UserView),
+        (status = 403, description = "`admin-only`", body = crate::http::problem::Problem),
+        (status = 404, body = crate::http::problem::Problem),
+    )
+)]
+pub async fn change_role(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    admin: Admin,
+    path: web::Path<String>,
+    body: web::Json<ChangeRoleRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let user_id = parse_user_id(&path)?;
+    let before = existing_user(&state, user_id).await?;
+    let command = UserCommand::ChangeRole {
+        role: body.role,
+        at: state.clock.now(),
+    };
+    let metadata = event_metadata(&request, admin.actor());
+    let user = state
+        .users
+        .update(user_id, command, &metadata)
+        .await
+        .map_err(register_error)?;
+    if before.role != user.role {
+        state.sessions.revoke_all(user_id).await?;
+    }
+    Ok(HttpResponse::Ok().json(UserView::from(&user)))
+}

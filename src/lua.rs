@@ -1,0 +1,22 @@
+//! The Redis scripts of `lua/`, compiled into the binary. `redis::Script` sends `EVALSHA` and
+//! falls back to `EVAL` (loading the script) when the server does not know it yet, e.g. after a
+//! restart or `SCRIPT FLUSH`.
+
+use std::sync::LazyLock;
+
+use redis::Script;
+
+macro_rules! script {
+    ($name:ident, $file:literal) => {
+        pub static $name: LazyLock<Script> =
+            LazyLock::new(|| Script::new(include_str!(concat!("../lua/", $file))));
+    };
+}
+
+script!(SESSION_CREATE, "session_create.lua");
+script!(SESSION_TOUCH, "session_touch.lua");
+script!(SESSION_REVOKE, "session_revoke.lua");
+script!(SESSIONS_REVOKE_USER, "sessions_revoke_user.lua");
+script!(PHONE_CODE_SEND, "phone_code_send.lua");
+script!(PHONE_CODE_VERIFY, "phone_code_verify.lua");
+script!(LOGIN_FAILURES, "login_failures.lua");

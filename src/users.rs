@@ -1,0 +1,264 @@
+//! The users application service: registration, lookups by username or phone, role, password
+//! and phone changes. It composes two deciders, `User` (one stream per user) and `Claim` (one
+//! stream per username or phone number, the uniqueness guard and the lookup), see
+//! `zhihui_domain::claim` for why.
+//!
+//! Registration appends the claim first and the user second. A crash in between leaves an orphan
+//! claim (owner without a stream), which blocks its name until it is older than
+//! `auth.orphan_claim_release_ms`; then the next registration of that name releases it.
+
+use std::time::Duration;
+
+use uuid::Uuid;
+use zhihui_domain::claim::{Claim, ClaimCommand, ClaimError, ClaimState, Identifier};
+use zhihui_domain::user::{
+    PhoneNumber, RegisteredUser, Role, User, UserCommand, UserError, UserId, UserState, Username,
+};
+
+use crate::auth::password::{Passwords, PlainPassword};
+use crate::clock::Clock;
+use crate::command::{CommandError, RetryPolicy, execute, load};
+use crate::event_store::{AnyEventStore, EventMetadata};
+
+/// Times a registration tries to take a name: the first try, and one more after releasing an
+/// orphan claim. A third would mean the orphan was replaced by a live claim: the name is taken.
+const CLAIM_ATTEMPTS_MAX: u32 = 2;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    #[error("this {what} is already taken")]
+    Taken { what: &'static str },
+    #[error(transparent)]
+    Rejected(UserError),
+    #[error(transparent)]
+    Unexpected(#[from] anyhow::Error),
+}
+
+#[derive(Debug, Clone)]
+pub struct Users {
+    store: AnyEventStore,
+    clock: Clock,
+    retry: RetryPolicy,
+    orphan_claim_release: Duration,
+}
+
+fn unexpected<E: std::error::Error + Send + Sync + 'static>(
+    error: CommandError<E>,
+) -> anyhow::Error {
+    match error {
+        CommandError::Store(error) => error,
+        other => anyhow::Error::new(other),
+    }
+}
+
+impl Users {
+    pub fn new(
+        store: AnyEventStore,
+        clock: Clock,
+        retry: RetryPolicy,
+        orphan_claim_release: Duration,
+    ) -> Users {
+        Users {
+            store,
+            clock,
+            retry,
+            orphan_claim_release,
+        }
+    }
+
+    pub fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    /// The registered user with this id, if any.
+    pub async fn get(&self, user_id: UserId) -> anyhow::Result<Option<RegisteredUser>> {
+        Ok(
+            match load::<User>(&self.store, &user_id.stream()).await?.state {
+                UserState::Registered(user) => Some(user),
+                UserState::Unregistered => None,
+            },
+        )
+    }
+
+    /// The registered owner of a username or phone number, if any.
+    pub async fn find(&self, identifier: &Identifier) -> anyhow::Result<Option<RegisteredUser>> {
+        match load::<Claim>(&self.store, &identifier.stream())
+            .await?
+            .state
+        {
+            ClaimState::Claimed { owner, .. } => self.get(owner).await,
+            ClaimState::Free => Ok(None),
+        }
+    }
+
+    /// Take `identifier` for `owner`, releasing an orphan claim if one is in the way.
+    async fn claim(
+        &self,
+        identifier: &Identifier,
+        owner: UserId,
+        metadata: &EventMetadata,
+    ) -> Result<(), RegisterError> {
+        let stream = identifier.stream();
+        let what = match identifier {
+            Identifier::Username(_) => "username",
+            Identifier::Phone(_) => "phone number",
+        };
+        for _ in 0..CLAIM_ATTEMPTS_MAX {
+            let command = ClaimCommand::Claim {
+                owner,
+                at: self.clock.now(),
+            };
+            match execute::<Claim>(&self.store, &stream, &command, metadata, self.retry).await {
+                Ok(_) => return Ok(()),
+                Err(CommandError::Rejected(ClaimError::TakenByAnother {
+                    owner: holder,
+                    claimed_at,
+                })) => {
+                    let age = (self.clock.now() - claimed_at).to_std().unwrap_or_default();
+                    if age < self.orphan_claim_release || self.get(holder).await?.is_some() {
+                        return Err(RegisterError::Taken { what });
+                    }
+                    tracing::warn!(%stream, %holder, "releasing an orphan claim");
+                    let release = ClaimCommand::ReleaseOrphan {
+                        owner: holder,
+                        at: self.clock.now(),
+                    };
+                    match execute::<Claim>(&self.store, &stream, &release, metadata, self.retry)
+                        .await
+                    {
+                        Ok(_) | Err(CommandError::Rejected(ClaimError::NotHeldBy(_))) => {}
+                        Err(error) => return Err(unexpected(error).into()),
+                    }
+                }
+                Err(error) => return Err(unexpected(error).into()),
+            }
+        }
+        Err(RegisterError::Taken { what })
+    }
+
+    /// Register a user with a username and password.
+    /// The name is claimed before the password is hashed: of many concurrent registrations of
+    /// one name, only the winner pays for argon2id.
+    pub async fn register_with_password(
+        &self,
+        username: Username,
+        password: &PlainPassword,
+        passwords: &Passwords,
+        role: Role,
+        metadata: &EventMetadata,
+    ) -> Result<RegisteredUser, RegisterError> {
+        let user_id = UserId::from_uuid(Uuid::now_v7());
+        self.claim(&Identifier::Username(username.clone()), user_id, metadata)
+            .await?;
+        let password_hash = passwords.hash(password).await?;
+        let command = UserCommand::Register {
+            user_id,
+            username: Some(username),
+            password_hash: Some(password_hash),
+            phone: None,
+            role,
+            at: self.clock.now(),
+        };
+        self.apply(user_id, &command, metadata).await
+    }
+
+    async fn apply(
+        &self,
+        user_id: UserId,
+        command: &UserCommand,
+        metadata: &EventMetadata,
+    ) -> Result<RegisteredUser, RegisterError> {
+        match execute::<User>(
+            &self.store,
+            &user_id.stream(),
+            command,
+            metadata,
+            self.retry,
+        )
+        .await
+        {
+            Ok(executed) => match executed.state {
+                UserState::Registered(user) => Ok(user),
+                UserState::Unregistered => Err(anyhow::anyhow!(
+                    "user {user_id} is not registered after its registration"
+                )
+                .into()),
+            },
+            Err(CommandError::Rejected(error)) => Err(RegisterError::Rejected(error)),
+            Err(error) => Err(unexpected(error).into()),
+        }
+    }
+
+    /// The user owning `phone`, registering a new one on the first successful code login.
+    pub async fn find_or_register_by_phone(
+        &self,
+        phone: &PhoneNumber,
+        metadata: &EventMetadata,
+    ) -> Result<RegisteredUser, RegisterError> {
+        let identifier = Identifier::Phone(phone.clone());
+        if let Some(user) = self.find(&identifier).await? {
+            return Ok(user);
+        }
+        let user_id = UserId::from_uuid(Uuid::now_v7());
+        match self.claim(&identifier, user_id, metadata).await {
+            Ok(()) => {}
+            // Another first login of this phone won the race: that user is the one.
+            Err(RegisterError::Taken { .. }) => {
+                if let Some(user) = self.find(&identifier).await? {
+                    return Ok(user);
+                }
+                return Err(RegisterError::Taken {
+                    what: "phone number",
+                });
+            }
+            Err(error) => return Err(error),
+        }
+        let command = UserCommand::Register {
+            user_id,
+            username: None,
+            password_hash: None,
+            phone: Some(phone.clone()),
+            role: Role::User,
+            at: self.clock.now(),
+        };
+        self.apply(user_id, &command, metadata).await
+    }
+
+    /// Apply a command to an existing user.
+    pub async fn update(
+        &self,
+        user_id: UserId,
+        command: UserCommand,
+        metadata: &EventMetadata,
+    ) -> Result<RegisteredUser, RegisterError> {
+        self.apply(user_id, &command, metadata).await
+    }
+
+    /// Bind a phone number to a user: claim it, then record it on the user.
+    pub async fn bind_phone(
+        &self,
+        user_id: UserId,
+        phone: PhoneNumber,
+        metadata: &EventMetadata,
+    ) -> Result<RegisteredUser, RegisterError> {
+        // Refuse before claiming: a claim for a phone this user cannot bind would block it.
+        match self.get(user_id).await? {
+            None => return Err(RegisterError::Rejected(UserError::NotRegistered)),
+            Some(user) => match user.phone {
+                Some(bound) if bound != phone => {
+                    return Err(RegisterError::Rejected(UserError::PhoneAlreadyBound {
+                        bound,
+                    }));
+                }
+                _ => {}
+            },
+        }
+        self.claim(&Identifier::Phone(phone.clone()), user_id, metadata)
+            .await?;
+        let command = UserCommand::BindPhone {
+            phone,
+            at: self.clock.now(),
+        };
+        self.update(user_id, command, metadata).await
+    }
+}

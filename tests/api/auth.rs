@@ -1,0 +1,711 @@
+//! Users and authentication over HTTP: registration, password and phone-code login, sliding
+//! token expiry, logout, every limit exactly at its threshold, roles and ownership. Time moves by
+//! the app's manual clock, never by sleeping.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use zhihui::event_store::{EventFilter, EventStore, NewEvent};
+use zhihui_domain::DomainEvent;
+use zhihui_domain::claim::{ClaimEvent, IdentifierClaimed};
+use zhihui_domain::user::UserId;
+
+use crate::helpers::{TestApp, spawn_app, spawn_app_with};
+
+const PHONE: &str = "+8613800138000";
+
+async fn problem_of(response: reqwest::Response) -> (u16, Value) {
+    let status = response.status().as_u16();
+    let content_type = response
+        .headers()
+        .get("content-type")
+        .map(|value| value.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    assert_eq!(content_type, "application/problem+json", "status {status}");
+    (status, response.json().await.unwrap())
+}
+
+async fn send_code(app: &TestApp, phone: &str) -> reqwest::Response {
+    app.post("/api/v1/auth/code", None, &json!({ "phone": phone }))
+        .await
+}
+
+async fn code_login(app: &TestApp, phone: &str, code: &str) -> reqwest::Response {
+    app.post(
+        "/api/v1/auth/login",
+        None,
+        &json!({ "phone": phone, "code": code }),
+    )
+    .await
+}
+
+fn wrong_code_for(code: &str) -> String {
+    let digit = (code.as_bytes()[0] - b'0' + 1) % 10;
+    format!("{digit}{}", &code[1..])
+}
+
+#[tokio::test]
+async fn register_login_and_read_ones_profile_without_ever_seeing_the_hash() {
+    let app = spawn_app().await;
+    let id = app.register("Alice", "correct horse battery").await;
+    let response = app
+        .post(
+            "/api/v1/auth/login",
+            None,
+            &json!({"username": "alice", "password": "correct horse battery"}),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["token_type"], "Bearer");
+    assert_eq!(body["idle_timeout_s"], 1800);
+    assert_eq!(body["user"]["id"], id.as_str());
+    let token = body["token"].as_str().unwrap();
+
+    let me = app.get_as(token, "/api/v1/me").await;
+    assert_eq!(me.status(), 200);
+    let text = me.text().await.unwrap();
+    let me: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(me["username"], "alice");
+    assert_eq!(me["role"], "user");
+    assert!(!text.contains("argon2"), "{text}");
+    assert!(!body.to_string().contains("argon2"));
+}
+
+#[tokio::test]
+async fn wrong_passwords_and_unknown_users_get_the_same_answer() {
+    let app = spawn_app().await;
+    app.register("alice", "correct horse battery").await;
+    for body in [
+        json!({"username": "alice", "password": "wrong horse battery"}),
+        json!({"username": "nobody", "password": "correct horse battery"}),
+        json!({"username": "x", "password": "correct horse battery"}),
+    ] {
+        let (status, problem) = problem_of(app.post("/api/v1/auth/login", None, &body).await).await;
+        assert_eq!(status, 401);
+        assert_eq!(problem["type"], "/problems/wrong-credentials");
+        assert_eq!(problem["detail"], "wrong username or password");
+    }
+}
+
+#[tokio::test]
+async fn invalid_registrations_name_the_field() {
+    let app = spawn_app().await;
+    for (body, field) in [
+        (
+            json!({"username": "al", "password": "long enough"}),
+            "username",
+        ),
+        (
+            json!({"username": "alice", "password": "short"}),
+            "password",
+        ),
+        (json!({"username": "alice"}), "body"),
+    ] {
+        let (status, problem) =
+            problem_of(app.post("/api/v1/auth/register", None, &body).await).await;
+        assert_eq!(status, 422, "{body}");
+        assert_eq!(problem["field"], field, "{problem}");
+    }
+    let (status, problem) = problem_of(
+        app.post("/api/v1/auth/login", None, &json!({"username": "alice"}))
+            .await,
+    )
+    .await;
+    assert_eq!((status, problem["field"].as_str()), (422, Some("password")));
+}
+
+#[tokio::test]
+async fn the_token_expiry_slides_with_each_use_and_then_ends() {
+    let app = spawn_app().await;
+    app.register("alice", "correct horse battery").await;
+    let token = app.login("alice", "correct horse battery").await;
+    let idle = Duration::from_secs(30 * 60);
+
+    // Used just before it would expire, three times in a row: 87 minutes after login, still alive.
+    for _ in 0..3 {
+        app.clock.advance(idle - Duration::from_millis(1));
+        assert_eq!(app.get_as(&token, "/api/v1/me").await.status(), 200);
+    }
+    // Then left alone for exactly the idle timeout: dead, and it stays dead.
+    app.clock.advance(idle);
+    let (status, problem) = problem_of(app.get_as(&token, "/api/v1/me").await).await;
+    assert_eq!(status, 401);
+    assert_eq!(problem["type"], "/problems/invalid-token");
+    app.clock.advance(Duration::from_secs(1));
+    assert_eq!(app.get_as(&token, "/api/v1/me").await.status(), 401);
+}
+
+#[tokio::test]
+async fn logout_revokes_the_token_and_only_that_token() {
+    let app = spawn_app().await;
+    app.register("alice", "correct horse battery").await;
+    let first = app.login("alice", "correct horse battery").await;
+    let second = app.login("alice", "correct horse battery").await;
+    let response = app
+        .post("/api/v1/auth/logout", Some(&first), &json!({}))
+        .await;
+    assert_eq!(response.status(), 204);
+    assert_eq!(app.get_as(&first, "/api/v1/me").await.status(), 401);
+    assert_eq!(
+        app.post("/api/v1/auth/logout", Some(&first), &json!({}))
+            .await
+            .status(),
+        401
+    );
+    assert_eq!(app.get_as(&second, "/api/v1/me").await.status(), 200);
+}
+
+#[tokio::test]
+async fn a_missing_or_forged_token_gets_401() {
+    let app = spawn_app().await;
+    let alice = app.register("alice", "correct horse battery").await;
+    let token = app.login("alice", "correct horse battery").await;
+
+    let response = app.get("/api/v1/me").await;
+    assert_eq!(
+        response.headers()["www-authenticate"],
+        "Bearer error=\"missing-token\""
+    );
+    let (status, problem) = problem_of(response).await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (401, Some("/problems/missing-token"))
+    );
+
+    // A token of the right shape naming alice's id, but with other random bytes.
+    use base64::Engine as _;
+    let engine = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let mut bytes = engine.decode(&token).unwrap();
+    bytes[40] ^= 0xff;
+    let forged = engine.encode(&bytes);
+    // And garbage, and a token with its last character changed.
+    let mut tampered = token.clone();
+    let last = tampered.pop().unwrap();
+    tampered.push(if last == 'A' { 'B' } else { 'A' });
+    for bad in [forged.as_str(), "garbage", tampered.as_str(), &alice] {
+        let (status, problem) = problem_of(app.get_as(bad, "/api/v1/me").await).await;
+        assert_eq!(status, 401, "{bad}");
+        assert_eq!(problem["type"], "/problems/invalid-token");
+    }
+    let response = app
+        .http
+        .get(format!("{}/api/v1/me", app.address))
+        .header("Authorization", format!("Basic {token}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 401);
+    assert_eq!(app.get_as(&token, "/api/v1/me").await.status(), 200);
+}
+
+#[tokio::test]
+async fn admin_endpoints_refuse_users_with_403_and_serve_admins() {
+    let app = spawn_app().await;
+    let alice = app.register("alice", "correct horse battery").await;
+    let user_token = app.login("alice", "correct horse battery").await;
+    let admin_token = app.admin_token("root").await;
+    let path = format!("/api/v1/admin/users/{alice}");
+
+    let (status, problem) = problem_of(app.get_as(&user_token, &path).await).await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (403, Some("/problems/admin-only"))
+    );
+    assert_eq!(app.get("/api/v1/admin/users/x").await.status(), 401);
+
+    let response = app.get_as(&admin_token, &path).await;
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["username"], "alice");
+
+    // Promote alice: her sessions end, and her next login carries the admin role.
+    let response = app
+        .put(
+            &format!("{path}/role"),
+            Some(&admin_token),
+            &json!({"role": "admin"}),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(app.get_as(&user_token, "/api/v1/me").await.status(), 401);
+    let promoted = app.login("alice", "correct horse battery").await;
+    assert_eq!(app.get_as(&promoted, &path).await.status(), 200);
+}
+
+#[tokio::test]
+async fn another_users_resource_is_404_never_403() {
+    let app = spawn_app().await;
+    let alice = app.register("alice", "correct horse battery").await;
+    let bob = app.register("bob", "correct horse battery").await;
+    let alice_token = app.login("alice", "correct horse battery").await;
+
+    assert_eq!(
+        app.get_as(&alice_token, &format!("/api/v1/users/{alice}"))
+            .await
+            .status(),
+        200
+    );
+    for other in [
+        bob.as_str(),
+        "00000000-0000-0000-0000-000000000000",
+        "not-a-uuid",
+    ] {
+        let (status, problem) = problem_of(
+            app.get_as(&alice_token, &format!("/api/v1/users/{other}"))
+                .await,
+        )
+        .await;
+        assert_eq!(status, 404, "{other}");
+        assert!(!problem.to_string().contains("bob"));
+    }
+}
+
+#[tokio::test]
+async fn a_hundred_concurrent_registrations_of_one_name_give_one_user() {
+    let app = spawn_app().await;
+    let attempts = (0..100).map(|i| {
+        let app = &app;
+        async move {
+            app.post(
+                "/api/v1/auth/register",
+                None,
+                &json!({"username": "popular", "password": format!("password {i}")}),
+            )
+            .await
+            .status()
+            .as_u16()
+        }
+    });
+    let statuses = futures::future::join_all(attempts).await;
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 201).count(),
+        1,
+        "{statuses:?}"
+    );
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 409).count(),
+        99,
+        "{statuses:?}"
+    );
+
+    let store = zhihui::event_store::from_settings(
+        &app.settings,
+        zhihui::postgres::build_pool(&app.settings.database).unwrap(),
+    )
+    .unwrap();
+    let registered = store
+        .read_all(
+            None,
+            1_000,
+            &EventFilter::EventTypes(vec!["UserRegistered".into()]),
+        )
+        .await
+        .unwrap();
+    assert_eq!(registered.events.len(), 1);
+    assert_eq!(registered.events[0].payload["username"], "popular");
+    let claim = store
+        .read_stream(
+            "user-name-popular",
+            zhihui::event_store::Direction::Forwards,
+            zhihui::event_store::ReadFrom::Start,
+            100,
+        )
+        .await
+        .unwrap();
+    assert_eq!(claim.len(), 1, "one claim event, no release");
+}
+
+#[tokio::test]
+async fn redis_down_answers_503_naming_it_and_never_lets_anyone_in() {
+    let app = spawn_app_with(|settings| {
+        settings.redis.url = secrecy::SecretString::from(format!(
+            "redis://127.0.0.1:{}/0",
+            crate::helpers::dead_port()
+        ));
+    })
+    .await;
+    // Registration needs no Redis; login (sessions, limits) does.
+    app.register("alice", "correct horse battery").await;
+    let (status, problem) = problem_of(
+        app.post(
+            "/api/v1/auth/login",
+            None,
+            &json!({"username": "alice", "password": "correct horse battery"}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(status, 503);
+    assert_eq!(problem["dependencies"], json!(["redis"]));
+    let fake = "A".repeat(64);
+    let (status, _) = problem_of(app.get_as(&fake, "/api/v1/me").await).await;
+    assert_eq!(status, 503);
+}
+
+#[tokio::test]
+async fn an_orphan_name_claim_is_released_after_its_bound_and_not_before() {
+    let app = spawn_app().await;
+    // Simulate a crash between the claim and the registration: the claim exists, the user not.
+    let store = zhihui::event_store::from_settings(
+        &app.settings,
+        zhihui::postgres::build_pool(&app.settings.database).unwrap(),
+    )
+    .unwrap();
+    let orphan = ClaimEvent::Claimed(IdentifierClaimed {
+        owner: UserId::from_uuid(uuid::Uuid::now_v7()),
+        claimed_at: app.clock.now(),
+    });
+    store
+        .append(
+            "user-name-carol",
+            zhihui::event_store::ExpectedVersion::NoStream,
+            vec![NewEvent {
+                id: uuid::Uuid::now_v7(),
+                event_type: orphan.event_type().into(),
+                schema_version: 1,
+                payload: orphan.to_payload(),
+                metadata: zhihui::event_store::EventMetadata {
+                    correlation_id: uuid::Uuid::now_v7(),
+                    causation_id: None,
+                    actor: "test".into(),
+                },
+            }],
+        )
+        .await
+        .unwrap();
+    let body = json!({"username": "carol", "password": "correct horse battery"});
+    app.clock.advance(Duration::from_millis(59_999));
+    let (status, problem) = problem_of(app.post("/api/v1/auth/register", None, &body).await).await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (409, Some("/problems/username-taken"))
+    );
+    app.clock.advance(Duration::from_millis(1));
+    assert_eq!(
+        app.post("/api/v1/auth/register", None, &body)
+            .await
+            .status(),
+        201
+    );
+    app.login("carol", "correct horse battery").await;
+}
+
+#[tokio::test]
+async fn registration_can_be_switched_off() {
+    let app = spawn_app_with(|settings| settings.auth.registration_enabled = false).await;
+    let (status, problem) = problem_of(
+        app.post(
+            "/api/v1/auth/register",
+            None,
+            &json!({"username": "alice", "password": "correct horse battery"}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (403, Some("/problems/registration-closed"))
+    );
+    // Admins are still created out of band.
+    app.admin_token("root").await;
+}
+
+#[tokio::test]
+async fn a_first_code_login_creates_the_user_and_the_next_finds_it() {
+    let app = spawn_app().await;
+    let response = send_code(&app, "138 0013 8000").await;
+    assert_eq!(response.status(), 202);
+    let code = app.codes.last(PHONE).unwrap();
+    assert_eq!(code.len(), 6);
+    let response = code_login(&app, "13800138000", &code).await;
+    assert_eq!(response.status(), 200);
+    let first: Value = response.json().await.unwrap();
+    assert_eq!(first["user"]["phone"], PHONE);
+
+    // A used code is gone.
+    let (status, problem) = problem_of(code_login(&app, PHONE, &code).await).await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (401, Some("/problems/code-expired"))
+    );
+
+    app.clock.advance(Duration::from_secs(60));
+    assert_eq!(send_code(&app, PHONE).await.status(), 202);
+    let response = code_login(&app, PHONE, &app.codes.last(PHONE).unwrap()).await;
+    let second: Value = response.json().await.unwrap();
+    assert_eq!(second["user"]["id"], first["user"]["id"]);
+}
+
+#[tokio::test]
+async fn a_code_expires_exactly_after_two_minutes() {
+    let app = spawn_app().await;
+    assert_eq!(send_code(&app, PHONE).await.status(), 202);
+    app.clock.advance(Duration::from_millis(119_999));
+    let code = app.codes.last(PHONE).unwrap();
+    assert_eq!(code_login(&app, PHONE, &code).await.status(), 200);
+
+    app.clock.advance(Duration::from_secs(60));
+    assert_eq!(send_code(&app, PHONE).await.status(), 202);
+    app.clock.advance(Duration::from_millis(120_000));
+    let (status, problem) =
+        problem_of(code_login(&app, PHONE, &app.codes.last(PHONE).unwrap()).await).await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (401, Some("/problems/code-expired"))
+    );
+}
+
+#[tokio::test]
+async fn one_send_per_minute_exactly() {
+    let app = spawn_app().await;
+    assert_eq!(send_code(&app, PHONE).await.status(), 202);
+    let sent_at = app.clock.now();
+    app.clock.advance(Duration::from_millis(59_999));
+    let response = send_code(&app, PHONE).await;
+    assert_eq!(response.headers()["retry-after"], "1");
+    let (status, problem) = problem_of(response).await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (429, Some("/problems/too-many-sends"))
+    );
+    let retry_at: chrono::DateTime<chrono::Utc> =
+        serde_json::from_value(problem["retry_at"].clone()).unwrap();
+    assert_eq!(retry_at, sent_at + chrono::Duration::seconds(60));
+    app.clock.advance(Duration::from_millis(1));
+    assert_eq!(send_code(&app, PHONE).await.status(), 202);
+    assert_eq!(app.codes.count(PHONE), 2);
+    // Another phone is not affected.
+    assert_eq!(send_code(&app, "+14155550100").await.status(), 202);
+}
+
+#[tokio::test]
+async fn ten_sends_a_day_exactly_then_the_next_day() {
+    let app = spawn_app().await;
+    for _ in 0..10 {
+        assert_eq!(send_code(&app, PHONE).await.status(), 202);
+        app.clock.advance(Duration::from_secs(60));
+    }
+    let (status, problem) = problem_of(send_code(&app, PHONE).await).await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (429, Some("/problems/daily-send-limit"))
+    );
+    assert_eq!(app.codes.count(PHONE), 10);
+    // The test clock started at 09:00 UTC+8; the day ends at 16:00 UTC.
+    let retry_at: chrono::DateTime<chrono::Utc> =
+        serde_json::from_value(problem["retry_at"].clone()).unwrap();
+    assert_eq!(retry_at.to_rfc3339(), "2027-01-15T16:00:00+00:00");
+    let until_midnight = (retry_at - app.clock.now()).to_std().unwrap();
+    app.clock.advance(until_midnight - Duration::from_millis(1));
+    assert_eq!(send_code(&app, PHONE).await.status(), 429);
+    app.clock.advance(Duration::from_millis(1));
+    assert_eq!(send_code(&app, PHONE).await.status(), 202);
+}
+
+#[tokio::test]
+async fn five_wrong_codes_lock_the_phone_for_ten_minutes_exactly() {
+    let app = spawn_app().await;
+    assert_eq!(send_code(&app, PHONE).await.status(), 202);
+    let code = app.codes.last(PHONE).unwrap();
+    let wrong = wrong_code_for(&code);
+    for attempts_left in (1..=4).rev() {
+        let (status, problem) = problem_of(code_login(&app, PHONE, &wrong).await).await;
+        assert_eq!(
+            (status, problem["type"].as_str()),
+            (401, Some("/problems/wrong-code"))
+        );
+        assert!(
+            problem["detail"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("{attempts_left} more")),
+            "{problem}"
+        );
+    }
+    let locked_at = app.clock.now();
+    let (status, problem) = problem_of(code_login(&app, PHONE, &wrong).await).await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (429, Some("/problems/phone-locked"))
+    );
+    let until: chrono::DateTime<chrono::Utc> =
+        serde_json::from_value(problem["retry_at"].clone()).unwrap();
+    assert_eq!(until, locked_at + chrono::Duration::minutes(10));
+
+    // While locked, even the right code and a new send are refused.
+    assert_eq!(code_login(&app, PHONE, &code).await.status(), 429);
+    app.clock.advance(Duration::from_millis(599_999));
+    let (status, problem) = problem_of(send_code(&app, PHONE).await).await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (429, Some("/problems/phone-locked"))
+    );
+    app.clock.advance(Duration::from_millis(1));
+    // The lock voided the old code; a new one works.
+    assert_eq!(code_login(&app, PHONE, &code).await.status(), 401);
+    assert_eq!(send_code(&app, PHONE).await.status(), 202);
+    let fresh = app.codes.last(PHONE).unwrap();
+    assert_eq!(code_login(&app, PHONE, &fresh).await.status(), 200);
+}
+
+#[tokio::test]
+async fn ten_wrong_passwords_lock_the_username_and_the_lock_ends() {
+    let app = spawn_app().await;
+    app.register("alice", "correct horse battery").await;
+    let wrong = json!({"username": "alice", "password": "wrong horse battery"});
+    for _ in 0..9 {
+        assert_eq!(
+            app.post("/api/v1/auth/login", None, &wrong).await.status(),
+            401
+        );
+    }
+    let (status, problem) = problem_of(app.post("/api/v1/auth/login", None, &wrong).await).await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (429, Some("/problems/username-locked"))
+    );
+    let right = json!({"username": "alice", "password": "correct horse battery"});
+    assert_eq!(
+        app.post("/api/v1/auth/login", None, &right).await.status(),
+        429
+    );
+    app.clock.advance(Duration::from_secs(15 * 60));
+    assert_eq!(
+        app.post("/api/v1/auth/login", None, &right).await.status(),
+        200
+    );
+}
+
+#[tokio::test]
+async fn a_password_change_needs_the_current_one_and_ends_every_session() {
+    let app = spawn_app().await;
+    app.register("alice", "correct horse battery").await;
+    let token = app.login("alice", "correct horse battery").await;
+    let other = app.login("alice", "correct horse battery").await;
+    let (status, problem) = problem_of(
+        app.put(
+            "/api/v1/me/password",
+            Some(&token),
+            &json!({"current_password": "nope nope nope", "new_password": "new horse battery"}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (401, Some("/problems/wrong-credentials"))
+    );
+    let response = app
+        .put(
+            "/api/v1/me/password",
+            Some(&token),
+            &json!({"current_password": "correct horse battery", "new_password": "new horse battery"}),
+        )
+        .await;
+    assert_eq!(response.status(), 204);
+    assert_eq!(app.get_as(&token, "/api/v1/me").await.status(), 401);
+    assert_eq!(app.get_as(&other, "/api/v1/me").await.status(), 401);
+    app.login("alice", "new horse battery").await;
+}
+
+#[tokio::test]
+async fn a_phone_bound_to_one_user_cannot_be_bound_to_another() {
+    let app = spawn_app().await;
+    app.register("alice", "correct horse battery").await;
+    app.register("bob", "correct horse battery").await;
+    let alice = app.login("alice", "correct horse battery").await;
+    let bob = app.login("bob", "correct horse battery").await;
+    assert_eq!(send_code(&app, PHONE).await.status(), 202);
+    let response = app
+        .post(
+            "/api/v1/me/phone",
+            Some(&alice),
+            &json!({"phone": PHONE, "code": app.codes.last(PHONE).unwrap()}),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    app.clock.advance(Duration::from_secs(60));
+    assert_eq!(send_code(&app, PHONE).await.status(), 202);
+    let (status, problem) = problem_of(
+        app.post(
+            "/api/v1/me/phone",
+            Some(&bob),
+            &json!({"phone": PHONE, "code": app.codes.last(PHONE).unwrap()}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (409, Some("/problems/phone-taken"))
+    );
+    // And a code login of that phone is alice.
+    app.clock.advance(Duration::from_secs(60));
+    assert_eq!(send_code(&app, PHONE).await.status(), 202);
+    let body: Value = code_login(&app, PHONE, &app.codes.last(PHONE).unwrap())
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(body["user"]["username"], "alice");
+}
+
+#[tokio::test]
+async fn the_openapi_document_lists_the_auth_endpoints() {
+    let app = spawn_app().await;
+    let response = app.get("/api/openapi.json").await;
+    assert_eq!(response.status(), 200);
+    let document: Value = response.json().await.unwrap();
+    for path in [
+        "/api/v1/auth/register",
+        "/api/v1/auth/login",
+        "/api/v1/auth/code",
+        "/api/v1/auth/logout",
+        "/api/v1/me",
+        "/api/v1/admin/users/{id}/role",
+    ] {
+        assert!(document["paths"][path].is_object(), "{path} missing");
+    }
+    assert_eq!(
+        document["components"]["securitySchemes"]["bearer"]["scheme"],
+        "bearer"
+    );
+    assert!(document["components"]["schemas"]["LoginRequest"].is_object());
+}
+
+#[tokio::test]
+async fn users_create_bootstraps_an_admin_from_the_command_line() {
+    let app = spawn_app().await;
+    use secrecy::ExposeSecret;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_zhihui"))
+        .args(["users", "create", "root", "--admin", "--password-stdin"])
+        .env(
+            "ZHIHUI_DATABASE__URL",
+            app.settings.database.url.expose_secret(),
+        )
+        .env("ZHIHUI_REDIS__URL", app.settings.redis.url.expose_secret())
+        .env("ZHIHUI_REDIS__KEY_PREFIX", &app.settings.redis.key_prefix)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().unwrap();
+        writeln!(stdin, "root password 1").unwrap();
+    }
+    let output = child.wait_with_output().unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(String::from_utf8_lossy(&output.stdout).starts_with("created admin root ("));
+    let token = app.login("root", "root password 1").await;
+    let me: Value = app.get_as(&token, "/api/v1/me").await.json().await.unwrap();
+    assert_eq!(me["role"], "admin");
+}
