@@ -75,8 +75,20 @@ where
     D: Decider,
     D::Event: DomainEvent,
 {
-    let mut state = D::initial_state();
-    let mut version: Option<u64> = None;
+    catch_up::<D>(store, stream, D::initial_state(), None).await
+}
+
+/// Fold the events of `stream` after `version` into `state`.
+pub async fn catch_up<D>(
+    store: &AnyEventStore,
+    stream: &str,
+    mut state: D::State,
+    mut version: Option<u64>,
+) -> anyhow::Result<Loaded<D::State>>
+where
+    D: Decider,
+    D::Event: DomainEvent,
+{
     loop {
         let from = match version {
             None => ReadFrom::Start,
@@ -172,7 +184,7 @@ where
 }
 
 /// Full jitter: a random wait in `[0, min(max, base * 2^attempt))`.
-async fn backoff(policy: RetryPolicy, attempt: u32) {
+pub(crate) async fn backoff(policy: RetryPolicy, attempt: u32) {
     let ceiling = policy
         .backoff_base
         .saturating_mul(1u32 << attempt.min(16))

@@ -22,7 +22,30 @@ pub struct Settings {
     pub redis: RedisSettings,
     pub event_store: EventStoreSettings,
     pub auth: AuthSettings,
+    pub projections: ProjectionSettings,
+    pub accounts: AccountSettings,
     pub log: LogSettings,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ProjectionSettings {
+    /// Run the projection runners in `serve` (one leader per projection across processes).
+    pub enabled: bool,
+    /// Most events per read-model transaction: big enough to amortise the commit, small enough
+    /// to keep the transaction short (it holds the checkpoint row lock).
+    pub batch_size: usize,
+    /// How often a follower checks whether the leader's lock is free, and the leader checks that
+    /// its lock connection is alive. Bounds the takeover time after a leader dies.
+    pub takeover_check_ms: u64,
+    /// Attempts at a failing batch before looking for the poison event and stopping.
+    pub poison_retries_max: u32,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct AccountSettings {
+    /// An account's command actor (see `src/aggregate.rs`) forgets its cached state after this
+    /// long without commands.
+    pub actor_idle_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -195,6 +218,10 @@ impl Settings {
                 && self.auth.password_failures_max >= 1
                 && self.auth.code_sends_per_day_max >= 1,
             "auth: ttls must be at least 1000 ms and every *_max at least 1"
+        );
+        anyhow::ensure!(
+            self.projections.batch_size >= 1 && self.projections.poison_retries_max >= 1,
+            "projections.batch_size and projections.poison_retries_max must be at least 1"
         );
         anyhow::ensure!(
             self.auth.day_utc_offset_minutes.abs() <= 14 * 60,

@@ -1,5 +1,6 @@
 //! zhihui: the backend of an AI text-to-image cloud platform. See `ARCHITECTURE.md` for the map.
 
+pub mod aggregate;
 pub mod auth;
 pub mod cli;
 pub mod clock;
@@ -9,6 +10,7 @@ pub mod event_store;
 pub mod http;
 pub mod lua;
 pub mod postgres;
+pub mod projector;
 pub mod redis_store;
 pub mod startup;
 pub mod telemetry;

@@ -9,6 +9,10 @@ use actix_web::{App, HttpServer, dev::Server, web};
 use anyhow::Context;
 use deadpool_postgres::Pool;
 
+use zhihui_domain::account::Account;
+use zhihui_projections::ProjectionName;
+
+use crate::aggregate::AggregateService;
 use crate::auth::PasswordGuard;
 use crate::auth::password::Passwords;
 use crate::auth::phone_codes::{CodeSender, LogCodeSender, PhoneCodes};
@@ -17,6 +21,7 @@ use crate::clock::Clock;
 use crate::command::RetryPolicy;
 use crate::configuration::{AuthSettings, CodeSenderKind, Settings};
 use crate::event_store::AnyEventStore;
+use crate::projector::{Projector, Statuses};
 use crate::redis_store::RedisStore;
 use crate::users::Users;
 
@@ -33,6 +38,10 @@ pub struct AppState {
     pub sessions: Sessions,
     pub phone_codes: PhoneCodes,
     pub auth_settings: AuthSettings,
+    /// Points accounts: batched, serialised command handling per account stream.
+    pub accounts: AggregateService<Account>,
+    /// Statuses of this process's projection runners.
+    pub projection_statuses: Statuses,
 }
 
 /// What tests (and only tests) replace: the clock and the code sender.
@@ -79,6 +88,12 @@ impl AppState {
             ),
             phone_codes: PhoneCodes::new(redis.clone(), clock.clone(), code_sender, auth),
             auth_settings: auth.clone(),
+            accounts: AggregateService::new(
+                event_store.clone(),
+                RetryPolicy::default(),
+                Duration::from_millis(settings.accounts.actor_idle_ms),
+            ),
+            projection_statuses: Statuses::default(),
             pg_pool,
             redis,
             event_store,
@@ -90,6 +105,8 @@ impl AppState {
 pub struct Application {
     port: u16,
     server: Server,
+    /// Projection runners of this process, stopped with the server.
+    background: Vec<tokio::task::JoinHandle<()>>,
 }
 
 impl std::fmt::Debug for Application {
@@ -118,6 +135,23 @@ impl Application {
             tracing::info!(applied = ?report.applied, "migrations up to date");
         }
         let state = web::Data::new(AppState::build(settings, pg_pool, overrides)?);
+        let mut background = Vec::new();
+        if settings.projections.enabled {
+            for projection in ProjectionName::ALL {
+                let projector = Projector::live(
+                    projection,
+                    state.pg_pool.clone(),
+                    state.event_store.clone(),
+                    settings.projections.clone(),
+                );
+                let statuses = state.projection_statuses.clone();
+                background.push(tokio::spawn(async move {
+                    if let Err(error) = projector.run(statuses).await {
+                        tracing::error!(projection = projection.as_str(), error = %crate::telemetry::error_chain(&error), "projection runner stopped");
+                    }
+                }));
+            }
+        }
 
         let address = format!("{}:{}", settings.http.host, settings.http.port);
         let listener =
@@ -143,7 +177,11 @@ impl Application {
         // it stops accepting, lets in-flight requests finish within `shutdown_timeout`, then returns.
         let server = server.run();
         tracing::info!(%address, port, "http listening");
-        Ok(Application { port, server })
+        Ok(Application {
+            port,
+            server,
+            background,
+        })
     }
 
     pub fn port(&self) -> u16 {
@@ -152,6 +190,10 @@ impl Application {
 
     /// Serve until SIGINT/SIGTERM (or until the server handle is stopped).
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
-        self.server.await.context("http server failed")
+        let served = self.server.await.context("http server failed");
+        for task in self.background {
+            task.abort();
+        }
+        served
     }
 }

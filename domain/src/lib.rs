@@ -7,9 +7,11 @@
 //!
 //! The crate depends on no IO crate; `ARCHITECTURE.md` lists that as an invariant.
 
+pub mod account;
 pub mod claim;
 pub mod decider;
 pub mod event;
+pub mod points;
 pub mod user;
 
 pub use decider::Decider;

@@ -1,11 +1,106 @@
 //! Projections: fold the global event log into PostgreSQL read models.
 //!
-//! A projection reads events in global order from its checkpoint, applies them with the domain's
-//! `evolve` semantics, and writes its rows and its checkpoint in one PostgreSQL transaction, so a
-//! crash can never skip or double-apply an event. Projections never append events.
+//! A projection receives events in global order, in batches, and writes its rows inside a
+//! transaction the runner (in the `zhihui` crate) opens and commits together with the checkpoint,
+//! so a crash can never skip or double-apply an event. Projections never append events.
 //!
-//! The runner and the first read models (accounts, ledger) arrive with the points ledger; this
-//! crate exists from the walking skeleton on so that the dependency direction is fixed:
-//! `zhihui` -> `zhihui-projections` -> `zhihui-domain`, never the other way.
+//! Each projection writes to tables named by [`Tables`], so `zhihui replay` can build fresh copies
+//! beside the live ones and swap them in when complete.
+//!
+//! The dependency direction is fixed: `zhihui` -> `zhihui-projections` -> `zhihui-domain`.
+
+pub mod accounts;
+pub mod users;
 
 pub use zhihui_domain as domain;
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+/// An event as a projection sees it (the runner converts the store's type into this).
+#[derive(Debug, Clone)]
+pub struct ProjectedEvent {
+    pub id: Uuid,
+    pub stream: String,
+    pub stream_version: u64,
+    pub event_type: String,
+    pub schema_version: u32,
+    pub payload: serde_json::Value,
+    pub actor: String,
+    pub correlation_id: Uuid,
+    pub recorded_at: DateTime<Utc>,
+}
+
+/// The read models, by the name the runner and the CLI use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProjectionName {
+    /// `accounts` and `ledger_entries`.
+    Ledger,
+    /// `users`.
+    Users,
+}
+
+impl ProjectionName {
+    pub const ALL: [ProjectionName; 2] = [ProjectionName::Ledger, ProjectionName::Users];
+
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ProjectionName::Ledger => "ledger",
+            ProjectionName::Users => "users",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<ProjectionName> {
+        ProjectionName::ALL
+            .into_iter()
+            .find(|projection| projection.as_str() == name)
+    }
+
+    /// The live tables it owns.
+    pub fn tables(&self) -> &'static [&'static str] {
+        match self {
+            ProjectionName::Ledger => &["accounts", "ledger_entries"],
+            ProjectionName::Users => &["users"],
+        }
+    }
+
+    /// Stream prefixes of the events it reads.
+    pub fn stream_prefixes(&self) -> Vec<String> {
+        match self {
+            ProjectionName::Ledger => vec!["account-".into()],
+            ProjectionName::Users => vec!["user-".into()],
+        }
+    }
+
+    /// Apply one batch (in global order) inside the caller's transaction.
+    pub async fn apply(
+        &self,
+        transaction: &tokio_postgres::Transaction<'_>,
+        tables: &Tables,
+        events: &[ProjectedEvent],
+    ) -> anyhow::Result<()> {
+        match self {
+            ProjectionName::Ledger => accounts::apply(transaction, tables, events).await,
+            ProjectionName::Users => users::apply(transaction, tables, events).await,
+        }
+    }
+}
+
+/// Where a projection writes: the live tables, or `<table>__rebuild` during a replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tables {
+    suffix: &'static str,
+}
+
+impl Tables {
+    pub const LIVE: Tables = Tables { suffix: "" };
+    pub const REBUILD: Tables = Tables {
+        suffix: "__rebuild",
+    };
+
+    /// The actual name of a live table under this choice. Table names are constants of this
+    /// crate, never user input, so formatting them into SQL is safe.
+    pub fn name(&self, table: &str) -> String {
+        format!("{table}{}", self.suffix)
+    }
+}

@@ -1,6 +1,7 @@
 //! The HTTP edge: routes, JSON DTOs and the mapping of errors to problem+json. Only this module
 //! knows JSON shapes; the domain and the stores never see an HTTP type.
 
+pub mod accounts;
 mod auth;
 pub mod extract;
 mod health;
@@ -29,6 +30,7 @@ pub fn routes(config: &mut web::ServiceConfig) {
     config
         .app_data(json_config())
         .app_data(path_config())
+        .app_data(query_config())
         .route("/health", web::get().to(health::health))
         .route("/ready", web::get().to(health::ready))
         .route("/api/openapi.json", web::get().to(openapi::document))
@@ -43,7 +45,14 @@ pub fn routes(config: &mut web::ServiceConfig) {
                 .route("/me/phone", web::post().to(users::bind_phone))
                 .route("/users/{id}", web::get().to(users::user))
                 .route("/admin/users/{id}", web::get().to(users::admin_user))
-                .route("/admin/users/{id}/role", web::put().to(users::change_role)),
+                .route("/admin/users/{id}/role", web::put().to(users::change_role))
+                .route("/account", web::get().to(accounts::balance))
+                .route("/account/ledger", web::get().to(accounts::ledger))
+                .route(
+                    "/admin/accounts/{user}/grants",
+                    web::post().to(accounts::grant),
+                )
+                .route("/admin/projections", web::get().to(accounts::projections)),
         );
 }
 
@@ -65,6 +74,16 @@ fn json_config() -> web::JsonConfig {
             };
             ApiError::Validation { field, message }.into()
         })
+}
+
+fn query_config() -> web::QueryConfig {
+    web::QueryConfig::default().error_handler(|error, _request| {
+        ApiError::Validation {
+            field: "query".into(),
+            message: error.to_string(),
+        }
+        .into()
+    })
 }
 
 fn path_config() -> web::PathConfig {

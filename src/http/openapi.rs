@@ -23,12 +23,17 @@ use utoipa::{Modify, OpenApi};
         super::users::bind_phone,
         super::users::admin_user,
         super::users::change_role,
+        super::accounts::balance,
+        super::accounts::ledger,
+        super::accounts::grant,
+        super::accounts::projections,
     ),
     components(schemas(super::problem::Problem)),
     modifiers(&BearerToken),
     tags(
         (name = "auth", description = "register, log in, log out"),
         (name = "users", description = "one's own account"),
+        (name = "account", description = "one's points: balance and ledger"),
         (name = "admin", description = "admin-only endpoints"),
     )
 )]

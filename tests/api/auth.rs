@@ -709,3 +709,45 @@ async fn users_create_bootstraps_an_admin_from_the_command_line() {
     let me: Value = app.get_as(&token, "/api/v1/me").await.json().await.unwrap();
     assert_eq!(me["role"], "admin");
 }
+
+#[tokio::test]
+async fn the_users_read_model_follows_registrations_roles_and_phones() {
+    let app = spawn_app().await;
+    let alice = app.register("alice", "correct horse battery").await;
+    let admin = app.admin_token("root").await;
+    let token = app.login("alice", "correct horse battery").await;
+    assert_eq!(send_code(&app, PHONE).await.status(), 202);
+    let response = app
+        .post(
+            "/api/v1/me/phone",
+            Some(&token),
+            &json!({"phone": PHONE, "code": app.codes.last(PHONE).unwrap()}),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    let response = app
+        .put(
+            &format!("/api/v1/admin/users/{alice}/role"),
+            Some(&admin),
+            &json!({"role": "admin"}),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    app.project().await;
+    let client = crate::helpers::connect(&app.settings).await;
+    let rows = client
+        .query("SELECT username, phone, role FROM users ORDER BY username", &[])
+        .await
+        .unwrap();
+    let rows: Vec<(Option<String>, Option<String>, String)> = rows
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            (Some("alice".into()), Some(PHONE.into()), "admin".into()),
+            (Some("root".into()), None, "admin".into()),
+        ]
+    );
+}

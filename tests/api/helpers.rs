@@ -149,6 +149,34 @@ impl TestApp {
         body["token"].as_str().unwrap().to_owned()
     }
 
+    /// A second set of services on the same database and Redis, as another zhihui process would
+    /// have (no HTTP).
+    pub fn services(&self) -> zhihui::startup::AppState {
+        let pool = zhihui::postgres::build_pool(&self.settings.database).unwrap();
+        zhihui::startup::AppState::build(&self.settings, pool, Overrides::default()).unwrap()
+    }
+
+    /// A projector of `projection` on this app's database.
+    pub fn projector(
+        &self,
+        projection: zhihui_projections::ProjectionName,
+    ) -> zhihui::projector::Projector {
+        let services = self.services();
+        zhihui::projector::Projector::live(
+            projection,
+            services.pg_pool,
+            services.event_store,
+            self.settings.projections.clone(),
+        )
+    }
+
+    /// Run every projection until it has applied everything committed so far.
+    pub async fn project(&self) {
+        for projection in zhihui_projections::ProjectionName::ALL {
+            self.projector(projection).catch_up().await.unwrap();
+        }
+    }
+
     /// Create an admin through the users service (as `zhihui users create --admin` does) and
     /// return its token.
     pub async fn admin_token(&self, username: &str) -> String {
@@ -187,6 +215,8 @@ pub fn test_settings(database_name: &str) -> Settings {
     settings.redis.key_prefix = format!("test:{database_name}");
     settings.http.port = 0;
     settings.http.workers = Some(1);
+    // Tests drive projections step by step (`TestApp::project`); a test may switch them on.
+    settings.projections.enabled = false;
     settings
 }
 

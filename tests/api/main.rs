@@ -5,4 +5,5 @@ mod auth;
 mod event_store;
 mod health;
 mod helpers;
+mod ledger;
 mod migrations;

@@ -1,0 +1,197 @@
+//! `accounts` (one row per account: available, frozen) and `ledger_entries` (one row per movement)
+//! from the account streams.
+//!
+//! A batch is written with two statements whatever its size: every ledger row in one `unnest`
+//! insert, and the last balance of each account in one `unnest` upsert. That is what lets replay
+//! run far above one round trip per event.
+
+use std::collections::HashMap;
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use rust_decimal::Decimal;
+use uuid::Uuid;
+use zhihui_domain::DomainEvent;
+use zhihui_domain::account::AccountEvent;
+
+use crate::{ProjectedEvent, Tables};
+
+/// The user id of an account stream (`account-<uuid>`).
+pub fn account_user_id(stream: &str) -> Option<Uuid> {
+    stream
+        .strip_prefix("account-")
+        .and_then(|id| Uuid::parse_str(id).ok())
+}
+
+/// The ledger's name for each movement.
+pub fn kind_of(event: &AccountEvent) -> &'static str {
+    match event {
+        AccountEvent::Granted(_) => "grant",
+        AccountEvent::Frozen(_) => "freeze",
+        AccountEvent::HoldSettled(_) => "deduct",
+        AccountEvent::HoldReleased(_) => "return",
+        AccountEvent::Charged(_) => "charge",
+        AccountEvent::Refunded(_) => "refund",
+        AccountEvent::Credited(e) => match e.kind {
+            zhihui_domain::account::CreditKind::RedeemCode => "redeem_code",
+            zhihui_domain::account::CreditKind::CheckInBonus => "check_in_bonus",
+            zhihui_domain::account::CreditKind::Promotion => "promotion",
+        },
+    }
+}
+
+fn reason_of(event: &AccountEvent) -> Option<String> {
+    match event {
+        AccountEvent::Granted(e) => Some(e.reason.clone()),
+        AccountEvent::HoldReleased(e) => Some(e.reason.clone()),
+        AccountEvent::Charged(e) => Some(e.reason.clone()),
+        AccountEvent::Refunded(e) => Some(e.reason.clone()),
+        AccountEvent::Credited(e) => Some(e.reference.clone()),
+        AccountEvent::Frozen(_) | AccountEvent::HoldSettled(_) => None,
+    }
+}
+
+#[derive(Default)]
+struct LedgerColumns {
+    user_id: Vec<Uuid>,
+    stream_version: Vec<i64>,
+    event_id: Vec<Uuid>,
+    occurred_at: Vec<DateTime<Utc>>,
+    kind: Vec<&'static str>,
+    amount: Vec<Decimal>,
+    available_after: Vec<Decimal>,
+    frozen_after: Vec<Decimal>,
+    task_id: Vec<Option<Uuid>>,
+    operation_id: Vec<Option<Uuid>>,
+    reason: Vec<Option<String>>,
+    actor: Vec<String>,
+    correlation_id: Vec<Uuid>,
+}
+
+struct LastBalance {
+    available: Decimal,
+    frozen: Decimal,
+    stream_version: i64,
+    updated_at: DateTime<Utc>,
+}
+
+pub async fn apply(
+    transaction: &tokio_postgres::Transaction<'_>,
+    tables: &Tables,
+    events: &[ProjectedEvent],
+) -> anyhow::Result<()> {
+    let mut ledger = LedgerColumns::default();
+    let mut balances: HashMap<Uuid, LastBalance> = HashMap::new();
+    for recorded in events {
+        let Some(user_id) = account_user_id(&recorded.stream) else {
+            continue;
+        };
+        let event = AccountEvent::from_stored(
+            &recorded.event_type,
+            recorded.schema_version,
+            &recorded.payload,
+        )
+        .with_context(|| {
+            format!(
+                "event {} ({} #{} of {})",
+                recorded.id, recorded.event_type, recorded.stream_version, recorded.stream
+            )
+        })?;
+        let stream_version = i64::try_from(recorded.stream_version)?;
+        let after = event.balance_after();
+        let is_hold = matches!(
+            event,
+            AccountEvent::Frozen(_) | AccountEvent::HoldSettled(_) | AccountEvent::HoldReleased(_)
+        );
+        ledger.user_id.push(user_id);
+        ledger.stream_version.push(stream_version);
+        ledger.event_id.push(recorded.id);
+        ledger.occurred_at.push(event.at());
+        ledger.kind.push(kind_of(&event));
+        ledger.amount.push(event.amount().as_decimal());
+        ledger.available_after.push(after.available.as_decimal());
+        ledger.frozen_after.push(after.frozen.as_decimal());
+        ledger.task_id.push(is_hold.then(|| event.reference_id()));
+        ledger
+            .operation_id
+            .push((!is_hold).then(|| event.reference_id()));
+        ledger.reason.push(reason_of(&event));
+        ledger.actor.push(recorded.actor.clone());
+        ledger.correlation_id.push(recorded.correlation_id);
+        balances.insert(
+            user_id,
+            LastBalance {
+                available: after.available.as_decimal(),
+                frozen: after.frozen.as_decimal(),
+                stream_version,
+                updated_at: recorded.recorded_at,
+            },
+        );
+    }
+    if ledger.user_id.is_empty() {
+        return Ok(());
+    }
+    // ON CONFLICT DO NOTHING: a row already there is this very event (the event id is unique).
+    let insert_ledger = format!(
+        "INSERT INTO {ledger} (user_id, stream_version, event_id, occurred_at, kind, amount,
+                               available_after, frozen_after, task_id, operation_id, reason, actor,
+                               correlation_id)
+         SELECT * FROM unnest($1::uuid[], $2::bigint[], $3::uuid[], $4::timestamptz[], $5::text[],
+                              $6::numeric[], $7::numeric[], $8::numeric[], $9::uuid[], $10::uuid[],
+                              $11::text[], $12::text[], $13::uuid[])
+         ON CONFLICT DO NOTHING",
+        ledger = tables.name("ledger_entries")
+    );
+    transaction
+        .execute(
+            &insert_ledger,
+            &[
+                &ledger.user_id,
+                &ledger.stream_version,
+                &ledger.event_id,
+                &ledger.occurred_at,
+                &ledger.kind,
+                &ledger.amount,
+                &ledger.available_after,
+                &ledger.frozen_after,
+                &ledger.task_id,
+                &ledger.operation_id,
+                &ledger.reason,
+                &ledger.actor,
+                &ledger.correlation_id,
+            ],
+        )
+        .await
+        .context("inserting ledger entries")?;
+
+    let mut user_ids = Vec::with_capacity(balances.len());
+    let mut available = Vec::with_capacity(balances.len());
+    let mut frozen = Vec::with_capacity(balances.len());
+    let mut versions = Vec::with_capacity(balances.len());
+    let mut updated = Vec::with_capacity(balances.len());
+    for (user_id, balance) in balances {
+        user_ids.push(user_id);
+        available.push(balance.available);
+        frozen.push(balance.frozen);
+        versions.push(balance.stream_version);
+        updated.push(balance.updated_at);
+    }
+    let upsert_accounts = format!(
+        "INSERT INTO {accounts} AS a (user_id, available, frozen, stream_version, updated_at)
+         SELECT * FROM unnest($1::uuid[], $2::numeric[], $3::numeric[], $4::bigint[],
+                              $5::timestamptz[])
+         ON CONFLICT (user_id) DO UPDATE
+            SET available = EXCLUDED.available, frozen = EXCLUDED.frozen,
+                stream_version = EXCLUDED.stream_version, updated_at = EXCLUDED.updated_at
+          WHERE a.stream_version < EXCLUDED.stream_version",
+        accounts = tables.name("accounts")
+    );
+    transaction
+        .execute(
+            &upsert_accounts,
+            &[&user_ids, &available, &frozen, &versions, &updated],
+        )
+        .await
+        .context("upserting account balances")?;
+    Ok(())
+}

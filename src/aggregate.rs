@@ -1,0 +1,326 @@
+//! Serialised, batched command handling for hot streams (accounts).
+//!
+//! Many concurrent commands on one stream would mostly lose the optimistic-concurrency race and
+//! retry. Instead, each stream that has work gets one actor task in this process: commands queue
+//! to it, and it decides a whole batch of them in order on its cached state and appends all their
+//! events in ONE append. Conflicts then only come from other processes; on one, the actor catches
+//! up from the store (reading only the new events) and decides the batch again. No client ever
+//! sees a concurrency error, and a hot account does one append per batch, not per command.
+//!
+//! The cached state also makes long streams cheap: a stream is folded once when its actor starts,
+//! then only caught up. An actor with nothing to do for `idle` exits and forgets its state.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use zhihui_domain::{Decider, DomainEvent};
+
+use crate::command::{CommandError, RetryPolicy, to_new_events};
+use crate::event_store::{
+    AnyEventStore, EventMetadata, EventStore, EventStoreError, ExpectedVersion,
+};
+
+/// Commands one append may carry: bounds the append's size and each batch's latency.
+pub const BATCH_COMMANDS_MAX: usize = 256;
+/// Queued commands per stream before senders wait: back-pressure instead of unbounded memory.
+pub const STREAM_QUEUE_MAX: usize = 4_096;
+
+/// What a command did: its new events (empty for an idempotent repeat) and the state after the
+/// whole batch it was part of.
+#[derive(Debug)]
+pub struct Handled<D: Decider> {
+    pub new_events: Vec<D::Event>,
+    pub state_after: D::State,
+}
+
+type Reply<D> = oneshot::Sender<Result<Handled<D>, CommandError<<D as Decider>::Error>>>;
+
+struct Request<D: Decider> {
+    command: D::Command,
+    metadata: EventMetadata,
+    reply: Reply<D>,
+}
+
+/// The actors of one aggregate type, by stream.
+pub struct AggregateService<D: Decider> {
+    store: AnyEventStore,
+    retry: RetryPolicy,
+    idle: Duration,
+    actors: Arc<Mutex<HashMap<String, mpsc::Sender<Request<D>>>>>,
+}
+
+impl<D: Decider> Clone for AggregateService<D> {
+    fn clone(&self) -> Self {
+        AggregateService {
+            store: self.store.clone(),
+            retry: self.retry,
+            idle: self.idle,
+            actors: self.actors.clone(),
+        }
+    }
+}
+
+impl<D: Decider> std::fmt::Debug for AggregateService<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AggregateService")
+            .field("idle", &self.idle)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<D> AggregateService<D>
+where
+    D: Decider + Send + 'static,
+    D::State: Clone + Send + Sync + 'static,
+    D::Command: Send + Sync + 'static,
+    D::Event: DomainEvent + Clone + Send + Sync + 'static,
+    D::Error: Send + Sync + 'static,
+{
+    pub fn new(store: AnyEventStore, retry: RetryPolicy, idle: Duration) -> Self {
+        AggregateService {
+            store,
+            retry,
+            idle,
+            actors: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// Handle one command on `stream`.
+    pub async fn execute(
+        &self,
+        stream: &str,
+        command: D::Command,
+        metadata: EventMetadata,
+    ) -> Result<Handled<D>, CommandError<D::Error>> {
+        let (reply, answer) = oneshot::channel();
+        let mut request = Request {
+            command,
+            metadata,
+            reply,
+        };
+        loop {
+            let sender = self.actor(stream);
+            match sender.send(request).await {
+                Ok(()) => break,
+                // The actor exited between lookup and send: start a new one.
+                Err(mpsc::error::SendError(returned)) => {
+                    self.forget(stream, &sender);
+                    request = returned;
+                }
+            }
+        }
+        answer
+            .await
+            .map_err(|_| CommandError::Store(anyhow::anyhow!("the actor of {stream} stopped")))?
+    }
+
+    fn actor(&self, stream: &str) -> mpsc::Sender<Request<D>> {
+        let mut actors = self
+            .actors
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        if let Some(sender) = actors.get(stream).filter(|sender| !sender.is_closed()) {
+            return sender.clone();
+        }
+        let (sender, receiver) = mpsc::channel(STREAM_QUEUE_MAX);
+        actors.insert(stream.to_owned(), sender.clone());
+        let actor = Actor::<D> {
+            stream: stream.to_owned(),
+            store: self.store.clone(),
+            retry: self.retry,
+            idle: self.idle,
+            receiver,
+            own: sender.downgrade(),
+            actors: self.actors.clone(),
+            state: None,
+        };
+        tokio::spawn(actor.run());
+        sender
+    }
+
+    fn forget(&self, stream: &str, dead: &mpsc::Sender<Request<D>>) {
+        let mut actors = self
+            .actors
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        if actors
+            .get(stream)
+            .is_some_and(|sender| sender.same_channel(dead))
+        {
+            actors.remove(stream);
+        }
+    }
+}
+
+struct Actor<D: Decider> {
+    stream: String,
+    store: AnyEventStore,
+    retry: RetryPolicy,
+    idle: Duration,
+    receiver: mpsc::Receiver<Request<D>>,
+    /// Its own channel, weakly (a strong sender would keep it alive forever): on idle exit the
+    /// actor removes the registry entry only if it is still its own.
+    own: mpsc::WeakSender<Request<D>>,
+    actors: Arc<Mutex<HashMap<String, mpsc::Sender<Request<D>>>>>,
+    /// The folded state and the version of its last event (`None`: no event yet).
+    state: Option<(D::State, Option<u64>)>,
+}
+
+impl<D> Actor<D>
+where
+    D: Decider + Send + 'static,
+    D::State: Clone + Send + Sync + 'static,
+    D::Command: Send + Sync + 'static,
+    D::Event: DomainEvent + Clone + Send + Sync + 'static,
+    D::Error: Send + Sync + 'static,
+{
+    async fn run(mut self) {
+        loop {
+            let first = match tokio::time::timeout(self.idle, self.receiver.recv()).await {
+                Ok(Some(request)) => request,
+                Ok(None) => return,
+                Err(_idle) => {
+                    // Leave the registry first, then drain what raced in, then stop.
+                    {
+                        let mut actors = self
+                            .actors
+                            .lock()
+                            .unwrap_or_else(|poison| poison.into_inner());
+                        let own = self.own.upgrade();
+                        if actors.get(&self.stream).is_some_and(|sender| {
+                            own.as_ref().is_some_and(|own| sender.same_channel(own))
+                        }) {
+                            actors.remove(&self.stream);
+                        }
+                    }
+                    self.receiver.close();
+                    let mut late = Vec::new();
+                    while let Ok(request) = self.receiver.try_recv() {
+                        late.push(request);
+                    }
+                    if !late.is_empty() {
+                        self.handle_batch(late).await;
+                    }
+                    return;
+                }
+            };
+            let mut batch = vec![first];
+            while batch.len() < BATCH_COMMANDS_MAX {
+                match self.receiver.try_recv() {
+                    Ok(request) => batch.push(request),
+                    Err(_) => break,
+                }
+            }
+            self.handle_batch(batch).await;
+        }
+    }
+
+    async fn handle_batch(&mut self, batch: Vec<Request<D>>) {
+        let mut outcome = self.decide_and_append(&batch).await;
+        // Hand every request its own answer.
+        match &mut outcome {
+            Ok(results) => {
+                for (request, result) in batch.into_iter().zip(results.drain(..)) {
+                    let _ = request.reply.send(result);
+                }
+            }
+            Err(error) => {
+                let message = format!("{error:#}");
+                for request in batch {
+                    let _ = request
+                        .reply
+                        .send(Err(CommandError::Store(anyhow::anyhow!("{message}"))));
+                }
+            }
+        }
+    }
+
+    async fn decide_and_append(
+        &mut self,
+        batch: &[Request<D>],
+    ) -> anyhow::Result<Vec<Result<Handled<D>, CommandError<D::Error>>>> {
+        for attempt in 1..=self.retry.attempts_max {
+            let (mut state, version) = match self.state.take() {
+                Some(cached) => cached,
+                None => self.catch_up(D::initial_state(), None).await?,
+            };
+            let base = (state.clone(), version);
+            let mut decisions: Vec<Result<Vec<D::Event>, D::Error>> =
+                Vec::with_capacity(batch.len());
+            let mut new_events = Vec::new();
+            for request in batch {
+                match D::decide(&state, &request.command) {
+                    Ok(events) => {
+                        for event in &events {
+                            state = D::evolve(state, event);
+                        }
+                        new_events.extend(to_new_events(&events, &request.metadata));
+                        decisions.push(Ok(events));
+                    }
+                    Err(error) => decisions.push(Err(error)),
+                }
+            }
+            let finish = |state: &D::State, decisions: Vec<Result<Vec<D::Event>, D::Error>>| {
+                decisions
+                    .into_iter()
+                    .map(|decision| match decision {
+                        Ok(events) => Ok(Handled {
+                            new_events: events,
+                            state_after: state.clone(),
+                        }),
+                        Err(error) => Err(CommandError::Rejected(error)),
+                    })
+                    .collect()
+            };
+            if new_events.is_empty() {
+                let results = finish(&state, decisions);
+                self.state = Some((state, version));
+                return Ok(results);
+            }
+            let expected = match version {
+                None => ExpectedVersion::NoStream,
+                Some(version) => ExpectedVersion::Exact(version),
+            };
+            match self.store.append(&self.stream, expected, new_events).await {
+                Ok(outcome) => {
+                    let results = finish(&state, decisions);
+                    self.state = Some((state, Some(outcome.stream_version)));
+                    return Ok(results);
+                }
+                Err(EventStoreError::WrongExpectedVersion { .. }) => {
+                    // Another process appended: catch up from our base and decide again.
+                    let (state, version) = self.catch_up(base.0, base.1).await?;
+                    self.state = Some((state, version));
+                    crate::command::backoff(self.retry, attempt).await;
+                }
+                Err(error) => {
+                    // Unknown whether it landed: forget the cache, the next batch reloads.
+                    return Err(
+                        anyhow::Error::new(error).context(format!("appending to {}", self.stream))
+                    );
+                }
+            }
+        }
+        Ok(batch
+            .iter()
+            .map(|_| {
+                Err(CommandError::Contended {
+                    stream: self.stream.clone(),
+                    attempts: self.retry.attempts_max,
+                })
+            })
+            .collect())
+    }
+
+    async fn catch_up(
+        &self,
+        state: D::State,
+        version: Option<u64>,
+    ) -> anyhow::Result<(D::State, Option<u64>)> {
+        let loaded =
+            crate::command::catch_up::<D>(&self.store, &self.stream, state, version).await?;
+        Ok((loaded.state, loaded.version))
+    }
+}

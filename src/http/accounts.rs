@@ -1,0 +1,334 @@
+//! `/api/v1/account*` (own balance and ledger, from the read models) and
+//! `/api/v1/admin/accounts/{user}/grants`, `/api/v1/admin/projections`.
+
+use actix_web::{HttpRequest, HttpResponse, web};
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use rust_decimal::Decimal;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+use zhihui_domain::account::{AccountCommand, AccountError, account_stream};
+use zhihui_domain::points::Amount;
+use zhihui_domain::user::UserId;
+
+use crate::command::CommandError;
+use crate::http::extract::{Admin, Authenticated};
+use crate::http::{ApiError, event_metadata};
+use crate::startup::AppState;
+
+/// Most ledger entries per page: one screen, and a bounded query.
+pub const LEDGER_PAGE_MAX: i64 = 100;
+/// Ledger entries per page when the client does not say.
+pub const LEDGER_PAGE_DEFAULT: i64 = 20;
+/// Longest grant reason: a sentence for the audit log, not a document.
+pub const GRANT_REASON_LENGTH_MAX: usize = 200;
+/// Longest `Idempotency-Key` accepted.
+pub const IDEMPOTENCY_KEY_LENGTH_MAX: usize = 200;
+
+/// Namespace of operation ids derived from `Idempotency-Key` headers.
+const IDEMPOTENCY_NAMESPACE: Uuid = Uuid::from_u128(0x7a68_6968_7569_4000_8000_6964_656d_706f);
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct BalanceView {
+    /// Decimal string with two places, e.g. `"90.00"`.
+    #[schema(value_type = String, example = "90.00")]
+    pub available: Decimal,
+    #[schema(value_type = String, example = "10.00")]
+    pub frozen: Decimal,
+    pub updated_at: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct LedgerEntryView {
+    pub occurred_at: DateTime<Utc>,
+    /// grant, freeze, deduct, return, charge, refund, redeem_code, check_in_bonus, promotion.
+    pub kind: String,
+    #[schema(value_type = String)]
+    pub amount: Decimal,
+    #[schema(value_type = String)]
+    pub available_after: Decimal,
+    #[schema(value_type = String)]
+    pub frozen_after: Decimal,
+    pub task_id: Option<Uuid>,
+    pub operation_id: Option<Uuid>,
+    pub reason: Option<String>,
+    pub correlation_id: Uuid,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct LedgerPage {
+    pub entries: Vec<LedgerEntryView>,
+    /// Pass as `cursor` for the next (older) page; absent on the last page.
+    pub next_cursor: Option<String>,
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+pub struct LedgerQuery {
+    /// 1 to 100, default 20.
+    pub limit: Option<i64>,
+    /// `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+pub struct GrantRequest {
+    /// Positive, at most two decimal places; a string (`"100"`) or a number.
+    #[schema(value_type = String, example = "100")]
+    pub amount: Decimal,
+    pub reason: String,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct GrantResponse {
+    pub operation_id: Uuid,
+    /// False when this was a repeat of an earlier request with the same `Idempotency-Key`.
+    pub granted_now: bool,
+    #[schema(value_type = String)]
+    pub available: Decimal,
+    #[schema(value_type = String)]
+    pub frozen: Decimal,
+}
+
+/// The caller's balance.
+#[utoipa::path(
+    get, path = "/api/v1/account", tag = "account", security(("bearer" = [])),
+    responses((status = 200, body = BalanceView), (status = 401, body = crate::http::problem::Problem))
+)]
+pub async fn balance(
+    state: web::Data<AppState>,
+    caller: Authenticated,
+) -> Result<HttpResponse, ApiError> {
+    let client = state.pg_pool.get().await.context("getting a connection")?;
+    let row = client
+        .query_opt(
+            "SELECT available, frozen, updated_at FROM accounts WHERE user_id = $1",
+            &[&caller.user_id().as_uuid()],
+        )
+        .await
+        .context("reading the balance")?;
+    let view = match row {
+        Some(row) => BalanceView {
+            available: row.get(0),
+            frozen: row.get(1),
+            updated_at: Some(row.get(2)),
+        },
+        None => BalanceView {
+            available: Decimal::new(0, 2),
+            frozen: Decimal::new(0, 2),
+            updated_at: None,
+        },
+    };
+    Ok(HttpResponse::Ok().json(view))
+}
+
+/// The caller's ledger, newest first.
+#[utoipa::path(
+    get, path = "/api/v1/account/ledger", tag = "account", security(("bearer" = [])),
+    params(LedgerQuery),
+    responses((status = 200, body = LedgerPage), (status = 401, body = crate::http::problem::Problem), (status = 422, body = crate::http::problem::Problem))
+)]
+pub async fn ledger(
+    state: web::Data<AppState>,
+    caller: Authenticated,
+    query: web::Query<LedgerQuery>,
+) -> Result<HttpResponse, ApiError> {
+    let limit = query.limit.unwrap_or(LEDGER_PAGE_DEFAULT);
+    if !(1..=LEDGER_PAGE_MAX).contains(&limit) {
+        return Err(ApiError::Validation {
+            field: "limit".into(),
+            message: format!("must be 1 to {LEDGER_PAGE_MAX}"),
+        });
+    }
+    // The cursor is the stream version of the last entry shown; entries before it come next.
+    let before: i64 = match &query.cursor {
+        None => i64::MAX,
+        Some(cursor) => cursor.parse().map_err(|_| ApiError::Validation {
+            field: "cursor".into(),
+            message: "is not a cursor this API returned".into(),
+        })?,
+    };
+    let client = state.pg_pool.get().await.context("getting a connection")?;
+    let rows = client
+        .query(
+            "SELECT occurred_at, kind, amount, available_after, frozen_after, task_id,
+                    operation_id, reason, correlation_id, stream_version
+               FROM ledger_entries WHERE user_id = $1 AND stream_version < $2
+              ORDER BY stream_version DESC LIMIT $3",
+            &[&caller.user_id().as_uuid(), &before, &(limit + 1)],
+        )
+        .await
+        .context("reading the ledger")?;
+    let has_more = rows.len() as i64 > limit;
+    let rows = &rows[..rows.len().min(usize::try_from(limit).unwrap_or(0))];
+    let next_cursor = if has_more {
+        rows.last().map(|row| row.get::<_, i64>(9).to_string())
+    } else {
+        None
+    };
+    let entries = rows
+        .iter()
+        .map(|row| LedgerEntryView {
+            occurred_at: row.get(0),
+            kind: row.get(1),
+            amount: row.get(2),
+            available_after: row.get(3),
+            frozen_after: row.get(4),
+            task_id: row.get(5),
+            operation_id: row.get(6),
+            reason: row.get(7),
+            correlation_id: row.get(8),
+        })
+        .collect();
+    Ok(HttpResponse::Ok().json(LedgerPage {
+        entries,
+        next_cursor,
+    }))
+}
+
+/// The operation id of a request: derived from its `Idempotency-Key` (so a retry finds the same
+/// operation), or fresh.
+pub fn operation_id(request: &HttpRequest, scope: &str) -> Result<Uuid, ApiError> {
+    match request.headers().get("idempotency-key") {
+        None => Ok(Uuid::now_v7()),
+        Some(value) => {
+            let key = value.to_str().unwrap_or("");
+            if key.is_empty() || key.len() > IDEMPOTENCY_KEY_LENGTH_MAX {
+                return Err(ApiError::Validation {
+                    field: "Idempotency-Key".into(),
+                    message: format!(
+                        "must be 1 to {IDEMPOTENCY_KEY_LENGTH_MAX} visible ASCII characters"
+                    ),
+                });
+            }
+            Ok(Uuid::new_v5(
+                &IDEMPOTENCY_NAMESPACE,
+                format!("{scope}:{key}").as_bytes(),
+            ))
+        }
+    }
+}
+
+pub fn account_error(error: CommandError<AccountError>) -> ApiError {
+    match error {
+        CommandError::Rejected(error @ AccountError::InsufficientPoints { .. }) => {
+            ApiError::Conflict {
+                rule: "insufficient-points",
+                detail: error.to_string(),
+            }
+        }
+        CommandError::Rejected(error @ AccountError::OperationIdReused(_)) => ApiError::Conflict {
+            rule: "idempotency-key-reused",
+            detail: format!("{error}: this Idempotency-Key was used for another request"),
+        },
+        CommandError::Rejected(error) => ApiError::Conflict {
+            rule: "account-rule",
+            detail: error.to_string(),
+        },
+        CommandError::Contended { .. } => ApiError::Unavailable {
+            dependencies: vec!["event-store".into()],
+        },
+        CommandError::Store(error) => error.into(),
+    }
+}
+
+/// Grant points to a user (admins). Send an `Idempotency-Key` header to make retries safe.
+#[utoipa::path(
+    post, path = "/api/v1/admin/accounts/{user}/grants", tag = "admin", security(("bearer" = [])),
+    params(
+        ("user" = Uuid, Path, description = "user id"),
+        ("Idempotency-Key" = Option<String>, Header, description = "same key, same grant: a retry grants nothing more"),
+    ),
+    request_body = GrantRequest,
+    responses(
+        (status = 201, body = GrantResponse),
+        (status = 403, description = "`admin-only`", body = crate::http::problem::Problem),
+        (status = 404, description = "no such user", body = crate::http::problem::Problem),
+        (status = 409, description = "`idempotency-key-reused` with another amount", body = crate::http::problem::Problem),
+        (status = 422, description = "`amount` or `reason` breaks its rule", body = crate::http::problem::Problem),
+    )
+)]
+pub async fn grant(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    admin: Admin,
+    path: web::Path<String>,
+    body: web::Json<GrantRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let user_id = Uuid::parse_str(&path)
+        .map(UserId::from_uuid)
+        .map_err(|_| ApiError::NotFound("no such user".into()))?;
+    let amount = Amount::parse(body.amount).map_err(|error| ApiError::Validation {
+        field: "amount".into(),
+        message: error.to_string(),
+    })?;
+    let reason = body.reason.trim();
+    if reason.is_empty() || reason.chars().count() > GRANT_REASON_LENGTH_MAX {
+        return Err(ApiError::Validation {
+            field: "reason".into(),
+            message: format!("must be 1 to {GRANT_REASON_LENGTH_MAX} characters"),
+        });
+    }
+    if state.users.get(user_id).await?.is_none() {
+        return Err(ApiError::NotFound("no such user".into()));
+    }
+    let operation_id = operation_id(&request, &format!("grant:{user_id}"))?;
+    let command = AccountCommand::Grant {
+        operation_id,
+        amount,
+        reason: reason.to_owned(),
+        at: state.clock.now(),
+    };
+    let handled = state
+        .accounts
+        .execute(
+            &account_stream(user_id),
+            command,
+            event_metadata(&request, admin.actor()),
+        )
+        .await
+        .map_err(account_error)?;
+    let balance = handled.state_after.balance;
+    Ok(HttpResponse::Created().json(GrantResponse {
+        operation_id,
+        granted_now: !handled.new_events.is_empty(),
+        available: balance.available.as_decimal(),
+        frozen: balance.frozen.as_decimal(),
+    }))
+}
+
+/// Where each projection stands (admins).
+#[utoipa::path(
+    get, path = "/api/v1/admin/projections", tag = "admin", security(("bearer" = [])),
+    responses((status = 200, body = [crate::projector::ProjectionStatus]), (status = 403, body = crate::http::problem::Problem))
+)]
+pub async fn projections(
+    state: web::Data<AppState>,
+    _admin: Admin,
+) -> Result<HttpResponse, ApiError> {
+    let mut statuses = Vec::new();
+    for projection in zhihui_projections::ProjectionName::ALL {
+        let projector = crate::projector::Projector::live(
+            projection,
+            state.pg_pool.clone(),
+            state.event_store.clone(),
+            crate::configuration::ProjectionSettings {
+                enabled: false,
+                batch_size: 1,
+                takeover_check_ms: 1,
+                poison_retries_max: 1,
+            },
+        );
+        let mut status = projector.stored_status().await?;
+        let here = state
+            .projection_statuses
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .get(projection.as_str())
+            .cloned();
+        if let Some(here) = here {
+            status.leader_here = here.leader_here;
+        }
+        statuses.push(status);
+    }
+    Ok(HttpResponse::Ok().json(statuses))
+}

@@ -1,0 +1,539 @@
+//! The projection runner: follows the global log from a projection's checkpoint and applies it in
+//! batches, writing the read-model rows and the checkpoint in ONE PostgreSQL transaction.
+//!
+//! - Exactly one instance of each projection runs across all zhihui processes: the leader holds a
+//!   session advisory lock on a dedicated connection; when that process dies its connection
+//!   closes, the lock is released and another process takes over on its next check. As a second
+//!   guard, every batch locks the checkpoint row and checks that it still is where this runner
+//!   left it: a runner that lost its lock without noticing cannot apply anything twice.
+//! - Live, the runner reads from a subscription (woken by new commits), so the lag is a commit
+//!   away; [`Projector::project_batch`] reads one page with `read_all`, for tests (driven step by
+//!   step) and for replay.
+//! - A batch that fails is retried; if it keeps failing, its events are applied one by one to find
+//!   the poison event, and the projection stops, naming that event in the log and in its
+//!   checkpoint row (`stopped_reason`). It never skips an event.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use deadpool_postgres::Pool;
+use futures::StreamExt;
+use serde::Serialize;
+use zhihui_projections::{ProjectedEvent, ProjectionName, Tables};
+
+use crate::configuration::ProjectionSettings;
+use crate::event_store::{
+    AnyEventStore, EventFilter, EventStore, Position, RecordedEvent, SubscriptionMessage,
+};
+
+/// What one step did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchOutcome {
+    Applied { events: usize },
+    CaughtUp,
+}
+
+/// Where a projection stands, for `/api/v1/admin/projections` and the CLI.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct ProjectionStatus {
+    pub projection: String,
+    pub leader_here: bool,
+    #[schema(value_type = Option<String>)]
+    pub checkpoint: Option<String>,
+    pub events_applied: i64,
+    /// Time from the last applied event's commit to its batch's commit.
+    pub last_lag_ms: Option<i64>,
+    pub updated_at: Option<DateTime<Utc>>,
+    pub stopped_reason: Option<String>,
+}
+
+/// Statuses of this process's runners.
+pub type Statuses = Arc<Mutex<HashMap<&'static str, ProjectionStatus>>>;
+
+#[derive(Debug, Clone)]
+pub struct Projector {
+    projection: ProjectionName,
+    pool: Pool,
+    store: AnyEventStore,
+    tables: Tables,
+    /// Checkpoint row name: the projection's name, or `<name>__rebuild` during replay.
+    checkpoint_name: String,
+    settings: ProjectionSettings,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Checkpoint {
+    position: Option<Position>,
+}
+
+fn to_projected(event: &RecordedEvent) -> ProjectedEvent {
+    ProjectedEvent {
+        id: event.id,
+        stream: event.stream.clone(),
+        stream_version: event.stream_version,
+        event_type: event.event_type.clone(),
+        schema_version: event.schema_version,
+        payload: event.payload.clone(),
+        actor: event.metadata.actor.clone(),
+        correlation_id: event.metadata.correlation_id,
+        recorded_at: event.recorded_at,
+    }
+}
+
+fn position_to_sql(position: Option<Position>) -> anyhow::Result<(Option<i64>, Option<i64>)> {
+    Ok(match position {
+        None => (None, None),
+        Some(position) => (
+            Some(i64::try_from(position.commit)?),
+            Some(i64::try_from(position.prepare)?),
+        ),
+    })
+}
+
+impl Projector {
+    pub fn live(
+        projection: ProjectionName,
+        pool: Pool,
+        store: AnyEventStore,
+        settings: ProjectionSettings,
+    ) -> Projector {
+        Projector {
+            projection,
+            pool,
+            store,
+            tables: Tables::LIVE,
+            checkpoint_name: projection.as_str().to_owned(),
+            settings,
+        }
+    }
+
+    /// A runner writing into `<table>__rebuild` with its own checkpoint (replay).
+    pub fn rebuild(
+        projection: ProjectionName,
+        pool: Pool,
+        store: AnyEventStore,
+        settings: ProjectionSettings,
+    ) -> Projector {
+        Projector {
+            tables: Tables::REBUILD,
+            checkpoint_name: format!("{}__rebuild", projection.as_str()),
+            ..Projector::live(projection, pool, store, settings)
+        }
+    }
+
+    pub fn projection(&self) -> ProjectionName {
+        self.projection
+    }
+
+    pub fn checkpoint_name(&self) -> &str {
+        &self.checkpoint_name
+    }
+
+    fn filter(&self) -> EventFilter {
+        EventFilter::StreamPrefixes(self.projection.stream_prefixes())
+    }
+
+    /// Lock the checkpoint row (creating it first) inside `transaction`.
+    async fn lock_checkpoint(
+        &self,
+        transaction: &tokio_postgres::Transaction<'_>,
+    ) -> anyhow::Result<Checkpoint> {
+        transaction
+            .execute(
+                "INSERT INTO projection_checkpoints (projection) VALUES ($1)
+                 ON CONFLICT (projection) DO NOTHING",
+                &[&self.checkpoint_name],
+            )
+            .await
+            .context("creating the checkpoint row")?;
+        let row = transaction
+            .query_one(
+                "SELECT commit_position, prepare_position, stopped_reason
+                   FROM projection_checkpoints WHERE projection = $1 FOR UPDATE",
+                &[&self.checkpoint_name],
+            )
+            .await
+            .context("locking the checkpoint row")?;
+        if let Some(reason) = row.get::<_, Option<String>>(2) {
+            anyhow::bail!(
+                "projection {} is stopped: {reason}; fix the cause, then clear stopped_reason or replay",
+                self.checkpoint_name
+            );
+        }
+        let commit: Option<i64> = row.get(0);
+        let prepare: Option<i64> = row.get(1);
+        let position = match (commit, prepare) {
+            (Some(commit), Some(prepare)) => Some(Position {
+                commit: u64::try_from(commit)?,
+                prepare: u64::try_from(prepare)?,
+            }),
+            _ => None,
+        };
+        Ok(Checkpoint { position })
+    }
+
+    /// The checkpoint as stored (no lock).
+    pub async fn checkpoint(&self) -> anyhow::Result<Option<Position>> {
+        let mut client = self.pool.get().await.context("getting a connection")?;
+        let transaction = client.transaction().await?;
+        let checkpoint = self.lock_checkpoint(&transaction).await?;
+        transaction.commit().await?;
+        Ok(checkpoint.position)
+    }
+
+    /// Apply `events` and move the checkpoint from `expected` to `scanned_to`, in one
+    /// transaction. Refuses if the checkpoint is not at `expected` (another runner moved it).
+    /// Returns the lag of the batch (ms from the last event's commit to now).
+    async fn commit_batch(
+        &self,
+        expected: Option<Position>,
+        events: &[RecordedEvent],
+        scanned_to: Position,
+    ) -> anyhow::Result<Option<i64>> {
+        let mut client = self.pool.get().await.context("getting a connection")?;
+        let transaction = client.transaction().await.context("starting a batch")?;
+        let checkpoint = self.lock_checkpoint(&transaction).await?;
+        anyhow::ensure!(
+            checkpoint.position == expected,
+            "projection {}: checkpoint moved to {:?} under this runner (expected {:?}): another \
+             instance is running",
+            self.checkpoint_name,
+            checkpoint.position,
+            expected
+        );
+        let projected: Vec<ProjectedEvent> = events.iter().map(to_projected).collect();
+        self.projection
+            .apply(&transaction, &self.tables, &projected)
+            .await?;
+        let (commit, prepare) = position_to_sql(Some(scanned_to))?;
+        let last_recorded_at = events.last().map(|event| event.recorded_at);
+        let count = i64::try_from(events.len())?;
+        transaction
+            .execute(
+                "UPDATE projection_checkpoints
+                    SET commit_position = $2, prepare_position = $3,
+                        events_applied = events_applied + $4,
+                        last_recorded_at = COALESCE($5, last_recorded_at), updated_at = now()
+                  WHERE projection = $1",
+                &[
+                    &self.checkpoint_name,
+                    &commit,
+                    &prepare,
+                    &count,
+                    &last_recorded_at,
+                ],
+            )
+            .await
+            .context("moving the checkpoint")?;
+        transaction.commit().await.context("committing a batch")?;
+        Ok(last_recorded_at.map(|at| (Utc::now() - at).num_milliseconds().max(0)))
+    }
+
+    /// Sabotage for tests: read a page and apply it, then kill this very connection before the
+    /// commit (`pg_terminate_backend` of its own backend), as a crash between the two would.
+    #[doc(hidden)]
+    pub async fn project_batch_killed_before_commit(&self) -> anyhow::Result<usize> {
+        let checkpoint = self.checkpoint().await?;
+        let slice = self
+            .store
+            .read_all(checkpoint, self.settings.batch_size, &self.filter())
+            .await?;
+        let mut client = self.pool.get().await.context("getting a connection")?;
+        let transaction = client.transaction().await?;
+        self.lock_checkpoint(&transaction).await?;
+        let projected: Vec<ProjectedEvent> = slice.events.iter().map(to_projected).collect();
+        self.projection
+            .apply(&transaction, &self.tables, &projected)
+            .await?;
+        let killed = transaction
+            .simple_query("SELECT pg_terminate_backend(pg_backend_pid())")
+            .await;
+        anyhow::ensure!(
+            killed.is_err(),
+            "the connection survived its own termination"
+        );
+        Ok(projected.len())
+    }
+
+    /// One step for tests and replay: read a page after the checkpoint and apply it.
+    pub async fn project_batch(&self) -> anyhow::Result<BatchOutcome> {
+        let checkpoint = self.checkpoint().await?;
+        let slice = self
+            .store
+            .read_all(checkpoint, self.settings.batch_size, &self.filter())
+            .await
+            .context("reading the log")?;
+        let Some(scanned_to) = slice.scanned_to.filter(|to| Some(*to) != checkpoint) else {
+            return Ok(BatchOutcome::CaughtUp);
+        };
+        self.apply_with_retries(checkpoint, &slice.events, scanned_to)
+            .await?;
+        Ok(BatchOutcome::Applied {
+            events: slice.events.len(),
+        })
+    }
+
+    /// Steps until caught up; returns the number of events applied.
+    pub async fn catch_up(&self) -> anyhow::Result<u64> {
+        let mut applied = 0u64;
+        while let BatchOutcome::Applied { events } = self.project_batch().await? {
+            applied += events as u64;
+        }
+        Ok(applied)
+    }
+
+    /// Apply a batch; retry it; if it keeps failing, find and name the poison event and stop.
+    async fn apply_with_retries(
+        &self,
+        checkpoint: Option<Position>,
+        events: &[RecordedEvent],
+        scanned_to: Position,
+    ) -> anyhow::Result<Option<i64>> {
+        let mut last_error = None;
+        for attempt in 0..self.settings.poison_retries_max {
+            match self.commit_batch(checkpoint, events, scanned_to).await {
+                Ok(lag) => return Ok(lag),
+                Err(error) => {
+                    tracing::warn!(
+                        projection = %self.checkpoint_name,
+                        attempt,
+                        error = %crate::telemetry::error_chain(&error),
+                        "a projection batch failed; retrying"
+                    );
+                    last_error = Some(error);
+                    tokio::time::sleep(Duration::from_millis(10 << attempt.min(8))).await;
+                }
+            }
+        }
+        let batch_error = last_error.unwrap_or_else(|| anyhow::anyhow!("no attempt was made"));
+        if batch_error
+            .to_string()
+            .contains("another instance is running")
+        {
+            return Err(batch_error);
+        }
+        // One by one, to name the event that fails (those before it are applied, in order).
+        let mut position = checkpoint;
+        for event in events {
+            if let Err(error) = self
+                .commit_batch(position, std::slice::from_ref(event), event.position)
+                .await
+            {
+                let reason = format!(
+                    "event {} ({} #{} of stream {}, position {}) cannot be applied: {}",
+                    event.id,
+                    event.event_type,
+                    event.stream_version,
+                    event.stream,
+                    event.position,
+                    crate::telemetry::error_chain(&error)
+                );
+                tracing::error!(projection = %self.checkpoint_name, %reason, "projection stopped on a poison event");
+                self.stop(&reason).await?;
+                anyhow::bail!("projection {} stopped: {reason}", self.checkpoint_name);
+            }
+            position = Some(event.position);
+        }
+        // Every event applied alone: the batch as a whole failed for a passing reason.
+        self.commit_batch(position, &[], scanned_to).await
+    }
+
+    async fn stop(&self, reason: &str) -> anyhow::Result<()> {
+        let client = self.pool.get().await.context("getting a connection")?;
+        client
+            .execute(
+                "UPDATE projection_checkpoints SET stopped_reason = $2, updated_at = now()
+                  WHERE projection = $1",
+                &[&self.checkpoint_name, &reason],
+            )
+            .await
+            .context("recording the stop")?;
+        Ok(())
+    }
+
+    /// Advisory-lock key of this projection: stable across processes and releases.
+    fn lock_key(&self) -> i64 {
+        // FNV-1a: tiny, stable, no dependency; collisions only cost a shared lock.
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in format!("zhihui-projection:{}", self.checkpoint_name).bytes() {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+        i64::from_ne_bytes(hash.to_ne_bytes())
+    }
+
+    /// Run forever: wait to be the leader, then follow the log. Returns only on a stop (poison
+    /// event) or when the task is aborted.
+    pub async fn run(self, statuses: Statuses) -> anyhow::Result<()> {
+        let takeover_check = Duration::from_millis(self.settings.takeover_check_ms);
+        loop {
+            let lock_connection = match self.try_lead().await {
+                Ok(Some(connection)) => connection,
+                Ok(None) => {
+                    self.publish(&statuses, false, None).await;
+                    tokio::time::sleep(takeover_check).await;
+                    continue;
+                }
+                Err(error) => {
+                    tracing::warn!(projection = %self.checkpoint_name, error = %crate::telemetry::error_chain(&error), "cannot reach PostgreSQL to lead");
+                    tokio::time::sleep(takeover_check).await;
+                    continue;
+                }
+            };
+            tracing::info!(projection = %self.checkpoint_name, "leading this projection");
+            match self.lead(&lock_connection, &statuses).await {
+                Ok(()) => {}
+                Err(error) if error.to_string().contains("stopped") => {
+                    self.publish(&statuses, true, None).await;
+                    return Err(error);
+                }
+                Err(error) => {
+                    tracing::warn!(projection = %self.checkpoint_name, error = %crate::telemetry::error_chain(&error), "projection runner restarts");
+                    tokio::time::sleep(takeover_check).await;
+                }
+            }
+            drop(lock_connection);
+        }
+    }
+
+    /// A dedicated connection holding the advisory lock, or `None` if another process leads.
+    async fn try_lead(&self) -> anyhow::Result<Option<deadpool_postgres::Object>> {
+        let connection = self.pool.get().await.context("getting a connection")?;
+        let locked: bool = connection
+            .query_one("SELECT pg_try_advisory_lock($1)", &[&self.lock_key()])
+            .await
+            .context("trying the projection lock")?
+            .get(0);
+        if locked {
+            Ok(Some(connection))
+        } else {
+            Ok(None)
+        }
+    }
+
+    async fn lead(
+        &self,
+        lock_connection: &deadpool_postgres::Object,
+        statuses: &Statuses,
+    ) -> anyhow::Result<()> {
+        let mut checkpoint = self.checkpoint().await?;
+        let mut subscription = self.store.subscribe_all(checkpoint, self.filter());
+        let takeover_check = Duration::from_millis(self.settings.takeover_check_ms);
+        loop {
+            // Wait for something, but check now and then that the lock is still ours.
+            let first = match tokio::time::timeout(takeover_check, subscription.next()).await {
+                Err(_quiet) => {
+                    lock_connection
+                        .simple_query("SELECT 1")
+                        .await
+                        .context("the lock connection is gone")?;
+                    continue;
+                }
+                Ok(None) => anyhow::bail!("the subscription ended"),
+                Ok(Some(message)) => message?,
+            };
+            let mut events = Vec::new();
+            let mut scanned_to = None;
+            let mut next = Some(first);
+            while let Some(message) = next.take() {
+                match message {
+                    SubscriptionMessage::Event(event) => {
+                        scanned_to = Some(event.position);
+                        events.push(*event);
+                    }
+                    SubscriptionMessage::Checkpoint(position) => scanned_to = Some(position),
+                    SubscriptionMessage::CaughtUp => {}
+                }
+                // Everything already delivered joins the batch; never wait for more.
+                if events.len() < self.settings.batch_size
+                    && let Some(Some(message)) =
+                        futures::FutureExt::now_or_never(subscription.next())
+                {
+                    next = Some(message?);
+                }
+            }
+            let Some(scanned_to) = scanned_to.filter(|to| Some(*to) > checkpoint) else {
+                continue;
+            };
+            let lag = self
+                .apply_with_retries(checkpoint, &events, scanned_to)
+                .await?;
+            checkpoint = Some(scanned_to);
+            if let Some(lag) = lag {
+                metrics_lag(&self.checkpoint_name, lag);
+            }
+            self.publish(statuses, true, lag).await;
+        }
+    }
+
+    async fn publish(&self, statuses: &Statuses, leader_here: bool, lag_ms: Option<i64>) {
+        let stored = self.stored_status().await.ok();
+        let mut statuses = statuses.lock().unwrap_or_else(|poison| poison.into_inner());
+        let entry = statuses
+            .entry(self.projection.as_str())
+            .or_insert_with(|| ProjectionStatus {
+                projection: self.checkpoint_name.clone(),
+                leader_here,
+                checkpoint: None,
+                events_applied: 0,
+                last_lag_ms: None,
+                updated_at: None,
+                stopped_reason: None,
+            });
+        entry.leader_here = leader_here;
+        if lag_ms.is_some() {
+            entry.last_lag_ms = lag_ms;
+        }
+        if let Some(stored) = stored {
+            entry.checkpoint = stored.checkpoint;
+            entry.events_applied = stored.events_applied;
+            entry.updated_at = stored.updated_at;
+            entry.stopped_reason = stored.stopped_reason;
+        }
+    }
+
+    /// The checkpoint row as stored.
+    pub async fn stored_status(&self) -> anyhow::Result<ProjectionStatus> {
+        let client = self.pool.get().await.context("getting a connection")?;
+        let row = client
+            .query_opt(
+                "SELECT commit_position, prepare_position, events_applied, updated_at,
+                        stopped_reason,
+                        (EXTRACT(EPOCH FROM (updated_at - last_recorded_at)) * 1000)::bigint
+                   FROM projection_checkpoints WHERE projection = $1",
+                &[&self.checkpoint_name],
+            )
+            .await
+            .context("reading the checkpoint row")?;
+        Ok(match row {
+            None => ProjectionStatus {
+                projection: self.checkpoint_name.clone(),
+                leader_here: false,
+                checkpoint: None,
+                events_applied: 0,
+                last_lag_ms: None,
+                updated_at: None,
+                stopped_reason: None,
+            },
+            Some(row) => ProjectionStatus {
+                projection: self.checkpoint_name.clone(),
+                leader_here: false,
+                checkpoint: match (row.get::<_, Option<i64>>(0), row.get::<_, Option<i64>>(1)) {
+                    (Some(commit), Some(prepare)) => Some(format!("{commit}/{prepare}")),
+                    _ => None,
+                },
+                events_applied: row.get(2),
+                last_lag_ms: row.get(5),
+                updated_at: Some(row.get(3)),
+                stopped_reason: row.get(4),
+            },
+        })
+    }
+}
+
+fn metrics_lag(projection: &str, lag_ms: i64) {
+    tracing::debug!(projection, lag_ms, "projection batch committed");
+}
