@@ -30,11 +30,23 @@ pub enum Command {
     Serve,
     /// Apply pending database migrations and exit.
     Migrate,
+    /// Inspect the audit trail.
+    Audit {
+        #[command(subcommand)]
+        command: AuditCommand,
+    },
     /// Manage users (bootstrap an admin).
     Users {
         #[command(subcommand)]
         command: UsersCommand,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum AuditCommand {
+    /// Fold every stream again and compare with every read model; prints each difference and
+    /// exits non-zero if there is one.
+    Verify,
 }
 
 #[derive(Debug, Subcommand)]
@@ -73,6 +85,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                     password_stdin,
                 },
         } => create_user(&settings, &name, admin, password_stdin).await,
+        Command::Audit {
+            command: AuditCommand::Verify,
+        } => audit_verify(&settings).await,
         Command::Migrate => {
             let pool = crate::postgres::build_pool(&settings.database)?;
             let report = crate::postgres::migrate(&pool).await?;
@@ -143,5 +158,31 @@ async fn create_user(
         user.user_id
     )
     .context("writing to standard output")?;
+    Ok(())
+}
+
+/// `zhihui audit verify`.
+async fn audit_verify(settings: &Settings) -> anyhow::Result<()> {
+    use std::io::Write;
+
+    let pool = crate::postgres::build_pool(&settings.database)?;
+    let store = crate::event_store::from_settings(settings, pool.clone())?;
+    let client = pool.get().await.context("connecting to PostgreSQL")?;
+    let (events, differences) = crate::audit::verify(&store, &client).await?;
+    let mut out = std::io::stdout().lock();
+    for difference in &differences {
+        writeln!(out, "DIFFERENCE {difference}").context("writing to standard output")?;
+    }
+    writeln!(
+        out,
+        "audit verify: {events} events folded, {} difference(s)",
+        differences.len()
+    )
+    .context("writing to standard output")?;
+    anyhow::ensure!(
+        differences.is_empty(),
+        "{} read-model row(s) disagree with the events",
+        differences.len()
+    );
     Ok(())
 }

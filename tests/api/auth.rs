@@ -736,7 +736,10 @@ async fn the_users_read_model_follows_registrations_roles_and_phones() {
     app.project().await;
     let client = crate::helpers::connect(&app.settings).await;
     let rows = client
-        .query("SELECT username, phone, role FROM users ORDER BY username", &[])
+        .query(
+            "SELECT username, phone, role FROM users ORDER BY username",
+            &[],
+        )
         .await
         .unwrap();
     let rows: Vec<(Option<String>, Option<String>, String)> = rows

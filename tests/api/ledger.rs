@@ -429,3 +429,85 @@ async fn a_poison_event_stops_the_projection_naming_it_and_nothing_after_it_is_a
         .get(0);
     assert!(reason.unwrap().contains("PointsGranted"));
 }
+
+#[tokio::test]
+async fn audit_verify_passes_on_projected_read_models_and_fails_on_a_tampered_row() {
+    let app = spawn_app().await;
+    let alice = app.register("alice", "correct horse battery").await;
+    let admin = app.admin_token("root").await;
+    assert_eq!(grant(&app, &admin, &alice, "50", None).await.status(), 201);
+    let services = app.services();
+    let user = UserId::from_uuid(Uuid::parse_str(&alice).unwrap());
+    let hold_id = Uuid::now_v7();
+    for command in [
+        AccountCommand::Freeze {
+            hold_id,
+            amount: Amount::whole(20),
+            at: app.clock.now(),
+        },
+        AccountCommand::SettleHold {
+            hold_id,
+            at: app.clock.now(),
+        },
+    ] {
+        services
+            .accounts
+            .execute(&account_stream(user), command, metadata("test"))
+            .await
+            .unwrap();
+    }
+    app.project().await;
+
+    let run_cli = || {
+        use secrecy::ExposeSecret;
+        std::process::Command::new(env!("CARGO_BIN_EXE_zhihui"))
+            .args(["audit", "verify"])
+            .env(
+                "ZHIHUI_DATABASE__URL",
+                app.settings.database.url.expose_secret(),
+            )
+            .env("ZHIHUI_DATABASE__MIGRATE_ON_START", "false")
+            .output()
+            .unwrap()
+    };
+    let output = run_cli();
+    let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+    assert!(
+        output.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(stdout.contains("0 difference(s)"), "{stdout}");
+
+    let client = crate::helpers::connect(&app.settings).await;
+    client
+        .execute(
+            "UPDATE accounts SET available = available + 1 WHERE user_id = $1",
+            &[&user.as_uuid()],
+        )
+        .await
+        .unwrap();
+    client
+        .execute(
+            "DELETE FROM ledger_entries WHERE user_id = $1 AND stream_version = 1",
+            &[&user.as_uuid()],
+        )
+        .await
+        .unwrap();
+    let output = run_cli();
+    let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+    assert!(!output.status.success(), "{stdout}");
+    assert!(
+        stdout.contains(&format!(
+            "DIFFERENCE accounts {alice}: row says available 31.00"
+        )),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!(
+            "DIFFERENCE ledger_entries {alice} #1: event without an entry"
+        )),
+        "{stdout}"
+    );
+    assert!(stdout.contains("2 difference(s)"), "{stdout}");
+}
