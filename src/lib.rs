@@ -3,6 +3,7 @@
 pub mod aggregate;
 pub mod audit;
 pub mod auth;
+pub mod bench_support;
 pub mod cli;
 pub mod clock;
 pub mod command;

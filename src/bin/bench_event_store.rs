@@ -13,7 +13,6 @@
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use secrecy::SecretString;
 use uuid::Uuid;
 use zhihui::configuration::Settings;
 use zhihui::event_store::postgres::{PostgresEventStore, PostgresEventStoreOptions};
@@ -23,40 +22,14 @@ const WRITER_COUNTS: [usize; 3] = [1, 8, 32];
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let seconds: u64 = std::env::args()
-        .nth(1)
-        .map(|arg| arg.parse())
-        .transpose()
-        .context("the argument is the number of seconds per case")?
-        .unwrap_or(5);
-    let admin_url = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://zhihui@127.0.0.1:55432/zhihui".into());
-    let database = format!("zhihui_bench_{}", Uuid::new_v4().simple());
-    let (admin, connection) = tokio_postgres::connect(&admin_url, tokio_postgres::NoTls)
-        .await
-        .context("connecting to DATABASE_URL")?;
-    tokio::spawn(connection);
-    admin
-        .batch_execute(&format!("CREATE DATABASE {database}"))
-        .await?;
-
-    let mut settings = Settings::load(None)?;
-    let base = admin_url
-        .rsplit_once('/')
-        .map(|(base, _)| base)
-        .context("DATABASE_URL has no database name")?;
-    settings.database.url = SecretString::from(format!("{base}/{database}"));
-    settings.database.pool_max_size = 48;
-    let outcome = run(&settings, seconds).await;
-    admin
-        .batch_execute(&format!("DROP DATABASE {database} WITH (FORCE)"))
-        .await?;
-    let results = outcome?;
-    println!();
-    for (name, value, unit) in results {
-        println!("RESULT {name} {value:.0} {unit}");
-    }
-    Ok(())
+    let seconds = zhihui::bench_support::seconds_per_case()?;
+    zhihui::bench_support::with_fresh_database(
+        |settings| {
+            settings.database.pool_max_size = 48;
+        },
+        |settings| async move { run(&settings, seconds).await },
+    )
+    .await
 }
 
 async fn run(

@@ -1,0 +1,62 @@
+//! What the benchmark programs (`src/bin/bench_*.rs`) share: a throw-away database next to
+//! `DATABASE_URL`'s, the seconds-per-case argument, and the `RESULT` lines.
+
+#![allow(clippy::print_stdout)]
+
+use anyhow::Context;
+use secrecy::SecretString;
+use uuid::Uuid;
+
+use crate::configuration::Settings;
+
+/// One figure: name, value, unit.
+pub type Figure = (String, f64, &'static str);
+
+/// The first argument as seconds per case (default 5).
+pub fn seconds_per_case() -> anyhow::Result<u64> {
+    Ok(std::env::args()
+        .nth(1)
+        .map(|arg| arg.parse())
+        .transpose()
+        .context("the argument is the number of seconds per case")?
+        .unwrap_or(5))
+}
+
+/// Create `zhihui_bench_<uuid>` next to `DATABASE_URL`'s database, run `body` with settings
+/// pointing at it (adjusted by `customise`), drop it, print the `RESULT` lines.
+pub async fn with_fresh_database<F, Fut>(
+    customise: impl FnOnce(&mut Settings),
+    body: F,
+) -> anyhow::Result<()>
+where
+    F: FnOnce(Settings) -> Fut,
+    Fut: Future<Output = anyhow::Result<Vec<Figure>>>,
+{
+    let admin_url = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://zhihui@127.0.0.1:55432/zhihui".into());
+    let database = format!("zhihui_bench_{}", Uuid::new_v4().simple());
+    let (admin, connection) = tokio_postgres::connect(&admin_url, tokio_postgres::NoTls)
+        .await
+        .context("connecting to DATABASE_URL")?;
+    tokio::spawn(connection);
+    admin
+        .batch_execute(&format!("CREATE DATABASE {database}"))
+        .await?;
+    let mut settings = Settings::load(None)?;
+    let base = admin_url
+        .rsplit_once('/')
+        .map(|(base, _)| base)
+        .context("DATABASE_URL has no database name")?;
+    settings.database.url = SecretString::from(format!("{base}/{database}"));
+    customise(&mut settings);
+    let outcome = body(settings).await;
+    admin
+        .batch_execute(&format!("DROP DATABASE {database} WITH (FORCE)"))
+        .await?;
+    let results = outcome?;
+    println!();
+    for (name, value, unit) in results {
+        println!("RESULT {name} {value:.0} {unit}");
+    }
+    Ok(())
+}
