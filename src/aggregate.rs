@@ -218,15 +218,15 @@ where
     }
 
     async fn handle_batch(&mut self, batch: Vec<Request<D>>) {
-        let mut outcome = self.decide_and_append(&batch).await;
         // Hand every request its own answer.
-        match &mut outcome {
+        match self.decide_and_append(&batch).await {
             Ok(results) => {
-                for (request, result) in batch.into_iter().zip(results.drain(..)) {
+                for (request, result) in batch.into_iter().zip(results) {
                     let _ = request.reply.send(result);
                 }
             }
             Err(error) => {
+                // anyhow errors are not Clone: each request gets the message.
                 let message = format!("{error:#}");
                 for request in batch {
                     let _ = request

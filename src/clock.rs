@@ -31,6 +31,16 @@ impl Clock {
     }
 }
 
+/// A Unix-epoch millisecond count as a time: how Redis scripts answer (the epoch if out of range).
+pub fn from_unix_ms(unix_ms: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_millis(unix_ms).unwrap_or_default()
+}
+
+/// A duration in whole milliseconds, saturating: how Redis scripts take durations.
+pub fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
 /// Shared by every clone: advancing one advances all.
 #[derive(Debug, Clone)]
 pub struct ManualClock {
@@ -45,12 +55,11 @@ impl ManualClock {
     }
 
     pub fn now(&self) -> DateTime<Utc> {
-        let unix_ms = self.unix_ms.load(Ordering::SeqCst);
-        DateTime::from_timestamp_millis(unix_ms).unwrap_or_default()
+        from_unix_ms(self.unix_ms.load(Ordering::SeqCst))
     }
 
     pub fn advance(&self, by: Duration) {
-        let by_ms = i64::try_from(by.as_millis()).unwrap_or(i64::MAX);
+        let by_ms = i64::try_from(millis(by)).unwrap_or(i64::MAX);
         self.unix_ms.fetch_add(by_ms, Ordering::SeqCst);
     }
 }

@@ -29,6 +29,32 @@ use crate::event_store::{
     AnyEventStore, EventFilter, EventStore, Position, RecordedEvent, SubscriptionMessage,
 };
 
+/// Why a runner must not go on with a batch: retrying cannot help, so these are never retried.
+#[derive(Debug, thiserror::Error)]
+pub enum Halt {
+    /// Stopped on a poison event (now, or by an earlier run: `stopped_reason` is set).
+    #[error(
+        "projection {projection} is stopped: {reason}; fix the cause, then clear stopped_reason or replay"
+    )]
+    Stopped { projection: String, reason: String },
+    /// The checkpoint is not where this runner left it: another runner moved it.
+    #[error(
+        "projection {projection}: checkpoint moved to {found:?} under this runner (expected {expected:?}): another instance is running"
+    )]
+    CheckpointMoved {
+        projection: String,
+        found: Option<Position>,
+        expected: Option<Position>,
+    },
+}
+
+impl Halt {
+    /// The halt somewhere in an error's chain, if it is one.
+    pub fn of(error: &anyhow::Error) -> Option<&Halt> {
+        error.chain().find_map(|cause| cause.downcast_ref::<Halt>())
+    }
+}
+
 /// What one step did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BatchOutcome {
@@ -124,14 +150,6 @@ impl Projector {
         }
     }
 
-    pub fn projection(&self) -> ProjectionName {
-        self.projection
-    }
-
-    pub fn checkpoint_name(&self) -> &str {
-        &self.checkpoint_name
-    }
-
     fn filter(&self) -> EventFilter {
         EventFilter::StreamPrefixes(self.projection.stream_prefixes())
     }
@@ -158,10 +176,11 @@ impl Projector {
             .await
             .context("locking the checkpoint row")?;
         if let Some(reason) = row.get::<_, Option<String>>(2) {
-            anyhow::bail!(
-                "projection {} is stopped: {reason}; fix the cause, then clear stopped_reason or replay",
-                self.checkpoint_name
-            );
+            return Err(Halt::Stopped {
+                projection: self.checkpoint_name.clone(),
+                reason,
+            }
+            .into());
         }
         let commit: Option<i64> = row.get(0);
         let prepare: Option<i64> = row.get(1);
@@ -196,14 +215,14 @@ impl Projector {
         let mut client = self.pool.get().await.context("getting a connection")?;
         let transaction = client.transaction().await.context("starting a batch")?;
         let checkpoint = self.lock_checkpoint(&transaction).await?;
-        anyhow::ensure!(
-            checkpoint.position == expected,
-            "projection {}: checkpoint moved to {:?} under this runner (expected {:?}): another \
-             instance is running",
-            self.checkpoint_name,
-            checkpoint.position,
-            expected
-        );
+        if checkpoint.position != expected {
+            return Err(Halt::CheckpointMoved {
+                projection: self.checkpoint_name.clone(),
+                found: checkpoint.position,
+                expected,
+            }
+            .into());
+        }
         let projected: Vec<ProjectedEvent> = events.iter().map(to_projected).collect();
         self.projection
             .apply(&transaction, &self.tables, &projected)
@@ -296,6 +315,7 @@ impl Projector {
         for attempt in 0..self.settings.poison_retries_max {
             match self.commit_batch(checkpoint, events, scanned_to).await {
                 Ok(lag) => return Ok(lag),
+                Err(error) if Halt::of(&error).is_some() => return Err(error),
                 Err(error) => {
                     tracing::warn!(
                         projection = %self.checkpoint_name,
@@ -308,12 +328,8 @@ impl Projector {
                 }
             }
         }
-        let batch_error = last_error.unwrap_or_else(|| anyhow::anyhow!("no attempt was made"));
-        if batch_error
-            .to_string()
-            .contains("another instance is running")
-        {
-            return Err(batch_error);
+        if let Some(error) = &last_error {
+            tracing::warn!(projection = %self.checkpoint_name, error = %crate::telemetry::error_chain(error), "looking for the poison event");
         }
         // One by one, to name the event that fails (those before it are applied, in order).
         let mut position = checkpoint;
@@ -322,6 +338,9 @@ impl Projector {
                 .commit_batch(position, std::slice::from_ref(event), event.position)
                 .await
             {
+                if Halt::of(&error).is_some() {
+                    return Err(error);
+                }
                 let reason = format!(
                     "event {} ({} #{} of stream {}, position {}) cannot be applied: {}",
                     event.id,
@@ -333,7 +352,11 @@ impl Projector {
                 );
                 tracing::error!(projection = %self.checkpoint_name, %reason, "projection stopped on a poison event");
                 self.stop(&reason).await?;
-                anyhow::bail!("projection {} stopped: {reason}", self.checkpoint_name);
+                return Err(Halt::Stopped {
+                    projection: self.checkpoint_name.clone(),
+                    reason,
+                }
+                .into());
             }
             position = Some(event.position);
         }
@@ -386,7 +409,7 @@ impl Projector {
             tracing::info!(projection = %self.checkpoint_name, "leading this projection");
             match self.lead(&lock_connection, &statuses).await {
                 Ok(()) => {}
-                Err(error) if error.to_string().contains("stopped") => {
+                Err(error) if matches!(Halt::of(&error), Some(Halt::Stopped { .. })) => {
                     self.publish(&statuses, true, None).await;
                     return Err(error);
                 }
@@ -497,41 +520,46 @@ impl Projector {
 
     /// The checkpoint row as stored.
     pub async fn stored_status(&self) -> anyhow::Result<ProjectionStatus> {
-        let client = self.pool.get().await.context("getting a connection")?;
-        let row = client
-            .query_opt(
-                "SELECT commit_position, prepare_position, events_applied, updated_at,
-                        stopped_reason,
-                        (EXTRACT(EPOCH FROM (updated_at - last_recorded_at)) * 1000)::bigint
-                   FROM projection_checkpoints WHERE projection = $1",
-                &[&self.checkpoint_name],
-            )
-            .await
-            .context("reading the checkpoint row")?;
-        Ok(match row {
-            None => ProjectionStatus {
-                projection: self.checkpoint_name.clone(),
-                leader_here: false,
-                checkpoint: None,
-                events_applied: 0,
-                last_lag_ms: None,
-                updated_at: None,
-                stopped_reason: None,
-            },
-            Some(row) => ProjectionStatus {
-                projection: self.checkpoint_name.clone(),
-                leader_here: false,
-                checkpoint: match (row.get::<_, Option<i64>>(0), row.get::<_, Option<i64>>(1)) {
-                    (Some(commit), Some(prepare)) => Some(format!("{commit}/{prepare}")),
-                    _ => None,
-                },
-                events_applied: row.get(2),
-                last_lag_ms: row.get(5),
-                updated_at: Some(row.get(3)),
-                stopped_reason: row.get(4),
-            },
-        })
+        stored_status(&self.pool, &self.checkpoint_name).await
     }
+}
+
+/// A projection's checkpoint row as stored (`checkpoint_name`: its name, or `<name>__rebuild`).
+pub async fn stored_status(pool: &Pool, checkpoint_name: &str) -> anyhow::Result<ProjectionStatus> {
+    let client = pool.get().await.context("getting a connection")?;
+    let row = client
+        .query_opt(
+            "SELECT commit_position, prepare_position, events_applied, updated_at,
+                    stopped_reason,
+                    (EXTRACT(EPOCH FROM (updated_at - last_recorded_at)) * 1000)::bigint
+               FROM projection_checkpoints WHERE projection = $1",
+            &[&checkpoint_name],
+        )
+        .await
+        .context("reading the checkpoint row")?;
+    Ok(match row {
+        None => ProjectionStatus {
+            projection: checkpoint_name.to_owned(),
+            leader_here: false,
+            checkpoint: None,
+            events_applied: 0,
+            last_lag_ms: None,
+            updated_at: None,
+            stopped_reason: None,
+        },
+        Some(row) => ProjectionStatus {
+            projection: checkpoint_name.to_owned(),
+            leader_here: false,
+            checkpoint: match (row.get::<_, Option<i64>>(0), row.get::<_, Option<i64>>(1)) {
+                (Some(commit), Some(prepare)) => Some(format!("{commit}/{prepare}")),
+                _ => None,
+            },
+            events_applied: row.get(2),
+            last_lag_ms: row.get(5),
+            updated_at: Some(row.get(3)),
+            stopped_reason: row.get(4),
+        },
+    })
 }
 
 fn metrics_lag(projection: &str, lag_ms: i64) {

@@ -66,10 +66,6 @@ impl Users {
         }
     }
 
-    pub fn clock(&self) -> &Clock {
-        &self.clock
-    }
-
     /// The registered user with this id, if any.
     pub async fn get(&self, user_id: UserId) -> anyhow::Result<Option<RegisteredUser>> {
         Ok(

@@ -52,14 +52,14 @@ impl PasswordGuard {
             .arg(operation)
             .arg(self.clock.now_ms())
             .arg(self.failures_max)
-            .arg(u64::try_from(self.lockout.as_millis()).unwrap_or(u64::MAX))
+            .arg(crate::clock::millis(self.lockout))
             .arg(LOGIN_FAILURES_KEEP_MS)
             .invoke_async(&mut connection)
             .await
             .context("updating the password failure counter")?;
         Ok(match status.as_str() {
             "locked" => GuardState::Locked {
-                until: DateTime::from_timestamp_millis(value).unwrap_or_default(),
+                until: crate::clock::from_unix_ms(value),
             },
             _ => GuardState::Open,
         })

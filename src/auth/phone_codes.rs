@@ -18,7 +18,7 @@ use rand::Rng;
 use sha2::{Digest, Sha256};
 use zhihui_domain::user::PhoneNumber;
 
-use crate::clock::Clock;
+use crate::clock::{Clock, from_unix_ms, millis};
 use crate::configuration::AuthSettings;
 use crate::redis_store::RedisStore;
 
@@ -150,17 +150,17 @@ impl PhoneCodes {
             .context("recording a login code")?;
         let outcome = match status.as_str() {
             "sent" => SendOutcome::Sent {
-                expires_at: from_ms(at_ms),
-                next_send_at: from_ms(now_ms + millis_i64(self.send_interval)),
+                expires_at: from_unix_ms(at_ms),
+                next_send_at: from_unix_ms(now_ms) + self.send_interval,
             },
             "locked" => SendOutcome::Locked {
-                until: from_ms(at_ms),
+                until: from_unix_ms(at_ms),
             },
             "too_soon" => SendOutcome::TooSoon {
-                retry_at: from_ms(at_ms),
+                retry_at: from_unix_ms(at_ms),
             },
             "daily_limit" => SendOutcome::DailyLimit {
-                retry_at: from_ms((day + 1) * DAY_MS - self.day_utc_offset_ms),
+                retry_at: from_unix_ms((day + 1) * DAY_MS - self.day_utc_offset_ms),
             },
             other => anyhow::bail!("phone_code_send.lua answered {other:?}"),
         };
@@ -193,7 +193,7 @@ impl PhoneCodes {
             },
             "expired" => VerifyOutcome::Expired,
             "locked" => VerifyOutcome::Locked {
-                until: from_ms(value),
+                until: from_unix_ms(value),
             },
             other => anyhow::bail!("phone_code_verify.lua answered {other:?}"),
         })
@@ -204,16 +204,4 @@ impl PhoneCodes {
 /// phones differ.
 fn code_digest(phone: &PhoneNumber, code: &str) -> String {
     URL_SAFE_NO_PAD.encode(Sha256::digest(format!("{phone}:{code}").as_bytes()))
-}
-
-fn millis(duration: Duration) -> u64 {
-    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
-}
-
-fn millis_i64(duration: Duration) -> i64 {
-    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
-}
-
-fn from_ms(unix_ms: i64) -> DateTime<Utc> {
-    DateTime::from_timestamp_millis(unix_ms).unwrap_or_default()
 }

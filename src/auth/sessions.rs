@@ -21,7 +21,7 @@ use sha2::{Digest, Sha256};
 use uuid::Uuid;
 use zhihui_domain::user::{Role, UserId};
 
-use crate::clock::Clock;
+use crate::clock::{Clock, from_unix_ms, millis};
 use crate::redis_store::RedisStore;
 
 /// Random bytes in a token: 256 bits, far beyond guessing.
@@ -69,7 +69,7 @@ impl Sessions {
     }
 
     fn idle_ttl_ms(&self) -> u64 {
-        u64::try_from(self.idle_ttl.as_millis()).unwrap_or(u64::MAX)
+        millis(self.idle_ttl)
     }
 
     /// Open a session and return its token (shown to the client once, never stored).
@@ -95,7 +95,7 @@ impl Sessions {
             .invoke_async(&mut connection)
             .await
             .context("creating a session in Redis")?;
-        Ok((token, from_ms(expires_at_ms)))
+        Ok((token, from_unix_ms(expires_at_ms)))
     }
 
     /// The session of `token` if it is valid now; using it slides its expiry.
@@ -130,7 +130,7 @@ impl Sessions {
         Ok(Some(Session {
             user_id,
             role,
-            expires_at: from_ms(expires_at_ms),
+            expires_at: from_unix_ms(expires_at_ms),
             token_digest: digest,
         }))
     }
@@ -172,8 +172,4 @@ fn token_user_id(token: &str) -> Option<UserId> {
 /// SHA-256 of the token, base64url: the only form in which Redis sees a token.
 fn token_digest(token: &str) -> String {
     URL_SAFE_NO_PAD.encode(Sha256::digest(token.as_bytes()))
-}
-
-fn from_ms(unix_ms: i64) -> DateTime<Utc> {
-    DateTime::from_timestamp_millis(unix_ms).unwrap_or_default()
 }

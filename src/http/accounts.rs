@@ -9,7 +9,6 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 use zhihui_domain::account::{AccountCommand, AccountError, account_stream};
 use zhihui_domain::points::Amount;
-use zhihui_domain::user::UserId;
 
 use crate::command::CommandError;
 use crate::http::extract::{Admin, Authenticated};
@@ -254,9 +253,7 @@ pub async fn grant(
     path: web::Path<String>,
     body: web::Json<GrantRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let user_id = Uuid::parse_str(&path)
-        .map(UserId::from_uuid)
-        .map_err(|_| ApiError::NotFound("no such user".into()))?;
+    let user_id = crate::http::users::parse_user_id(&path)?;
     let amount = Amount::parse(body.amount).map_err(|error| ApiError::Validation {
         field: "amount".into(),
         message: error.to_string(),
@@ -307,18 +304,8 @@ pub async fn projections(
 ) -> Result<HttpResponse, ApiError> {
     let mut statuses = Vec::new();
     for projection in zhihui_projections::ProjectionName::ALL {
-        let projector = crate::projector::Projector::live(
-            projection,
-            state.pg_pool.clone(),
-            state.event_store.clone(),
-            crate::configuration::ProjectionSettings {
-                enabled: false,
-                batch_size: 1,
-                takeover_check_ms: 1,
-                poison_retries_max: 1,
-            },
-        );
-        let mut status = projector.stored_status().await?;
+        let mut status =
+            crate::projector::stored_status(&state.pg_pool, projection.as_str()).await?;
         let here = state
             .projection_statuses
             .lock()

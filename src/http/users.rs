@@ -82,7 +82,7 @@ pub(crate) fn register_error(error: RegisterError) -> ApiError {
     }
 }
 
-fn parse_user_id(raw: &str) -> Result<UserId, ApiError> {
+pub(crate) fn parse_user_id(raw: &str) -> Result<UserId, ApiError> {
     // A malformed id names no user: 404 like any other unknown id.
     Uuid::parse_str(raw)
         .map(UserId::from_uuid)

@@ -291,11 +291,7 @@ async fn a_hundred_concurrent_registrations_of_one_name_give_one_user() {
         "{statuses:?}"
     );
 
-    let store = zhihui::event_store::from_settings(
-        &app.settings,
-        zhihui::postgres::build_pool(&app.settings.database).unwrap(),
-    )
-    .unwrap();
+    let store = app.services().event_store;
     let registered = store
         .read_all(
             None,
@@ -349,11 +345,7 @@ async fn redis_down_answers_503_naming_it_and_never_lets_anyone_in() {
 async fn an_orphan_name_claim_is_released_after_its_bound_and_not_before() {
     let app = spawn_app().await;
     // Simulate a crash between the claim and the registration: the claim exists, the user not.
-    let store = zhihui::event_store::from_settings(
-        &app.settings,
-        zhihui::postgres::build_pool(&app.settings.database).unwrap(),
-    )
-    .unwrap();
+    let store = app.services().event_store;
     let orphan = ClaimEvent::Claimed(IdentifierClaimed {
         owner: UserId::from_uuid(uuid::Uuid::now_v7()),
         claimed_at: app.clock.now(),

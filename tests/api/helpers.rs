@@ -180,9 +180,7 @@ impl TestApp {
     /// Create an admin through the users service (as `zhihui users create --admin` does) and
     /// return its token.
     pub async fn admin_token(&self, username: &str) -> String {
-        let pool = zhihui::postgres::build_pool(&self.settings.database).unwrap();
-        let state =
-            zhihui::startup::AppState::build(&self.settings, pool, Overrides::default()).unwrap();
+        let state = self.services();
         let metadata = zhihui::event_store::EventMetadata {
             correlation_id: uuid::Uuid::now_v7(),
             causation_id: None,
