@@ -1,6 +1,9 @@
 //! `zhihui audit verify`: fold every stream again, with the domain's own `evolve`, and compare
 //! the result with every read model row. Any difference is printed; the command fails if there is
-//! one. It reads the whole log through the `EventStore` trait, so it works on either store.
+//! one. The revenue stream is checked against the account streams (each settle, charge and refund
+//! recorded exactly once) and conservation is checked: points in accounts + revenue + movements
+//! the recorder has not reached yet = grants + credits. It reads the whole log through the
+//! `EventStore` trait, so it works on either store.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -8,11 +11,12 @@ use anyhow::Context;
 use rust_decimal::Decimal;
 use uuid::Uuid;
 use zhihui_domain::account::{Account, AccountEvent, AccountState};
+use zhihui_domain::revenue::{LogPosition, REVENUE_STREAM, RevenueEvent, RevenueMovement};
 use zhihui_domain::user::{User, UserEvent, UserState};
 use zhihui_domain::{Decider, DomainEvent};
 use zhihui_projections::accounts::account_user_id;
 
-use crate::event_store::{AnyEventStore, EventFilter, EventStore};
+use crate::event_store::{AnyEventStore, EventFilter, EventStore, RecordedEvent};
 
 /// Events per read of the log during verification.
 pub const VERIFY_READ_PAGE_MAX: usize = 5_000;
@@ -39,6 +43,141 @@ struct FoldedAccount {
     entries: BTreeMap<u64, (Decimal, Decimal)>,
 }
 
+/// The revenue account against the account streams.
+#[derive(Default)]
+struct RevenueFold {
+    /// Grants and credits: the only ways points enter.
+    inflow: Decimal,
+    /// Settles, charges and refunds of the account streams, by event id.
+    movements: HashMap<Uuid, (RevenueMovement, Decimal, LogPosition)>,
+    /// What the revenue stream recorded, by source event id.
+    recorded: HashMap<Uuid, (RevenueMovement, Decimal)>,
+    /// The revenue total folded from its amounts, and what its events claim after each.
+    total: Decimal,
+    claimed_totals_wrong: Vec<(Uuid, Decimal, Decimal)>,
+    recorded_through: Option<LogPosition>,
+    recorded_twice: Vec<Uuid>,
+}
+
+impl RevenueFold {
+    fn account_event(&mut self, recorded: &RecordedEvent, event: &AccountEvent) {
+        let movement = match event {
+            AccountEvent::Granted(_) | AccountEvent::Credited(_) => {
+                self.inflow += event.amount().as_decimal();
+                return;
+            }
+            AccountEvent::Frozen(_) | AccountEvent::HoldReleased(_) => return,
+            AccountEvent::HoldSettled(_) => RevenueMovement::HoldSettled,
+            AccountEvent::Charged(_) => RevenueMovement::Charged,
+            AccountEvent::Refunded(_) => RevenueMovement::Refunded,
+        };
+        self.movements.insert(
+            recorded.id,
+            (
+                movement,
+                event.amount().as_decimal(),
+                LogPosition {
+                    commit: recorded.position.commit,
+                    prepare: recorded.position.prepare,
+                },
+            ),
+        );
+    }
+
+    fn revenue_event(&mut self, event: RevenueEvent) {
+        let RevenueEvent::Recorded(recorded) = event;
+        let amount = recorded.amount.as_decimal();
+        self.total += match recorded.movement {
+            RevenueMovement::Refunded => -amount,
+            RevenueMovement::HoldSettled | RevenueMovement::Charged => amount,
+        };
+        if recorded.total_after.as_decimal() != self.total {
+            self.claimed_totals_wrong.push((
+                recorded.source_event_id,
+                recorded.total_after.as_decimal(),
+                self.total,
+            ));
+        }
+        self.recorded_through = Some(recorded.source_position);
+        if self
+            .recorded
+            .insert(recorded.source_event_id, (recorded.movement, amount))
+            .is_some()
+        {
+            self.recorded_twice.push(recorded.source_event_id);
+        }
+    }
+
+    /// Every movement up to the recorder's position is recorded once and as it happened; the
+    /// points in accounts, the revenue and the movements not yet recorded add up to the inflow.
+    fn compare(&self, in_accounts: Decimal, differences: &mut Vec<Difference>) {
+        let mut pending = Decimal::ZERO;
+        for (event_id, (movement, amount, position)) in &self.movements {
+            match self.recorded.get(event_id) {
+                Some(recorded) if *recorded == (*movement, *amount) => {}
+                Some(recorded) => differences.push(Difference {
+                    read_model: "revenue",
+                    key: event_id.to_string(),
+                    detail: format!(
+                        "recorded as {recorded:?}; the account event is {movement:?} of {amount}"
+                    ),
+                }),
+                None if self
+                    .recorded_through
+                    .is_some_and(|through| *position <= through) =>
+                {
+                    differences.push(Difference {
+                        read_model: "revenue",
+                        key: event_id.to_string(),
+                        detail: format!("{movement:?} of {amount} was never recorded"),
+                    })
+                }
+                None => {
+                    // Not reached by the recorder yet.
+                    pending += match movement {
+                        RevenueMovement::Refunded => -*amount,
+                        RevenueMovement::HoldSettled | RevenueMovement::Charged => *amount,
+                    };
+                }
+            }
+        }
+        for event_id in self.recorded.keys() {
+            if !self.movements.contains_key(event_id) {
+                differences.push(Difference {
+                    read_model: "revenue",
+                    key: event_id.to_string(),
+                    detail: "recorded without an account event".into(),
+                });
+            }
+        }
+        for event_id in &self.recorded_twice {
+            differences.push(Difference {
+                read_model: "revenue",
+                key: event_id.to_string(),
+                detail: "recorded more than once".into(),
+            });
+        }
+        for (event_id, claimed, folded) in &self.claimed_totals_wrong {
+            differences.push(Difference {
+                read_model: "revenue",
+                key: event_id.to_string(),
+                detail: format!("total_after says {claimed}; the amounts add up to {folded}"),
+            });
+        }
+        if in_accounts + self.total + pending != self.inflow {
+            differences.push(Difference {
+                read_model: "revenue",
+                key: "conservation".into(),
+                detail: format!(
+                    "accounts hold {in_accounts}, revenue {}, not yet recorded {pending}: \
+                     together they differ from the {} granted and credited",
+                    self.total, self.inflow
+                ),
+            });
+        }
+    }
+}
+
 /// Fold the log and compare with `accounts`, `ledger_entries` and `users`.
 pub async fn verify(
     store: &AnyEventStore,
@@ -46,7 +185,12 @@ pub async fn verify(
 ) -> anyhow::Result<(u64, Vec<Difference>)> {
     let mut accounts: HashMap<Uuid, FoldedAccount> = HashMap::new();
     let mut users: HashMap<Uuid, (UserState, u64)> = HashMap::new();
-    let filter = EventFilter::StreamPrefixes(vec!["account-".into(), "user-".into()]);
+    let mut revenue = RevenueFold::default();
+    let filter = EventFilter::StreamPrefixes(vec![
+        "account-".into(),
+        "user-".into(),
+        REVENUE_STREAM.into(),
+    ]);
     let mut after = None;
     let mut events_read = 0u64;
     loop {
@@ -63,6 +207,7 @@ pub async fn verify(
                     &recorded.payload,
                 )
                 .with_context(|| format!("decoding event {}", recorded.id))?;
+                revenue.account_event(recorded, &event);
                 let folded = accounts.entry(user_id).or_default();
                 let state = std::mem::take(&mut folded.state);
                 folded.state = Account::evolve(state, &event);
@@ -75,6 +220,14 @@ pub async fn verify(
                         folded.state.balance.frozen.as_decimal(),
                     ),
                 );
+            } else if recorded.stream == REVENUE_STREAM {
+                let event = RevenueEvent::from_stored(
+                    &recorded.event_type,
+                    recorded.schema_version,
+                    &recorded.payload,
+                )
+                .with_context(|| format!("decoding event {}", recorded.id))?;
+                revenue.revenue_event(event);
             } else if let Some(user_id) = recorded
                 .stream
                 .strip_prefix("user-")
@@ -227,6 +380,10 @@ pub async fn verify(
             });
         }
     }
+    let in_accounts = accounts.values().fold(Decimal::ZERO, |sum, folded| {
+        sum + folded.state.balance.available.as_decimal() + folded.state.balance.frozen.as_decimal()
+    });
+    revenue.compare(in_accounts, &mut differences);
     differences.sort_by(|a, b| (a.read_model, &a.key).cmp(&(b.read_model, &b.key)));
     Ok((events_read, differences))
 }

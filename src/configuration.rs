@@ -23,6 +23,7 @@ pub struct Settings {
     pub event_store: EventStoreSettings,
     pub auth: AuthSettings,
     pub projections: ProjectionSettings,
+    pub process_managers: ProcessManagerSettings,
     pub accounts: AccountSettings,
     pub log: LogSettings,
 }
@@ -39,6 +40,13 @@ pub struct ProjectionSettings {
     pub takeover_check_ms: u64,
     /// Attempts at a failing batch before looking for the poison event and stopping.
     pub poison_retries_max: u32,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct ProcessManagerSettings {
+    /// Run the process managers in `serve` (the revenue recorder; one leader each across
+    /// processes). They use the `projections` batch size and takeover check.
+    pub enabled: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]

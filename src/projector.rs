@@ -20,14 +20,11 @@ use std::time::Duration;
 use anyhow::Context;
 use chrono::{DateTime, Utc};
 use deadpool_postgres::Pool;
-use futures::StreamExt;
 use serde::Serialize;
 use zhihui_projections::{ProjectedEvent, ProjectionName, Tables};
 
 use crate::configuration::ProjectionSettings;
-use crate::event_store::{
-    AnyEventStore, EventFilter, EventStore, Position, RecordedEvent, SubscriptionMessage,
-};
+use crate::event_store::{AnyEventStore, EventFilter, EventStore, Position, RecordedEvent};
 
 /// Why a runner must not go on with a batch: retrying cannot help, so these are never retried.
 #[derive(Debug, thiserror::Error)]
@@ -148,6 +145,11 @@ impl Projector {
             checkpoint_name: format!("{}__rebuild", projection.as_str()),
             ..Projector::live(projection, pool, store, settings)
         }
+    }
+
+    /// The advisory lock this runner leads under.
+    fn leader_name(&self) -> String {
+        format!("zhihui-projection:{}", self.checkpoint_name)
     }
 
     fn filter(&self) -> EventFilter {
@@ -377,23 +379,14 @@ impl Projector {
         Ok(())
     }
 
-    /// Advisory-lock key of this projection: stable across processes and releases.
-    fn lock_key(&self) -> i64 {
-        // FNV-1a: tiny, stable, no dependency; collisions only cost a shared lock.
-        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-        for byte in format!("zhihui-projection:{}", self.checkpoint_name).bytes() {
-            hash ^= u64::from(byte);
-            hash = hash.wrapping_mul(0x0100_0000_01b3);
-        }
-        i64::from_ne_bytes(hash.to_ne_bytes())
-    }
-
     /// Run forever: wait to be the leader, then follow the log. Returns only on a stop (poison
     /// event) or when the task is aborted.
     pub async fn run(self, statuses: Statuses) -> anyhow::Result<()> {
         let takeover_check = Duration::from_millis(self.settings.takeover_check_ms);
         loop {
-            let lock_connection = match self.try_lead().await {
+            let lock_connection = match crate::leader::try_lead(&self.pool, &self.leader_name())
+                .await
+            {
                 Ok(Some(connection)) => connection,
                 Ok(None) => {
                     self.publish(&statuses, false, None).await;
@@ -422,21 +415,6 @@ impl Projector {
         }
     }
 
-    /// A dedicated connection holding the advisory lock, or `None` if another process leads.
-    async fn try_lead(&self) -> anyhow::Result<Option<deadpool_postgres::Object>> {
-        let connection = self.pool.get().await.context("getting a connection")?;
-        let locked: bool = connection
-            .query_one("SELECT pg_try_advisory_lock($1)", &[&self.lock_key()])
-            .await
-            .context("trying the projection lock")?
-            .get(0);
-        if locked {
-            Ok(Some(connection))
-        } else {
-            Ok(None)
-        }
-    }
-
     async fn lead(
         &self,
         lock_connection: &deadpool_postgres::Object,
@@ -446,38 +424,15 @@ impl Projector {
         let mut subscription = self.store.subscribe_all(checkpoint, self.filter());
         let takeover_check = Duration::from_millis(self.settings.takeover_check_ms);
         loop {
-            // Wait for something, but check now and then that the lock is still ours.
-            let first = match tokio::time::timeout(takeover_check, subscription.next()).await {
-                Err(_quiet) => {
-                    lock_connection
-                        .simple_query("SELECT 1")
-                        .await
-                        .context("the lock connection is gone")?;
-                    continue;
-                }
-                Ok(None) => anyhow::bail!("the subscription ended"),
-                Ok(Some(message)) => message?,
-            };
-            let mut events = Vec::new();
-            let mut scanned_to = None;
-            let mut next = Some(first);
-            while let Some(message) = next.take() {
-                match message {
-                    SubscriptionMessage::Event(event) => {
-                        scanned_to = Some(event.position);
-                        events.push(*event);
-                    }
-                    SubscriptionMessage::Checkpoint(position) => scanned_to = Some(position),
-                    SubscriptionMessage::CaughtUp => {}
-                }
-                // Everything already delivered joins the batch; never wait for more.
-                if events.len() < self.settings.batch_size
-                    && let Some(Some(message)) =
-                        futures::FutureExt::now_or_never(subscription.next())
-                {
-                    next = Some(message?);
-                }
-            }
+            let batch = crate::leader::next_batch(
+                &mut subscription,
+                lock_connection,
+                takeover_check,
+                self.settings.batch_size,
+            )
+            .await?;
+            let events = batch.events;
+            let scanned_to = batch.scanned_to;
             let Some(scanned_to) = scanned_to.filter(|to| Some(*to) > checkpoint) else {
                 continue;
             };
@@ -564,4 +519,55 @@ pub async fn stored_status(pool: &Pool, checkpoint_name: &str) -> anyhow::Result
 
 fn metrics_lag(projection: &str, lag_ms: i64) {
     tracing::debug!(projection, lag_ms, "projection batch committed");
+}
+
+/// The position stored in a checkpoint row, if any (no lock).
+pub async fn stored_position(
+    pool: &Pool,
+    checkpoint_name: &str,
+) -> anyhow::Result<Option<Position>> {
+    let client = pool.get().await.context("getting a connection")?;
+    let row = client
+        .query_opt(
+            "SELECT commit_position, prepare_position FROM projection_checkpoints
+              WHERE projection = $1",
+            &[&checkpoint_name],
+        )
+        .await
+        .context("reading a checkpoint row")?;
+    Ok(
+        match row.map(|row| (row.get::<_, Option<i64>>(0), row.get::<_, Option<i64>>(1))) {
+            Some((Some(commit), Some(prepare))) => Some(Position {
+                commit: u64::try_from(commit)?,
+                prepare: u64::try_from(prepare)?,
+            }),
+            _ => None,
+        },
+    )
+}
+
+/// Move a checkpoint row forward to `position` (never back), creating it if needed. For process
+/// managers, whose real progress is in their own streams: this row only saves re-reading.
+pub async fn store_position(
+    pool: &Pool,
+    checkpoint_name: &str,
+    position: Position,
+) -> anyhow::Result<()> {
+    let client = pool.get().await.context("getting a connection")?;
+    let (commit, prepare) = position_to_sql(Some(position))?;
+    client
+        .execute(
+            "INSERT INTO projection_checkpoints AS c (projection, commit_position, prepare_position)
+             VALUES ($1, $2, $3)
+             ON CONFLICT (projection) DO UPDATE
+                SET commit_position = EXCLUDED.commit_position,
+                    prepare_position = EXCLUDED.prepare_position, updated_at = now()
+              WHERE c.commit_position IS NULL
+                 OR (c.commit_position, c.prepare_position)
+                    < (EXCLUDED.commit_position, EXCLUDED.prepare_position)",
+            &[&checkpoint_name, &commit, &prepare],
+        )
+        .await
+        .context("storing a checkpoint row")?;
+    Ok(())
 }

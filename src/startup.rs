@@ -152,6 +152,18 @@ impl Application {
                 }));
             }
         }
+        if settings.process_managers.enabled {
+            let recorder = crate::revenue::RevenueRecorder::new(
+                state.event_store.clone(),
+                state.pg_pool.clone(),
+                settings.projections.clone(),
+            );
+            background.push(tokio::spawn(async move {
+                if let Err(error) = recorder.run().await {
+                    tracing::error!(error = %crate::telemetry::error_chain(&error), "revenue recorder stopped");
+                }
+            }));
+        }
 
         let address = format!("{}:{}", settings.http.host, settings.http.port);
         let listener =

@@ -12,6 +12,7 @@ pub mod claim;
 pub mod decider;
 pub mod event;
 pub mod points;
+pub mod revenue;
 pub mod user;
 
 pub use decider::Decider;

@@ -170,8 +170,20 @@ impl TestApp {
         )
     }
 
-    /// Run every projection until it has applied everything committed so far.
+    /// A revenue recorder (process manager) on this app's database.
+    pub fn revenue_recorder(&self) -> zhihui::revenue::RevenueRecorder {
+        let services = self.services();
+        zhihui::revenue::RevenueRecorder::new(
+            services.event_store,
+            services.pg_pool,
+            self.settings.projections.clone(),
+        )
+    }
+
+    /// Run the revenue recorder, then every projection, until each has handled everything
+    /// committed so far.
     pub async fn project(&self) {
+        self.revenue_recorder().catch_up().await.unwrap();
         for projection in zhihui_projections::ProjectionName::ALL {
             self.projector(projection).catch_up().await.unwrap();
         }
@@ -215,6 +227,7 @@ pub fn test_settings(database_name: &str) -> Settings {
     settings.http.workers = Some(1);
     // Tests drive projections step by step (`TestApp::project`); a test may switch them on.
     settings.projections.enabled = false;
+    settings.process_managers.enabled = false;
     settings
 }
 

@@ -7,3 +7,4 @@ mod health;
 mod helpers;
 mod ledger;
 mod migrations;
+mod revenue;
