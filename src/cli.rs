@@ -5,6 +5,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 
+use zhihui_projections::ProjectionName;
+
 use crate::configuration::{LogFormat, Settings};
 
 #[derive(Debug, Parser)]
@@ -40,6 +42,62 @@ pub enum Command {
         #[command(subcommand)]
         command: UsersCommand,
     },
+    /// Rebuild read models from the events into fresh tables, swapped in only when complete.
+    Replay {
+        /// One projection (`ledger`, `users`); all of them when absent.
+        #[arg(long, value_parser = parse_projection)]
+        projection: Option<ProjectionName>,
+        /// Events per transaction while rebuilding.
+        #[arg(long, default_value_t = REPLAY_BATCH_SIZE_DEFAULT)]
+        batch_size: usize,
+        /// No progress bar (logs and scripts).
+        #[arg(long)]
+        quiet: bool,
+    },
+    /// Read the event log.
+    Events {
+        #[command(subcommand)]
+        command: EventsCommand,
+    },
+}
+
+/// Replay page size: one transaction per page. Large enough to amortise the commit and the two
+/// set-based statements of a page; small enough that each transaction is short (a long one holds
+/// the global log's horizon back for every reader).
+pub const REPLAY_BATCH_SIZE_DEFAULT: usize = 10_000;
+
+fn parse_projection(name: &str) -> Result<ProjectionName, String> {
+    ProjectionName::parse(name).ok_or_else(|| {
+        let known: Vec<&str> = ProjectionName::ALL.iter().map(|p| p.as_str()).collect();
+        format!("unknown projection {name:?}; known: {}", known.join(", "))
+    })
+}
+
+#[derive(Debug, Subcommand)]
+pub enum EventsCommand {
+    /// Every event of one stream, oldest first.
+    Show {
+        /// The stream, e.g. `account-<user id>`, `revenue`, `user-name-alice`.
+        stream: String,
+        /// One JSON object per line instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Follow the global log: print events as they are committed.
+    Tail {
+        /// Start from the beginning of the log instead of from now.
+        #[arg(long)]
+        from_start: bool,
+        /// Only streams starting with this prefix (repeatable).
+        #[arg(long = "stream-prefix")]
+        stream_prefixes: Vec<String>,
+        /// Exit after this many events.
+        #[arg(long)]
+        count: Option<u64>,
+        /// One JSON object per line instead of text.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -47,6 +105,21 @@ pub enum AuditCommand {
     /// Fold every stream again and compare with every read model; prints each difference and
     /// exits non-zero if there is one.
     Verify,
+    /// One account's movements, from its events, oldest first.
+    Account {
+        /// The user: a user id or a username.
+        user: String,
+        /// Only movements at or after this time (RFC 3339, e.g. 2027-01-15T00:00:00Z).
+        #[arg(long)]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        /// Only movements of this kind (grant, freeze, deduct, return, charge, refund,
+        /// redeem_code, check_in_bonus, promotion).
+        #[arg(long)]
+        kind: Option<String>,
+        /// JSON (one array) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -88,6 +161,32 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Audit {
             command: AuditCommand::Verify,
         } => audit_verify(&settings).await,
+        Command::Audit {
+            command:
+                AuditCommand::Account {
+                    user,
+                    since,
+                    kind,
+                    json,
+                },
+        } => crate::inspect::audit_account(&settings, &user, since, kind.as_deref(), json).await,
+        Command::Replay {
+            projection,
+            batch_size,
+            quiet,
+        } => crate::inspect::replay(&settings, projection, batch_size, quiet).await,
+        Command::Events {
+            command: EventsCommand::Show { stream, json },
+        } => crate::inspect::events_show(&settings, &stream, json).await,
+        Command::Events {
+            command:
+                EventsCommand::Tail {
+                    from_start,
+                    stream_prefixes,
+                    count,
+                    json,
+                },
+        } => crate::inspect::events_tail(&settings, from_start, stream_prefixes, count, json).await,
         Command::Migrate => {
             let pool = crate::postgres::build_pool(&settings.database)?;
             let report = crate::postgres::migrate(&pool).await?;

@@ -92,7 +92,7 @@ struct Checkpoint {
     position: Option<Position>,
 }
 
-fn to_projected(event: &RecordedEvent) -> ProjectedEvent {
+pub(crate) fn to_projected(event: &RecordedEvent) -> ProjectedEvent {
     ProjectedEvent {
         id: event.id,
         stream: event.stream.clone(),
@@ -295,6 +295,19 @@ impl Projector {
         Ok(BatchOutcome::Applied {
             events: slice.events.len(),
         })
+    }
+
+    /// Apply a page read elsewhere (replay reads ahead), moving the checkpoint from `checkpoint`
+    /// to `scanned_to`; retried, and stopped on a poison event, like every batch.
+    pub async fn apply_page(
+        &self,
+        checkpoint: Option<Position>,
+        events: &[RecordedEvent],
+        scanned_to: Position,
+    ) -> anyhow::Result<()> {
+        self.apply_with_retries(checkpoint, events, scanned_to)
+            .await
+            .map(|_lag| ())
     }
 
     /// Steps until caught up; returns the number of events applied.

@@ -40,7 +40,8 @@ pub fn kind_of(event: &AccountEvent) -> &'static str {
     }
 }
 
-fn reason_of(event: &AccountEvent) -> Option<String> {
+/// The reason or reference a movement carries, as the ledger shows it.
+pub fn reason_of(event: &AccountEvent) -> Option<String> {
     match event {
         AccountEvent::Granted(e) => Some(e.reason.clone()),
         AccountEvent::HoldReleased(e) => Some(e.reason.clone()),

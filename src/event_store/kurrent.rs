@@ -260,6 +260,24 @@ impl EventStore for KurrentEventStore {
         }
     }
 
+    async fn head(&self) -> Result<Option<Position>, EventStoreError> {
+        let options = ReadAllOptions::default()
+            .backwards()
+            .position(StreamPosition::End)
+            .max_count(1);
+        let mut read = self
+            .client
+            .read_all(&options)
+            .await
+            .map_err(|error| map_error("$all", ExpectedVersion::Any, error))?;
+        Ok(read
+            .next()
+            .await
+            .map_err(|error| map_error("$all", ExpectedVersion::Any, error))?
+            .map(|resolved| resolved.get_original_event().position)
+            .map(position_from))
+    }
+
     async fn read_all(
         &self,
         after: Option<Position>,

@@ -249,6 +249,10 @@ pub trait EventStore: Send + Sync {
         after: Option<Position>,
         filter: EventFilter,
     ) -> BoxStream<'static, Result<SubscriptionMessage, EventStoreError>>;
+
+    /// Position of the last event a global-log reader can see now (`None`: empty log). A
+    /// subscription from here delivers only what comes next (`zhihui events tail`).
+    fn head(&self) -> impl Future<Output = Result<Option<Position>, EventStoreError>> + Send;
 }
 
 /// Checks shared by both stores before anything is sent.
@@ -333,6 +337,13 @@ impl EventStore for AnyEventStore {
         match self {
             AnyEventStore::Postgres(store) => store.read_all(after, max_count, filter).await,
             AnyEventStore::Kurrent(store) => store.read_all(after, max_count, filter).await,
+        }
+    }
+
+    async fn head(&self) -> Result<Option<Position>, EventStoreError> {
+        match self {
+            AnyEventStore::Postgres(store) => store.head().await,
+            AnyEventStore::Kurrent(store) => store.head().await,
         }
     }
 

@@ -359,6 +359,29 @@ impl EventStore for PostgresEventStore {
         Ok(self.read_window(after, max_count, filter).await?.0)
     }
 
+    async fn head(&self) -> Result<Option<Position>, EventStoreError> {
+        self.settle().await?;
+        let client = self.inner.pool.get().await.map_err(unavailable)?;
+        // One statement outside a transaction block: read-only, it takes no transaction id.
+        let row = client
+            .query_opt(
+                "SELECT transaction_id::text::bigint, global_position FROM events \
+                  WHERE transaction_id < pg_snapshot_xmin(pg_current_snapshot()) \
+                  ORDER BY transaction_id DESC, global_position DESC LIMIT 1",
+                &[],
+            )
+            .await
+            .map_err(unavailable)?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let (commit, prepare): (i64, i64) = (row.get(0), row.get(1));
+        Ok(Some(Position {
+            commit: u64::try_from(commit).map_err(unavailable)?,
+            prepare: u64::try_from(prepare).map_err(unavailable)?,
+        }))
+    }
+
     fn subscribe_all(
         &self,
         after: Option<Position>,

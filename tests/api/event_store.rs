@@ -410,6 +410,29 @@ async fn a_subscription_catches_up_then_follows_live<S: EventStore>(store: &S) {
     assert_eq!(after_checkpoint[0].id, live[0].id);
 }
 
+async fn the_head_is_the_last_visible_event_and_a_subscription_from_it_sees_only_new_ones<
+    S: EventStore,
+>(
+    store: &S,
+) {
+    let prefix = prefix();
+    let stream = format!("{prefix}s");
+    let appended = store
+        .append(&stream, ExpectedVersion::NoStream, vec![event("A", 0)])
+        .await
+        .unwrap();
+    let head = store.head().await.unwrap().unwrap();
+    // Other tests may append concurrently on a shared server: the head is at least ours.
+    assert!(head >= appended.position);
+    let mut tail = store.subscribe_all(Some(head), EventFilter::StreamPrefixes(vec![prefix]));
+    store
+        .append(&stream, ExpectedVersion::Exact(0), vec![event("B", 1)])
+        .await
+        .unwrap();
+    let next = collect_events(&mut tail, 1).await;
+    assert_eq!(next[0].event_type, "B");
+}
+
 macro_rules! conformance {
     ($($name:ident),* $(,)?) => {
         mod postgres_group_commit {
@@ -456,6 +479,7 @@ conformance!(
     two_appends_with_the_same_expected_version_one_wins,
     reads_the_global_log_from_a_position_with_filters,
     a_subscription_catches_up_then_follows_live,
+    the_head_is_the_last_visible_event_and_a_subscription_from_it_sees_only_new_ones,
 );
 
 // ---------------------------------------------------------------- PostgreSQL hard cases

@@ -170,6 +170,20 @@ impl TestApp {
         )
     }
 
+    /// Run the real `zhihui` binary against this app's database.
+    pub fn cli(&self, args: &[&str]) -> std::process::Output {
+        std::process::Command::new(env!("CARGO_BIN_EXE_zhihui"))
+            .args(args)
+            .env(
+                "ZHIHUI_DATABASE__URL",
+                self.settings.database.url.expose_secret(),
+            )
+            .env("ZHIHUI_DATABASE__MIGRATE_ON_START", "false")
+            .env("ZHIHUI_LOG__FILTER", "warn")
+            .output()
+            .expect("running the zhihui binary")
+    }
+
     /// A revenue recorder (process manager) on this app's database.
     pub fn revenue_recorder(&self) -> zhihui::revenue::RevenueRecorder {
         let services = self.services();

@@ -458,18 +458,7 @@ async fn audit_verify_passes_on_projected_read_models_and_fails_on_a_tampered_ro
     }
     app.project().await;
 
-    let run_cli = || {
-        use secrecy::ExposeSecret;
-        std::process::Command::new(env!("CARGO_BIN_EXE_zhihui"))
-            .args(["audit", "verify"])
-            .env(
-                "ZHIHUI_DATABASE__URL",
-                app.settings.database.url.expose_secret(),
-            )
-            .env("ZHIHUI_DATABASE__MIGRATE_ON_START", "false")
-            .output()
-            .unwrap()
-    };
+    let run_cli = || app.cli(&["audit", "verify"]);
     let output = run_cli();
     let stdout = String::from_utf8_lossy(&output.stdout).to_string();
     assert!(

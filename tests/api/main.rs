@@ -7,4 +7,5 @@ mod health;
 mod helpers;
 mod ledger;
 mod migrations;
+mod replay;
 mod revenue;
