@@ -56,7 +56,7 @@ where
     let results = outcome?;
     println!();
     for (name, value, unit) in results {
-        println!("RESULT {name} {value:.0} {unit}");
+        println!("RESULT {name} {value:.1} {unit}");
     }
     Ok(())
 }

@@ -85,6 +85,9 @@ pub struct Projector {
     /// Checkpoint row name: the projection's name, or `<name>__rebuild` during replay.
     checkpoint_name: String,
     settings: ProjectionSettings,
+    /// Receives, after each committed batch, every event's lag in microseconds (from its
+    /// `recorded_at` to the batch's commit): the lag benchmark's measurement.
+    lag_observer: Option<tokio::sync::mpsc::UnboundedSender<Vec<i64>>>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -130,6 +133,18 @@ impl Projector {
             tables: Tables::LIVE,
             checkpoint_name: projection.as_str().to_owned(),
             settings,
+            lag_observer: None,
+        }
+    }
+
+    /// Report every event's lag to `observer` (see the field).
+    pub fn with_lag_observer(
+        self,
+        observer: tokio::sync::mpsc::UnboundedSender<Vec<i64>>,
+    ) -> Projector {
+        Projector {
+            lag_observer: Some(observer),
+            ..self
         }
     }
 
@@ -161,22 +176,30 @@ impl Projector {
         &self,
         transaction: &tokio_postgres::Transaction<'_>,
     ) -> anyhow::Result<Checkpoint> {
-        transaction
-            .execute(
-                "INSERT INTO projection_checkpoints (projection) VALUES ($1)
-                 ON CONFLICT (projection) DO NOTHING",
-                &[&self.checkpoint_name],
-            )
+        const LOCK_ROW: &str = "SELECT commit_position, prepare_position, stopped_reason
+                                  FROM projection_checkpoints WHERE projection = $1 FOR UPDATE";
+        // The row exists after the first batch: one round trip then; create it only before.
+        let row = match transaction
+            .query_opt(LOCK_ROW, &[&self.checkpoint_name])
             .await
-            .context("creating the checkpoint row")?;
-        let row = transaction
-            .query_one(
-                "SELECT commit_position, prepare_position, stopped_reason
-                   FROM projection_checkpoints WHERE projection = $1 FOR UPDATE",
-                &[&self.checkpoint_name],
-            )
-            .await
-            .context("locking the checkpoint row")?;
+            .context("locking the checkpoint row")?
+        {
+            Some(row) => row,
+            None => {
+                transaction
+                    .execute(
+                        "INSERT INTO projection_checkpoints (projection) VALUES ($1)
+                         ON CONFLICT (projection) DO NOTHING",
+                        &[&self.checkpoint_name],
+                    )
+                    .await
+                    .context("creating the checkpoint row")?;
+                transaction
+                    .query_one(LOCK_ROW, &[&self.checkpoint_name])
+                    .await
+                    .context("locking the checkpoint row")?
+            }
+        };
         if let Some(reason) = row.get::<_, Option<String>>(2) {
             return Err(Halt::Stopped {
                 projection: self.checkpoint_name.clone(),
@@ -250,7 +273,20 @@ impl Projector {
             .await
             .context("moving the checkpoint")?;
         transaction.commit().await.context("committing a batch")?;
-        Ok(last_recorded_at.map(|at| (Utc::now() - at).num_milliseconds().max(0)))
+        let committed_at = Utc::now();
+        if let Some(observer) = &self.lag_observer {
+            let lags = events
+                .iter()
+                .map(|event| {
+                    (committed_at - event.recorded_at)
+                        .num_microseconds()
+                        .unwrap_or(i64::MAX)
+                })
+                .collect();
+            // The observer going away only ends the measurement.
+            let _ = observer.send(lags);
+        }
+        Ok(last_recorded_at.map(|at| (committed_at - at).num_milliseconds().max(0)))
     }
 
     /// Sabotage for tests: read a page and apply it, then kill this very connection before the
@@ -436,6 +472,8 @@ impl Projector {
         let mut checkpoint = self.checkpoint().await?;
         let mut subscription = self.store.subscribe_all(checkpoint, self.filter());
         let takeover_check = Duration::from_millis(self.settings.takeover_check_ms);
+        let mut last_refresh = tokio::time::Instant::now();
+        self.publish(statuses, true, None).await;
         loop {
             let batch = crate::leader::next_batch(
                 &mut subscription,
@@ -456,7 +494,14 @@ impl Projector {
             if let Some(lag) = lag {
                 metrics_lag(&self.checkpoint_name, lag);
             }
-            self.publish(statuses, true, lag).await;
+            // The stored row (events applied, stop reason) is re-read at most once per
+            // `takeover_check_ms`: a query per batch would add a round trip to every batch's lag.
+            if last_refresh.elapsed() >= takeover_check {
+                self.publish(statuses, true, lag).await;
+                last_refresh = tokio::time::Instant::now();
+            } else {
+                publish_lag(statuses, self.projection.as_str(), lag);
+            }
         }
     }
 
@@ -528,6 +573,14 @@ pub async fn stored_status(pool: &Pool, checkpoint_name: &str) -> anyhow::Result
             stopped_reason: row.get(4),
         },
     })
+}
+
+/// Record a batch's lag in this process's status without reading the stored row.
+fn publish_lag(statuses: &Statuses, projection: &str, lag_ms: Option<i64>) {
+    let mut statuses = statuses.lock().unwrap_or_else(|poison| poison.into_inner());
+    if let (Some(entry), Some(lag_ms)) = (statuses.get_mut(projection), lag_ms) {
+        entry.last_lag_ms = Some(lag_ms);
+    }
 }
 
 fn metrics_lag(projection: &str, lag_ms: i64) {

@@ -143,27 +143,22 @@ pub async fn apply(
          ON CONFLICT DO NOTHING",
         ledger = tables.name("ledger_entries")
     );
-    transaction
-        .execute(
-            &insert_ledger,
-            &[
-                &ledger.user_id,
-                &ledger.stream_version,
-                &ledger.event_id,
-                &ledger.occurred_at,
-                &ledger.kind,
-                &ledger.amount,
-                &ledger.available_after,
-                &ledger.frozen_after,
-                &ledger.task_id,
-                &ledger.operation_id,
-                &ledger.reason,
-                &ledger.actor,
-                &ledger.correlation_id,
-            ],
-        )
-        .await
-        .context("inserting ledger entries")?;
+    let ledger_params: [&(dyn tokio_postgres::types::ToSql + Sync); 13] = [
+        &ledger.user_id,
+        &ledger.stream_version,
+        &ledger.event_id,
+        &ledger.occurred_at,
+        &ledger.kind,
+        &ledger.amount,
+        &ledger.available_after,
+        &ledger.frozen_after,
+        &ledger.task_id,
+        &ledger.operation_id,
+        &ledger.reason,
+        &ledger.actor,
+        &ledger.correlation_id,
+    ];
+    let insert_ledger = transaction.execute(&insert_ledger, &ledger_params);
 
     let mut user_ids = Vec::with_capacity(balances.len());
     let mut available = Vec::with_capacity(balances.len());
@@ -187,12 +182,12 @@ pub async fn apply(
           WHERE a.stream_version < EXCLUDED.stream_version",
         accounts = tables.name("accounts")
     );
-    transaction
-        .execute(
-            &upsert_accounts,
-            &[&user_ids, &available, &frozen, &versions, &updated],
-        )
-        .await
-        .context("upserting account balances")?;
+    let account_params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
+        [&user_ids, &available, &frozen, &versions, &updated];
+    let upsert_accounts = transaction.execute(&upsert_accounts, &account_params);
+    // Issued together, tokio-postgres pipelines the two statements: one round trip per batch.
+    let (inserted, upserted) = futures::join!(insert_ledger, upsert_accounts);
+    inserted.context("inserting ledger entries")?;
+    upserted.context("upserting account balances")?;
     Ok(())
 }

@@ -1,0 +1,190 @@
+//! Benchmark of projection lag under load: the live ledger runner (`Projector::run`: leader lock,
+//! subscription, batches) follows the log while clients run freeze/release commands, and every
+//! event's lag is measured from its `recorded_at` (the start of the transaction that appended it,
+//! so the append's own commit is included) to the commit of the read-model batch that applied it.
+//!
+//! Two cases, each SECONDS long (default 5): 64 clients as fast as they go (saturated, the
+//! machine's two cores shared by clients, PostgreSQL and the runner), and a paced 1,000
+//! commands/s. Prints p50/p99/max per case, then `RESULT projection_lag_p99_ms <value> ms` for the
+//! saturated case.
+//!
+//!     DATABASE_URL=postgres://zhihui@127.0.0.1:55432/zhihui \
+//!         cargo run --release --bin bench_projection_lag [-- SECONDS]
+//!
+//! It creates a fresh database `zhihui_bench_<uuid>` next to DATABASE_URL's and drops it at the end.
+
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use uuid::Uuid;
+use zhihui::aggregate::AggregateService;
+use zhihui::command::RetryPolicy;
+use zhihui::event_store::EventMetadata;
+use zhihui_domain::account::{Account, AccountCommand, account_stream};
+use zhihui_domain::points::Amount;
+use zhihui_domain::user::UserId;
+use zhihui_projections::ProjectionName;
+
+const CLIENTS: usize = 64;
+const PACED_COMMANDS_PER_SECOND: u64 = 1_000;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let seconds = zhihui::bench_support::seconds_per_case()?;
+    zhihui::bench_support::with_fresh_database(
+        |settings| {
+            settings.database.pool_max_size = 32;
+            settings.event_store.group_commit_writers = 4;
+            if let Ok(ms) = std::env::var("HELD_BACK_MS") {
+                settings.event_store.held_back_recheck_max_ms = ms.parse().unwrap_or(50);
+            }
+        },
+        |settings| async move { run(&settings, seconds).await },
+    )
+    .await
+}
+
+fn metadata() -> EventMetadata {
+    EventMetadata {
+        correlation_id: Uuid::now_v7(),
+        causation_id: None,
+        actor: "bench".into(),
+    }
+}
+
+async fn freeze_release(accounts: &AggregateService<Account>, stream: &str) -> anyhow::Result<()> {
+    let hold_id = Uuid::now_v7();
+    for command in [
+        AccountCommand::Freeze {
+            hold_id,
+            amount: Amount::whole(1),
+            at: chrono::Utc::now(),
+        },
+        AccountCommand::ReleaseHold {
+            hold_id,
+            reason: "bench".into(),
+            at: chrono::Utc::now(),
+        },
+    ] {
+        accounts
+            .execute(stream, command, metadata())
+            .await
+            .map_err(|error| anyhow::anyhow!("{error}"))?;
+    }
+    Ok(())
+}
+
+async fn run(
+    settings: &zhihui::configuration::Settings,
+    seconds: u64,
+) -> anyhow::Result<Vec<zhihui::bench_support::Figure>> {
+    let pool = zhihui::postgres::build_pool(&settings.database)?;
+    zhihui::postgres::migrate(&pool).await?;
+    let store = zhihui::event_store::from_settings(settings, pool.clone())?;
+    let accounts: AggregateService<Account> = AggregateService::new(
+        store.clone(),
+        RetryPolicy::default(),
+        Duration::from_secs(60),
+    );
+    let streams: Vec<String> = (0..CLIENTS)
+        .map(|_| account_stream(UserId::from_uuid(Uuid::now_v7())))
+        .collect();
+    for stream in &streams {
+        accounts
+            .execute(
+                stream,
+                AccountCommand::Grant {
+                    operation_id: Uuid::now_v7(),
+                    amount: Amount::whole(1_000_000),
+                    reason: "bench".into(),
+                    at: chrono::Utc::now(),
+                },
+                metadata(),
+            )
+            .await
+            .map_err(|error| anyhow::anyhow!("{error}"))?;
+    }
+
+    let (observer, mut lags) = tokio::sync::mpsc::unbounded_channel();
+    let runner = zhihui::projector::Projector::live(
+        ProjectionName::Ledger,
+        pool.clone(),
+        store.clone(),
+        settings.projections.clone(),
+    )
+    .with_lag_observer(observer);
+    let statuses = zhihui::projector::Statuses::default();
+    let runner = tokio::spawn(runner.run(statuses));
+    // Let it take the lead and apply the grants before measuring.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    while lags.try_recv().is_ok() {}
+
+    let mut results = Vec::new();
+    for (case, paced) in [("saturated", false), ("paced", true)] {
+        let stop = Arc::new(AtomicBool::new(false));
+        let started = Instant::now();
+        let clients: Vec<_> = streams
+            .iter()
+            .cloned()
+            .enumerate()
+            .map(|(client, stream)| {
+                let accounts = accounts.clone();
+                let stop = stop.clone();
+                tokio::spawn(async move {
+                    // Paced: each client sends its share of the rate (two commands per pair).
+                    let pair_every = Duration::from_micros(
+                        2 * 1_000_000 * CLIENTS as u64 / PACED_COMMANDS_PER_SECOND,
+                    );
+                    // Spread the clients over the period: a steady rate, not bursts of 64.
+                    let phase = pair_every * u32::try_from(client).unwrap_or(0)
+                        / u32::try_from(CLIENTS).unwrap_or(1);
+                    let mut ticks =
+                        tokio::time::interval_at(tokio::time::Instant::now() + phase, pair_every);
+                    let mut commands = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        if paced {
+                            ticks.tick().await;
+                        }
+                        freeze_release(&accounts, &stream).await?;
+                        commands += 2;
+                    }
+                    anyhow::Ok(commands)
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_secs(seconds)).await;
+        stop.store(true, Ordering::Relaxed);
+        let mut commands = 0;
+        for client in clients {
+            commands += client.await??;
+        }
+        let elapsed = started.elapsed().as_secs_f64();
+        // The runner's last batches: wait until it has applied everything appended.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut samples = Vec::new();
+        while let Ok(batch) = lags.try_recv() {
+            samples.extend(batch);
+        }
+        samples.sort_unstable();
+        anyhow::ensure!(!samples.is_empty(), "the runner applied nothing");
+        let percentile = |p: f64| {
+            samples[((samples.len() as f64 * p) as usize).min(samples.len() - 1)] as f64 / 1000.0
+        };
+        let (p50, p99, max) = (percentile(0.50), percentile(0.99), percentile(1.0));
+        println!(
+            "{case:>9}: {:.0} commands/s, {} events applied; lag p50 {p50:.1} ms, p99 {p99:.1} ms, max {max:.1} ms",
+            commands as f64 / elapsed,
+            samples.len()
+        );
+        if !paced {
+            results.push(("projection_lag_p99_ms".into(), p99, "ms"));
+        } else {
+            results.push(("projection_lag_paced_p99_ms".into(), p99, "ms"));
+        }
+    }
+    runner.abort();
+    Ok(results)
+}
