@@ -38,9 +38,6 @@ async fn main() -> anyhow::Result<()> {
         |settings| {
             settings.database.pool_max_size = 32;
             settings.event_store.group_commit_writers = 4;
-            if let Ok(ms) = std::env::var("HELD_BACK_MS") {
-                settings.event_store.held_back_recheck_max_ms = ms.parse().unwrap_or(50);
-            }
         },
         |settings| async move { run(&settings, seconds).await },
     )
