@@ -19,6 +19,7 @@ pub fn lock_key(name: &str) -> i64 {
 }
 
 /// A dedicated connection holding the lock named `name`, or `None` if another process holds it.
+/// Give it up with [`resign`], never by dropping it (it would go back to the pool locked).
 pub async fn try_lead(
     pool: &Pool,
     name: &str,
@@ -29,7 +30,15 @@ pub async fn try_lead(
         .await
         .with_context(|| format!("trying the lock {name}"))?
         .get(0);
+    // Not locked: the connection holds nothing and goes back to the pool.
     Ok(locked.then_some(connection))
+}
+
+/// Give up leadership: the connection is taken out of the pool and closed, which releases the
+/// lock. Returning it to the pool instead would keep the lock held by an idle pooled connection
+/// (recycling does not unlock), and whichever worker got that connection next would lead under it.
+pub fn resign(lock_connection: deadpool_postgres::Object) {
+    drop(deadpool_postgres::Object::take(lock_connection));
 }
 
 /// Fails when the lock connection is gone (and with it, the lock).

@@ -452,6 +452,7 @@ impl Projector {
             match self.lead(&lock_connection, &statuses).await {
                 Ok(()) => {}
                 Err(error) if matches!(Halt::of(&error), Some(Halt::Stopped { .. })) => {
+                    crate::leader::resign(lock_connection);
                     self.publish(&statuses, true, None).await;
                     return Err(error);
                 }
@@ -460,7 +461,7 @@ impl Projector {
                     tokio::time::sleep(takeover_check).await;
                 }
             }
-            drop(lock_connection);
+            crate::leader::resign(lock_connection);
         }
     }
 

@@ -291,6 +291,7 @@ impl RevenueRecorder {
                 Ok(()) => {}
                 Err(error) if error.chain().any(|cause| cause.is::<RevenueStopped>()) => {
                     tracing::error!(error = %crate::telemetry::error_chain(&error), "revenue recorder stopped");
+                    crate::leader::resign(lock_connection);
                     return Err(error);
                 }
                 Err(error) => {
@@ -299,7 +300,7 @@ impl RevenueRecorder {
                     tokio::time::sleep(takeover_check).await;
                 }
             }
-            drop(lock_connection);
+            crate::leader::resign(lock_connection);
         }
     }
 

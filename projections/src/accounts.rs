@@ -185,7 +185,8 @@ pub async fn apply(
     let account_params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
         [&user_ids, &available, &frozen, &versions, &updated];
     let upsert_accounts = transaction.execute(&upsert_accounts, &account_params);
-    // Issued together, tokio-postgres pipelines the two statements: one round trip per batch.
+    // Issued together, tokio-postgres pipelines the two statements (each prepared, then run)
+    // instead of waiting for one before sending the other.
     let (inserted, upserted) = futures::join!(insert_ledger, upsert_accounts);
     inserted.context("inserting ledger entries")?;
     upserted.context("upserting account balances")?;

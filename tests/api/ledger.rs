@@ -500,3 +500,28 @@ async fn audit_verify_passes_on_projected_read_models_and_fails_on_a_tampered_ro
     );
     assert!(stdout.contains("2 difference(s)"), "{stdout}");
 }
+
+#[tokio::test]
+async fn a_worker_that_resigns_releases_its_lead_to_other_processes() {
+    let app = spawn_app().await;
+    let (ours, theirs) = (app.services().pg_pool, app.services().pg_pool);
+    let name = format!("test-lead-{}", Uuid::now_v7());
+    let lead = zhihui::leader::try_lead(&ours, &name)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        zhihui::leader::try_lead(&theirs, &name)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    zhihui::leader::resign(lead);
+    // Our pool keeps idle connections; none of them may still hold the lock.
+    let _busy = ours.get().await.unwrap();
+    let theirs_now = zhihui::leader::try_lead(&theirs, &name).await.unwrap();
+    assert!(
+        theirs_now.is_some(),
+        "the lock stayed with a pooled connection"
+    );
+}
