@@ -43,6 +43,14 @@ struct FoldedAccount {
     entries: BTreeMap<u64, (Decimal, Decimal)>,
 }
 
+/// What a movement does to the revenue total.
+fn signed(movement: RevenueMovement, amount: Decimal) -> Decimal {
+    match movement {
+        RevenueMovement::Refunded => -amount,
+        RevenueMovement::HoldSettled | RevenueMovement::Charged => amount,
+    }
+}
+
 /// The revenue account against the account streams.
 #[derive(Default)]
 struct RevenueFold {
@@ -61,25 +69,18 @@ struct RevenueFold {
 
 impl RevenueFold {
     fn account_event(&mut self, recorded: &RecordedEvent, event: &AccountEvent) {
-        let movement = match event {
-            AccountEvent::Granted(_) | AccountEvent::Credited(_) => {
-                self.inflow += event.amount().as_decimal();
-                return;
-            }
-            AccountEvent::Frozen(_) | AccountEvent::HoldReleased(_) => return,
-            AccountEvent::HoldSettled(_) => RevenueMovement::HoldSettled,
-            AccountEvent::Charged(_) => RevenueMovement::Charged,
-            AccountEvent::Refunded(_) => RevenueMovement::Refunded,
+        if matches!(event, AccountEvent::Granted(_) | AccountEvent::Credited(_)) {
+            self.inflow += event.amount().as_decimal();
+        }
+        let Some(movement) = crate::revenue::revenue_movement(event) else {
+            return;
         };
         self.movements.insert(
             recorded.id,
             (
                 movement,
                 event.amount().as_decimal(),
-                LogPosition {
-                    commit: recorded.position.commit,
-                    prepare: recorded.position.prepare,
-                },
+                crate::revenue::to_log_position(recorded.position),
             ),
         );
     }
@@ -87,10 +88,7 @@ impl RevenueFold {
     fn revenue_event(&mut self, event: RevenueEvent) {
         let RevenueEvent::Recorded(recorded) = event;
         let amount = recorded.amount.as_decimal();
-        self.total += match recorded.movement {
-            RevenueMovement::Refunded => -amount,
-            RevenueMovement::HoldSettled | RevenueMovement::Charged => amount,
-        };
+        self.total += signed(recorded.movement, amount);
         if recorded.total_after.as_decimal() != self.total {
             self.claimed_totals_wrong.push((
                 recorded.source_event_id,
@@ -134,10 +132,7 @@ impl RevenueFold {
                 }
                 None => {
                     // Not reached by the recorder yet.
-                    pending += match movement {
-                        RevenueMovement::Refunded => -*amount,
-                        RevenueMovement::HoldSettled | RevenueMovement::Charged => *amount,
-                    };
+                    pending += signed(*movement, *amount);
                 }
             }
         }

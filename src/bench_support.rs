@@ -12,6 +12,15 @@ use crate::configuration::Settings;
 /// One figure: name, value, unit.
 pub type Figure = (String, f64, &'static str);
 
+/// Metadata of the events a benchmark makes.
+pub fn metadata() -> crate::event_store::EventMetadata {
+    crate::event_store::EventMetadata {
+        correlation_id: Uuid::now_v7(),
+        causation_id: None,
+        actor: "bench".into(),
+    }
+}
+
 /// The first argument as seconds per case (default 5).
 pub fn seconds_per_case() -> anyhow::Result<u64> {
     Ok(std::env::args()

@@ -16,14 +16,12 @@ use zhihui_domain::user::{UserId, Username};
 use zhihui_projections::ProjectionName;
 use zhihui_projections::accounts::{kind_of, reason_of};
 
+use crate::command::STREAM_READ_PAGE_MAX;
 use crate::configuration::Settings;
 use crate::event_store::{
     AnyEventStore, Direction, EventFilter, EventStore, ReadFrom, RecordedEvent, SubscriptionMessage,
 };
 use crate::replay::{ReplayProgress, replay as replay_projection};
-
-/// Events per read of a stream.
-const STREAM_READ_PAGE_MAX: usize = 1_000;
 
 async fn connect(settings: &Settings) -> anyhow::Result<(deadpool_postgres::Pool, AnyEventStore)> {
     let pool = crate::postgres::build_pool(&settings.database)?;

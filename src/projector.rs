@@ -109,7 +109,23 @@ pub(crate) fn to_projected(event: &RecordedEvent) -> ProjectedEvent {
     }
 }
 
-fn position_to_sql(position: Option<Position>) -> anyhow::Result<(Option<i64>, Option<i64>)> {
+/// A checkpoint row's two position columns (both NULL before the first batch).
+pub(crate) fn position_from_sql(
+    commit: Option<i64>,
+    prepare: Option<i64>,
+) -> anyhow::Result<Option<Position>> {
+    Ok(match (commit, prepare) {
+        (Some(commit), Some(prepare)) => Some(Position {
+            commit: u64::try_from(commit)?,
+            prepare: u64::try_from(prepare)?,
+        }),
+        _ => None,
+    })
+}
+
+pub(crate) fn position_to_sql(
+    position: Option<Position>,
+) -> anyhow::Result<(Option<i64>, Option<i64>)> {
     Ok(match position {
         None => (None, None),
         Some(position) => (
@@ -207,16 +223,9 @@ impl Projector {
             }
             .into());
         }
-        let commit: Option<i64> = row.get(0);
-        let prepare: Option<i64> = row.get(1);
-        let position = match (commit, prepare) {
-            (Some(commit), Some(prepare)) => Some(Position {
-                commit: u64::try_from(commit)?,
-                prepare: u64::try_from(prepare)?,
-            }),
-            _ => None,
-        };
-        Ok(Checkpoint { position })
+        Ok(Checkpoint {
+            position: position_from_sql(row.get(0), row.get(1))?,
+        })
     }
 
     /// The checkpoint as stored (no lock).
@@ -602,15 +611,10 @@ pub async fn stored_position(
         )
         .await
         .context("reading a checkpoint row")?;
-    Ok(
-        match row.map(|row| (row.get::<_, Option<i64>>(0), row.get::<_, Option<i64>>(1))) {
-            Some((Some(commit), Some(prepare))) => Some(Position {
-                commit: u64::try_from(commit)?,
-                prepare: u64::try_from(prepare)?,
-            }),
-            _ => None,
-        },
-    )
+    match row {
+        Some(row) => position_from_sql(row.get(0), row.get(1)),
+        None => Ok(None),
+    }
 }
 
 /// Move a checkpoint row forward to `position` (never back), creating it if needed. For process

@@ -23,7 +23,7 @@ use zhihui_projections::{ProjectionName, Tables};
 
 use crate::configuration::ProjectionSettings;
 use crate::event_store::{AnyEventStore, EventFilter, EventStore, Position};
-use crate::projector::Projector;
+use crate::projector::{Projector, position_from_sql, position_to_sql};
 
 /// What a replay did.
 #[derive(Debug, Clone)]
@@ -300,16 +300,6 @@ async fn build(
     }
 }
 
-fn position_of(commit: Option<i64>, prepare: Option<i64>) -> anyhow::Result<Option<Position>> {
-    Ok(match (commit, prepare) {
-        (Some(commit), Some(prepare)) => Some(Position {
-            commit: u64::try_from(commit)?,
-            prepare: u64::try_from(prepare)?,
-        }),
-        _ => None,
-    })
-}
-
 /// Close the gap to the live checkpoint and swap the tables in, in one transaction. Returns the
 /// checkpoint now live and the events applied to close the gap.
 pub async fn swap(
@@ -341,13 +331,13 @@ pub async fn swap(
         }
     };
     let live = match row(live_name.to_owned()).await? {
-        Some(row) => position_of(row.get(0), row.get(1))?,
+        Some(row) => position_from_sql(row.get(0), row.get(1))?,
         None => None,
     };
     let rebuilt_row = row(rebuild_name.clone())
         .await?
         .context("the rebuild checkpoint is missing")?;
-    let rebuilt = position_of(rebuilt_row.get(0), rebuilt_row.get(1))?;
+    let rebuilt = position_from_sql(rebuilt_row.get(0), rebuilt_row.get(1))?;
     let mut events_applied: i64 = rebuilt_row.get(2);
 
     // Events the live runner applied beyond the rebuild: read them all first (reading later,
@@ -411,13 +401,7 @@ pub async fn swap(
             }
         }
     }
-    let (commit, prepare) = match checkpoint {
-        Some(position) => (
-            Some(i64::try_from(position.commit)?),
-            Some(i64::try_from(position.prepare)?),
-        ),
-        None => (None, None),
-    };
+    let (commit, prepare) = position_to_sql(checkpoint)?;
     transaction
         .execute(
             "INSERT INTO projection_checkpoints AS c

@@ -70,7 +70,7 @@ pub struct RevenueRecorder {
     cursor: tokio::sync::Mutex<Cursor>,
 }
 
-fn to_log_position(position: Position) -> LogPosition {
+pub(crate) fn to_log_position(position: Position) -> LogPosition {
     LogPosition {
         commit: position.commit,
         prepare: position.prepare,
@@ -81,6 +81,19 @@ fn to_position(position: LogPosition) -> Position {
     Position {
         commit: position.commit,
         prepare: position.prepare,
+    }
+}
+
+/// Which revenue movement an account event is, if any.
+pub fn revenue_movement(event: &AccountEvent) -> Option<RevenueMovement> {
+    match event {
+        AccountEvent::HoldSettled(_) => Some(RevenueMovement::HoldSettled),
+        AccountEvent::Charged(_) => Some(RevenueMovement::Charged),
+        AccountEvent::Refunded(_) => Some(RevenueMovement::Refunded),
+        AccountEvent::Granted(_)
+        | AccountEvent::Frozen(_)
+        | AccountEvent::HoldReleased(_)
+        | AccountEvent::Credited(_) => None,
     }
 }
 
@@ -95,14 +108,8 @@ pub fn movement_of(recorded: &RecordedEvent) -> anyhow::Result<Option<RecordMove
         &recorded.payload,
     )
     .with_context(|| format!("decoding event {}", recorded.id))?;
-    let movement = match &event {
-        AccountEvent::HoldSettled(_) => RevenueMovement::HoldSettled,
-        AccountEvent::Charged(_) => RevenueMovement::Charged,
-        AccountEvent::Refunded(_) => RevenueMovement::Refunded,
-        AccountEvent::Granted(_)
-        | AccountEvent::Frozen(_)
-        | AccountEvent::HoldReleased(_)
-        | AccountEvent::Credited(_) => return Ok(None),
+    let Some(movement) = revenue_movement(&event) else {
+        return Ok(None);
     };
     Ok(Some(RecordMovement {
         source_event_id: recorded.id,

@@ -19,9 +19,9 @@ use std::time::{Duration, Instant};
 
 use uuid::Uuid;
 use zhihui::aggregate::AggregateService;
+use zhihui::bench_support::metadata;
 use zhihui::command::RetryPolicy;
 use zhihui::configuration::Settings;
-use zhihui::event_store::EventMetadata;
 use zhihui_domain::account::{Account, AccountCommand, account_stream};
 use zhihui_domain::points::Amount;
 use zhihui_domain::user::UserId;
@@ -39,14 +39,6 @@ async fn main() -> anyhow::Result<()> {
         |settings| async move { run(&settings, seconds).await },
     )
     .await
-}
-
-fn metadata() -> EventMetadata {
-    EventMetadata {
-        correlation_id: Uuid::now_v7(),
-        causation_id: None,
-        actor: "bench".into(),
-    }
 }
 
 async fn run(

@@ -18,7 +18,7 @@ use std::time::Instant;
 use anyhow::Context;
 use futures::StreamExt;
 use uuid::Uuid;
-use zhihui::event_store::{EventMetadata, EventStore, ExpectedVersion};
+use zhihui::event_store::{EventStore, ExpectedVersion};
 use zhihui::replay::Quiet;
 use zhihui_domain::Decider;
 use zhihui_domain::account::{Account, AccountCommand, account_stream};
@@ -116,11 +116,7 @@ async fn run(
     let accounts = events.div_ceil(EVENTS_PER_ACCOUNT);
     let at = chrono::Utc::now();
     let loading = Instant::now();
-    let metadata = EventMetadata {
-        correlation_id: Uuid::now_v7(),
-        causation_id: None,
-        actor: "bench".into(),
-    };
+    let metadata = zhihui::bench_support::metadata();
     let mut appends = futures::stream::iter(0..accounts)
         .map(|_| {
             let store = store.clone();
