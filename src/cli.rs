@@ -59,6 +59,18 @@ pub enum Command {
         #[command(subcommand)]
         command: EventsCommand,
     },
+    /// The task queue in Redis.
+    Queue {
+        #[command(subcommand)]
+        command: QueueCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum QueueCommand {
+    /// Put every queued task back in the Redis queue at the score its events give it (after
+    /// Redis lost its data), and take out what has left.
+    Rebuild,
 }
 
 /// Replay page size: one transaction per page. Large enough to amortise the commit and the two
@@ -187,6 +199,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                     json,
                 },
         } => crate::inspect::events_tail(&settings, from_start, stream_prefixes, count, json).await,
+        Command::Queue {
+            command: QueueCommand::Rebuild,
+        } => queue_rebuild(&settings).await,
         Command::Migrate => {
             let pool = crate::postgres::build_pool(&settings.database)?;
             let report = crate::postgres::migrate(&pool).await?;
@@ -261,6 +276,23 @@ async fn create_user(
 }
 
 /// `zhihui audit verify`.
+async fn queue_rebuild(settings: &Settings) -> anyhow::Result<()> {
+    use std::io::Write;
+
+    let pool = crate::postgres::build_pool(&settings.database)?;
+    let state =
+        crate::startup::AppState::build(settings, pool, crate::startup::Overrides::default())?;
+    let report = state.tasks.rebuild_queue().await?;
+    writeln!(
+        std::io::stdout().lock(),
+        "queue rebuilt: {} task(s) queued, {} stale entr(ies) removed",
+        report.queued,
+        report.removed
+    )
+    .context("writing to standard output")?;
+    Ok(())
+}
+
 async fn audit_verify(settings: &Settings) -> anyhow::Result<()> {
     use std::io::Write;
 

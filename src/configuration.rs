@@ -25,7 +25,73 @@ pub struct Settings {
     pub projections: ProjectionSettings,
     pub process_managers: ProcessManagerSettings,
     pub accounts: AccountSettings,
+    pub tasks: TaskSettings,
+    pub translation: TranslationSettings,
     pub log: LogSettings,
+}
+
+/// The task catalog and its limits (PRODUCT.md section 2). A submit is checked against every one
+/// of these, and the error names the field.
+#[derive(Debug, Clone, Deserialize)]
+pub struct TaskSettings {
+    /// Checkpoints the GPU servers have.
+    pub models: Vec<String>,
+    pub samplers: Vec<String>,
+    pub schedulers: Vec<String>,
+    pub default_sampler: String,
+    pub default_scheduler: String,
+    /// `<width>x<height>`; only these sizes (the models are trained for them, and the price is per
+    /// image whatever its size).
+    pub resolution_presets: Vec<String>,
+    pub default_resolution: String,
+    /// Images one task may ask for: one task holds one GPU slot for all of them.
+    pub images_per_task_max: u32,
+    /// Sampling steps: beyond 50 the images stop improving while the GPU time grows.
+    pub steps_min: u32,
+    pub steps_max: u32,
+    pub default_steps: u32,
+    /// Classifier-free guidance bounds: outside them images burn out or ignore the prompt.
+    pub cfg_min: rust_decimal::Decimal,
+    pub cfg_max: rust_decimal::Decimal,
+    pub default_cfg: rust_decimal::Decimal,
+    /// Characters of a prompt: CLIP reads about 77 tokens per chunk; 1000 characters is many
+    /// chunks already, and bounds what translation and storage get.
+    pub prompt_length_max: usize,
+    pub negative_prompt_length_max: usize,
+    /// Points per image (a decimal).
+    pub price_per_image: rust_decimal::Decimal,
+    /// Points charged for one successful prioritise.
+    pub prioritise_fee: rust_decimal::Decimal,
+    /// Places a prioritise moves a task ahead, at most.
+    pub prioritise_jump_max: u32,
+    /// Added before the prompt / after the negative prompt of every task.
+    pub prompt_prefix: String,
+    pub negative_prompt_suffix: String,
+    /// Tasks one user may have waiting: one user cannot fill the queue for everyone.
+    pub queued_per_user_max: u32,
+    /// A claimed task must be dispatched (or its lease renewed) within this long, else it goes
+    /// back to the queue.
+    pub claim_lease_ms: u64,
+    /// A request that crashed between two streams (e.g. after freezing points, before recording
+    /// the task) is resolved by the intent sweeper once it is this old. Longer than any request
+    /// takes (translation timeout included), so a request still running is never robbed.
+    pub intent_resolve_after_ms: u64,
+    /// How often the intent sweeper looks for such requests. Orphans are resolved within
+    /// `intent_resolve_after_ms + intent_sweep_interval_ms`.
+    pub intent_sweep_interval_ms: u64,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct TranslationSettings {
+    /// Translate prompts that are not English through Ollama.
+    pub enabled: bool,
+    /// Base URL of Ollama (its `/api/chat`).
+    pub ollama_url: String,
+    pub model: String,
+    /// Longest wait for a translation; then the original text is used.
+    pub timeout_ms: u64,
+    /// How long a translation stays cached in Redis.
+    pub cache_ttl_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -238,6 +304,49 @@ impl Settings {
         anyhow::ensure!(
             !self.redis.key_prefix.is_empty(),
             "redis.key_prefix must not be empty: every key needs a namespace"
+        );
+        self.validate_tasks()?;
+        Ok(())
+    }
+
+    fn validate_tasks(&self) -> anyhow::Result<()> {
+        let tasks = &self.tasks;
+        anyhow::ensure!(
+            !tasks.models.is_empty() && !tasks.samplers.is_empty() && !tasks.schedulers.is_empty(),
+            "tasks.models, tasks.samplers and tasks.schedulers must not be empty"
+        );
+        anyhow::ensure!(
+            tasks.samplers.contains(&tasks.default_sampler)
+                && tasks.schedulers.contains(&tasks.default_scheduler)
+                && tasks.resolution_presets.contains(&tasks.default_resolution),
+            "tasks.default_sampler, default_scheduler and default_resolution must be in their lists"
+        );
+        for preset in &tasks.resolution_presets {
+            anyhow::ensure!(
+                crate::tasks::catalog::parse_resolution(preset).is_some(),
+                "tasks.resolution_presets: {preset:?} is not <width>x<height> (multiples of 8, 64 to 2048)"
+            );
+        }
+        anyhow::ensure!(
+            tasks.images_per_task_max >= 1
+                && tasks.steps_min >= 1
+                && tasks.steps_min <= tasks.default_steps
+                && tasks.default_steps <= tasks.steps_max
+                && tasks.cfg_min <= tasks.default_cfg
+                && tasks.default_cfg <= tasks.cfg_max
+                && tasks.prompt_length_max >= 1
+                && tasks.queued_per_user_max >= 1
+                && tasks.prioritise_jump_max >= 1,
+            "tasks: every *_max must be at least 1 and every default within its bounds"
+        );
+        anyhow::ensure!(
+            zhihui_domain::points::Amount::parse(tasks.price_per_image).is_ok()
+                && zhihui_domain::points::Amount::parse(tasks.prioritise_fee).is_ok(),
+            "tasks.price_per_image and tasks.prioritise_fee must be positive with at most two decimals"
+        );
+        anyhow::ensure!(
+            tasks.intent_resolve_after_ms > 2 * self.translation.timeout_ms + 10_000,
+            "tasks.intent_resolve_after_ms must exceed two translation timeouts plus 10 s: a submit still running must never be taken for a crashed one"
         );
         Ok(())
     }

@@ -19,5 +19,6 @@ pub mod redis_store;
 pub mod replay;
 pub mod revenue;
 pub mod startup;
+pub mod tasks;
 pub mod telemetry;
 pub mod users;

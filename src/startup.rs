@@ -23,6 +23,9 @@ use crate::configuration::{AuthSettings, CodeSenderKind, Settings};
 use crate::event_store::AnyEventStore;
 use crate::projector::{Projector, Statuses};
 use crate::redis_store::RedisStore;
+use crate::tasks::queue::TaskQueue;
+use crate::tasks::service::TaskService;
+use crate::tasks::translate::Translator;
 use crate::users::Users;
 
 /// What every request handler (and every CLI command) may use: the services, built once.
@@ -42,6 +45,8 @@ pub struct AppState {
     pub accounts: AggregateService<Account>,
     /// Statuses of this process's projection runners.
     pub projection_statuses: Statuses,
+    /// Tasks: submit, prioritise, cancel, claim, the queue and the intent sweeper.
+    pub tasks: TaskService,
 }
 
 /// What tests (and only tests) replace: the clock and the code sender.
@@ -67,6 +72,20 @@ impl AppState {
             .unwrap_or_else(|| match auth.code_sender {
                 CodeSenderKind::Log => Arc::new(LogCodeSender),
             });
+        let accounts = AggregateService::new(
+            event_store.clone(),
+            RetryPolicy::default(),
+            Duration::from_millis(settings.accounts.actor_idle_ms),
+        );
+        let tasks = TaskService::new(
+            event_store.clone(),
+            accounts.clone(),
+            pg_pool.clone(),
+            TaskQueue::new(redis.clone(), clock.clone()),
+            settings.tasks.clone(),
+            Translator::new(settings.translation.clone(), redis.clone())?,
+            clock.clone(),
+        )?;
         Ok(AppState {
             users: Users::new(
                 event_store.clone(),
@@ -88,11 +107,8 @@ impl AppState {
             ),
             phone_codes: PhoneCodes::new(redis.clone(), clock.clone(), code_sender, auth),
             auth_settings: auth.clone(),
-            accounts: AggregateService::new(
-                event_store.clone(),
-                RetryPolicy::default(),
-                Duration::from_millis(settings.accounts.actor_idle_ms),
-            ),
+            accounts,
+            tasks,
             projection_statuses: Statuses::default(),
             pg_pool,
             redis,
@@ -162,6 +178,25 @@ impl Application {
                 if let Err(error) = recorder.run().await {
                     tracing::error!(error = %crate::telemetry::error_chain(&error), "revenue recorder stopped");
                 }
+            }));
+            // The queue is derived: put it back from the events at start (Redis may have been
+            // flushed or restarted), retrying until Redis answers; then sweep crashed requests.
+            let tasks = state.tasks.clone();
+            let retry = Duration::from_millis(settings.tasks.intent_sweep_interval_ms);
+            background.push(tokio::spawn(async move {
+                loop {
+                    match tasks.rebuild_queue().await {
+                        Ok(report) => {
+                            tracing::info!(queued = report.queued, removed = report.removed, "task queue rebuilt from the events");
+                            break;
+                        }
+                        Err(error) => {
+                            tracing::warn!(error = %crate::telemetry::error_chain(&error), "task queue rebuild failed; retrying");
+                            tokio::time::sleep(retry).await;
+                        }
+                    }
+                }
+                tasks.run_sweeper().await;
             }));
         }
 

@@ -13,6 +13,7 @@ pub mod decider;
 pub mod event;
 pub mod points;
 pub mod revenue;
+pub mod task;
 pub mod user;
 
 pub use decider::Decider;

@@ -10,6 +10,7 @@
 //! The dependency direction is fixed: `zhihui` -> `zhihui-projections` -> `zhihui-domain`.
 
 pub mod accounts;
+pub mod tasks;
 pub mod users;
 
 pub use zhihui_domain as domain;
@@ -38,15 +39,22 @@ pub enum ProjectionName {
     Ledger,
     /// `users`.
     Users,
+    /// `tasks`.
+    Tasks,
 }
 
 impl ProjectionName {
-    pub const ALL: [ProjectionName; 2] = [ProjectionName::Ledger, ProjectionName::Users];
+    pub const ALL: [ProjectionName; 3] = [
+        ProjectionName::Ledger,
+        ProjectionName::Users,
+        ProjectionName::Tasks,
+    ];
 
     pub fn as_str(&self) -> &'static str {
         match self {
             ProjectionName::Ledger => "ledger",
             ProjectionName::Users => "users",
+            ProjectionName::Tasks => "tasks",
         }
     }
 
@@ -61,6 +69,7 @@ impl ProjectionName {
         match self {
             ProjectionName::Ledger => &["accounts", "ledger_entries"],
             ProjectionName::Users => &["users"],
+            ProjectionName::Tasks => &["tasks"],
         }
     }
 
@@ -69,6 +78,7 @@ impl ProjectionName {
         match self {
             ProjectionName::Ledger => vec!["account-".into()],
             ProjectionName::Users => vec!["user-".into()],
+            ProjectionName::Tasks => vec!["task-".into()],
         }
     }
 
@@ -82,6 +92,7 @@ impl ProjectionName {
         match self {
             ProjectionName::Ledger => accounts::apply(transaction, tables, events).await,
             ProjectionName::Users => users::apply(transaction, tables, events).await,
+            ProjectionName::Tasks => tasks::apply(transaction, tables, events).await,
         }
     }
 }

@@ -184,27 +184,28 @@ pub async fn ledger(
     }))
 }
 
+/// The `Idempotency-Key` header, checked: `None` when absent.
+pub fn idempotency_key(request: &HttpRequest) -> Result<Option<String>, ApiError> {
+    let Some(value) = request.headers().get("idempotency-key") else {
+        return Ok(None);
+    };
+    let key = value.to_str().unwrap_or("");
+    if key.is_empty() || key.len() > IDEMPOTENCY_KEY_LENGTH_MAX {
+        return Err(ApiError::Validation {
+            field: "Idempotency-Key".into(),
+            message: format!("must be 1 to {IDEMPOTENCY_KEY_LENGTH_MAX} visible ASCII characters"),
+        });
+    }
+    Ok(Some(key.to_owned()))
+}
+
 /// The operation id of a request: derived from its `Idempotency-Key` (so a retry finds the same
 /// operation), or fresh.
 pub fn operation_id(request: &HttpRequest, scope: &str) -> Result<Uuid, ApiError> {
-    match request.headers().get("idempotency-key") {
-        None => Ok(Uuid::now_v7()),
-        Some(value) => {
-            let key = value.to_str().unwrap_or("");
-            if key.is_empty() || key.len() > IDEMPOTENCY_KEY_LENGTH_MAX {
-                return Err(ApiError::Validation {
-                    field: "Idempotency-Key".into(),
-                    message: format!(
-                        "must be 1 to {IDEMPOTENCY_KEY_LENGTH_MAX} visible ASCII characters"
-                    ),
-                });
-            }
-            Ok(Uuid::new_v5(
-                &IDEMPOTENCY_NAMESPACE,
-                format!("{scope}:{key}").as_bytes(),
-            ))
-        }
-    }
+    Ok(match idempotency_key(request)? {
+        None => Uuid::now_v7(),
+        Some(key) => Uuid::new_v5(&IDEMPOTENCY_NAMESPACE, format!("{scope}:{key}").as_bytes()),
+    })
 }
 
 pub fn account_error(error: CommandError<AccountError>) -> ApiError {

@@ -7,6 +7,7 @@ pub mod extract;
 mod health;
 mod openapi;
 pub mod problem;
+mod tasks;
 mod users;
 
 use actix_web::{HttpRequest, web};
@@ -52,7 +53,14 @@ pub fn routes(config: &mut web::ServiceConfig) {
                     "/admin/accounts/{user}/grants",
                     web::post().to(accounts::grant),
                 )
-                .route("/admin/projections", web::get().to(accounts::projections)),
+                .route("/admin/projections", web::get().to(accounts::projections))
+                .route("/tasks", web::post().to(tasks::submit))
+                .route("/tasks", web::get().to(tasks::tasks))
+                .route("/tasks/{id}", web::get().to(tasks::task))
+                .route("/tasks/{id}/prioritise", web::post().to(tasks::prioritise))
+                .route("/tasks/{id}/cancel", web::post().to(tasks::cancel))
+                .route("/admin/queue", web::get().to(tasks::queue))
+                .route("/admin/queue/rebuild", web::post().to(tasks::rebuild_queue)),
         );
 }
 

@@ -27,6 +27,13 @@ use utoipa::{Modify, OpenApi};
         super::accounts::ledger,
         super::accounts::grant,
         super::accounts::projections,
+        super::tasks::submit,
+        super::tasks::task,
+        super::tasks::tasks,
+        super::tasks::prioritise,
+        super::tasks::cancel,
+        super::tasks::queue,
+        super::tasks::rebuild_queue,
     ),
     components(schemas(super::problem::Problem)),
     modifiers(&BearerToken),
@@ -34,6 +41,7 @@ use utoipa::{Modify, OpenApi};
         (name = "auth", description = "register, log in, log out"),
         (name = "users", description = "one's own account"),
         (name = "account", description = "one's points: balance and ledger"),
+        (name = "tasks", description = "text-to-image tasks: submit, query, prioritise, cancel"),
         (name = "admin", description = "admin-only endpoints"),
     )
 )]

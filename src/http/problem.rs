@@ -14,6 +14,9 @@ use serde::Serialize;
 pub enum ApiError {
     #[error("{field}: {message}")]
     Validation { field: String, message: String },
+    /// Several fields are wrong: each is named with its problem (`errors` in the body).
+    #[error("{}", .0.iter().map(|(field, message)| format!("{field}: {message}")).collect::<Vec<_>>().join("; "))]
+    InvalidFields(Vec<(String, String)>),
     /// No valid credentials: a missing, unknown, expired or revoked token, or a failed login.
     #[error("{detail}")]
     Unauthorized { rule: &'static str, detail: String },
@@ -86,16 +89,28 @@ pub struct Problem {
     /// For 503: the dependencies that failed their check.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dependencies: Option<Vec<String>>,
+    /// For validation errors of several fields: each field and what is wrong with it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub errors: Option<Vec<FieldProblem>>,
     /// For 429: when the limit or lock ends.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_at: Option<DateTime<Utc>>,
+}
+
+/// One wrong field.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct FieldProblem {
+    pub field: String,
+    pub message: String,
 }
 
 impl ApiError {
     fn problem(&self) -> Problem {
         let status = self.status_code().as_u16();
         let (problem_type, title) = match self {
-            ApiError::Validation { .. } => ("validation", "Invalid request"),
+            ApiError::Validation { .. } | ApiError::InvalidFields(_) => {
+                ("validation", "Invalid request")
+            }
             ApiError::Unauthorized { rule, .. } => (*rule, "Not authenticated"),
             ApiError::Forbidden { rule, .. } => (*rule, "Forbidden"),
             ApiError::NotFound(_) => ("not-found", "Not found"),
@@ -116,6 +131,19 @@ impl ApiError {
             detail,
             field: match self {
                 ApiError::Validation { field, .. } => Some(field.clone()),
+                ApiError::InvalidFields(fields) => fields.first().map(|(field, _)| field.clone()),
+                _ => None,
+            },
+            errors: match self {
+                ApiError::InvalidFields(fields) => Some(
+                    fields
+                        .iter()
+                        .map(|(field, message)| FieldProblem {
+                            field: field.clone(),
+                            message: message.clone(),
+                        })
+                        .collect(),
+                ),
                 _ => None,
             },
             dependencies: match self {
@@ -133,7 +161,9 @@ impl ApiError {
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
         match self {
-            ApiError::Validation { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::Validation { .. } | ApiError::InvalidFields(_) => {
+                StatusCode::UNPROCESSABLE_ENTITY
+            }
             ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden { .. } => StatusCode::FORBIDDEN,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,

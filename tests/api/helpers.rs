@@ -74,6 +74,7 @@ pub struct TestApp {
     /// The app's clock: tests move time with `clock.advance(..)` instead of sleeping.
     pub clock: ManualClock,
     pub codes: Arc<CapturedCodes>,
+    pub ollama: crate::fake_ollama::FakeOllama,
 }
 
 impl TestApp {
@@ -154,6 +155,17 @@ impl TestApp {
     pub fn services(&self) -> zhihui::startup::AppState {
         let pool = zhihui::postgres::build_pool(&self.settings.database).unwrap();
         zhihui::startup::AppState::build(&self.settings, pool, Overrides::default()).unwrap()
+    }
+
+    /// The services of another process on the same database and Redis, with the app's clock
+    /// (so that tests can age intents and leases by moving it).
+    pub fn services_on_app_clock(&self) -> zhihui::startup::AppState {
+        let pool = zhihui::postgres::build_pool(&self.settings.database).unwrap();
+        let overrides = Overrides {
+            clock: Clock::Manual(self.clock.clone()),
+            code_sender: None,
+        };
+        zhihui::startup::AppState::build(&self.settings, pool, overrides).unwrap()
     }
 
     /// A projector of `projection` on this app's database.
@@ -287,6 +299,10 @@ pub async fn spawn_app() -> TestApp {
 pub async fn spawn_app_with(customise: impl FnOnce(&mut Settings)) -> TestApp {
     let database_name = create_database().await;
     let mut settings = test_settings(&database_name);
+    let ollama = crate::fake_ollama::FakeOllama::start().await;
+    settings.translation.ollama_url = ollama.url.clone();
+    // Short, so the "slow Ollama" test waits little.
+    settings.translation.timeout_ms = 500;
     customise(&mut settings);
     let clock = ManualClock::starting_at(test_epoch());
     let codes = Arc::new(CapturedCodes::default());
@@ -305,6 +321,7 @@ pub async fn spawn_app_with(customise: impl FnOnce(&mut Settings)) -> TestApp {
         http: reqwest::Client::new(),
         clock,
         codes,
+        ollama,
     }
 }
 

@@ -3,9 +3,11 @@
 
 mod auth;
 mod event_store;
+mod fake_ollama;
 mod health;
 mod helpers;
 mod ledger;
 mod migrations;
 mod replay;
 mod revenue;
+mod tasks;

@@ -69,6 +69,50 @@ async fn activity(app: &TestApp, user: UserId, holds: usize) {
     }
 }
 
+/// Tasks of a new user: a grant of 10, three submits, one cancelled, one prioritised (6 account
+/// events).
+async fn task_activity(app: &TestApp) {
+    let services = app.services();
+    let user = UserId::from_uuid(Uuid::now_v7());
+    services
+        .accounts
+        .execute(
+            &zhihui_domain::account::account_stream(user),
+            AccountCommand::Grant {
+                operation_id: Uuid::now_v7(),
+                amount: Amount::whole(10),
+                reason: "tasks".into(),
+                at: app.clock.now(),
+            },
+            metadata(),
+        )
+        .await
+        .unwrap();
+    let request = zhihui::tasks::catalog::RequestedTask {
+        prompt: "a replayed cat".into(),
+        ..Default::default()
+    };
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let submitted = services
+            .tasks
+            .submit(user, &request, None, &metadata())
+            .await
+            .unwrap();
+        tasks.push(submitted.task_id);
+    }
+    services
+        .tasks
+        .cancel(user, tasks[0], &metadata())
+        .await
+        .unwrap();
+    services
+        .tasks
+        .prioritise(user, tasks[2], None, &metadata())
+        .await
+        .unwrap();
+}
+
 /// Every row of the read models and the live index names, in a stable order.
 async fn snapshot(app: &TestApp) -> Vec<String> {
     let client = crate::helpers::connect(&app.settings).await;
@@ -77,8 +121,9 @@ async fn snapshot(app: &TestApp) -> Vec<String> {
         "SELECT row_to_json(a)::text FROM accounts a ORDER BY user_id",
         "SELECT row_to_json(l)::text FROM ledger_entries l ORDER BY user_id, stream_version",
         "SELECT row_to_json(u)::text FROM users u ORDER BY user_id",
-        "SELECT indexname || ' ' || tablename FROM pg_indexes
-          WHERE tablename IN ('accounts', 'ledger_entries', 'users') ORDER BY indexname",
+        "SELECT row_to_json(t)::text FROM tasks t ORDER BY task_id",
+        "SELECT indexname || ' ' || tablename || ' ' || indexdef FROM pg_indexes
+          WHERE tablename IN ('accounts', 'ledger_entries', 'users', 'tasks') ORDER BY indexname",
     ] {
         for row in client.query(query, &[]).await.unwrap() {
             rows.push(row.get::<_, String>(0));
@@ -107,6 +152,7 @@ async fn replay_produces_read_models_equal_to_the_live_ones_and_keeps_index_name
     let alice = UserId::from_uuid(Uuid::parse_str(&alice).unwrap());
     activity(&app, alice, 30).await;
     activity(&app, UserId::from_uuid(Uuid::now_v7()), 5).await;
+    task_activity(&app).await;
     app.project().await;
     let live = snapshot(&app).await;
     assert!(live.len() > 70, "{}", live.len());
@@ -129,7 +175,7 @@ async fn replay_produces_read_models_equal_to_the_live_ones_and_keeps_index_name
     assert_eq!(snapshot(&app).await, live);
     assert_eq!(
         checkpoint_events(&app, "ledger").await,
-        1 + 2 * 30 + 1 + 2 * 5
+        1 + 2 * 30 + 1 + 2 * 5 + 6
     );
     // The live runner goes on from the swapped-in checkpoint.
     activity(&app, alice, 1).await;

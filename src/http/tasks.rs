@@ -1,0 +1,625 @@
+//! `/api/v1/tasks*`: submit, query, prioritise and cancel text-to-image tasks (the caller's own
+//! only: another user's task answers 404 everywhere), and `/api/v1/admin/queue*`.
+
+use actix_web::{HttpRequest, HttpResponse, web};
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use rust_decimal::Decimal;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+use zhihui_domain::DomainEvent;
+use zhihui_domain::task::{TaskEvent, TaskId, TaskImage, TaskSpec, TaskStatus, task_stream};
+
+use crate::event_store::{Direction, EventStore, ReadFrom};
+use crate::http::accounts::idempotency_key;
+use crate::http::extract::{Admin, Authenticated};
+use crate::http::{ApiError, event_metadata};
+use crate::startup::AppState;
+use crate::tasks::catalog::RequestedTask;
+use crate::tasks::service::TaskServiceError;
+
+/// Most tasks per page of the task list.
+pub const TASK_PAGE_MAX: i64 = 100;
+/// Tasks per page when the client does not say.
+pub const TASK_PAGE_DEFAULT: i64 = 20;
+/// Queue entries shown by the admin queue view.
+pub const QUEUE_VIEW_MAX: usize = 100;
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SubmitTaskRequest {
+    /// What to draw; any language (non-English text is translated).
+    pub prompt: String,
+    pub negative_prompt: Option<String>,
+    /// Images to generate, 1 to `tasks.images_per_task_max` (default 1).
+    pub images: Option<i64>,
+    /// A checkpoint of the catalog (default: its first).
+    pub model: Option<String>,
+    /// `512x512`, `512x768` or `768x512` (default `512x512`).
+    pub resolution: Option<String>,
+    pub steps: Option<i64>,
+    /// A number or a decimal string with at most one decimal place.
+    #[schema(value_type = Option<String>, example = "7.5")]
+    pub cfg: Option<Decimal>,
+    pub sampler: Option<String>,
+    pub scheduler: Option<String>,
+    /// 0 to 2^53 - 1; random when absent.
+    pub seed: Option<i64>,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct SubmitTaskResponse {
+    pub task_id: Uuid,
+    pub status: String,
+    /// 1-based position in the queue.
+    pub position: Option<u64>,
+    #[schema(value_type = String)]
+    pub price: Decimal,
+    /// False when this answers a retry (same `Idempotency-Key`) of an earlier submit.
+    pub submitted_now: bool,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ProgressView {
+    pub value: u64,
+    pub max: u64,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ImageView {
+    pub image_id: String,
+    pub content_type: String,
+    /// Served by zhihui to the owner (never a ComfyUI address).
+    pub url: String,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct TaskView {
+    pub task_id: Uuid,
+    /// submitted, queued, dispatched, running, succeeded, failed or cancelled.
+    pub status: String,
+    pub prompt: String,
+    pub negative_prompt: String,
+    pub model: String,
+    pub width: u32,
+    pub height: u32,
+    pub steps: u32,
+    #[schema(value_type = String)]
+    pub cfg: Decimal,
+    pub sampler: String,
+    pub scheduler: String,
+    pub seed: u64,
+    /// Images asked for.
+    pub image_count: u32,
+    #[schema(value_type = String)]
+    pub price: Decimal,
+    /// 1-based queue position while queued.
+    pub position: Option<u64>,
+    /// Sampling progress while running.
+    pub progress: Option<ProgressView>,
+    pub images: Vec<ImageView>,
+    pub failure_reason: Option<String>,
+    pub cancel_requested: bool,
+    /// Times it was prioritised.
+    pub prioritised: i32,
+    pub submitted_at: DateTime<Utc>,
+    pub finished_at: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct TaskPage {
+    pub tasks: Vec<TaskView>,
+    /// Pass as `cursor` for the next (older) page; absent on the last page.
+    pub next_cursor: Option<String>,
+}
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct TaskListQuery {
+    /// 1 to 100, default 20.
+    pub limit: Option<i64>,
+    /// `next_cursor` of the previous page.
+    pub cursor: Option<String>,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct PrioritiseResponse {
+    pub task_id: Uuid,
+    pub operation_id: Uuid,
+    /// 1-based queue position after the move.
+    pub position: Option<u64>,
+    #[schema(value_type = String)]
+    pub fee: Decimal,
+    /// False when this answers a retry (same `Idempotency-Key`): the fee was charged once.
+    pub charged_now: bool,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct CancelResponse {
+    pub task_id: Uuid,
+    /// `cancelled`, or the running status when the cancel was requested from the dispatcher.
+    pub status: String,
+    pub cancel_requested: bool,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct QueueEntryView {
+    pub task_id: Uuid,
+    pub score: i64,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct QueueView {
+    pub length: u64,
+    /// The first entries, in queue order.
+    pub entries: Vec<QueueEntryView>,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct RebuildResponse {
+    pub queued: usize,
+    pub removed: usize,
+}
+
+fn task_error(error: TaskServiceError) -> ApiError {
+    let conflict = |rule: &'static str, error: &TaskServiceError| ApiError::Conflict {
+        rule,
+        detail: error.to_string(),
+    };
+    match error {
+        TaskServiceError::Invalid(fields) => ApiError::InvalidFields(
+            fields
+                .into_iter()
+                .map(|field| (field.field.to_owned(), field.message))
+                .collect(),
+        ),
+        TaskServiceError::NotFound => ApiError::NotFound("no such task".into()),
+        ref e @ TaskServiceError::InsufficientPoints { .. } => conflict("insufficient-points", e),
+        ref e @ TaskServiceError::IdempotencyKeyReused => conflict("idempotency-key-reused", e),
+        ref e @ TaskServiceError::RolledBack => conflict("request-rolled-back", e),
+        ref e @ TaskServiceError::QueueLimit { .. } => conflict("queue-limit", e),
+        ref e @ TaskServiceError::NotQueued { .. } => conflict("task-not-queued", e),
+        ref e @ TaskServiceError::AlreadyFirst => conflict("already-first", e),
+        ref e @ TaskServiceError::NoRoom => conflict("no-room-ahead", e),
+        ref e @ TaskServiceError::Finished { .. } => conflict("task-finished", e),
+        TaskServiceError::Crashed(point) => {
+            ApiError::Unexpected(anyhow::anyhow!("injected crash at {point:?}"))
+        }
+        TaskServiceError::Unexpected(error) => error.into(),
+    }
+}
+
+fn parse_task_id(raw: &str) -> Result<TaskId, ApiError> {
+    // A malformed id names no task: 404 like any other unknown id.
+    Uuid::parse_str(raw).map_err(|_| ApiError::NotFound("no such task".into()))
+}
+
+fn image_views(images: Vec<TaskImage>) -> Vec<ImageView> {
+    images
+        .into_iter()
+        .map(|image| ImageView {
+            url: format!("/api/v1/images/{}", image.image_id),
+            image_id: image.image_id,
+            content_type: image.content_type,
+        })
+        .collect()
+}
+
+const TASK_COLUMNS: &str = "task_id, user_id, status, prompt, negative_prompt, spec, price,
+    cancel_requested, prioritised, images, failure_reason, submitted_at, finished_at";
+
+fn view_of_row(row: &tokio_postgres::Row) -> Result<TaskView, ApiError> {
+    let spec: TaskSpec =
+        serde_json::from_value(row.get("spec")).context("decoding a stored task spec")?;
+    let images: Vec<TaskImage> =
+        serde_json::from_value(row.get("images")).context("decoding stored task images")?;
+    Ok(TaskView {
+        task_id: row.get("task_id"),
+        status: row.get("status"),
+        prompt: row.get("prompt"),
+        negative_prompt: row.get("negative_prompt"),
+        model: spec.model,
+        width: spec.width,
+        height: spec.height,
+        steps: spec.steps,
+        cfg: spec.cfg,
+        sampler: spec.sampler,
+        scheduler: spec.scheduler,
+        seed: spec.seed,
+        image_count: spec.images,
+        price: row.get("price"),
+        position: None,
+        progress: None,
+        images: image_views(images),
+        failure_reason: row.get("failure_reason"),
+        cancel_requested: row.get("cancel_requested"),
+        prioritised: row.get("prioritised"),
+        submitted_at: row.get("submitted_at"),
+        finished_at: row.get("finished_at"),
+    })
+}
+
+/// A task the read model does not have yet (just submitted), folded from its stream; `None` if
+/// the stream has no submission.
+async fn view_from_events(
+    state: &AppState,
+    task_id: TaskId,
+) -> Result<Option<(Uuid, TaskView)>, ApiError> {
+    let events = state
+        .event_store
+        .read_stream(
+            &task_stream(task_id),
+            Direction::Forwards,
+            ReadFrom::Start,
+            crate::command::STREAM_READ_PAGE_MAX,
+        )
+        .await
+        .context("reading a task stream")?;
+    let mut view: Option<(Uuid, TaskView)> = None;
+    for recorded in events {
+        let event = TaskEvent::from_stored(
+            &recorded.event_type,
+            recorded.schema_version,
+            &recorded.payload,
+        )
+        .context("decoding a task event")?;
+        if let TaskEvent::Submitted(e) = &event {
+            view = Some((
+                e.user_id.as_uuid(),
+                TaskView {
+                    task_id,
+                    status: TaskStatus::Submitted.as_str().into(),
+                    prompt: e.prompt.as_str().into(),
+                    negative_prompt: e.negative_prompt.as_str().into(),
+                    model: e.spec.model.clone(),
+                    width: e.spec.width,
+                    height: e.spec.height,
+                    steps: e.spec.steps,
+                    cfg: e.spec.cfg,
+                    sampler: e.spec.sampler.clone(),
+                    scheduler: e.spec.scheduler.clone(),
+                    seed: e.spec.seed,
+                    image_count: e.spec.images,
+                    price: e.price.as_decimal(),
+                    position: None,
+                    progress: None,
+                    images: vec![],
+                    failure_reason: None,
+                    cancel_requested: false,
+                    prioritised: 0,
+                    submitted_at: e.at,
+                    finished_at: None,
+                },
+            ));
+            continue;
+        }
+        let Some((_, view)) = view.as_mut() else {
+            continue;
+        };
+        match event {
+            TaskEvent::Submitted(_) => {}
+            TaskEvent::Queued(_) => view.status = "queued".into(),
+            TaskEvent::Prioritised(_) => view.prioritised += 1,
+            TaskEvent::PrioritisationAbandoned(_) | TaskEvent::Abandoned(_) => {}
+            TaskEvent::CancelRequested(_) => view.cancel_requested = true,
+            TaskEvent::Cancelled(e) => {
+                view.status = "cancelled".into();
+                view.finished_at = Some(e.at);
+            }
+            TaskEvent::Dispatched(_) => view.status = "dispatched".into(),
+            TaskEvent::Started(_) => view.status = "running".into(),
+            TaskEvent::Succeeded(e) => {
+                view.status = "succeeded".into();
+                view.images = image_views(e.images);
+                view.finished_at = Some(e.at);
+            }
+            TaskEvent::Failed(e) => {
+                view.status = "failed".into();
+                view.failure_reason = Some(e.reason);
+                view.finished_at = Some(e.at);
+            }
+        }
+    }
+    Ok(view)
+}
+
+/// Live parts of a view: queue position while queued, progress while running.
+async fn add_live_parts(state: &AppState, view: &mut TaskView) -> Result<(), ApiError> {
+    match view.status.as_str() {
+        "queued" => {
+            view.position = state
+                .tasks
+                .queue
+                .rank(view.task_id)
+                .await?
+                .map(|rank| rank + 1);
+        }
+        "dispatched" | "running" => {
+            view.progress = state
+                .tasks
+                .queue
+                .progress(view.task_id)
+                .await?
+                .map(|(value, max)| ProgressView { value, max });
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
+/// Submit a text-to-image task: checked against the catalog, priced, paid for (frozen),
+/// translated, rendered and queued. Send an `Idempotency-Key` header to make retries safe.
+#[utoipa::path(
+    post, path = "/api/v1/tasks", tag = "tasks", security(("bearer" = [])),
+    params(("Idempotency-Key" = Option<String>, Header, description = "same key, same request: one task, one freeze")),
+    request_body = SubmitTaskRequest,
+    responses(
+        (status = 201, body = SubmitTaskResponse),
+        (status = 401, body = crate::http::problem::Problem),
+        (status = 409, description = "`insufficient-points`, `queue-limit`, `idempotency-key-reused`, `request-rolled-back`", body = crate::http::problem::Problem),
+        (status = 422, description = "fields that break the catalog, each named in `errors`", body = crate::http::problem::Problem),
+    )
+)]
+pub async fn submit(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    caller: Authenticated,
+    body: web::Json<SubmitTaskRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let key = idempotency_key(&request)?;
+    let body = body.into_inner();
+    let requested = RequestedTask {
+        prompt: body.prompt,
+        negative_prompt: body.negative_prompt,
+        images: body.images,
+        model: body.model,
+        resolution: body.resolution,
+        steps: body.steps,
+        cfg: body.cfg,
+        sampler: body.sampler,
+        scheduler: body.scheduler,
+        seed: body.seed,
+    };
+    let outcome = state
+        .tasks
+        .submit(
+            caller.user_id(),
+            &requested,
+            key.as_deref(),
+            &event_metadata(&request, caller.actor()),
+        )
+        .await
+        .map_err(task_error)?;
+    Ok(HttpResponse::Created().json(SubmitTaskResponse {
+        task_id: outcome.task_id,
+        status: outcome.status.as_str().into(),
+        position: outcome.position,
+        price: outcome.price.as_decimal(),
+        submitted_now: outcome.submitted_now,
+    }))
+}
+
+/// One of the caller's tasks.
+#[utoipa::path(
+    get, path = "/api/v1/tasks/{id}", tag = "tasks", security(("bearer" = [])),
+    params(("id" = Uuid, Path, description = "task id")),
+    responses((status = 200, body = TaskView), (status = 404, body = crate::http::problem::Problem))
+)]
+pub async fn task(
+    state: web::Data<AppState>,
+    caller: Authenticated,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let task_id = parse_task_id(&path)?;
+    let row = {
+        let client = state.pg_pool.get().await.context("getting a connection")?;
+        client
+            .query_opt(
+                &format!("SELECT {TASK_COLUMNS} FROM tasks WHERE task_id = $1"),
+                &[&task_id],
+            )
+            .await
+            .context("reading a task")?
+    };
+    let (owner, mut view) = match row {
+        Some(row) => (row.get::<_, Uuid>("user_id"), view_of_row(&row)?),
+        None => view_from_events(&state, task_id)
+            .await?
+            .ok_or_else(|| ApiError::NotFound("no such task".into()))?,
+    };
+    crate::http::extract::ensure_owner(
+        &caller,
+        zhihui_domain::user::UserId::from_uuid(owner),
+        "task",
+    )?;
+    add_live_parts(&state, &mut view).await?;
+    Ok(HttpResponse::Ok().json(view))
+}
+
+/// The caller's tasks, newest first.
+#[utoipa::path(
+    get, path = "/api/v1/tasks", tag = "tasks", security(("bearer" = [])),
+    params(TaskListQuery),
+    responses((status = 200, body = TaskPage), (status = 422, body = crate::http::problem::Problem))
+)]
+pub async fn tasks(
+    state: web::Data<AppState>,
+    caller: Authenticated,
+    query: web::Query<TaskListQuery>,
+) -> Result<HttpResponse, ApiError> {
+    let limit = query.limit.unwrap_or(TASK_PAGE_DEFAULT);
+    if !(1..=TASK_PAGE_MAX).contains(&limit) {
+        return Err(ApiError::Validation {
+            field: "limit".into(),
+            message: format!("must be 1 to {TASK_PAGE_MAX}"),
+        });
+    }
+    // The cursor is `<submitted_at in µs>_<task id>` of the last task shown.
+    let bad_cursor = || ApiError::Validation {
+        field: "cursor".into(),
+        message: "is not a cursor this API returned".into(),
+    };
+    let (before_at, before_id) = match &query.cursor {
+        None => (DateTime::<Utc>::MAX_UTC, Uuid::max()),
+        Some(cursor) => {
+            let (micros, id) = cursor.split_once('_').ok_or_else(bad_cursor)?;
+            let micros: i64 = micros.parse().map_err(|_| bad_cursor())?;
+            (
+                DateTime::from_timestamp_micros(micros).ok_or_else(bad_cursor)?,
+                Uuid::parse_str(id).map_err(|_| bad_cursor())?,
+            )
+        }
+    };
+    let rows = {
+        let client = state.pg_pool.get().await.context("getting a connection")?;
+        client
+            .query(
+                &format!(
+                    "SELECT {TASK_COLUMNS} FROM tasks
+                      WHERE user_id = $1 AND (submitted_at, task_id) < ($2, $3)
+                      ORDER BY submitted_at DESC, task_id DESC LIMIT $4"
+                ),
+                &[
+                    &caller.user_id().as_uuid(),
+                    &before_at,
+                    &before_id,
+                    &(limit + 1),
+                ],
+            )
+            .await
+            .context("reading tasks")?
+    };
+    let has_more = rows.len() as i64 > limit;
+    let shown = &rows[..rows.len().min(usize::try_from(limit).unwrap_or(0))];
+    let mut views = Vec::with_capacity(shown.len());
+    for row in shown {
+        let mut view = view_of_row(row)?;
+        add_live_parts(&state, &mut view).await?;
+        views.push(view);
+    }
+    let next_cursor = if has_more {
+        views
+            .last()
+            .map(|view| format!("{}_{}", view.submitted_at.timestamp_micros(), view.task_id))
+    } else {
+        None
+    };
+    Ok(HttpResponse::Ok().json(TaskPage {
+        tasks: views,
+        next_cursor,
+    }))
+}
+
+/// Move a queued task ahead of up to `tasks.prioritise_jump_max` others for the prioritise fee,
+/// charged once. Send an `Idempotency-Key` header to make retries safe.
+#[utoipa::path(
+    post, path = "/api/v1/tasks/{id}/prioritise", tag = "tasks", security(("bearer" = [])),
+    params(
+        ("id" = Uuid, Path, description = "task id"),
+        ("Idempotency-Key" = Option<String>, Header, description = "same key: moved and charged once"),
+    ),
+    responses(
+        (status = 200, body = PrioritiseResponse),
+        (status = 404, body = crate::http::problem::Problem),
+        (status = 409, description = "`task-not-queued`, `already-first`, `insufficient-points`, nothing charged", body = crate::http::problem::Problem),
+    )
+)]
+pub async fn prioritise(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    caller: Authenticated,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let task_id = parse_task_id(&path)?;
+    let key = idempotency_key(&request)?;
+    let outcome = state
+        .tasks
+        .prioritise(
+            caller.user_id(),
+            task_id,
+            key.as_deref(),
+            &event_metadata(&request, caller.actor()),
+        )
+        .await
+        .map_err(task_error)?;
+    Ok(HttpResponse::Ok().json(PrioritiseResponse {
+        task_id,
+        operation_id: outcome.operation_id,
+        position: outcome.position,
+        fee: outcome.fee.as_decimal(),
+        charged_now: outcome.charged_now,
+    }))
+}
+
+/// Cancel a task: a queued one leaves the queue and its points return (200); a dispatched or
+/// running one is interrupted by the dispatcher (202); a finished one cannot be (409).
+#[utoipa::path(
+    post, path = "/api/v1/tasks/{id}/cancel", tag = "tasks", security(("bearer" = [])),
+    params(("id" = Uuid, Path, description = "task id")),
+    responses(
+        (status = 200, body = CancelResponse),
+        (status = 202, description = "cancel requested from the dispatcher", body = CancelResponse),
+        (status = 404, body = crate::http::problem::Problem),
+        (status = 409, description = "`task-finished`", body = crate::http::problem::Problem),
+    )
+)]
+pub async fn cancel(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    caller: Authenticated,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let task_id = parse_task_id(&path)?;
+    let outcome = state
+        .tasks
+        .cancel(
+            caller.user_id(),
+            task_id,
+            &event_metadata(&request, caller.actor()),
+        )
+        .await
+        .map_err(task_error)?;
+    let body = CancelResponse {
+        task_id,
+        status: outcome.status.as_str().into(),
+        cancel_requested: outcome.cancel_requested,
+    };
+    Ok(if outcome.status == TaskStatus::Cancelled {
+        HttpResponse::Ok().json(body)
+    } else {
+        HttpResponse::Accepted().json(body)
+    })
+}
+
+/// The queue (admins): its length and first entries.
+#[utoipa::path(
+    get, path = "/api/v1/admin/queue", tag = "admin", security(("bearer" = [])),
+    responses((status = 200, body = QueueView), (status = 403, body = crate::http::problem::Problem))
+)]
+pub async fn queue(state: web::Data<AppState>, _admin: Admin) -> Result<HttpResponse, ApiError> {
+    let entries = state.tasks.queue.entries().await?;
+    Ok(HttpResponse::Ok().json(QueueView {
+        length: entries.len() as u64,
+        entries: entries
+            .into_iter()
+            .take(QUEUE_VIEW_MAX)
+            .map(|(task_id, score)| QueueEntryView { task_id, score })
+            .collect(),
+    }))
+}
+
+/// Rebuild the Redis queue from the events (admins), e.g. after Redis lost its data.
+#[utoipa::path(
+    post, path = "/api/v1/admin/queue/rebuild", tag = "admin", security(("bearer" = [])),
+    responses((status = 200, body = RebuildResponse), (status = 403, body = crate::http::problem::Problem))
+)]
+pub async fn rebuild_queue(
+    state: web::Data<AppState>,
+    _admin: Admin,
+) -> Result<HttpResponse, ApiError> {
+    let report = state.tasks.rebuild_queue().await?;
+    Ok(HttpResponse::Ok().json(RebuildResponse {
+        queued: report.queued,
+        removed: report.removed,
+    }))
+}

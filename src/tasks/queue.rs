@@ -1,0 +1,328 @@
+//! The task queue in Redis: a sorted set of task ids by score (lower first), a sorted set of
+//! dispatcher leases by expiry, and the last allocated score. Every multi-step change is one
+//! script of `lua/`.
+//!
+//! The queue is derived state. Each task's score is recorded in its events (`TaskQueued`,
+//! `TaskPrioritised`), so [`TaskQueue::rebuild`] can put every queued task back at its score after
+//! Redis lost them (FLUSHALL, a restart without persistence): same scores, same order.
+//!
+//! Scores: `(now - SCORE_EPOCH) * SCORES_PER_MS`, at least `SCORE_SPACING_MIN` above the last one
+//! (see `lua/queue_ticket.lua`). Among equal priorities that is first come, first served; a
+//! prioritised task gets a score between two others (`lua/queue_prioritise_target.lua`).
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use redis::AsyncCommands;
+use zhihui_domain::task::TaskId;
+
+use crate::clock::Clock;
+use crate::redis_store::RedisStore;
+
+/// Scores count from 2025-01-01T00:00:00Z (ms).
+pub const SCORE_EPOCH_MS: i64 = 1_735_689_600_000;
+/// Scores per millisecond: room for 12 halvings between tasks queued a millisecond apart.
+pub const SCORES_PER_MS: i64 = 4_096;
+/// Least distance between two consecutive new scores (tasks queued within one millisecond).
+pub const SCORE_SPACING_MIN: i64 = 64;
+/// Largest score Redis (a double) and Lua (a double) hold exactly.
+pub const SCORE_MAX: i64 = (1 << 53) - 1;
+// Scores stay below 2^53 until 2059: (2^40 ms ~ 34.8 years) * 4096 = 2^52.
+const _: () = assert!((1i64 << 40) * SCORES_PER_MS < SCORE_MAX);
+/// A task prioritised to the front goes this far ahead of the first one (one millisecond).
+pub const FRONT_STEP: i64 = SCORES_PER_MS;
+
+/// A claimed task: leased to the caller until `lease_expires_at_ms`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimedTask {
+    pub task_id: TaskId,
+    pub score: i64,
+    pub lease_expires_at_ms: i64,
+}
+
+/// Where a prioritise would put a task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrioritiseTarget {
+    NotQueued,
+    AlreadyFirst,
+    /// Every gap ahead is exhausted (practically never: 4096 scores per millisecond).
+    NoRoom,
+    Ahead {
+        rank: u64,
+        to_score: i64,
+        places: u32,
+    },
+}
+
+#[derive(Debug, Clone)]
+pub struct TaskQueue {
+    redis: RedisStore,
+    clock: Clock,
+}
+
+fn parse_score(text: &str) -> anyhow::Result<i64> {
+    let value: f64 = text
+        .parse()
+        .with_context(|| format!("queue score {text:?} is not a number"))?;
+    anyhow::ensure!(
+        value.fract() == 0.0 && value.abs() <= SCORE_MAX as f64,
+        "queue score {text} is not an exact integer"
+    );
+    // Exact: checked above.
+    #[allow(clippy::cast_possible_truncation)]
+    Ok(value as i64)
+}
+
+fn parse_task_id(text: &str) -> anyhow::Result<TaskId> {
+    TaskId::parse_str(text).with_context(|| format!("queue member {text:?} is not a task id"))
+}
+
+impl TaskQueue {
+    pub fn new(redis: RedisStore, clock: Clock) -> TaskQueue {
+        TaskQueue { redis, clock }
+    }
+
+    fn queue_key(&self) -> String {
+        self.redis.key("queue:tasks")
+    }
+
+    fn leases_key(&self) -> String {
+        self.redis.key("queue:leases")
+    }
+
+    fn last_score_key(&self) -> String {
+        self.redis.key("queue:last_score")
+    }
+
+    /// A score for a new task (later than every earlier one).
+    pub async fn next_score(&self) -> anyhow::Result<i64> {
+        let mut connection = self.redis.connection().await?;
+        let score: String = crate::lua::QUEUE_TICKET
+            .key(self.last_score_key())
+            .arg(self.clock.now_ms())
+            .arg(SCORE_EPOCH_MS)
+            .arg(SCORES_PER_MS)
+            .arg(SCORE_SPACING_MIN)
+            .invoke_async(&mut connection)
+            .await
+            .context("allocating a queue score")?;
+        let score = parse_score(&score)?;
+        anyhow::ensure!(score <= SCORE_MAX, "queue scores are exhausted");
+        Ok(score)
+    }
+
+    /// Queue `task_id` at `score` (or move it there); its 0-based rank, `None` when leased.
+    pub async fn enqueue(&self, task_id: TaskId, score: i64) -> anyhow::Result<Option<u64>> {
+        let mut connection = self.redis.connection().await?;
+        let rank: i64 = crate::lua::QUEUE_ENQUEUE
+            .key(self.queue_key())
+            .key(self.leases_key())
+            .arg(task_id.to_string())
+            .arg(score)
+            .invoke_async(&mut connection)
+            .await
+            .context("queueing a task")?;
+        Ok(u64::try_from(rank).ok())
+    }
+
+    /// Move a queued task to `score`; nothing when it is no longer queued (claimed meanwhile).
+    pub async fn move_to(&self, task_id: TaskId, score: i64) -> anyhow::Result<()> {
+        let mut connection = self.redis.connection().await?;
+        let _changed: i64 = redis::cmd("ZADD")
+            .arg(self.queue_key())
+            .arg("XX")
+            .arg(score)
+            .arg(task_id.to_string())
+            .query_async(&mut connection)
+            .await
+            .context("moving a task in the queue")?;
+        Ok(())
+    }
+
+    pub async fn remove(&self, task_id: TaskId) -> anyhow::Result<()> {
+        let mut connection = self.redis.connection().await?;
+        let _removed: i64 = connection
+            .zrem(self.queue_key(), task_id.to_string())
+            .await
+            .context("removing a task from the queue")?;
+        Ok(())
+    }
+
+    /// 0-based rank of a queued task.
+    pub async fn rank(&self, task_id: TaskId) -> anyhow::Result<Option<u64>> {
+        let mut connection = self.redis.connection().await?;
+        let rank: Option<u64> = connection
+            .zrank(self.queue_key(), task_id.to_string())
+            .await
+            .context("reading a queue position")?;
+        Ok(rank)
+    }
+
+    /// Score of a queued task.
+    pub async fn score(&self, task_id: TaskId) -> anyhow::Result<Option<i64>> {
+        let mut connection = self.redis.connection().await?;
+        let score: Option<String> = redis::cmd("ZSCORE")
+            .arg(self.queue_key())
+            .arg(task_id.to_string())
+            .query_async(&mut connection)
+            .await
+            .context("reading a queue score")?;
+        score.as_deref().map(parse_score).transpose()
+    }
+
+    pub async fn len(&self) -> anyhow::Result<u64> {
+        let mut connection = self.redis.connection().await?;
+        let length: u64 = connection
+            .zcard(self.queue_key())
+            .await
+            .context("reading the queue length")?;
+        Ok(length)
+    }
+
+    /// The whole queue in order, with scores (admin views, rebuild checks).
+    pub async fn entries(&self) -> anyhow::Result<Vec<(TaskId, i64)>> {
+        let mut connection = self.redis.connection().await?;
+        let raw: Vec<(String, String)> = redis::cmd("ZRANGE")
+            .arg(self.queue_key())
+            .arg(0)
+            .arg(-1)
+            .arg("WITHSCORES")
+            .query_async(&mut connection)
+            .await
+            .context("reading the queue")?;
+        raw.iter()
+            .map(|(member, score)| Ok((parse_task_id(member)?, parse_score(score)?)))
+            .collect()
+    }
+
+    /// Where a prioritise of `task_id` would put it (reads only).
+    pub async fn prioritise_target(
+        &self,
+        task_id: TaskId,
+        jump_max: u32,
+    ) -> anyhow::Result<PrioritiseTarget> {
+        let mut connection = self.redis.connection().await?;
+        let answer: Vec<redis::Value> = crate::lua::QUEUE_PRIORITISE_TARGET
+            .key(self.queue_key())
+            .arg(task_id.to_string())
+            .arg(jump_max)
+            .arg(FRONT_STEP)
+            .invoke_async(&mut connection)
+            .await
+            .context("finding a prioritise target")?;
+        let number = |value: &redis::Value| -> anyhow::Result<i64> {
+            match value {
+                redis::Value::Int(n) => Ok(*n),
+                redis::Value::BulkString(bytes) => parse_score(std::str::from_utf8(bytes)?),
+                other => anyhow::bail!("unexpected prioritise answer {other:?}"),
+            }
+        };
+        match answer.as_slice() {
+            [code] => Ok(match number(code)? {
+                -1 => PrioritiseTarget::NotQueued,
+                0 => PrioritiseTarget::AlreadyFirst,
+                _ => PrioritiseTarget::NoRoom,
+            }),
+            [rank, score, places] => Ok(PrioritiseTarget::Ahead {
+                rank: u64::try_from(number(rank)?)?,
+                to_score: number(score)?,
+                places: u32::try_from(number(places)?)?,
+            }),
+            other => anyhow::bail!("unexpected prioritise answer {other:?}"),
+        }
+    }
+
+    /// Take the first task, leased for `lease_ms`.
+    pub async fn claim(&self, lease_ms: u64) -> anyhow::Result<Option<ClaimedTask>> {
+        let mut connection = self.redis.connection().await?;
+        let claimed: Option<(String, String, String)> = crate::lua::QUEUE_CLAIM
+            .key(self.queue_key())
+            .key(self.leases_key())
+            .arg(self.clock.now_ms())
+            .arg(lease_ms)
+            .invoke_async(&mut connection)
+            .await
+            .context("claiming a task")?;
+        claimed
+            .map(|(member, score, expiry)| {
+                Ok(ClaimedTask {
+                    task_id: parse_task_id(&member)?,
+                    score: parse_score(&score)?,
+                    lease_expires_at_ms: parse_score(&expiry)?,
+                })
+            })
+            .transpose()
+    }
+
+    /// End a lease (the task was dispatched elsewhere, cancelled, or finished).
+    pub async fn release_lease(&self, task_id: TaskId) -> anyhow::Result<()> {
+        let mut connection = self.redis.connection().await?;
+        let _removed: i64 = connection
+            .zrem(self.leases_key(), task_id.to_string())
+            .await
+            .context("releasing a lease")?;
+        Ok(())
+    }
+
+    /// Leased task ids whose lease ran out by now.
+    pub async fn expired_leases(&self, limit: usize) -> anyhow::Result<Vec<TaskId>> {
+        let mut connection = self.redis.connection().await?;
+        let members: Vec<String> = redis::cmd("ZRANGE")
+            .arg(self.leases_key())
+            .arg("-inf")
+            .arg(self.clock.now_ms())
+            .arg("BYSCORE")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(limit)
+            .query_async(&mut connection)
+            .await
+            .context("reading expired leases")?;
+        members.iter().map(|member| parse_task_id(member)).collect()
+    }
+
+    /// Queue a task whose lease ran out again at `score`; false if the lease was renewed.
+    pub async fn requeue_expired(&self, task_id: TaskId, score: i64) -> anyhow::Result<bool> {
+        let mut connection = self.redis.connection().await?;
+        let requeued: i64 = crate::lua::QUEUE_REQUEUE
+            .key(self.queue_key())
+            .key(self.leases_key())
+            .arg(task_id.to_string())
+            .arg(score)
+            .arg(self.clock.now_ms())
+            .invoke_async(&mut connection)
+            .await
+            .context("requeueing a task")?;
+        Ok(requeued == 1)
+    }
+
+    /// Make sure the score allocator is past `score` (after a rebuild, so that new tasks queue
+    /// behind the restored ones even if the clock went back).
+    pub async fn ensure_scores_after(&self, score: i64) -> anyhow::Result<()> {
+        let mut connection = self.redis.connection().await?;
+        let _: i64 = crate::lua::QUEUE_SCORES_AFTER
+            .key(self.last_score_key())
+            .arg(score)
+            .invoke_async(&mut connection)
+            .await
+            .context("restoring the last score")?;
+        Ok(())
+    }
+
+    /// Sampling progress of a running task, `(value, max)`, as the dispatcher last reported it
+    /// (`task:progress:<id>`, a hash with a TTL; absent before the first step).
+    pub async fn progress(&self, task_id: TaskId) -> anyhow::Result<Option<(u64, u64)>> {
+        let mut connection = self.redis.connection().await?;
+        let (value, max): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
+            .arg(self.redis.key(&format!("task:progress:{task_id}")))
+            .arg("value")
+            .arg("max")
+            .query_async(&mut connection)
+            .await
+            .context("reading a task's progress")?;
+        Ok(value.zip(max))
+    }
+
+    pub fn now(&self) -> DateTime<Utc> {
+        self.clock.now()
+    }
+}

@@ -1,0 +1,881 @@
+//! Text-to-image tasks end to end: submit (price, freeze, translate, render, queue), the Redis
+//! queue and its rebuild, prioritise, cancel, queries, ownership, crashes between streams, and
+//! the cancel / prioritise / claim race.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use uuid::Uuid;
+use zhihui::event_store::{Direction, EventMetadata, EventStore, ReadFrom};
+use zhihui::tasks::catalog::RequestedTask;
+use zhihui::tasks::service::{CrashPoint, TaskServiceError};
+use zhihui_domain::DomainEvent;
+use zhihui_domain::account::{Account, HoldStatus, account_stream};
+use zhihui_domain::points::Points;
+use zhihui_domain::task::{Task, TaskCommand, TaskEvent, TaskStatus, task_stream};
+use zhihui_domain::user::UserId;
+
+use crate::fake_ollama::OllamaMode;
+use crate::helpers::{TestApp, spawn_app};
+
+const PREFIX: &str = "(8k, best quality, masterpiece),(high detailed skin),";
+const SUFFIX: &str = ",bad face,naked,bad finger,bad arm,bad leg,bad eye";
+
+fn metadata() -> EventMetadata {
+    EventMetadata {
+        correlation_id: Uuid::now_v7(),
+        causation_id: None,
+        actor: "test".into(),
+    }
+}
+
+/// A user with `points` granted; returns (user id, token).
+async fn funded_user(app: &TestApp, name: &str, points: &str) -> (String, String) {
+    let user = app.register(name, "correct horse battery").await;
+    let token = app.login(name, "correct horse battery").await;
+    let admin = app.admin_token(&format!("admin-{name}")).await;
+    let granted = app
+        .post(
+            &format!("/api/v1/admin/accounts/{user}/grants"),
+            Some(&admin),
+            &json!({"amount": points, "reason": "test"}),
+        )
+        .await;
+    assert_eq!(granted.status(), 201);
+    (user, token)
+}
+
+async fn submit(app: &TestApp, token: &str, body: &Value, key: Option<&str>) -> reqwest::Response {
+    let mut request = app
+        .http
+        .post(format!("{}/api/v1/tasks", app.address))
+        .bearer_auth(token)
+        .json(body);
+    if let Some(key) = key {
+        request = request.header("Idempotency-Key", key);
+    }
+    request.send().await.unwrap()
+}
+
+async fn submitted_id(app: &TestApp, token: &str, prompt: &str) -> String {
+    let response = submit(app, token, &json!({"prompt": prompt}), None).await;
+    assert_eq!(response.status(), 201);
+    let body: Value = response.json().await.unwrap();
+    body["task_id"].as_str().unwrap().to_owned()
+}
+
+async fn post_as(app: &TestApp, token: &str, path: &str, key: Option<&str>) -> reqwest::Response {
+    let mut request = app
+        .http
+        .post(format!("{}{path}", app.address))
+        .bearer_auth(token);
+    if let Some(key) = key {
+        request = request.header("Idempotency-Key", key);
+    }
+    request.send().await.unwrap()
+}
+
+/// `POST /api/v1/tasks/{task}/{action}` with no key.
+async fn act(app: &TestApp, token: &str, action: &str, task: &str) -> reqwest::Response {
+    post_as(app, token, &format!("/api/v1/tasks/{task}/{action}"), None).await
+}
+
+/// The account as its events say (available, frozen).
+async fn account_of(app: &TestApp, user: &str) -> zhihui_domain::account::AccountState {
+    let services = app.services();
+    let user = UserId::from_uuid(Uuid::parse_str(user).unwrap());
+    zhihui::command::load::<Account>(&services.event_store, &account_stream(user))
+        .await
+        .unwrap()
+        .state
+}
+
+async fn task_events(app: &TestApp, task_id: &str) -> Vec<TaskEvent> {
+    let services = app.services();
+    services
+        .event_store
+        .read_stream(
+            &task_stream(Uuid::parse_str(task_id).unwrap()),
+            Direction::Forwards,
+            ReadFrom::Start,
+            1000,
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|recorded| {
+            TaskEvent::from_stored(
+                &recorded.event_type,
+                recorded.schema_version,
+                &recorded.payload,
+            )
+            .unwrap()
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_submit_freezes_its_price_translates_renders_and_queues() {
+    let app = spawn_app().await;
+    let (user, token) = funded_user(&app, "alice", "10").await;
+
+    let response = submit(
+        &app,
+        &token,
+        &json!({"prompt": "一只猫", "negative_prompt": "blurry", "images": 2, "resolution": "512x768",
+                "steps": 30, "cfg": "7.5", "sampler": "euler", "seed": 42}),
+        None,
+    )
+    .await;
+    assert_eq!(response.status(), 201);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["status"], "queued");
+    assert_eq!(body["position"], 1);
+    assert_eq!(body["price"], "2.00");
+    let task_id = body["task_id"].as_str().unwrap().to_owned();
+
+    let account = account_of(&app, &user).await;
+    assert_eq!(account.balance.available, Points::whole(8));
+    assert_eq!(account.balance.frozen, Points::whole(2));
+    // The Chinese prompt went to Ollama, the English negative prompt did not.
+    assert_eq!(app.ollama.calls(), 1);
+
+    let events = task_events(&app, &task_id).await;
+    let TaskEvent::Submitted(submitted) = &events[0] else {
+        panic!("first event {:?}", events[0]);
+    };
+    assert_eq!(submitted.prompt_used, format!("{PREFIX}EN(一只猫)"));
+    assert_eq!(submitted.negative_prompt_used, format!("blurry{SUFFIX}"));
+    let workflow = &submitted.workflow;
+    assert_eq!(workflow["6"]["inputs"]["text"], submitted.prompt_used);
+    assert_eq!(workflow["5"]["inputs"]["height"], 768);
+    assert_eq!(workflow["5"]["inputs"]["batch_size"], 2);
+    assert_eq!(workflow["3"]["inputs"]["seed"], 42);
+    assert_eq!(workflow["3"]["inputs"]["cfg"], 7.5);
+    assert_eq!(
+        workflow["9"]["inputs"]["filename_prefix"],
+        format!("zhihui/{task_id}")
+    );
+    assert!(matches!(events[1], TaskEvent::Queued(_)));
+
+    // Readable at once (from the events), and from the read model once projected.
+    for projected in [false, true] {
+        if projected {
+            app.project().await;
+        }
+        let view: Value = app
+            .get_as(&token, &format!("/api/v1/tasks/{task_id}"))
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(view["status"], "queued", "projected: {projected}");
+        assert_eq!(view["position"], 1);
+        assert_eq!(view["prompt"], "一只猫");
+        assert_eq!(view["cfg"], "7.5");
+        assert_eq!(view["image_count"], 2);
+    }
+    // The same text again comes from the cache.
+    submitted_id(&app, &token, "一只猫").await;
+    assert_eq!(app.ollama.calls(), 1);
+}
+
+#[tokio::test]
+async fn a_hostile_prompt_renders_the_same_graph_with_the_text_inside_its_string() {
+    let app = spawn_app().await;
+    let (_user, token) = funded_user(&app, "mallory", "10").await;
+    let hostile =
+        "cat\" \\ \n}, \"99\": {\"class_type\": \"SaveImage\", \"inputs\": {}}, \"x\": {\"";
+    let plain = submitted_id(&app, &token, "cat").await;
+    let nasty = submitted_id(&app, &token, hostile).await;
+    let workflow_of = |events: Vec<TaskEvent>| match &events[0] {
+        TaskEvent::Submitted(submitted) => submitted.workflow.clone(),
+        other => panic!("first event {other:?}"),
+    };
+    let plain = workflow_of(task_events(&app, &plain).await);
+    let nasty_workflow = workflow_of(task_events(&app, &nasty).await);
+    let keys = |graph: &Value| {
+        graph
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(keys(&nasty_workflow), keys(&plain));
+    assert_eq!(
+        nasty_workflow["6"]["inputs"]["text"],
+        format!("{PREFIX}{}", hostile.trim())
+    );
+    assert!(nasty_workflow.get("99").is_none());
+}
+
+#[tokio::test]
+async fn bad_fields_are_each_named_and_insufficient_points_change_nothing() {
+    let app = spawn_app().await;
+    let (user, token) = funded_user(&app, "bob", "1").await;
+    let response = submit(
+        &app,
+        &token,
+        &json!({"prompt": "", "images": 9, "model": "nope.safetensors", "steps": 0,
+                "sampler": "ddim", "resolution": "100x100"}),
+        None,
+    )
+    .await;
+    assert_eq!(response.status(), 422);
+    let problem: Value = response.json().await.unwrap();
+    let fields: Vec<&str> = problem["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|error| error["field"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        fields,
+        [
+            "prompt",
+            "images",
+            "model",
+            "resolution",
+            "steps",
+            "sampler"
+        ]
+    );
+    let unknown = submit(
+        &app,
+        &token,
+        &json!({"prompt": "cat", "colour": "red"}),
+        None,
+    )
+    .await;
+    assert_eq!(unknown.status(), 422);
+
+    let poor = submit(&app, &token, &json!({"prompt": "cat", "images": 2}), None).await;
+    assert_eq!(poor.status(), 409);
+    let problem: Value = poor.json().await.unwrap();
+    assert_eq!(problem["type"], "/problems/insufficient-points");
+    let account = account_of(&app, &user).await;
+    assert_eq!(account.balance.available, Points::whole(1));
+    assert!(account.holds.is_empty());
+    assert_eq!(app.services().tasks.queue.len().await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn a_retried_submit_creates_one_task_and_one_freeze() {
+    let app = spawn_app().await;
+    let (user, token) = funded_user(&app, "carol", "10").await;
+    let body = json!({"prompt": "a lighthouse", "images": 2});
+    let attempts =
+        futures::future::join_all((0..8).map(|_| submit(&app, &token, &body, Some("submit-1"))))
+            .await;
+    let mut task_ids = Vec::new();
+    let mut created = 0;
+    for response in attempts {
+        assert_eq!(response.status(), 201);
+        let answer: Value = response.json().await.unwrap();
+        task_ids.push(answer["task_id"].as_str().unwrap().to_owned());
+        if answer["submitted_now"] == true {
+            created += 1;
+        }
+    }
+    task_ids.dedup();
+    assert_eq!(task_ids.len(), 1, "one task for every retry");
+    assert_eq!(created, 1);
+    let account = account_of(&app, &user).await;
+    assert_eq!(account.holds.len(), 1);
+    assert_eq!(account.balance.frozen, Points::whole(2));
+    assert_eq!(app.services().tasks.queue.len().await.unwrap(), 1);
+
+    let other = submit(&app, &token, &json!({"prompt": "a mill"}), Some("submit-1")).await;
+    assert_eq!(other.status(), 409);
+    let problem: Value = other.json().await.unwrap();
+    assert_eq!(problem["type"], "/problems/idempotency-key-reused");
+}
+
+#[tokio::test]
+async fn prioritise_moves_ahead_of_ten_and_charges_once() {
+    let app = spawn_app().await;
+    let (user, token) = funded_user(&app, "dave", "100").await;
+    let (_eve, eve_token) = funded_user(&app, "eve", "100").await;
+    let mut tasks = Vec::new();
+    for n in 0..12 {
+        let token = if n % 2 == 0 { &token } else { &eve_token };
+        tasks.push(submitted_id(&app, token, &format!("task {n}")).await);
+    }
+    let last = tasks[11].clone(); // eve's, at position 12
+    let first = tasks[0].clone(); // dave's, at position 1
+
+    let moved = post_as(
+        &app,
+        &eve_token,
+        &format!("/api/v1/tasks/{last}/prioritise"),
+        Some("p-1"),
+    )
+    .await;
+    assert_eq!(moved.status(), 200);
+    let moved: Value = moved.json().await.unwrap();
+    assert_eq!(moved["position"], 2, "ahead of 10 of the 11 before it");
+    assert_eq!(moved["charged_now"], true);
+    assert_eq!(moved["fee"], "5.00");
+    let retried: Value = post_as(
+        &app,
+        &eve_token,
+        &format!("/api/v1/tasks/{last}/prioritise"),
+        Some("p-1"),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(retried["charged_now"], false);
+    assert_eq!(retried["position"], 2);
+    let eve_account = account_of(&app, &_eve).await;
+    // 100 - 6 tasks - one fee.
+    assert_eq!(eve_account.balance.available, Points::whole(89));
+
+    // Already first: refused, nothing charged.
+    let refused = post_as(
+        &app,
+        &token,
+        &format!("/api/v1/tasks/{first}/prioritise"),
+        None,
+    )
+    .await;
+    assert_eq!(refused.status(), 409);
+    let problem: Value = refused.json().await.unwrap();
+    assert_eq!(problem["type"], "/problems/already-first");
+    let dave = account_of(&app, &user).await;
+    assert_eq!(dave.balance.available, Points::whole(94));
+    assert_eq!(dave.operations.len(), 1, "only the grant");
+
+    // Twice more to the front: ahead of the first task, the queue order follows.
+    let again: Value = post_as(
+        &app,
+        &eve_token,
+        &format!("/api/v1/tasks/{last}/prioritise"),
+        None,
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(again["position"], 1);
+    let order: Vec<String> = app
+        .services()
+        .tasks
+        .queue
+        .entries()
+        .await
+        .unwrap()
+        .iter()
+        .map(|(task_id, _)| task_id.to_string())
+        .collect();
+    assert_eq!(order[0], last);
+    assert_eq!(order[1..], tasks[..11]);
+}
+
+#[tokio::test]
+async fn another_users_task_is_not_found_everywhere() {
+    let app = spawn_app().await;
+    let (_alice, alice) = funded_user(&app, "alice", "10").await;
+    let (_bob, bob) = funded_user(&app, "bob", "10").await;
+    submitted_id(&app, &alice, "first").await;
+    let task = submitted_id(&app, &alice, "second").await;
+    for projected in [false, true] {
+        if projected {
+            app.project().await;
+        }
+        let seen = app.get_as(&bob, &format!("/api/v1/tasks/{task}")).await;
+        assert_eq!(seen.status(), 404);
+        let listed: Value = app
+            .get_as(&bob, "/api/v1/tasks")
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(listed["tasks"], json!([]));
+    }
+    for action in ["prioritise", "cancel"] {
+        let response = post_as(&app, &bob, &format!("/api/v1/tasks/{task}/{action}"), None).await;
+        assert_eq!(response.status(), 404, "{action}");
+    }
+    let missing = app
+        .get_as(&alice, &format!("/api/v1/tasks/{}", Uuid::now_v7()))
+        .await;
+    assert_eq!(missing.status(), 404);
+    // Nothing happened to alice's task or bob's points.
+    assert_eq!(
+        app.services()
+            .tasks
+            .queue
+            .rank(Uuid::parse_str(&task).unwrap())
+            .await
+            .unwrap(),
+        Some(1)
+    );
+    assert_eq!(
+        account_of(&app, &_bob).await.balance.available,
+        Points::whole(10)
+    );
+}
+
+#[tokio::test]
+async fn cancel_returns_a_queued_tasks_points_and_asks_the_dispatcher_for_a_running_one() {
+    let app = spawn_app().await;
+    let (user, token) = funded_user(&app, "frank", "10").await;
+    let queued = submitted_id(&app, &token, "queued").await;
+    let cancelled = post_as(
+        &app,
+        &token,
+        &format!("/api/v1/tasks/{queued}/cancel"),
+        None,
+    )
+    .await;
+    assert_eq!(cancelled.status(), 200);
+    let body: Value = cancelled.json().await.unwrap();
+    assert_eq!(body["status"], "cancelled");
+    let again = post_as(
+        &app,
+        &token,
+        &format!("/api/v1/tasks/{queued}/cancel"),
+        None,
+    )
+    .await;
+    assert_eq!(again.status(), 200);
+    let account = account_of(&app, &user).await;
+    assert_eq!(account.balance.available, Points::whole(10));
+    assert_eq!(account.balance.frozen, Points::whole(0));
+    assert_eq!(app.services().tasks.queue.len().await.unwrap(), 0);
+
+    let running = submitted_id(&app, &token, "running").await;
+    let services = app.services();
+    let dispatched = services
+        .tasks
+        .claim_next("gpu-1", &metadata())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(dispatched.task_id.to_string(), running);
+    let requested = post_as(
+        &app,
+        &token,
+        &format!("/api/v1/tasks/{running}/cancel"),
+        None,
+    )
+    .await;
+    assert_eq!(requested.status(), 202);
+    let body: Value = requested.json().await.unwrap();
+    assert_eq!(body["cancel_requested"], true);
+    assert_eq!(body["status"], "dispatched");
+    // The points stay frozen until the dispatcher confirms.
+    assert_eq!(
+        account_of(&app, &user).await.balance.frozen,
+        Points::whole(1)
+    );
+
+    // A finished task cannot be cancelled.
+    zhihui::command::execute::<Task>(
+        &services.event_store,
+        &task_stream(dispatched.task_id),
+        &TaskCommand::Fail {
+            reason: "out of memory".into(),
+            at: app.clock.now(),
+        },
+        &metadata(),
+        zhihui::command::RetryPolicy::default(),
+    )
+    .await
+    .unwrap();
+    let finished = post_as(
+        &app,
+        &token,
+        &format!("/api/v1/tasks/{running}/cancel"),
+        None,
+    )
+    .await;
+    assert_eq!(finished.status(), 409);
+    let problem: Value = finished.json().await.unwrap();
+    assert_eq!(problem["type"], "/problems/task-finished");
+}
+
+#[tokio::test]
+async fn the_queue_is_rebuilt_from_the_events_in_the_same_order() {
+    let app = spawn_app().await;
+    let (_user, token) = funded_user(&app, "grace", "100").await;
+    let mut tasks = Vec::new();
+    for n in 0..6 {
+        tasks.push(submitted_id(&app, &token, &format!("task {n}")).await);
+    }
+    act(&app, &token, "prioritise", &tasks[5]).await;
+    act(&app, &token, "cancel", &tasks[2]).await;
+    // Half of it projected, half only in the log: the rebuild needs both.
+    app.project().await;
+    act(&app, &token, "prioritise", &tasks[4]).await;
+    act(&app, &token, "cancel", &tasks[1]).await;
+    let services = app.services();
+    let before = services.tasks.queue.entries().await.unwrap();
+    assert_eq!(before.len(), 4);
+
+    // Redis loses everything of this deployment (FLUSHALL, scoped to the test's key prefix so
+    // that tests running beside it keep their keys).
+    flush_prefix(&app).await;
+    assert_eq!(services.tasks.queue.len().await.unwrap(), 0);
+    // Sessions lived in Redis too: log in again.
+    let token = app.login("grace", "correct horse battery").await;
+    let report = services.tasks.rebuild_queue().await.unwrap();
+    assert_eq!(report.queued, 4);
+    assert_eq!(services.tasks.queue.entries().await.unwrap(), before);
+
+    // New tasks still queue behind the restored ones.
+    let newest = submitted_id(&app, &token, "after the flush").await;
+    let after = services.tasks.queue.entries().await.unwrap();
+    assert_eq!(after.last().unwrap().0.to_string(), newest);
+
+    // The admin endpoint does the same, and removes what has left the queue.
+    let admin = app.admin_token("root").await;
+    let rebuilt: Value = post_as(&app, &admin, "/api/v1/admin/queue/rebuild", None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(rebuilt["queued"], 5);
+}
+
+async fn flush_prefix(app: &TestApp) {
+    let client = redis::Client::open(
+        secrecy::ExposeSecret::expose_secret(&app.settings.redis.url).to_owned(),
+    )
+    .unwrap();
+    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{}:*", app.settings.redis.key_prefix))
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    if !keys.is_empty() {
+        let () = redis::cmd("DEL")
+            .arg(keys)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_crash_after_freezing_leaves_an_orphan_hold_that_the_sweeper_releases() {
+    let app = spawn_app().await;
+    let (user, _token) = funded_user(&app, "heidi", "10").await;
+    let user_id = UserId::from_uuid(Uuid::parse_str(&user).unwrap());
+    let services = app.services_on_app_clock();
+    let request = RequestedTask {
+        prompt: "a crash".into(),
+        images: Some(3),
+        ..RequestedTask::default()
+    };
+    let crashed = services
+        .tasks
+        .crashing_at(CrashPoint::AfterFreeze)
+        .submit(user_id, &request, Some("k-1"), &metadata())
+        .await;
+    assert!(matches!(
+        crashed,
+        Err(TaskServiceError::Crashed(CrashPoint::AfterFreeze))
+    ));
+    let account = account_of(&app, &user).await;
+    assert_eq!(account.balance.frozen, Points::whole(3), "the orphan hold");
+
+    // Too young: a request still in flight is never robbed.
+    let early = services.tasks.sweep_once().await.unwrap();
+    assert_eq!(early.intents_resolved, 0);
+    app.clock.advance(Duration::from_millis(
+        app.settings.tasks.intent_resolve_after_ms + 1,
+    ));
+    let swept = services.tasks.sweep_once().await.unwrap();
+    assert_eq!(swept.intents_resolved, 1);
+    let account = account_of(&app, &user).await;
+    assert_eq!(account.balance.frozen, Points::whole(0));
+    assert_eq!(account.balance.available, Points::whole(10));
+    let hold = account.holds.values().next().unwrap();
+    assert_eq!(hold.status, HoldStatus::Released);
+    // The task id is fenced: the retry of that request cannot record the task any more.
+    let retry = services
+        .tasks
+        .submit(user_id, &request, Some("k-1"), &metadata())
+        .await;
+    assert!(
+        matches!(retry, Err(TaskServiceError::RolledBack)),
+        "{retry:?}"
+    );
+    assert_eq!(
+        account_of(&app, &user).await.balance.frozen,
+        Points::whole(0)
+    );
+    // Sweeping again changes nothing.
+    assert_eq!(
+        services.tasks.sweep_once().await.unwrap().intents_resolved,
+        0
+    );
+    app.project().await;
+    let verify = app.cli(&["audit", "verify"]);
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
+}
+
+#[tokio::test]
+async fn crashes_after_charging_a_fee_or_recording_a_cancel_are_completed_by_the_sweeper() {
+    let app = spawn_app().await;
+    let (user, token) = funded_user(&app, "ivan", "20").await;
+    let user_id = UserId::from_uuid(Uuid::parse_str(&user).unwrap());
+    let first = submitted_id(&app, &token, "first").await;
+    let second = submitted_id(&app, &token, "second").await;
+    let second_id = Uuid::parse_str(&second).unwrap();
+    let services = app.services_on_app_clock();
+
+    let crashed = services
+        .tasks
+        .crashing_at(CrashPoint::AfterCharge)
+        .prioritise(user_id, second_id, None, &metadata())
+        .await;
+    assert!(matches!(crashed, Err(TaskServiceError::Crashed(_))));
+    assert_eq!(
+        account_of(&app, &user).await.balance.available,
+        Points::whole(13)
+    );
+    let crashed = services
+        .tasks
+        .crashing_at(CrashPoint::AfterCancelRecorded)
+        .cancel(user_id, Uuid::parse_str(&first).unwrap(), &metadata())
+        .await;
+    assert!(matches!(crashed, Err(TaskServiceError::Crashed(_))));
+
+    app.clock.advance(Duration::from_millis(
+        app.settings.tasks.intent_resolve_after_ms + 1,
+    ));
+    let swept = services.tasks.sweep_once().await.unwrap();
+    assert_eq!(swept.intents_resolved, 2);
+    let account = account_of(&app, &user).await;
+    // The fee came back (the move never happened), the cancelled task's point came back.
+    assert_eq!(account.balance.available, Points::whole(19));
+    assert_eq!(account.balance.frozen, Points::whole(1));
+    let entries = services.tasks.queue.entries().await.unwrap();
+    assert_eq!(entries.len(), 1);
+    assert_eq!(entries[0].0, second_id);
+    let events = task_events(&app, &second).await;
+    assert!(
+        events
+            .iter()
+            .any(|event| matches!(event, TaskEvent::PrioritisationAbandoned(_)))
+    );
+    app.project().await;
+    let verify = app.cli(&["audit", "verify"]);
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
+}
+
+#[tokio::test]
+async fn ollama_down_slow_or_answering_garbage_never_fails_a_submit() {
+    for mode in [
+        None,
+        Some(OllamaMode::Error),
+        Some(OllamaMode::Garbage),
+        Some(OllamaMode::Slow),
+    ] {
+        let app = crate::helpers::spawn_app_with(|settings| {
+            if mode.is_none() {
+                settings.translation.ollama_url =
+                    format!("http://127.0.0.1:{}", crate::helpers::dead_port());
+            }
+        })
+        .await;
+        if let Some(mode) = mode {
+            app.ollama.set_mode(mode);
+        }
+        let (_user, token) = funded_user(&app, "judy", "10").await;
+        let task = submitted_id(&app, &token, "一只猫在月光下").await;
+        let events = task_events(&app, &task).await;
+        let TaskEvent::Submitted(submitted) = &events[0] else {
+            panic!("first event {:?}", events[0]);
+        };
+        assert_eq!(
+            submitted.prompt_used,
+            format!("{PREFIX}一只猫在月光下"),
+            "mode {mode:?}: the original text is used"
+        );
+    }
+}
+
+#[tokio::test]
+async fn the_task_list_is_newest_first_with_a_cursor() {
+    let app = spawn_app().await;
+    let (_user, token) = funded_user(&app, "kim", "10").await;
+    let mut tasks = Vec::new();
+    for n in 0..3 {
+        tasks.push(submitted_id(&app, &token, &format!("task {n}")).await);
+        app.clock.advance(Duration::from_secs(1));
+    }
+    app.project().await;
+    let page: Value = app
+        .get_as(&token, "/api/v1/tasks?limit=2")
+        .await
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = page["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|task| task["task_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [tasks[2].as_str(), tasks[1].as_str()]);
+    assert_eq!(page["tasks"][0]["position"], 3);
+    let cursor = page["next_cursor"].as_str().unwrap();
+    let rest: Value = app
+        .get_as(&token, &format!("/api/v1/tasks?limit=2&cursor={cursor}"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(rest["tasks"][0]["task_id"], tasks[0].as_str());
+    assert!(rest["next_cursor"].is_null());
+    let bad = app.get_as(&token, "/api/v1/tasks?cursor=nope").await;
+    assert_eq!(bad.status(), 422);
+}
+
+/// Cancel, prioritise and two claims race on a queue of two tasks, a thousand times. Each time
+/// the second task ends either cancelled (its point returned) or dispatched (its point frozen),
+/// never both; the fee is charged (net) exactly when the move was recorded; the queue ends empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cancel_prioritise_and_claim_races_keep_the_invariants() {
+    const ITERATIONS: usize = 1_000;
+    let app = spawn_app_with_big_queue().await;
+    let (user, _token) = funded_user(&app, "race", "100000").await;
+    let user_id = UserId::from_uuid(Uuid::parse_str(&user).unwrap());
+    let services = app.services_on_app_clock();
+    let tasks = &services.tasks;
+    let request = RequestedTask {
+        prompt: "race".into(),
+        ..RequestedTask::default()
+    };
+    let (mut cancelled, mut dispatched, mut moved) = (0, 0, 0);
+    for _ in 0..ITERATIONS {
+        let first = tasks
+            .submit(user_id, &request, None, &metadata())
+            .await
+            .unwrap();
+        let second = tasks
+            .submit(user_id, &request, None, &metadata())
+            .await
+            .unwrap();
+        let target = second.task_id;
+        // Each on its own task of a multi-threaded runtime: a real race. Prioritise does the most
+        // work before it appends, so the others start after a random number of Redis round
+        // trips (work, not a timer) to give every ordering its chance.
+        let (cancel_offset, claim_offset) = (rand::random_range(0..16), rand::random_range(0..48));
+        let cancel = tokio::spawn({
+            let tasks = tasks.clone();
+            async move {
+                round_trips(&tasks, cancel_offset).await;
+                tasks.cancel(user_id, target, &metadata()).await
+            }
+        });
+        let prioritise = tokio::spawn({
+            let tasks = tasks.clone();
+            async move { tasks.prioritise(user_id, target, None, &metadata()).await }
+        });
+        let claims = ["gpu-1", "gpu-2"].map(|backend| {
+            let tasks = tasks.clone();
+            tokio::spawn(async move {
+                round_trips(&tasks, claim_offset).await;
+                tasks.claim_next(backend, &metadata()).await
+            })
+        });
+        let cancel = cancel.await.unwrap();
+        let prioritise = prioritise.await.unwrap();
+        let [claim_a, claim_b] = claims;
+        let claimed: Vec<Uuid> = [
+            claim_a.await.unwrap().unwrap(),
+            claim_b.await.unwrap().unwrap(),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|claimed| claimed.task_id)
+        .collect();
+        let state = tasks.load(target).await.unwrap();
+        match state.status {
+            TaskStatus::Cancelled => {
+                cancelled += 1;
+                assert!(!claimed.contains(&target));
+                // A cancel racing a claim that lost leaves the task cancelled, not dispatched.
+                assert!(
+                    matches!(cancel, Ok(ref outcome) if outcome.status == TaskStatus::Cancelled)
+                );
+            }
+            TaskStatus::Dispatched => {
+                dispatched += 1;
+                assert!(claimed.contains(&target));
+            }
+            other => panic!("the raced task ended {other:?}"),
+        }
+        let recorded_move = !state.prioritisations.is_empty()
+            && state
+                .prioritisations
+                .values()
+                .all(|outcome| *outcome == zhihui_domain::task::PrioritisationOutcome::Moved);
+        if recorded_move {
+            moved += 1;
+        }
+        assert_eq!(prioritise.is_ok(), recorded_move, "{prioritise:?}");
+        assert!(
+            claimed.contains(&first.task_id),
+            "the first task is always claimed"
+        );
+        assert_eq!(tasks.queue.len().await.unwrap(), 0);
+        for task_id in claimed {
+            tasks.queue.release_lease(task_id).await.unwrap();
+        }
+    }
+    // Money: every dispatched task still holds its point, cancelled ones returned theirs, and
+    // exactly one fee per recorded move.
+    let account = account_of(&app, &user).await;
+    let iterations = i64::try_from(ITERATIONS).unwrap();
+    let dispatched_total = iterations + dispatched;
+    assert_eq!(account.balance.frozen, Points::whole(dispatched_total));
+    assert_eq!(
+        account.balance.available,
+        Points::whole(100_000 - dispatched_total - 5 * moved)
+    );
+    assert_eq!(cancelled + dispatched, iterations);
+    // The race is real: each outcome happened (the counts name them if not).
+    assert!(
+        cancelled > 0 && dispatched > 0 && moved > 0,
+        "cancelled {cancelled}, dispatched {dispatched}, moved {moved}"
+    );
+    app.project().await;
+    let verify = app.cli(&["audit", "verify"]);
+    assert!(
+        verify.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verify.stdout)
+    );
+}
+
+async fn round_trips(tasks: &zhihui::tasks::service::TaskService, count: usize) {
+    for _ in 0..count {
+        tasks.queue.len().await.unwrap();
+    }
+}
+
+async fn spawn_app_with_big_queue() -> TestApp {
+    crate::helpers::spawn_app_with(|settings| {
+        settings.tasks.queued_per_user_max = 1_000_000;
+    })
+    .await
+}
