@@ -16,8 +16,9 @@ pub const CFG_SCALE_MAX: u32 = 1;
 const SIDE_MIN: u32 = 64;
 const SIDE_MAX: u32 = 2048;
 
-/// What a user asked for; `None` means "the default".
-#[derive(Debug, Clone, Default, PartialEq)]
+/// What a user asked for; `None` means "the default". Serializable for its digest (a retry with
+/// the same `Idempotency-Key` must ask for the same thing).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct RequestedTask {
     pub prompt: String,
     pub negative_prompt: Option<String>,

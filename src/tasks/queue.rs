@@ -11,7 +11,6 @@
 //! prioritised task gets a score between two others (`lua/queue_prioritise_target.lua`).
 
 use anyhow::Context;
-use chrono::{DateTime, Utc};
 use redis::AsyncCommands;
 use zhihui_domain::task::TaskId;
 
@@ -155,18 +154,6 @@ impl TaskQueue {
             .await
             .context("reading a queue position")?;
         Ok(rank)
-    }
-
-    /// Score of a queued task.
-    pub async fn score(&self, task_id: TaskId) -> anyhow::Result<Option<i64>> {
-        let mut connection = self.redis.connection().await?;
-        let score: Option<String> = redis::cmd("ZSCORE")
-            .arg(self.queue_key())
-            .arg(task_id.to_string())
-            .query_async(&mut connection)
-            .await
-            .context("reading a queue score")?;
-        score.as_deref().map(parse_score).transpose()
     }
 
     pub async fn len(&self) -> anyhow::Result<u64> {
@@ -320,9 +307,5 @@ impl TaskQueue {
             .await
             .context("reading a task's progress")?;
         Ok(value.zip(max))
-    }
-
-    pub fn now(&self) -> DateTime<Utc> {
-        self.clock.now()
     }
 }

@@ -203,7 +203,10 @@ pub struct TaskService {
 /// A digest of what the user asked (not of the random seed drawn for them), to tell a retry from
 /// a reuse of its `Idempotency-Key`.
 fn request_digest(request: &RequestedTask) -> String {
-    let text = format!("{request:?}");
+    // JSON of the fields, not `Debug`: a stable form across releases, since digests are stored.
+    let text = serde_json::to_string(request).unwrap_or_else(|error| {
+        unreachable!("a request of strings and numbers serializes: {error}")
+    });
     Sha256::digest(text.as_bytes())
         .iter()
         .map(|byte| format!("{byte:02x}"))
