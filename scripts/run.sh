@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run zhihui end to end on this machine: local PostgreSQL and Redis (installed and started when
-# absent), migrations, then `zhihui serve` on http://127.0.0.1:${ZHIHUI_HTTP__PORT:-8080}.
-# Stop with Ctrl-C; `scripts/services.sh stop` stops the services.
+# absent), two ComfyUI simulators (ports 8188 and 8189, images under .local/sim-*), migrations,
+# then `zhihui serve` on http://127.0.0.1:${ZHIHUI_HTTP__PORT:-8080} dispatching to both.
+# Stop with Ctrl-C (the simulators stop with it); `scripts/services.sh stop` stops the services.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -10,6 +11,20 @@ eval "$(scripts/services.sh start | sed 's/^/export /')"
 export ZHIHUI_DATABASE__URL="${ZHIHUI_DATABASE__URL:-$DATABASE_URL}"
 export ZHIHUI_REDIS__URL="${ZHIHUI_REDIS__URL:-$REDIS_URL}"
 
-cargo build --release --locked --bin zhihui
+cargo build --release --locked --bin zhihui --bin comfyui-sim
 ./target/release/zhihui migrate
-exec ./target/release/zhihui serve
+
+SIM_PIDS=()
+stop_sims() {
+    for pid in "${SIM_PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+}
+trap stop_sims EXIT
+MODELS="majicmixRealistic_v7.safetensors,anythingelseV4_v45.safetensors"
+for port in 8188 8189; do
+    ./target/release/comfyui-sim --listen 127.0.0.1 --port "$port" \
+        --output-directory ".local/sim-$port" --models "$MODELS" --step-delay-ms "${SIM_STEP_DELAY_MS:-50}" &
+    SIM_PIDS+=("$!")
+done
+export ZHIHUI_DISPATCH__BACKENDS="${ZHIHUI_DISPATCH__BACKENDS:-gpu-1 http://127.0.0.1:8188 1,gpu-2 http://127.0.0.1:8189 1}"
+export ZHIHUI_DISPATCH__IMAGES_DIRECTORY="${ZHIHUI_DISPATCH__IMAGES_DIRECTORY:-.local/images}"
+./target/release/zhihui serve

@@ -27,6 +27,7 @@ pub struct Settings {
     pub accounts: AccountSettings,
     pub tasks: TaskSettings,
     pub translation: TranslationSettings,
+    pub dispatch: DispatchSettings,
     pub log: LogSettings,
 }
 
@@ -79,6 +80,124 @@ pub struct TaskSettings {
     /// How often the intent sweeper looks for such requests. Orphans are resolved within
     /// `intent_resolve_after_ms + intent_sweep_interval_ms`.
     pub intent_sweep_interval_ms: u64,
+}
+
+/// One ComfyUI server of the pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendSettings {
+    /// Recorded in task events; stable across restarts.
+    pub name: String,
+    pub url: String,
+    /// Prompts in flight on it at once: one runs, the others wait in ComfyUI's own queue (a
+    /// second one keeps the GPU busy between two prompts, more only adds waiting there instead of
+    /// in our queue, where it can still be prioritised or cancelled cheaply).
+    pub capacity: u32,
+}
+
+/// Prompts in flight on one server, at most.
+pub const BACKEND_CAPACITY_MAX: u32 = 8;
+
+impl BackendSettings {
+    /// `"<name> <url> [capacity]"`, e.g. `"gpu-1 http://10.0.0.5:8188 2"` (capacity 1 when absent).
+    pub fn parse(spec: &str) -> anyhow::Result<BackendSettings> {
+        let parts: Vec<&str> = spec.split_whitespace().collect();
+        let (name, url, capacity) = match parts.as_slice() {
+            [name, url] => (*name, *url, 1),
+            [name, url, capacity] => (
+                *name,
+                *url,
+                capacity.parse().with_context(|| {
+                    format!("dispatch.backends: {spec:?}: capacity is not a number")
+                })?,
+            ),
+            _ => anyhow::bail!("dispatch.backends: {spec:?} is not \"<name> <url> [capacity]\""),
+        };
+        anyhow::ensure!(
+            name.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+                && !name.is_empty(),
+            "dispatch.backends: the name {name:?} may only have letters, digits, - and _"
+        );
+        anyhow::ensure!(
+            url.starts_with("http://") || url.starts_with("https://"),
+            "dispatch.backends: {url:?} is not an http(s) URL"
+        );
+        anyhow::ensure!(
+            (1..=BACKEND_CAPACITY_MAX).contains(&capacity),
+            "dispatch.backends: capacity of {name} must be 1 to {BACKEND_CAPACITY_MAX}"
+        );
+        Ok(BackendSettings {
+            name: name.to_owned(),
+            url: url.trim_end_matches('/').to_owned(),
+            capacity,
+        })
+    }
+}
+
+/// The dispatcher: the pool of ComfyUI servers and every timing of the saga.
+#[derive(Debug, Clone, Deserialize)]
+pub struct DispatchSettings {
+    /// Run the dispatcher in `serve` (one leader across processes).
+    pub enabled: bool,
+    /// `"<name> <url> [capacity]"` per server (`ZHIHUI_DISPATCH__BACKENDS`: comma-separated).
+    pub backends: Vec<String>,
+    /// Where downloaded images are kept (content-addressed).
+    pub images_directory: String,
+    /// The leader lease: a killed leader is replaced within this plus `leader_retry_ms`.
+    pub leader_lease_ms: u64,
+    /// How often the leader renews its lease (well within `leader_lease_ms`).
+    pub leader_renew_ms: u64,
+    /// How often a follower tries to take the lease.
+    pub leader_retry_ms: u64,
+    /// A slot lease: a prompt's slot comes back this long after its dispatcher stopped renewing.
+    pub slot_lease_ms: u64,
+    pub slot_renew_ms: u64,
+    /// Client pings on each server socket (ComfyUI sends none itself).
+    pub socket_ping_interval_ms: u64,
+    /// A socket that said nothing (not even a pong) this long is dead: reconnect.
+    pub socket_silence_max_ms: u64,
+    pub reconnect_backoff_min_ms: u64,
+    pub reconnect_backoff_max_ms: u64,
+    /// Watchdog: every in-flight prompt is checked through `/queue` and `/history` this often,
+    /// so a socket that silently stopped delivering cannot hang a task.
+    pub reconcile_interval_ms: u64,
+    /// How often the leader looks for tasks in flight that no dispatcher follows (another
+    /// leader's, after a takeover).
+    pub orphan_scan_interval_ms: u64,
+    /// A task running longer is interrupted and fails.
+    pub task_timeout_ms: u64,
+    /// Every HTTP request to a server.
+    pub http_timeout_ms: u64,
+    /// Progress notifications per task, at most one per this long.
+    pub progress_notify_interval_ms: u64,
+    /// `/history` answers `{}` for a moment after the last message: retries, and their spacing.
+    pub history_attempts_max: u32,
+    pub history_retry_ms: u64,
+    /// Interrupt / delete attempts for a cancel or a timeout before it is recorded unconfirmed.
+    pub cancel_attempts_max: u32,
+    /// The saga's timer: timeouts, renewals, retries.
+    pub tick_ms: u64,
+}
+
+impl DispatchSettings {
+    pub fn parsed_backends(&self) -> anyhow::Result<Vec<BackendSettings>> {
+        let backends = self
+            .backends
+            .iter()
+            .filter(|spec| !spec.trim().is_empty())
+            .map(|spec| BackendSettings::parse(spec))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        for (index, backend) in backends.iter().enumerate() {
+            anyhow::ensure!(
+                !backends[..index]
+                    .iter()
+                    .any(|other| other.name == backend.name),
+                "dispatch.backends: the name {} is used twice",
+                backend.name
+            );
+        }
+        Ok(backends)
+    }
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -259,7 +378,9 @@ impl Settings {
             config::Environment::with_prefix(ENV_PREFIX)
                 .prefix_separator("_")
                 .separator("__")
-                .try_parsing(true),
+                .try_parsing(true)
+                .list_separator(",")
+                .with_list_parse_key("dispatch.backends"),
         );
         let settings: Settings = builder
             .build()
@@ -306,6 +427,35 @@ impl Settings {
             "redis.key_prefix must not be empty: every key needs a namespace"
         );
         self.validate_tasks()?;
+        self.validate_dispatch()?;
+        Ok(())
+    }
+
+    fn validate_dispatch(&self) -> anyhow::Result<()> {
+        let dispatch = &self.dispatch;
+        dispatch.parsed_backends()?;
+        anyhow::ensure!(
+            dispatch.leader_renew_ms * 2 <= dispatch.leader_lease_ms
+                && dispatch.slot_renew_ms * 2 <= dispatch.slot_lease_ms,
+            "dispatch: renew the leader and slot leases at least twice per lease (*_renew_ms <= *_lease_ms / 2)"
+        );
+        anyhow::ensure!(
+            dispatch.socket_ping_interval_ms < dispatch.socket_silence_max_ms,
+            "dispatch.socket_silence_max_ms must exceed socket_ping_interval_ms"
+        );
+        anyhow::ensure!(
+            dispatch.reconnect_backoff_min_ms >= 1
+                && dispatch.reconnect_backoff_min_ms <= dispatch.reconnect_backoff_max_ms,
+            "dispatch: reconnect_backoff_min_ms must be at least 1 and at most reconnect_backoff_max_ms"
+        );
+        anyhow::ensure!(
+            dispatch.tick_ms >= 1
+                && dispatch.tick_ms <= dispatch.leader_renew_ms
+                && dispatch.history_attempts_max >= 1
+                && dispatch.cancel_attempts_max >= 1
+                && dispatch.task_timeout_ms >= 1_000,
+            "dispatch: tick_ms must be 1..=leader_renew_ms, *_attempts_max at least 1, task_timeout_ms at least 1000"
+        );
         Ok(())
     }
 

@@ -52,6 +52,11 @@ impl RedisStore {
         format!("{}:{suffix}", self.key_prefix)
     }
 
+    /// The client, for connections that cannot be shared (pub/sub).
+    pub fn client(&self) -> &redis::Client {
+        &self.client
+    }
+
     pub fn key_prefix(&self) -> &str {
         &self.key_prefix
     }

@@ -20,7 +20,11 @@ use crate::auth::sessions::Sessions;
 use crate::clock::Clock;
 use crate::command::RetryPolicy;
 use crate::configuration::{AuthSettings, CodeSenderKind, Settings};
+use crate::dispatch::Dispatcher;
+use crate::dispatch::images::ImageStore;
+use crate::dispatch::lease::Leases;
 use crate::event_store::AnyEventStore;
+use crate::notify::{NotificationHub, Notifier};
 use crate::projector::{Projector, Statuses};
 use crate::redis_store::RedisStore;
 use crate::tasks::queue::TaskQueue;
@@ -47,6 +51,14 @@ pub struct AppState {
     pub projection_statuses: Statuses,
     /// Tasks: submit, prioritise, cancel, claim, the queue and the intent sweeper.
     pub tasks: TaskService,
+    /// Publishes notifications to users (any process's sockets).
+    pub notifier: Notifier,
+    /// This process's end of the notification channel (user WebSockets listen here).
+    pub hub: NotificationHub,
+    /// Downloaded images.
+    pub images: ImageStore,
+    /// The dispatcher of this process (runs only while it holds the leader lease).
+    pub dispatcher: Dispatcher,
 }
 
 /// What tests (and only tests) replace: the clock and the code sender.
@@ -86,7 +98,23 @@ impl AppState {
             Translator::new(settings.translation.clone(), redis.clone())?,
             clock.clone(),
         )?;
+        let notifier = Notifier::new(redis.clone());
+        let images = ImageStore::new(&settings.dispatch.images_directory);
+        let dispatcher = Dispatcher::new(
+            tasks.clone(),
+            event_store.clone(),
+            pg_pool.clone(),
+            Leases::new(redis.clone(), pg_pool.clone()),
+            notifier.clone(),
+            images.clone(),
+            clock.clone(),
+            settings.dispatch.clone(),
+        )?;
         Ok(AppState {
+            notifier,
+            hub: NotificationHub::new(redis.clone()),
+            images,
+            dispatcher,
             users: Users::new(
                 event_store.clone(),
                 clock.clone(),
@@ -198,6 +226,15 @@ impl Application {
                 }
                 tasks.run_sweeper().await;
             }));
+        }
+        if settings.dispatch.enabled {
+            if settings.dispatch.backends.is_empty() {
+                tracing::warn!(
+                    "dispatch.backends is empty: queued tasks wait until servers are configured"
+                );
+            } else {
+                background.push(tokio::spawn(state.dispatcher.clone().run()));
+            }
         }
 
         let address = format!("{}:{}", settings.http.host, settings.http.port);

@@ -183,6 +183,18 @@ pub struct TaskDispatched {
     pub backend: String,
     /// Chosen and recorded before the prompt is posted, so a restart can find it on the server.
     pub prompt_id: Uuid,
+    /// The dispatcher leader's fencing token: from here on, dispatcher commands with a smaller
+    /// token are refused on this task.
+    #[serde(default)]
+    pub fencing_token: u64,
+    pub at: DateTime<Utc>,
+}
+
+/// A new dispatcher leader took over a task in flight: commands of earlier leaders (smaller
+/// tokens) are refused on it from here on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskAdopted {
+    pub fencing_token: u64,
     pub at: DateTime<Utc>,
 }
 
@@ -214,6 +226,7 @@ pub enum TaskEvent {
     CancelRequested(TaskCancelRequested),
     Cancelled(TaskCancelled),
     Dispatched(TaskDispatched),
+    Adopted(TaskAdopted),
     Started(TaskStarted),
     Succeeded(TaskSucceeded),
     Failed(TaskFailed),
@@ -291,6 +304,10 @@ pub struct TaskState {
     pub prioritisations: HashMap<OperationId, PrioritisationOutcome>,
     pub backend: Option<String>,
     pub prompt_id: Option<Uuid>,
+    /// The highest dispatcher fencing token recorded on this task (0: none yet).
+    pub fencing_token: u64,
+    /// When it was dispatched (its run time counts from here).
+    pub dispatched_at: Option<DateTime<Utc>>,
 }
 
 impl Default for TaskState {
@@ -305,6 +322,8 @@ impl Default for TaskState {
             prioritisations: HashMap::new(),
             backend: None,
             prompt_id: None,
+            fencing_token: 0,
+            dispatched_at: None,
         }
     }
 }
@@ -329,8 +348,11 @@ impl TaskState {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Canceller {
     User(UserId),
-    /// The dispatcher, confirming a cancel request it carried out on the server.
-    Dispatcher,
+    /// The dispatcher (leader with this fencing token), confirming a cancel it carried out on
+    /// the server.
+    Dispatcher {
+        fencing_token: u64,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -364,17 +386,27 @@ pub enum TaskCommand {
     Dispatch {
         backend: String,
         prompt_id: Uuid,
+        fencing_token: u64,
         at: DateTime<Utc>,
     },
+    /// A new dispatcher leader takes over a task in flight.
+    Adopt {
+        fencing_token: u64,
+        at: DateTime<Utc>,
+    },
+    /// The server accepted the prompt.
     Start {
+        fencing_token: u64,
         at: DateTime<Utc>,
     },
     Succeed {
         images: Vec<TaskImage>,
+        fencing_token: u64,
         at: DateTime<Utc>,
     },
     Fail {
         reason: String,
+        fencing_token: u64,
         at: DateTime<Utc>,
     },
 }
@@ -401,12 +433,26 @@ pub enum TaskError {
         status: TaskStatus,
         action: &'static str,
     },
+    /// A dispatcher that lost its leadership: a later leader (higher token) owns this task.
+    #[error("dispatcher token {token} is stale: the task belongs to token {fence}")]
+    StaleDispatcher { token: u64, fence: u64 },
 }
 
 #[derive(Debug)]
 pub struct Task;
 
 impl Task {
+    /// Refuse a dispatcher command from a leader older than the one the task last saw.
+    fn fenced(state: &TaskState, token: u64) -> Result<(), TaskError> {
+        if token < state.fencing_token {
+            return Err(TaskError::StaleDispatcher {
+                token,
+                fence: state.fencing_token,
+            });
+        }
+        Ok(())
+    }
+
     fn owned_by(state: &TaskState, user: UserId) -> Result<(), TaskError> {
         match state.owner {
             None => Err(TaskError::NotFound),
@@ -549,21 +595,26 @@ impl Decider for Task {
                     }
                     (
                         S::Submitted | S::Queued | S::Dispatched | S::Running,
-                        Canceller::Dispatcher,
-                    ) => Ok(vec![TaskEvent::Cancelled(TaskCancelled {
-                        by: None,
-                        at: *at,
-                    })]),
+                        Canceller::Dispatcher { fencing_token },
+                    ) => {
+                        Task::fenced(state, *fencing_token)?;
+                        Ok(vec![TaskEvent::Cancelled(TaskCancelled {
+                            by: None,
+                            at: *at,
+                        })])
+                    }
                 }
             }
             TaskCommand::Dispatch {
                 backend,
                 prompt_id,
+                fencing_token,
                 at,
             } => {
                 if state.status == S::Unknown {
                     return Err(TaskError::NotFound);
                 }
+                Task::fenced(state, *fencing_token)?;
                 if state.status == S::Dispatched && state.prompt_id == Some(*prompt_id) {
                     return Ok(vec![]);
                 }
@@ -575,10 +626,31 @@ impl Decider for Task {
                 Ok(vec![TaskEvent::Dispatched(TaskDispatched {
                     backend: backend.clone(),
                     prompt_id: *prompt_id,
+                    fencing_token: *fencing_token,
                     at: *at,
                 })])
             }
-            TaskCommand::Start { at } => {
+            TaskCommand::Adopt { fencing_token, at } => {
+                if state.status == S::Unknown {
+                    return Err(TaskError::NotFound);
+                }
+                Task::fenced(state, *fencing_token)?;
+                if !matches!(state.status, S::Dispatched | S::Running) {
+                    return Err(TaskError::InvalidTransition {
+                        status: state.status,
+                        action: "be adopted",
+                    });
+                }
+                if *fencing_token == state.fencing_token {
+                    return Ok(vec![]);
+                }
+                Ok(vec![TaskEvent::Adopted(TaskAdopted {
+                    fencing_token: *fencing_token,
+                    at: *at,
+                })])
+            }
+            TaskCommand::Start { fencing_token, at } => {
+                Task::fenced(state, *fencing_token)?;
                 Ok(
                     Task::transition(state, &[S::Dispatched], S::Running, "start")?
                         .then_some(TaskEvent::Started(TaskStarted { at: *at }))
@@ -586,7 +658,12 @@ impl Decider for Task {
                         .collect(),
                 )
             }
-            TaskCommand::Succeed { images, at } => {
+            TaskCommand::Succeed {
+                images,
+                fencing_token,
+                at,
+            } => {
+                Task::fenced(state, *fencing_token)?;
                 Ok(
                     Task::transition(state, &[S::Dispatched, S::Running], S::Succeeded, "succeed")?
                         .then(|| {
@@ -599,7 +676,12 @@ impl Decider for Task {
                         .collect(),
                 )
             }
-            TaskCommand::Fail { reason, at } => {
+            TaskCommand::Fail {
+                reason,
+                fencing_token,
+                at,
+            } => {
+                Task::fenced(state, *fencing_token)?;
                 Ok(
                     Task::transition(state, &[S::Dispatched, S::Running], S::Failed, "fail")?
                         .then(|| {
@@ -645,6 +727,11 @@ impl Decider for Task {
                 state.status = TaskStatus::Dispatched;
                 state.backend = Some(e.backend.clone());
                 state.prompt_id = Some(e.prompt_id);
+                state.fencing_token = state.fencing_token.max(e.fencing_token);
+                state.dispatched_at = Some(e.at);
+            }
+            TaskEvent::Adopted(e) => {
+                state.fencing_token = state.fencing_token.max(e.fencing_token);
             }
             TaskEvent::Started(_) => state.status = TaskStatus::Running,
             TaskEvent::Succeeded(_) => state.status = TaskStatus::Succeeded,
@@ -654,7 +741,7 @@ impl Decider for Task {
     }
 }
 
-const TASK_EVENT_TYPES: [&str; 11] = [
+const TASK_EVENT_TYPES: [&str; 12] = [
     "TaskSubmitted",
     "TaskQueued",
     "TaskPrioritised",
@@ -663,6 +750,7 @@ const TASK_EVENT_TYPES: [&str; 11] = [
     "TaskCancelRequested",
     "TaskCancelled",
     "TaskDispatched",
+    "TaskAdopted",
     "TaskStarted",
     "TaskSucceeded",
     "TaskFailed",
@@ -679,6 +767,7 @@ impl DomainEvent for TaskEvent {
             TaskEvent::CancelRequested(_) => "TaskCancelRequested",
             TaskEvent::Cancelled(_) => "TaskCancelled",
             TaskEvent::Dispatched(_) => "TaskDispatched",
+            TaskEvent::Adopted(_) => "TaskAdopted",
             TaskEvent::Started(_) => "TaskStarted",
             TaskEvent::Succeeded(_) => "TaskSucceeded",
             TaskEvent::Failed(_) => "TaskFailed",
@@ -699,6 +788,7 @@ impl DomainEvent for TaskEvent {
             TaskEvent::CancelRequested(e) => payload_of(e),
             TaskEvent::Cancelled(e) => payload_of(e),
             TaskEvent::Dispatched(e) => payload_of(e),
+            TaskEvent::Adopted(e) => payload_of(e),
             TaskEvent::Started(e) => payload_of(e),
             TaskEvent::Succeeded(e) => payload_of(e),
             TaskEvent::Failed(e) => payload_of(e),
@@ -728,6 +818,7 @@ impl DomainEvent for TaskEvent {
             "TaskCancelRequested" => TaskEvent::CancelRequested(parse_payload(t, payload)?),
             "TaskCancelled" => TaskEvent::Cancelled(parse_payload(t, payload)?),
             "TaskDispatched" => TaskEvent::Dispatched(parse_payload(t, payload)?),
+            "TaskAdopted" => TaskEvent::Adopted(parse_payload(t, payload)?),
             "TaskStarted" => TaskEvent::Started(parse_payload(t, payload)?),
             "TaskSucceeded" => TaskEvent::Succeeded(parse_payload(t, payload)?),
             _ => TaskEvent::Failed(parse_payload(t, payload)?),
@@ -794,6 +885,7 @@ mod tests {
         events.push(TaskEvent::Dispatched(TaskDispatched {
             backend: "gpu-1".into(),
             prompt_id: Uuid::from_u128(99),
+            fencing_token: 5,
             at: at(),
         }));
         events
@@ -955,7 +1047,7 @@ mod tests {
         given::<Task>(&running).when(by_alice).then(&[]);
         given::<Task>(&running)
             .when(TaskCommand::Cancel {
-                by: Canceller::Dispatcher,
+                by: Canceller::Dispatcher { fencing_token: 5 },
                 at: at(),
             })
             .then(&[TaskEvent::Cancelled(TaskCancelled { by: None, at: at() })]);
@@ -998,6 +1090,7 @@ mod tests {
         let dispatch = TaskCommand::Dispatch {
             backend: "gpu-1".into(),
             prompt_id: Uuid::from_u128(99),
+            fencing_token: 5,
             at: at(),
         };
         given::<Task>(&cancelled)
@@ -1015,6 +1108,7 @@ mod tests {
         given::<Task>(&failed)
             .when(TaskCommand::Succeed {
                 images: vec![],
+                fencing_token: 5,
                 at: at(),
             })
             .then_error(TaskError::InvalidTransition {
@@ -1022,8 +1116,86 @@ mod tests {
                 action: "succeed",
             });
         given::<Task>(&dispatched())
-            .when(TaskCommand::Start { at: at() })
+            .when(TaskCommand::Start {
+                fencing_token: 5,
+                at: at(),
+            })
             .then(&[TaskEvent::Started(TaskStarted { at: at() })]);
+    }
+
+    #[test]
+    fn a_new_leader_adopts_a_task_and_the_old_one_is_refused() {
+        let adopt = |fencing_token| TaskCommand::Adopt {
+            fencing_token,
+            at: at(),
+        };
+        let adopted = TaskEvent::Adopted(TaskAdopted {
+            fencing_token: 6,
+            at: at(),
+        });
+        given::<Task>(&dispatched())
+            .when(adopt(6))
+            .then(std::slice::from_ref(&adopted));
+        let mut past = dispatched();
+        past.push(adopted);
+        // Adopting again with the same token is a repeat; an older leader cannot adopt back.
+        given::<Task>(&past).when(adopt(6)).then(&[]);
+        given::<Task>(&past)
+            .when(adopt(5))
+            .then_error(TaskError::StaleDispatcher { token: 5, fence: 6 });
+        // Every dispatcher command of the old leader is refused; the new leader's are not.
+        for stale in [
+            TaskCommand::Start {
+                fencing_token: 5,
+                at: at(),
+            },
+            TaskCommand::Succeed {
+                images: vec![],
+                fencing_token: 5,
+                at: at(),
+            },
+            TaskCommand::Fail {
+                reason: "lost".into(),
+                fencing_token: 5,
+                at: at(),
+            },
+            TaskCommand::Cancel {
+                by: Canceller::Dispatcher { fencing_token: 5 },
+                at: at(),
+            },
+        ] {
+            given::<Task>(&past)
+                .when(stale)
+                .then_error(TaskError::StaleDispatcher { token: 5, fence: 6 });
+        }
+        given::<Task>(&past)
+            .when(TaskCommand::Fail {
+                reason: "lost".into(),
+                fencing_token: 6,
+                at: at(),
+            })
+            .then(&[TaskEvent::Failed(TaskFailed {
+                reason: "lost".into(),
+                at: at(),
+            })]);
+        // A user's cancel carries no token: it is a request, carried out by the leader.
+        given::<Task>(&past)
+            .when(TaskCommand::Cancel {
+                by: Canceller::User(alice()),
+                at: at(),
+            })
+            .then(&[TaskEvent::CancelRequested(TaskCancelRequested {
+                by: alice(),
+                at: at(),
+            })]);
+        // A queued task cannot be adopted, and a dispatch with an older token than recorded
+        // elsewhere on the task is refused.
+        given::<Task>(&queued_at(100))
+            .when(adopt(6))
+            .then_error(TaskError::InvalidTransition {
+                status: TaskStatus::Queued,
+                action: "be adopted",
+            });
     }
 
     #[test]
@@ -1063,6 +1235,10 @@ mod tests {
                 at: at(),
             }),
             TaskEvent::Cancelled(TaskCancelled { by: None, at: at() }),
+            TaskEvent::Adopted(TaskAdopted {
+                fencing_token: 6,
+                at: at(),
+            }),
             TaskEvent::Started(TaskStarted { at: at() }),
             TaskEvent::Succeeded(TaskSucceeded {
                 images: vec![TaskImage {

@@ -66,7 +66,9 @@ pub async fn apply(
                 "queue_score = $4, prioritised = prioritised + 1",
                 vec![Box::new(e.to_score)],
             ),
-            TaskEvent::PrioritisationAbandoned(_) | TaskEvent::Abandoned(_) => ("", vec![]),
+            TaskEvent::PrioritisationAbandoned(_)
+            | TaskEvent::Abandoned(_)
+            | TaskEvent::Adopted(_) => ("", vec![]),
             TaskEvent::CancelRequested(_) => ("cancel_requested = true", vec![]),
             TaskEvent::Cancelled(e) => (
                 "status = 'cancelled', queue_score = NULL, finished_at = $4",

@@ -42,7 +42,7 @@ impl Admin {
     }
 }
 
-fn bearer_token(request: &HttpRequest) -> Result<String, ApiError> {
+pub fn bearer_token(request: &HttpRequest) -> Result<String, ApiError> {
     let header = request
         .headers()
         .get(actix_web::http::header::AUTHORIZATION)
@@ -72,9 +72,14 @@ async fn authenticate(request: HttpRequest) -> Result<Session, ApiError> {
         .app_data::<web::Data<AppState>>()
         .ok_or_else(|| anyhow::anyhow!("AppState is not registered"))?
         .clone();
+    session_of(&state, &token).await
+}
+
+/// The session of a token from elsewhere than the header (a browser's WebSocket cannot set one).
+pub async fn session_of(state: &AppState, token: &str) -> Result<Session, ApiError> {
     state
         .sessions
-        .touch(&token)
+        .touch(token)
         .await?
         .ok_or_else(|| ApiError::Unauthorized {
             rule: "invalid-token",

@@ -5,6 +5,7 @@ pub mod accounts;
 mod auth;
 pub mod extract;
 mod health;
+mod live;
 mod openapi;
 pub mod problem;
 mod tasks;
@@ -59,6 +60,8 @@ pub fn routes(config: &mut web::ServiceConfig) {
                 .route("/tasks/{id}", web::get().to(tasks::task))
                 .route("/tasks/{id}/prioritise", web::post().to(tasks::prioritise))
                 .route("/tasks/{id}/cancel", web::post().to(tasks::cancel))
+                .route("/ws", web::get().to(live::socket))
+                .route("/images/{id}", web::get().to(live::image))
                 .route("/admin/queue", web::get().to(tasks::queue))
                 .route("/admin/queue/rebuild", web::post().to(tasks::rebuild_queue)),
         );

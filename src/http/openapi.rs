@@ -34,6 +34,7 @@ use utoipa::{Modify, OpenApi};
         super::tasks::cancel,
         super::tasks::queue,
         super::tasks::rebuild_queue,
+        super::live::image,
     ),
     components(schemas(super::problem::Problem)),
     modifiers(&BearerToken),

@@ -300,7 +300,9 @@ async fn view_from_events(
             TaskEvent::Submitted(_) => {}
             TaskEvent::Queued(_) => view.status = "queued".into(),
             TaskEvent::Prioritised(_) => view.prioritised += 1,
-            TaskEvent::PrioritisationAbandoned(_) | TaskEvent::Abandoned(_) => {}
+            TaskEvent::PrioritisationAbandoned(_)
+            | TaskEvent::Abandoned(_)
+            | TaskEvent::Adopted(_) => {}
             TaskEvent::CancelRequested(_) => view.cancel_requested = true,
             TaskEvent::Cancelled(e) => {
                 view.status = "cancelled".into();
@@ -390,6 +392,16 @@ pub async fn submit(
         )
         .await
         .map_err(task_error)?;
+    if let Some(position) = outcome.position {
+        state
+            .notifier
+            .tell(
+                caller.user_id(),
+                outcome.task_id,
+                crate::notify::TaskNotice::Position { position },
+            )
+            .await;
+    }
     Ok(HttpResponse::Created().json(SubmitTaskResponse {
         task_id: outcome.task_id,
         status: outcome.status.as_str().into(),
@@ -542,6 +554,7 @@ pub async fn prioritise(
         )
         .await
         .map_err(task_error)?;
+    state.notifier.queue_moved().await;
     Ok(HttpResponse::Ok().json(PrioritiseResponse {
         task_id,
         operation_id: outcome.operation_id,
@@ -579,6 +592,17 @@ pub async fn cancel(
         )
         .await
         .map_err(task_error)?;
+    if outcome.status == TaskStatus::Cancelled {
+        state
+            .notifier
+            .tell(
+                caller.user_id(),
+                task_id,
+                crate::notify::TaskNotice::Cancelled,
+            )
+            .await;
+        state.notifier.queue_moved().await;
+    }
     let body = CancelResponse {
         task_id,
         status: outcome.status.as_str().into(),

@@ -58,7 +58,7 @@ pub struct TaskQueue {
     clock: Clock,
 }
 
-fn parse_score(text: &str) -> anyhow::Result<i64> {
+pub(crate) fn parse_score(text: &str) -> anyhow::Result<i64> {
     let value: f64 = text
         .parse()
         .with_context(|| format!("queue score {text:?} is not a number"))?;
@@ -86,6 +86,10 @@ impl TaskQueue {
 
     fn leases_key(&self) -> String {
         self.redis.key("queue:leases")
+    }
+
+    fn progress_key(&self, task_id: TaskId) -> String {
+        self.redis.key(&format!("task:progress:{task_id}"))
     }
 
     fn last_score_key(&self) -> String {
@@ -297,10 +301,39 @@ impl TaskQueue {
 
     /// Sampling progress of a running task, `(value, max)`, as the dispatcher last reported it
     /// (`task:progress:<id>`, a hash with a TTL; absent before the first step).
+    /// Record a running task's progress (read by `GET /tasks/{id}`), kept for `ttl_ms`.
+    pub async fn set_progress(
+        &self,
+        task_id: TaskId,
+        value: u64,
+        max: u64,
+        ttl_ms: u64,
+    ) -> anyhow::Result<()> {
+        let mut connection = self.redis.connection().await?;
+        let _: i64 = crate::lua::TASK_PROGRESS
+            .key(self.progress_key(task_id))
+            .arg(value)
+            .arg(max)
+            .arg(ttl_ms)
+            .invoke_async(&mut connection)
+            .await
+            .context("recording progress")?;
+        Ok(())
+    }
+
+    pub async fn clear_progress(&self, task_id: TaskId) -> anyhow::Result<()> {
+        let mut connection = self.redis.connection().await?;
+        let _: i64 = connection
+            .del(self.progress_key(task_id))
+            .await
+            .context("clearing progress")?;
+        Ok(())
+    }
+
     pub async fn progress(&self, task_id: TaskId) -> anyhow::Result<Option<(u64, u64)>> {
         let mut connection = self.redis.connection().await?;
         let (value, max): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
-            .arg(self.redis.key(&format!("task:progress:{task_id}")))
+            .arg(self.progress_key(task_id))
             .arg("value")
             .arg("max")
             .query_async(&mut connection)

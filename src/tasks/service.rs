@@ -115,7 +115,9 @@ fn task_error(error: TaskError) -> TaskServiceError {
         TaskError::Finished { status } => TaskServiceError::Finished {
             status: status.as_str(),
         },
-        other @ (TaskError::AlreadySubmitted | TaskError::InvalidTransition { .. }) => {
+        other @ (TaskError::AlreadySubmitted
+        | TaskError::InvalidTransition { .. }
+        | TaskError::StaleDispatcher { .. }) => {
             TaskServiceError::Unexpected(anyhow::Error::new(other))
         }
     }
@@ -170,10 +172,12 @@ pub struct RebuildReport {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum IntentKind {
+pub(crate) enum IntentKind {
     Submit,
     Prioritise,
     Cancel,
+    /// A dispatcher claimed the task: ends when its hold is settled or released.
+    Dispatch,
 }
 
 impl IntentKind {
@@ -182,6 +186,7 @@ impl IntentKind {
             IntentKind::Submit => "submit",
             IntentKind::Prioritise => "prioritise",
             IntentKind::Cancel => "cancel",
+            IntentKind::Dispatch => "dispatch",
         }
     }
 }
@@ -271,7 +276,39 @@ impl TaskService {
             .state)
     }
 
-    async fn execute_task(
+    /// A task's state and the workflow it was submitted with (what a dispatcher posts).
+    pub async fn load_with_workflow(
+        &self,
+        task_id: TaskId,
+    ) -> anyhow::Result<(TaskState, Option<serde_json::Value>)> {
+        // A task stream starts with its `TaskSubmitted`.
+        let first = self
+            .store
+            .read_stream(
+                &task_stream(task_id),
+                crate::event_store::Direction::Forwards,
+                crate::event_store::ReadFrom::Start,
+                1,
+            )
+            .await
+            .context("reading a task's first event")?;
+        let workflow = match first.first() {
+            Some(recorded) => match TaskEvent::from_stored(
+                &recorded.event_type,
+                recorded.schema_version,
+                &recorded.payload,
+            )
+            .with_context(|| format!("decoding event {}", recorded.id))?
+            {
+                TaskEvent::Submitted(submitted) => Some(submitted.workflow),
+                _ => None,
+            },
+            None => None,
+        };
+        Ok((self.load(task_id).await?, workflow))
+    }
+
+    pub(crate) async fn execute_task(
         &self,
         task_id: TaskId,
         command: &TaskCommand,
@@ -287,7 +324,7 @@ impl TaskService {
         .await
     }
 
-    async fn begin_intent(
+    pub(crate) async fn begin_intent(
         &self,
         kind: IntentKind,
         task_id: TaskId,
@@ -317,7 +354,7 @@ impl TaskService {
         Ok(intent_id)
     }
 
-    async fn end_intent(&self, intent_id: Uuid) -> anyhow::Result<()> {
+    pub(crate) async fn end_intent(&self, intent_id: Uuid) -> anyhow::Result<()> {
         let client = self.pool.get().await.context("getting a connection")?;
         client
             .execute(
@@ -667,6 +704,7 @@ impl TaskService {
     pub async fn claim_next(
         &self,
         backend: &str,
+        fencing_token: u64,
         metadata: &EventMetadata,
     ) -> anyhow::Result<Option<DispatchedTask>> {
         for _skip in 0..CLAIM_SKIPS_MAX {
@@ -681,6 +719,7 @@ impl TaskService {
             let command = TaskCommand::Dispatch {
                 backend: backend.to_owned(),
                 prompt_id,
+                fencing_token,
                 at: self.clock.now(),
             };
             match self.execute_task(claimed.task_id, &command, metadata).await {
@@ -807,7 +846,7 @@ impl TaskService {
             let client = self.pool.get().await.context("getting a connection")?;
             client
                 .query(
-                    "SELECT intent_id, task_id, user_id, operation_id FROM task_intents
+                    "SELECT intent_id, task_id, user_id, operation_id, kind FROM task_intents
                       WHERE created_at <= $1 ORDER BY created_at LIMIT $2",
                     &[&cutoff, &SWEEP_INTENTS_MAX],
                 )
@@ -820,9 +859,18 @@ impl TaskService {
             let task_id: TaskId = row.get(1);
             let user_id = UserId::from_uuid(row.get(2));
             let operation: Option<Uuid> = row.get(3);
-            self.reconcile(task_id, user_id, operation, intent_id)
+            let kind: String = row.get(4);
+            let state = self
+                .reconcile(task_id, user_id, operation, intent_id)
                 .await
                 .with_context(|| format!("resolving intent {intent_id} of task {task_id}"))?;
+            // A dispatch whose task is still in flight belongs to a dispatcher (or the next
+            // leader, who adopts it): its hold is settled when the task ends.
+            if kind == IntentKind::Dispatch.as_str()
+                && matches!(state.status, TaskStatus::Dispatched | TaskStatus::Running)
+            {
+                continue;
+            }
             self.end_intent(intent_id).await?;
             tracing::info!(%task_id, %intent_id, "resolved the intent of a crashed request");
             outcome.intents_resolved += 1;
@@ -935,7 +983,8 @@ impl TaskService {
                     }
                     TaskEvent::Submitted(_)
                     | TaskEvent::PrioritisationAbandoned(_)
-                    | TaskEvent::CancelRequested(_) => {}
+                    | TaskEvent::CancelRequested(_)
+                    | TaskEvent::Adopted(_) => {}
                 }
             }
             if slice.scanned_to.is_none() || slice.scanned_to == after || slice.end_of_log {

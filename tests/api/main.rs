@@ -2,6 +2,7 @@
 //! database per test) and a real Redis (a fresh key prefix per test). See `helpers.rs`.
 
 mod auth;
+mod dispatch;
 mod event_store;
 mod fake_ollama;
 mod health;

@@ -23,7 +23,7 @@ use crate::helpers::{TestApp, spawn_app};
 const PREFIX: &str = "(8k, best quality, masterpiece),(high detailed skin),";
 const SUFFIX: &str = ",bad face,naked,bad finger,bad arm,bad leg,bad eye";
 
-fn metadata() -> EventMetadata {
+pub(crate) fn metadata() -> EventMetadata {
     EventMetadata {
         correlation_id: Uuid::now_v7(),
         causation_id: None,
@@ -32,7 +32,7 @@ fn metadata() -> EventMetadata {
 }
 
 /// A user with `points` granted; returns (user id, token).
-async fn funded_user(app: &TestApp, name: &str, points: &str) -> (String, String) {
+pub(crate) async fn funded_user(app: &TestApp, name: &str, points: &str) -> (String, String) {
     let user = app.register(name, "correct horse battery").await;
     let token = app.login(name, "correct horse battery").await;
     let admin = app.admin_token(&format!("admin-{name}")).await;
@@ -47,7 +47,12 @@ async fn funded_user(app: &TestApp, name: &str, points: &str) -> (String, String
     (user, token)
 }
 
-async fn submit(app: &TestApp, token: &str, body: &Value, key: Option<&str>) -> reqwest::Response {
+pub(crate) async fn submit(
+    app: &TestApp,
+    token: &str,
+    body: &Value,
+    key: Option<&str>,
+) -> reqwest::Response {
     let mut request = app
         .http
         .post(format!("{}/api/v1/tasks", app.address))
@@ -59,7 +64,7 @@ async fn submit(app: &TestApp, token: &str, body: &Value, key: Option<&str>) -> 
     request.send().await.unwrap()
 }
 
-async fn submitted_id(app: &TestApp, token: &str, prompt: &str) -> String {
+pub(crate) async fn submitted_id(app: &TestApp, token: &str, prompt: &str) -> String {
     let response = submit(app, token, &json!({"prompt": prompt}), None).await;
     assert_eq!(response.status(), 201);
     let body: Value = response.json().await.unwrap();
@@ -78,12 +83,12 @@ async fn post_as(app: &TestApp, token: &str, path: &str, key: Option<&str>) -> r
 }
 
 /// `POST /api/v1/tasks/{task}/{action}` with no key.
-async fn act(app: &TestApp, token: &str, action: &str, task: &str) -> reqwest::Response {
+pub(crate) async fn act(app: &TestApp, token: &str, action: &str, task: &str) -> reqwest::Response {
     post_as(app, token, &format!("/api/v1/tasks/{task}/{action}"), None).await
 }
 
 /// The account as its events say (available, frozen).
-async fn account_of(app: &TestApp, user: &str) -> zhihui_domain::account::AccountState {
+pub(crate) async fn account_of(app: &TestApp, user: &str) -> zhihui_domain::account::AccountState {
     let services = app.services();
     let user = UserId::from_uuid(Uuid::parse_str(user).unwrap());
     zhihui::command::load::<Account>(&services.event_store, &account_stream(user))
@@ -92,7 +97,7 @@ async fn account_of(app: &TestApp, user: &str) -> zhihui_domain::account::Accoun
         .state
 }
 
-async fn task_events(app: &TestApp, task_id: &str) -> Vec<TaskEvent> {
+pub(crate) async fn task_events(app: &TestApp, task_id: &str) -> Vec<TaskEvent> {
     let services = app.services();
     services
         .event_store
@@ -453,7 +458,7 @@ async fn cancel_returns_a_queued_tasks_points_and_asks_the_dispatcher_for_a_runn
     let services = app.services();
     let dispatched = services
         .tasks
-        .claim_next("gpu-1", &metadata())
+        .claim_next("gpu-1", 0, &metadata())
         .await
         .unwrap()
         .unwrap();
@@ -481,6 +486,7 @@ async fn cancel_returns_a_queued_tasks_points_and_asks_the_dispatcher_for_a_runn
         &task_stream(dispatched.task_id),
         &TaskCommand::Fail {
             reason: "out of memory".into(),
+            fencing_token: 0,
             at: app.clock.now(),
         },
         &metadata(),
@@ -543,7 +549,7 @@ async fn the_queue_is_rebuilt_from_the_events_in_the_same_order() {
     assert_eq!(rebuilt["queued"], 5);
 }
 
-async fn flush_prefix(app: &TestApp) {
+pub(crate) async fn flush_prefix(app: &TestApp) {
     let client = redis::Client::open(
         secrecy::ExposeSecret::expose_secret(&app.settings.redis.url).to_owned(),
     )
@@ -782,7 +788,7 @@ async fn cancel_prioritise_and_claim_races_keep_the_invariants() {
             let tasks = tasks.clone();
             tokio::spawn(async move {
                 round_trips(&tasks, claim_offset).await;
-                tasks.claim_next(backend, &metadata()).await
+                tasks.claim_next(backend, 0, &metadata()).await
             })
         });
         let cancel = cancel.await.unwrap();
@@ -850,7 +856,7 @@ async fn cancel_prioritise_and_claim_races_keep_the_invariants() {
 }
 
 /// Project everything, then `zhihui audit verify` must find no difference.
-async fn project_and_verify(app: &TestApp) {
+pub(crate) async fn project_and_verify(app: &TestApp) {
     app.project().await;
     let verify = app.cli(&["audit", "verify"]);
     assert!(

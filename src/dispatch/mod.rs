@@ -1,0 +1,12 @@
+//! Dispatch to a pool of ComfyUI servers: `comfy.rs` (the HTTP client and the WebSocket message
+//! set), `socket.rs` (one socket per server: fresh clientIds, pings, reconnects), `lease.rs` (the
+//! leader lease with its fencing token, slot leases), `images.rs` (the image store), and
+//! `saga.rs` (the saga that drives every task from the queue to settled points).
+
+pub mod comfy;
+pub mod images;
+pub mod lease;
+pub mod saga;
+pub mod socket;
+
+pub use saga::{Dispatcher, LostLeadership, Saga};

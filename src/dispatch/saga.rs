@@ -1,0 +1,1623 @@
+//! The dispatch saga: queued tasks become prompts on ComfyUI servers, finished prompts become
+//! images and settled points, whatever fails on the way.
+//!
+//! One leader at a time runs it ([`Dispatcher::lead`]: a Redis lease with a fencing token; every
+//! task event the saga appends carries the token, and a task refuses tokens older than the last
+//! one it saw). The saga is an actor: [`Saga::step`] takes one input of a closed set (a socket
+//! event, a task event from the log, the result of a side effect, a timer tick) and reacts. Calls
+//! to servers run as spawned effects whose results come back as inputs, so a slow server never
+//! holds up the leader's renewals or the other servers.
+//!
+//! Per task: claim (Lua: leader check, a free slot of a healthy server, pop the queue, lease the
+//! slot) -> intent row -> `TaskDispatched` with a fresh prompt id (recorded before the post, so a
+//! restart can look for it) -> post -> `TaskStarted` -> follow the socket by prompt id, forward
+//! progress -> on the first terminal message the slot is freed and the next task claimed at once
+//! (no polling period) -> history, images through `/view` into the image store ->
+//! `TaskSucceeded` / `TaskFailed` / `TaskCancelled` -> settle or release the hold
+//! (`TaskService::reconcile`, idempotent) -> end the intent.
+//!
+//! Recovery: the socket is a hint, `/queue` + `/history` the truth. After a reconnect and on a
+//! watchdog period every prompt in flight is located; a prompt the server lost is posted once
+//! more with the same id, then failed. A new leader adopts every task in flight (`TaskAdopted`
+//! fences the old leader out) and locates it; the queue is rebuilt from the events. What a dead
+//! dispatcher leaves between two streams (a finished task whose hold was not settled) is finished
+//! by the intent sweeper from the `dispatch` intent.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use deadpool_postgres::Pool;
+use futures::StreamExt;
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+use uuid::Uuid;
+use zhihui_domain::task::{
+    Canceller, TaskCommand, TaskError, TaskId, TaskImage, TaskStatus, task_id_of_stream,
+};
+use zhihui_domain::user::UserId;
+
+use crate::clock::Clock;
+use crate::command::CommandError;
+use crate::configuration::{BackendSettings, DispatchSettings};
+use crate::dispatch::comfy::{
+    ComfyClient, ComfyMessage, HistoryOutcome, PostOutcome, PromptWhereabouts,
+};
+use crate::dispatch::images::{ImageStore, image_id};
+use crate::dispatch::lease::{Claim, Leases, Term};
+use crate::dispatch::socket::{self, SocketEvent, SocketTimings};
+use crate::event_store::{
+    AnyEventStore, EventFilter, EventMetadata, EventStore, SubscriptionMessage,
+};
+use crate::notify::{Notifier, TaskNotice};
+use crate::tasks::service::{IntentKind, TaskService};
+
+/// Orphans adopted per scan: bounds one tick's work (the rest come at the next scan).
+pub const ADOPT_PER_SCAN_MAX: i64 = 256;
+/// Attempts to fetch and store a finished prompt's images before the task fails.
+pub const COMPLETION_ATTEMPTS_MAX: u32 = 3;
+/// Gap samples kept for the benchmark (oldest dropped).
+pub const GAP_SAMPLES_MAX: usize = 100_000;
+
+/// The leader lease is gone: the saga stops; the process may try to lead again.
+#[derive(Debug, thiserror::Error)]
+#[error("the dispatcher lost its leadership")]
+pub struct LostLeadership;
+
+struct Backend {
+    settings: BackendSettings,
+    client: ComfyClient,
+}
+
+/// What a dispatcher process needs; [`Dispatcher::lead`] turns it into a running [`Saga`].
+#[derive(Clone)]
+pub struct Dispatcher {
+    tasks: TaskService,
+    store: AnyEventStore,
+    pool: Pool,
+    leases: Leases,
+    notifier: Notifier,
+    images: ImageStore,
+    clock: Clock,
+    settings: DispatchSettings,
+    backends: Arc<Vec<Backend>>,
+    instance: String,
+}
+
+impl std::fmt::Debug for Dispatcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dispatcher")
+            .field("instance", &self.instance)
+            .field(
+                "backends",
+                &self
+                    .backends
+                    .iter()
+                    .map(|b| &b.settings.name)
+                    .collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl Dispatcher {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        tasks: TaskService,
+        store: AnyEventStore,
+        pool: Pool,
+        leases: Leases,
+        notifier: Notifier,
+        images: ImageStore,
+        clock: Clock,
+        settings: DispatchSettings,
+    ) -> anyhow::Result<Dispatcher> {
+        let timeout = Duration::from_millis(settings.http_timeout_ms);
+        let backends = settings
+            .parsed_backends()?
+            .into_iter()
+            .map(|backend| {
+                Ok(Backend {
+                    client: ComfyClient::new(&backend.url, timeout)?,
+                    settings: backend,
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(Dispatcher {
+            tasks,
+            store,
+            pool,
+            leases,
+            notifier,
+            images,
+            clock,
+            settings,
+            backends: Arc::new(backends),
+            instance: Uuid::now_v7().simple().to_string(),
+        })
+    }
+
+    pub fn leases(&self) -> &Leases {
+        &self.leases
+    }
+
+    pub fn backend_names(&self) -> Vec<String> {
+        self.backends
+            .iter()
+            .map(|b| b.settings.name.clone())
+            .collect()
+    }
+
+    /// Become the leader if nobody is, and start the saga: sockets, the task-event subscription,
+    /// the queue rebuilt from the events, every task in flight adopted. `None` while another
+    /// process leads.
+    pub async fn lead(&self) -> anyhow::Result<Option<Saga>> {
+        let Some(term) = self
+            .leases
+            .acquire(&self.instance, self.settings.leader_lease_ms)
+            .await?
+        else {
+            return Ok(None);
+        };
+        tracing::info!(
+            fencing_token = term.fencing_token,
+            "dispatcher leader elected"
+        );
+        let mut saga = Saga::start(self.clone(), term.clone()).await?;
+        // The rebuild reads the task events after the read model's checkpoint, which can take
+        // longer than a lease: keep renewing meanwhile.
+        let keep_lease = async {
+            let renew = Duration::from_millis(self.settings.leader_renew_ms);
+            loop {
+                tokio::time::sleep(renew).await;
+                if !self
+                    .leases
+                    .renew(&term, self.settings.leader_lease_ms)
+                    .await?
+                {
+                    return anyhow::Ok(());
+                }
+            }
+        };
+        let startup = async {
+            saga.dispatcher.tasks.rebuild_queue().await?;
+            saga.adopt_orphans().await
+        };
+        let started = tokio::select! {
+            started = startup => started,
+            lost = keep_lease => Err(lost.err().unwrap_or_else(|| LostLeadership.into())),
+        };
+        match started {
+            Ok(()) => Ok(Some(saga)),
+            Err(error) => {
+                saga.resign().await;
+                Err(error)
+            }
+        }
+    }
+
+    /// Lead whenever possible, forever: a lost lease ends the saga (its sockets close, its memory
+    /// is dropped) and the process competes again; the next saga resumes from the events.
+    pub async fn run(self) {
+        let retry = Duration::from_millis(self.settings.leader_retry_ms);
+        loop {
+            match self.lead().await {
+                Ok(Some(saga)) => saga.run().await,
+                Ok(None) => {}
+                Err(error) => {
+                    tracing::warn!(error = %crate::telemetry::error_chain(&error), "dispatcher could not start")
+                }
+            }
+            tokio::time::sleep(retry).await;
+        }
+    }
+}
+
+/// Inputs of the saga: a closed set.
+#[derive(Debug)]
+enum Input {
+    Socket(usize, SocketEvent),
+    /// A task was queued (from the log): fill free slots.
+    Queued,
+    /// A user asked to cancel a task in flight (from the log).
+    CancelRequested(TaskId),
+    Posted {
+        task_id: TaskId,
+        prompt_id: Uuid,
+        outcome: PostOutcome,
+        gap: Option<Duration>,
+    },
+    /// Where a prompt is (reconcile after a reconnect, the watchdog, after a stop).
+    Located {
+        task_id: TaskId,
+        prompt_id: Uuid,
+        result: anyhow::Result<PromptWhereabouts>,
+    },
+    Completed {
+        task_id: TaskId,
+        prompt_id: Uuid,
+        result: anyhow::Result<Completion>,
+    },
+    /// A staged dispatch was recorded (or not).
+    Prepared {
+        backend: usize,
+        task_id: TaskId,
+        result: anyhow::Result<Option<Prepared>>,
+    },
+    /// The end was recorded and the hold settled (or not: then `completion` is retried).
+    Recorded {
+        task_id: TaskId,
+        completion: Completion,
+        result: anyhow::Result<()>,
+    },
+    SubscriptionEnded(String),
+}
+
+/// How a prompt ended, once its results are stored.
+#[derive(Debug, Clone)]
+enum Completion {
+    Succeeded(Vec<TaskImage>),
+    Failed(String),
+    Interrupted,
+    /// The server does not know the prompt (deleted by our cancel, or lost to a restart).
+    Vanished,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Recorded as dispatched to a busy server, not posted yet: the next task for that server,
+    /// posted the moment a slot frees (no round trip to the store in between).
+    Staged,
+    /// Recorded as dispatched; the server has not (knowingly) accepted it.
+    Posting,
+    /// The server accepted it (`TaskStarted`).
+    Accepted,
+    /// It ended on the server; its slot is free; results are being fetched and recorded.
+    Finishing,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    Cancel,
+    Timeout,
+}
+
+#[derive(Debug)]
+struct InFlight {
+    owner: UserId,
+    backend: usize,
+    prompt_id: Uuid,
+    workflow: Value,
+    phase: Phase,
+    deadline: Instant,
+    stop: Option<Stop>,
+    stop_attempts: u32,
+    /// A post, locate or stop effect is outstanding: start no second one.
+    effect_running: bool,
+    resubmitted: bool,
+    completion_attempts: u32,
+    /// A completion that could not be recorded yet (the store was down): retried on ticks.
+    unrecorded: Option<Completion>,
+    last_progress: Option<Instant>,
+    intent: Uuid,
+}
+
+impl InFlight {
+    fn new(
+        owner: UserId,
+        backend: usize,
+        prompt_id: Uuid,
+        workflow: Value,
+        phase: Phase,
+        time_left: Duration,
+        intent: Uuid,
+    ) -> InFlight {
+        InFlight {
+            owner,
+            backend,
+            prompt_id,
+            workflow,
+            phase,
+            deadline: Instant::now() + time_left,
+            stop: None,
+            stop_attempts: 0,
+            effect_running: false,
+            resubmitted: false,
+            completion_attempts: 0,
+            unrecorded: None,
+            last_progress: None,
+            intent,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct BackendState {
+    /// The open socket's clientId; `None` while disconnected (then nothing new is posted there).
+    client_id: Option<String>,
+    /// When a slot last freed with nothing posted since (the start of a GPU idle gap).
+    freed_at: Option<Instant>,
+    /// A staged dispatch is being recorded in the background.
+    staging: bool,
+}
+
+/// A running saga (the leader's). Dropping it closes its sockets and stops its subscription.
+pub struct Saga {
+    dispatcher: Dispatcher,
+    term: Term,
+    inputs: mpsc::UnboundedReceiver<Input>,
+    inputs_sender: mpsc::UnboundedSender<Input>,
+    sockets: mpsc::UnboundedReceiver<(usize, SocketEvent)>,
+    tick: tokio::time::Interval,
+    backends: Vec<BackendState>,
+    in_flight: HashMap<TaskId, InFlight>,
+    by_prompt: HashMap<Uuid, TaskId>,
+    background: Vec<AbortHandle>,
+    last_leader_renew: Instant,
+    last_slot_renew: Instant,
+    last_watchdog: Instant,
+    last_orphan_scan: Instant,
+    gaps: Vec<Duration>,
+}
+
+impl std::fmt::Debug for Saga {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Saga")
+            .field("term", &self.term)
+            .field("in_flight", &self.in_flight.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Saga {
+    fn drop(&mut self) {
+        for handle in &self.background {
+            handle.abort();
+        }
+    }
+}
+
+fn is_lost(error: &anyhow::Error) -> bool {
+    error.is::<LostLeadership>()
+}
+
+impl Saga {
+    async fn start(dispatcher: Dispatcher, term: Term) -> anyhow::Result<Saga> {
+        let settings = &dispatcher.settings;
+        let (inputs_sender, inputs) = mpsc::unbounded_channel();
+        let (socket_sender, sockets) = mpsc::unbounded_channel();
+        let mut background = Vec::new();
+        let timings = SocketTimings {
+            ping_interval: Duration::from_millis(settings.socket_ping_interval_ms),
+            silence_max: Duration::from_millis(settings.socket_silence_max_ms),
+            backoff_min: Duration::from_millis(settings.reconnect_backoff_min_ms),
+            backoff_max: Duration::from_millis(settings.reconnect_backoff_max_ms),
+        };
+        for (index, backend) in dispatcher.backends.iter().enumerate() {
+            let client = backend.client.clone();
+            let sender = socket_sender.clone();
+            background
+                .push(tokio::spawn(socket::run(index, client, timings, sender)).abort_handle());
+        }
+        // Task events from now on: queued tasks wake the saga at once, cancel requests reach it.
+        let head = dispatcher
+            .store
+            .head()
+            .await
+            .context("reading the log head")?;
+        let mut subscription = dispatcher.store.subscribe_all(
+            head,
+            EventFilter::EventTypes(vec!["TaskQueued".into(), "TaskCancelRequested".into()]),
+        );
+        let sender = inputs_sender.clone();
+        background.push(
+            tokio::spawn(async move {
+                while let Some(message) = subscription.next().await {
+                    let input = match message {
+                        Ok(SubscriptionMessage::Event(recorded)) => {
+                            match (
+                                recorded.event_type.as_str(),
+                                task_id_of_stream(&recorded.stream),
+                            ) {
+                                ("TaskCancelRequested", Some(task_id)) => {
+                                    Input::CancelRequested(task_id)
+                                }
+                                _ => Input::Queued,
+                            }
+                        }
+                        Ok(_) => continue,
+                        Err(error) => Input::SubscriptionEnded(error.to_string()),
+                    };
+                    if sender.send(input).is_err() {
+                        return;
+                    }
+                }
+                drop(sender.send(Input::SubscriptionEnded("ended".into())));
+            })
+            .abort_handle(),
+        );
+        let mut tick = tokio::time::interval(Duration::from_millis(settings.tick_ms));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let now = Instant::now();
+        Ok(Saga {
+            backends: dispatcher
+                .backends
+                .iter()
+                .map(|_| BackendState::default())
+                .collect(),
+            dispatcher,
+            term,
+            inputs,
+            inputs_sender,
+            sockets,
+            tick,
+            in_flight: HashMap::new(),
+            by_prompt: HashMap::new(),
+            background,
+            last_leader_renew: now,
+            last_slot_renew: now,
+            last_watchdog: now,
+            last_orphan_scan: now,
+            gaps: Vec::new(),
+        })
+    }
+
+    pub fn fencing_token(&self) -> u64 {
+        self.term.fencing_token
+    }
+
+    /// Tasks this saga follows (dispatched, running, or finishing).
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Servers with an open socket.
+    pub fn connected_backends(&self) -> usize {
+        self.backends
+            .iter()
+            .filter(|b| b.client_id.is_some())
+            .count()
+    }
+
+    /// GPU idle gaps measured so far (slot freed with work waiting -> next prompt accepted), taken.
+    pub fn take_gaps(&mut self) -> Vec<Duration> {
+        std::mem::take(&mut self.gaps)
+    }
+
+    /// Run until the leadership is lost, then give the lease up.
+    pub async fn run(mut self) {
+        loop {
+            if let Err(error) = self.step().await {
+                if is_lost(&error) {
+                    tracing::warn!(
+                        fencing_token = self.term.fencing_token,
+                        "dispatcher lost its leadership"
+                    );
+                    return;
+                }
+                tracing::warn!(error = %crate::telemetry::error_chain(&error), "dispatch step failed");
+            }
+        }
+    }
+
+    /// Give the lease up now (a clean stop), so another process takes over at once.
+    pub async fn resign(self) {
+        if let Err(error) = self.dispatcher.leases.resign(&self.term).await {
+            tracing::warn!(error = %crate::telemetry::error_chain(&error), "could not resign the leader lease");
+        }
+    }
+
+    /// Wait for one input and react to it. `Err(LostLeadership)` ends the saga.
+    pub async fn step(&mut self) -> anyhow::Result<()> {
+        // Under a steady stream of inputs the timer must still get its turn: the lease renewal
+        // cannot wait for a quiet moment.
+        let renew = Duration::from_millis(self.dispatcher.settings.leader_renew_ms);
+        if self.last_leader_renew.elapsed() >= renew {
+            return self.on_tick().await;
+        }
+        tokio::select! {
+            Some(input) = self.inputs.recv() => self.handle(input).await,
+            Some((backend, event)) = self.sockets.recv() => self.handle(Input::Socket(backend, event)).await,
+            _ = self.tick.tick() => self.on_tick().await,
+        }
+    }
+
+    fn metadata(&self, task_id: TaskId) -> EventMetadata {
+        EventMetadata {
+            correlation_id: task_id,
+            causation_id: None,
+            actor: format!("system:dispatcher:{}", self.term.fencing_token),
+        }
+    }
+
+    async fn handle(&mut self, input: Input) -> anyhow::Result<()> {
+        match input {
+            Input::Socket(backend, SocketEvent::Opened { client_id }) => {
+                tracing::info!(backend = %self.dispatcher.backends[backend].settings.name, "server socket open");
+                self.backends[backend].client_id = Some(client_id);
+                // Whatever happened while we were away is only in /queue and /history.
+                let tasks: Vec<TaskId> = self
+                    .in_flight
+                    .iter()
+                    .filter(|(_, f)| f.backend == backend)
+                    .map(|(task_id, _)| *task_id)
+                    .collect();
+                for task_id in tasks {
+                    self.check_on(task_id);
+                }
+                self.fill(backend).await
+            }
+            Input::Socket(backend, SocketEvent::Closed { reason }) => {
+                tracing::warn!(backend = %self.dispatcher.backends[backend].settings.name, %reason, "server socket closed");
+                self.backends[backend].client_id = None;
+                Ok(())
+            }
+            Input::Socket(backend, SocketEvent::Message(message)) => {
+                self.on_message(backend, message).await
+            }
+            Input::Queued => self.fill_all().await,
+            Input::CancelRequested(task_id) => {
+                let Some(flight) = self.in_flight.get_mut(&task_id) else {
+                    return Ok(());
+                };
+                if flight.stop.is_some() {
+                    return Ok(());
+                }
+                flight.stop = Some(Stop::Cancel);
+                if flight.phase == Phase::Staged {
+                    // Never posted: cancelled without asking any server.
+                    self.free_slot(task_id).await?;
+                    return self.record(task_id, Completion::Vanished).await;
+                }
+                self.check_on(task_id);
+                Ok(())
+            }
+            Input::Prepared {
+                backend,
+                task_id,
+                result,
+            } => {
+                self.backends[backend].staging = false;
+                let prepared = result?;
+                self.admit(backend, task_id, prepared, Phase::Staged);
+                // A slot may have freed meanwhile: the staged task goes out now.
+                self.fill(backend).await
+            }
+            Input::Recorded {
+                task_id,
+                completion,
+                result,
+            } => match result {
+                Ok(()) => {
+                    if let Some(flight) = self.in_flight.remove(&task_id) {
+                        self.by_prompt.remove(&flight.prompt_id);
+                    }
+                    Ok(())
+                }
+                Err(error) if is_lost(&error) => Err(error),
+                Err(error) => {
+                    if let Some(flight) = self.in_flight.get_mut(&task_id) {
+                        flight.effect_running = false;
+                        flight.unrecorded = Some(completion);
+                    }
+                    Err(error)
+                }
+            },
+            Input::Posted {
+                task_id,
+                prompt_id,
+                outcome,
+                gap,
+            } => self.on_posted(task_id, prompt_id, outcome, gap).await,
+            Input::Located {
+                task_id,
+                prompt_id,
+                result,
+            } => self.on_located(task_id, prompt_id, result).await,
+            Input::Completed {
+                task_id,
+                prompt_id,
+                result,
+            } => {
+                let Some(flight) = self.in_flight.get_mut(&task_id) else {
+                    return Ok(());
+                };
+                if flight.prompt_id != prompt_id {
+                    return Ok(());
+                }
+                flight.effect_running = false;
+                match result {
+                    Ok(completion) => self.record(task_id, completion).await,
+                    Err(error) => {
+                        flight.completion_attempts += 1;
+                        tracing::warn!(%task_id, attempt = flight.completion_attempts, error = %crate::telemetry::error_chain(&error), "fetching results failed");
+                        if flight.completion_attempts >= COMPLETION_ATTEMPTS_MAX {
+                            let reason =
+                                "the images could not be fetched from the image server".to_owned();
+                            self.record(task_id, Completion::Failed(reason)).await
+                        } else {
+                            // Retried by the watchdog.
+                            Ok(())
+                        }
+                    }
+                }
+            }
+            Input::SubscriptionEnded(reason) => {
+                // Without it, cancels and new tasks still arrive through the ticks; start over to
+                // get the prompt wake-ups back.
+                tracing::warn!(%reason, "task event subscription ended; the saga restarts");
+                Err(LostLeadership.into())
+            }
+        }
+    }
+
+    async fn on_tick(&mut self) -> anyhow::Result<()> {
+        let settings = self.dispatcher.settings.clone();
+        let now = Instant::now();
+        if now - self.last_leader_renew >= Duration::from_millis(settings.leader_renew_ms) {
+            if !self
+                .dispatcher
+                .leases
+                .renew(&self.term, settings.leader_lease_ms)
+                .await?
+            {
+                return Err(LostLeadership.into());
+            }
+            self.last_leader_renew = now;
+        }
+        if now - self.last_slot_renew >= Duration::from_millis(settings.slot_renew_ms) {
+            self.renew_slots().await?;
+            self.last_slot_renew = now;
+        }
+        // Timeouts.
+        let expired: Vec<TaskId> = self
+            .in_flight
+            .iter()
+            .filter(|(_, f)| {
+                f.deadline <= now
+                    && f.stop.is_none()
+                    && matches!(f.phase, Phase::Posting | Phase::Accepted)
+            })
+            .map(|(task_id, _)| *task_id)
+            .collect();
+        for task_id in expired {
+            if let Some(flight) = self.in_flight.get_mut(&task_id) {
+                tracing::warn!(%task_id, "task timed out; interrupting it");
+                flight.stop = Some(Stop::Timeout);
+            }
+            self.check_on(task_id);
+        }
+        // Completions not recorded yet (the store was down).
+        let unrecorded: Vec<TaskId> = self
+            .in_flight
+            .iter()
+            .filter(|(_, f)| f.unrecorded.is_some())
+            .map(|(task_id, _)| *task_id)
+            .collect();
+        for task_id in unrecorded {
+            if let Some(completion) = self
+                .in_flight
+                .get_mut(&task_id)
+                .and_then(|f| f.unrecorded.take())
+            {
+                self.record(task_id, completion).await?;
+            }
+        }
+        if now - self.last_watchdog >= Duration::from_millis(settings.reconcile_interval_ms) {
+            self.last_watchdog = now;
+            let tasks: Vec<TaskId> = self.in_flight.keys().copied().collect();
+            for task_id in tasks {
+                self.check_on(task_id);
+            }
+        }
+        if now - self.last_orphan_scan >= Duration::from_millis(settings.orphan_scan_interval_ms) {
+            self.last_orphan_scan = now;
+            self.adopt_orphans().await?;
+        }
+        self.fill_all().await
+    }
+
+    async fn renew_slots(&mut self) -> anyhow::Result<()> {
+        let slot_lease_ms = self.dispatcher.settings.slot_lease_ms;
+        for (index, backend) in self.dispatcher.backends.iter().enumerate() {
+            let tasks: Vec<TaskId> = self
+                .in_flight
+                .iter()
+                .filter(|(_, f)| f.backend == index && f.phase != Phase::Finishing)
+                .map(|(task_id, _)| *task_id)
+                .collect();
+            if !self
+                .dispatcher
+                .leases
+                .renew_slots(&self.term, &backend.settings.name, &tasks, slot_lease_ms)
+                .await?
+            {
+                return Err(LostLeadership.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// Prompts posted (or being posted) to `backend`: its occupied slots.
+    fn busy(&self, backend: usize) -> usize {
+        self.in_flight
+            .values()
+            .filter(|f| f.backend == backend && matches!(f.phase, Phase::Posting | Phase::Accepted))
+            .count()
+    }
+
+    fn staged_on(&self, backend: usize) -> Option<TaskId> {
+        self.in_flight
+            .iter()
+            .find(|(_, f)| f.backend == backend && f.phase == Phase::Staged)
+            .map(|(task_id, _)| *task_id)
+    }
+
+    async fn fill_all(&mut self) -> anyhow::Result<()> {
+        for backend in 0..self.backends.len() {
+            self.fill(backend).await?;
+        }
+        Ok(())
+    }
+
+    /// Post `backend`'s staged task if it has a free slot and a socket; whether it did.
+    fn promote_staged(&mut self, backend: usize) -> bool {
+        let capacity = self.dispatcher.backends[backend].settings.capacity as usize;
+        if self.backends[backend].client_id.is_none() || self.busy(backend) >= capacity {
+            return false;
+        }
+        let Some(task_id) = self.staged_on(backend) else {
+            return false;
+        };
+        let timeout = Duration::from_millis(self.dispatcher.settings.task_timeout_ms);
+        if let Some(flight) = self.in_flight.get_mut(&task_id) {
+            flight.phase = Phase::Posting;
+            flight.deadline = Instant::now() + timeout;
+        }
+        self.post(task_id);
+        true
+    }
+
+    /// Fill `backend`'s free slots now (its staged task first), then stage its next task.
+    async fn fill(&mut self, backend: usize) -> anyhow::Result<()> {
+        let capacity = self.dispatcher.backends[backend].settings.capacity;
+        if self.backends[backend].client_id.is_none() {
+            return Ok(());
+        }
+        while self.busy(backend) < capacity as usize {
+            if self.promote_staged(backend) {
+                continue;
+            }
+            let claim = self
+                .dispatcher
+                .leases
+                .claim(
+                    &self.term,
+                    &self.dispatcher.backends[backend].settings.name,
+                    capacity,
+                    self.busy(backend),
+                    self.dispatcher.settings.slot_lease_ms,
+                )
+                .await?;
+            match claim {
+                Claim::Claimed { task_id, score } => {
+                    self.dispatch(backend, task_id, score, Phase::Posting)
+                        .await?;
+                }
+                Claim::Full => return Ok(()),
+                Claim::Empty => {
+                    // Nothing waited: the slot's idleness is not a dispatch gap.
+                    self.backends[backend].freed_at = None;
+                    return Ok(());
+                }
+                Claim::NotLeader => return Err(LostLeadership.into()),
+            }
+        }
+        if self.staged_on(backend).is_some() || self.backends[backend].staging {
+            return Ok(());
+        }
+        // One slot lease beyond the capacity: the staged task holds it until it is posted.
+        let claim = self
+            .dispatcher
+            .leases
+            .claim(
+                &self.term,
+                &self.dispatcher.backends[backend].settings.name,
+                capacity + 1,
+                self.busy(backend),
+                self.dispatcher.settings.slot_lease_ms,
+            )
+            .await?;
+        match claim {
+            Claim::Claimed { task_id, score } => {
+                self.dispatch(backend, task_id, score, Phase::Staged).await
+            }
+            Claim::Full | Claim::Empty => Ok(()),
+            Claim::NotLeader => Err(LostLeadership.into()),
+        }
+    }
+
+    /// Record a claimed task as dispatched to `backend`: now and posted (`Posting`), or in the
+    /// background and then held back until a slot frees (`Staged`), so that the saga never
+    /// waits on the store while a server could be fed.
+    async fn dispatch(
+        &mut self,
+        backend: usize,
+        task_id: TaskId,
+        score: i64,
+        phase: Phase,
+    ) -> anyhow::Result<()> {
+        let preparation = Preparation {
+            tasks: self.dispatcher.tasks.clone(),
+            leases: self.dispatcher.leases.clone(),
+            backend_name: self.dispatcher.backends[backend].settings.name.clone(),
+            task_id,
+            score,
+            fencing_token: self.term.fencing_token,
+            at: self.dispatcher.clock.now(),
+            metadata: self.metadata(task_id),
+        };
+        if phase == Phase::Staged {
+            self.backends[backend].staging = true;
+            let sender = self.inputs_sender.clone();
+            tokio::spawn(async move {
+                let result = preparation.run().await;
+                drop(sender.send(Input::Prepared {
+                    backend,
+                    task_id,
+                    result,
+                }));
+            });
+            return Ok(());
+        }
+        let prepared = preparation.run().await?;
+        self.admit(backend, task_id, prepared, phase);
+        Ok(())
+    }
+
+    fn admit(&mut self, backend: usize, task_id: TaskId, prepared: Option<Prepared>, phase: Phase) {
+        let Some(Prepared {
+            owner,
+            workflow,
+            prompt_id,
+            intent,
+        }) = prepared
+        else {
+            return;
+        };
+        let timeout = Duration::from_millis(self.dispatcher.settings.task_timeout_ms);
+        let flight = InFlight::new(owner, backend, prompt_id, workflow, phase, timeout, intent);
+        self.in_flight.insert(task_id, flight);
+        self.by_prompt.insert(prompt_id, task_id);
+        if phase == Phase::Posting {
+            self.post(task_id);
+        }
+        let notifier = self.dispatcher.notifier.clone();
+        tokio::spawn(async move {
+            notifier.tell(owner, task_id, TaskNotice::Dispatched).await;
+            notifier.queue_moved().await;
+        });
+    }
+
+    /// Spawn the post of a task's prompt to its server.
+    fn post(&mut self, task_id: TaskId) {
+        let Some(flight) = self.in_flight.get_mut(&task_id) else {
+            return;
+        };
+        let backend = flight.backend;
+        let Some(client_id) = self.backends[backend].client_id.clone() else {
+            // Posted when the socket opens (its reconcile finds the prompt unknown).
+            return;
+        };
+        flight.effect_running = true;
+        let client = self.dispatcher.backends[backend].client.clone();
+        let freed_at = self.backends[backend].freed_at.take();
+        let prompt_id = flight.prompt_id;
+        let workflow = flight.workflow.clone();
+        let sender = self.inputs_sender.clone();
+        tokio::spawn(async move {
+            let outcome = client.post_prompt(prompt_id, &client_id, &workflow).await;
+            let gap = freed_at.map(|freed| freed.elapsed());
+            drop(sender.send(Input::Posted {
+                task_id,
+                prompt_id,
+                outcome,
+                gap,
+            }));
+        });
+    }
+
+    /// Find out where a prompt is (or, for a task being stopped, stop it and then find out).
+    fn check_on(&mut self, task_id: TaskId) {
+        let Some(flight) = self.in_flight.get_mut(&task_id) else {
+            return;
+        };
+        // A staged task is not on any server yet: nothing to look up.
+        if flight.effect_running || flight.phase == Phase::Staged {
+            return;
+        }
+        let client = self.dispatcher.backends[flight.backend].client.clone();
+        let prompt_id = flight.prompt_id;
+        let sender = self.inputs_sender.clone();
+        flight.effect_running = true;
+        if flight.phase == Phase::Finishing {
+            // Results not fetched yet (an earlier attempt failed): fetch again.
+            self.complete(task_id, None);
+            return;
+        }
+        let stopping = flight.stop.is_some();
+        if stopping {
+            flight.stop_attempts += 1;
+        }
+        tokio::spawn(async move {
+            let result = async {
+                if stopping {
+                    // Pending: out of the queue. Running: interrupted (a no-op on anything else).
+                    client.delete_pending(prompt_id).await?;
+                    client.interrupt(prompt_id).await?;
+                }
+                client.whereabouts(prompt_id).await
+            }
+            .await;
+            drop(sender.send(Input::Located {
+                task_id,
+                prompt_id,
+                result,
+            }));
+        });
+    }
+
+    async fn on_posted(
+        &mut self,
+        task_id: TaskId,
+        prompt_id: Uuid,
+        outcome: PostOutcome,
+        gap: Option<Duration>,
+    ) -> anyhow::Result<()> {
+        let Some(flight) = self.in_flight.get_mut(&task_id) else {
+            return Ok(());
+        };
+        if flight.prompt_id != prompt_id {
+            return Ok(());
+        }
+        flight.effect_running = false;
+        match outcome {
+            PostOutcome::Accepted => {
+                if let Some(gap) = gap
+                    && self.gaps.len() < GAP_SAMPLES_MAX
+                {
+                    self.gaps.push(gap);
+                }
+                self.accepted(task_id).await?;
+                if self
+                    .in_flight
+                    .get(&task_id)
+                    .is_some_and(|f| f.stop.is_some())
+                {
+                    self.check_on(task_id);
+                }
+                Ok(())
+            }
+            PostOutcome::Rejected(reason) => {
+                self.free_slot(task_id).await?;
+                self.record(task_id, Completion::Failed(reason)).await
+            }
+            PostOutcome::Unreachable(error) => {
+                // Maybe queued there, maybe not: the next reconcile finds out before posting again.
+                tracing::warn!(%task_id, error = %crate::telemetry::error_chain(&error), "posting failed");
+                Ok(())
+            }
+        }
+    }
+
+    /// The server has the prompt: record the task as started (once).
+    async fn accepted(&mut self, task_id: TaskId) -> anyhow::Result<()> {
+        let Some(flight) = self.in_flight.get_mut(&task_id) else {
+            return Ok(());
+        };
+        if flight.phase != Phase::Posting {
+            return Ok(());
+        }
+        flight.phase = Phase::Accepted;
+        let command = TaskCommand::Start {
+            fencing_token: self.term.fencing_token,
+            at: self.dispatcher.clock.now(),
+        };
+        match self
+            .dispatcher
+            .tasks
+            .execute_task(task_id, &command, &self.metadata(task_id))
+            .await
+        {
+            Ok(_) | Err(CommandError::Rejected(TaskError::InvalidTransition { .. })) => Ok(()),
+            Err(CommandError::Rejected(TaskError::StaleDispatcher { .. })) => {
+                Err(LostLeadership.into())
+            }
+            Err(other) => Err(anyhow::Error::new(other).context("recording a start")),
+        }
+    }
+
+    async fn on_located(
+        &mut self,
+        task_id: TaskId,
+        prompt_id: Uuid,
+        result: anyhow::Result<PromptWhereabouts>,
+    ) -> anyhow::Result<()> {
+        let settings = self.dispatcher.settings.clone();
+        let Some(flight) = self.in_flight.get_mut(&task_id) else {
+            return Ok(());
+        };
+        if flight.prompt_id != prompt_id {
+            return Ok(());
+        }
+        flight.effect_running = false;
+        let whereabouts = match result {
+            Ok(whereabouts) => whereabouts,
+            Err(error) => {
+                tracing::debug!(%task_id, error = %crate::telemetry::error_chain(&error), "server unreachable");
+                if flight.stop.is_some() && flight.stop_attempts >= settings.cancel_attempts_max {
+                    // The server stays unreachable: record the stop without its confirmation.
+                    self.free_slot(task_id).await?;
+                    return self.record(task_id, Completion::Interrupted).await;
+                }
+                return Ok(());
+            }
+        };
+        match whereabouts {
+            PromptWhereabouts::Running | PromptWhereabouts::Pending => {
+                self.accepted(task_id).await?;
+                let exhausted = self.in_flight.get(&task_id).is_some_and(|f| {
+                    f.stop.is_some() && f.stop_attempts >= settings.cancel_attempts_max
+                });
+                if exhausted {
+                    // An interrupt that never lands (a node that reports no progress): give up
+                    // on the confirmation; a late result is ignored.
+                    self.free_slot(task_id).await?;
+                    return self.record(task_id, Completion::Interrupted).await;
+                }
+                Ok(())
+            }
+            PromptWhereabouts::Finished(outcome) => self.finishing(task_id, Some(outcome)).await,
+            PromptWhereabouts::Unknown => {
+                let (phase, stopping, resubmitted) =
+                    (flight.phase, flight.stop.is_some(), flight.resubmitted);
+                if stopping {
+                    // Deleted by our stop before it ran (or lost): nothing will ever come.
+                    self.free_slot(task_id).await?;
+                    return self.record(task_id, Completion::Vanished).await;
+                }
+                match phase {
+                    // Never accepted: post it now.
+                    Phase::Staged | Phase::Posting => {
+                        self.post(task_id);
+                        Ok(())
+                    }
+                    Phase::Accepted if !resubmitted => {
+                        tracing::warn!(%task_id, %prompt_id, "the server lost the prompt; posting it once more");
+                        if let Some(flight) = self.in_flight.get_mut(&task_id) {
+                            flight.resubmitted = true;
+                        }
+                        self.post(task_id);
+                        Ok(())
+                    }
+                    Phase::Accepted | Phase::Finishing => {
+                        self.free_slot(task_id).await?;
+                        self.record(task_id, Completion::Vanished).await
+                    }
+                }
+            }
+        }
+    }
+
+    async fn on_message(&mut self, backend: usize, message: ComfyMessage) -> anyhow::Result<()> {
+        let Some(prompt_id) = message.prompt_id() else {
+            return Ok(());
+        };
+        let Some(&task_id) = self.by_prompt.get(&prompt_id) else {
+            return Ok(());
+        };
+        let Some(flight) = self.in_flight.get_mut(&task_id) else {
+            return Ok(());
+        };
+        if flight.backend != backend {
+            return Ok(());
+        }
+        match message {
+            ComfyMessage::ExecutionStart { .. } => self.accepted(task_id).await,
+            ComfyMessage::Progress { value, max, .. } => {
+                let interval =
+                    Duration::from_millis(self.dispatcher.settings.progress_notify_interval_ms);
+                let due = flight
+                    .last_progress
+                    .is_none_or(|last| last.elapsed() >= interval)
+                    || value >= max;
+                if !due {
+                    return Ok(());
+                }
+                flight.last_progress = Some(Instant::now());
+                let owner = flight.owner;
+                let ttl_ms = self.dispatcher.settings.task_timeout_ms;
+                let queue = self.dispatcher.tasks.queue.clone();
+                let notifier = self.dispatcher.notifier.clone();
+                // Progress is a hint: written and told off the saga's path.
+                tokio::spawn(async move {
+                    // ComfyUI may send floats; users get whole steps.
+                    let (whole, whole_max) =
+                        (value.max(0.0).round() as u64, max.max(0.0).round() as u64);
+                    if let Err(error) = queue.set_progress(task_id, whole, whole_max, ttl_ms).await
+                    {
+                        tracing::debug!(%task_id, error = %crate::telemetry::error_chain(&error), "progress not recorded");
+                    }
+                    notifier
+                        .tell(owner, task_id, TaskNotice::Progress { value, max })
+                        .await;
+                });
+                Ok(())
+            }
+            // The first terminal message: the GPU is free now.
+            ComfyMessage::ExecutionSuccess { .. } => self.finishing(task_id, None).await,
+            ComfyMessage::ExecutionError {
+                node_type,
+                exception_message,
+                ..
+            } => {
+                let outcome = HistoryOutcome::Error {
+                    node_type,
+                    message: exception_message,
+                };
+                self.finishing(task_id, Some(outcome)).await
+            }
+            ComfyMessage::ExecutionInterrupted { .. } => {
+                self.finishing(task_id, Some(HistoryOutcome::Interrupted))
+                    .await
+            }
+            // The end of a prompt whose terminal message we missed.
+            ComfyMessage::Executing { node: None, .. } => self.finishing(task_id, None).await,
+            ComfyMessage::Executing { .. } | ComfyMessage::Status { .. } | ComfyMessage::Other => {
+                Ok(())
+            }
+        }
+    }
+
+    /// Free the task's slot (once) and fill it at once.
+    async fn free_slot(&mut self, task_id: TaskId) -> anyhow::Result<()> {
+        let Some(flight) = self.in_flight.get_mut(&task_id) else {
+            return Ok(());
+        };
+        if flight.phase == Phase::Finishing {
+            return Ok(());
+        }
+        flight.phase = Phase::Finishing;
+        let backend = flight.backend;
+        self.backends[backend].freed_at = Some(Instant::now());
+        // The staged task goes out first: its post needs nothing from Redis or the store.
+        self.promote_staged(backend);
+        let name = self.dispatcher.backends[backend].settings.name.clone();
+        self.dispatcher.leases.release_slot(&name, task_id).await?;
+        self.fill(backend).await
+    }
+
+    /// A prompt ended on its server: free the slot, then fetch and record its results.
+    async fn finishing(
+        &mut self,
+        task_id: TaskId,
+        known: Option<HistoryOutcome>,
+    ) -> anyhow::Result<()> {
+        let Some(flight) = self.in_flight.get(&task_id) else {
+            return Ok(());
+        };
+        if flight.phase == Phase::Finishing {
+            return Ok(());
+        }
+        self.free_slot(task_id).await?;
+        if let Some(flight) = self.in_flight.get_mut(&task_id) {
+            flight.effect_running = true;
+        }
+        self.complete(task_id, known);
+        Ok(())
+    }
+
+    /// Spawn the completion: the history entry (unless known), then the images into the store.
+    fn complete(&mut self, task_id: TaskId, known: Option<HistoryOutcome>) {
+        let Some(flight) = self.in_flight.get(&task_id) else {
+            return;
+        };
+        let client = self.dispatcher.backends[flight.backend].client.clone();
+        let images = self.dispatcher.images.clone();
+        let owner = flight.owner;
+        let prompt_id = flight.prompt_id;
+        let settings = self.dispatcher.settings.clone();
+        let sender = self.inputs_sender.clone();
+        tokio::spawn(async move {
+            let result = async {
+                let outcome = match known {
+                    // An error or interrupt says all there is; a success needs the outputs.
+                    Some(
+                        outcome @ (HistoryOutcome::Error { .. } | HistoryOutcome::Interrupted),
+                    ) => outcome,
+                    Some(HistoryOutcome::Success { .. }) | None => {
+                        let mut found = None;
+                        for _attempt in 0..settings.history_attempts_max {
+                            if let Some(outcome) = client.history(prompt_id).await? {
+                                found = Some(outcome);
+                                break;
+                            }
+                            tokio::time::sleep(Duration::from_millis(settings.history_retry_ms))
+                                .await;
+                        }
+                        match found {
+                            Some(outcome) => outcome,
+                            None => return Ok(Completion::Vanished),
+                        }
+                    }
+                };
+                Ok(match outcome {
+                    HistoryOutcome::Success { images: outputs } => {
+                        if outputs.is_empty() {
+                            return Ok(Completion::Failed(
+                                "the image server finished without producing an image".into(),
+                            ));
+                        }
+                        let mut stored = Vec::with_capacity(outputs.len());
+                        for (index, output) in outputs.iter().enumerate() {
+                            let (bytes, content_type) = client.view(output).await?;
+                            let id = image_id(task_id, index);
+                            images
+                                .put(id, owner, task_id, &bytes, &content_type)
+                                .await?;
+                            stored.push(TaskImage {
+                                image_id: id.to_string(),
+                                content_type,
+                            });
+                        }
+                        Completion::Succeeded(stored)
+                    }
+                    HistoryOutcome::Error { node_type, message } => {
+                        Completion::Failed(failure_reason(&node_type, &message))
+                    }
+                    HistoryOutcome::Interrupted => Completion::Interrupted,
+                })
+            }
+            .await;
+            drop(sender.send(Input::Completed {
+                task_id,
+                prompt_id,
+                result,
+            }));
+        });
+    }
+
+    /// Record how the task ended, settle or release its hold, tell its owner, forget it.
+    async fn record(&mut self, task_id: TaskId, completion: Completion) -> anyhow::Result<()> {
+        let Some(flight) = self.in_flight.get(&task_id) else {
+            return Ok(());
+        };
+        let token = self.term.fencing_token;
+        let at = self.dispatcher.clock.now();
+        let timeout_s = self.dispatcher.settings.task_timeout_ms / 1000;
+        let (command, notice) = match (&completion, flight.stop) {
+            (Completion::Succeeded(images), _) => (
+                TaskCommand::Succeed {
+                    images: images.clone(),
+                    fencing_token: token,
+                    at,
+                },
+                TaskNotice::Succeeded {
+                    images: images
+                        .iter()
+                        .filter_map(|image| Uuid::parse_str(&image.image_id).ok())
+                        .collect(),
+                },
+            ),
+            (Completion::Failed(reason), _) => failed(reason.clone(), token, at),
+            (Completion::Interrupted | Completion::Vanished, Some(Stop::Cancel)) => (
+                TaskCommand::Cancel {
+                    by: Canceller::Dispatcher {
+                        fencing_token: token,
+                    },
+                    at,
+                },
+                TaskNotice::Cancelled,
+            ),
+            (Completion::Interrupted | Completion::Vanished, Some(Stop::Timeout)) => failed(
+                format!("the task ran longer than the limit of {timeout_s} s and was stopped"),
+                token,
+                at,
+            ),
+            (Completion::Interrupted, None) => {
+                failed("the image server interrupted the task".into(), token, at)
+            }
+            (Completion::Vanished, None) => failed(
+                "the image server lost the task (it restarted or dropped it)".into(),
+                token,
+                at,
+            ),
+        };
+        let owner = flight.owner;
+        let intent = flight.intent;
+        // Recorded off the saga's path: the next dispatch must not wait for this one's writes.
+        if let Some(flight) = self.in_flight.get_mut(&task_id) {
+            flight.effect_running = true;
+        }
+        let tasks = self.dispatcher.tasks.clone();
+        let metadata = self.metadata(task_id);
+        let notifier = self.dispatcher.notifier.clone();
+        let sender = self.inputs_sender.clone();
+        tokio::spawn(async move {
+            let result = async {
+                let recorded = match tasks.execute_task(task_id, &command, &metadata).await {
+                    Ok(_) => true,
+                    Err(CommandError::Rejected(TaskError::StaleDispatcher { .. })) => {
+                        return Err(LostLeadership.into());
+                    }
+                    // Already ended otherwise (a repeat after a crash): settle by what is recorded.
+                    Err(CommandError::Rejected(_)) => false,
+                    Err(other) => {
+                        return Err(anyhow::Error::new(other).context("recording a task's end"));
+                    }
+                };
+                tasks
+                    .reconcile(task_id, owner, None, metadata.correlation_id)
+                    .await
+                    .context("settling a task's hold")?;
+                tasks.end_intent(intent).await?;
+                drop(tasks.queue.clear_progress(task_id).await);
+                if recorded {
+                    notifier.tell(owner, task_id, notice).await;
+                }
+                anyhow::Ok(())
+            }
+            .await;
+            drop(sender.send(Input::Recorded {
+                task_id,
+                completion,
+                result,
+            }));
+        });
+        Ok(())
+    }
+
+    /// Adopt tasks in flight that no saga of ours follows: another leader's, or ours from before
+    /// a restart. The read model lists them; the task stream decides.
+    async fn adopt_orphans(&mut self) -> anyhow::Result<()> {
+        let rows = {
+            let client = self
+                .dispatcher
+                .pool
+                .get()
+                .await
+                .context("getting a connection")?;
+            client
+                .query(
+                    "SELECT task_id FROM tasks WHERE status IN ('dispatched', 'running')
+                      ORDER BY updated_at LIMIT $1",
+                    &[&ADOPT_PER_SCAN_MAX],
+                )
+                .await
+                .context("reading tasks in flight")?
+        };
+        for row in rows {
+            let task_id: TaskId = row.get(0);
+            if self.in_flight.contains_key(&task_id) {
+                continue;
+            }
+            self.adopt(task_id).await?;
+        }
+        Ok(())
+    }
+
+    async fn adopt(&mut self, task_id: TaskId) -> anyhow::Result<()> {
+        let tasks = self.dispatcher.tasks.clone();
+        let (state, workflow) = tasks.load_with_workflow(task_id).await?;
+        let (Some(owner), Some(workflow), Some(prompt_id), Some(backend_name)) = (
+            state.owner,
+            workflow,
+            state.prompt_id,
+            state.backend.clone(),
+        ) else {
+            return Ok(());
+        };
+        if !matches!(state.status, TaskStatus::Dispatched | TaskStatus::Running) {
+            return Ok(());
+        }
+        let metadata = self.metadata(task_id);
+        let token = self.term.fencing_token;
+        let at = self.dispatcher.clock.now();
+        let intent = tasks
+            .begin_intent(IntentKind::Dispatch, task_id, owner, None)
+            .await?;
+        let Some(backend) = self
+            .dispatcher
+            .backends
+            .iter()
+            .position(|b| b.settings.name == backend_name)
+        else {
+            // Its server left the configuration: nobody can finish it.
+            let command = TaskCommand::Fail {
+                reason: "its image server was removed from service".into(),
+                fencing_token: token,
+                at,
+            };
+            match tasks.execute_task(task_id, &command, &metadata).await {
+                Ok(_) | Err(CommandError::Rejected(TaskError::InvalidTransition { .. })) => {}
+                Err(CommandError::Rejected(TaskError::StaleDispatcher { .. })) => {
+                    return Err(LostLeadership.into());
+                }
+                Err(other) => return Err(anyhow::Error::new(other).context("failing a task")),
+            }
+            tasks.reconcile(task_id, owner, None, task_id).await?;
+            tasks.end_intent(intent).await?;
+            return Ok(());
+        };
+        let adopt = TaskCommand::Adopt {
+            fencing_token: token,
+            at,
+        };
+        match tasks.execute_task(task_id, &adopt, &metadata).await {
+            Ok(_) => {}
+            Err(CommandError::Rejected(TaskError::StaleDispatcher { .. })) => {
+                return Err(LostLeadership.into());
+            }
+            // Ended meanwhile.
+            Err(CommandError::Rejected(_)) => return Ok(()),
+            Err(other) => return Err(anyhow::Error::new(other).context("adopting a task")),
+        }
+        let timeout = chrono::Duration::milliseconds(
+            i64::try_from(self.dispatcher.settings.task_timeout_ms).unwrap_or(i64::MAX),
+        );
+        let left = state
+            .dispatched_at
+            .map_or(timeout, |dispatched| dispatched + timeout - at)
+            .to_std()
+            .unwrap_or(Duration::ZERO);
+        tracing::info!(%task_id, %prompt_id, backend = %backend_name, "adopted a task in flight");
+        let phase = if state.status == TaskStatus::Running {
+            Phase::Accepted
+        } else {
+            Phase::Posting
+        };
+        let mut flight = InFlight::new(owner, backend, prompt_id, workflow, phase, left, intent);
+        flight.stop = state.cancel_requested.then_some(Stop::Cancel);
+        self.in_flight.insert(task_id, flight);
+        self.by_prompt.insert(prompt_id, task_id);
+        if !self
+            .dispatcher
+            .leases
+            .renew_slots(
+                &self.term,
+                &backend_name,
+                &[task_id],
+                self.dispatcher.settings.slot_lease_ms,
+            )
+            .await?
+        {
+            return Err(LostLeadership.into());
+        }
+        if self.backends[backend].client_id.is_some() {
+            self.check_on(task_id);
+        }
+        Ok(())
+    }
+}
+
+/// What a dispatch records before its post, with what it needs; runs on or off the saga.
+struct Preparation {
+    tasks: TaskService,
+    leases: Leases,
+    backend_name: String,
+    task_id: TaskId,
+    score: i64,
+    fencing_token: u64,
+    at: chrono::DateTime<chrono::Utc>,
+    metadata: EventMetadata,
+}
+
+/// A task recorded as dispatched.
+#[derive(Debug)]
+struct Prepared {
+    owner: UserId,
+    workflow: Value,
+    prompt_id: Uuid,
+    intent: Uuid,
+}
+
+impl Preparation {
+    /// Intent, then `TaskDispatched` with a fresh prompt id. `None`: the queue entry was stale
+    /// (the task was cancelled or dispatched meanwhile; its slot is freed).
+    async fn run(self) -> anyhow::Result<Option<Prepared>> {
+        let Preparation {
+            tasks,
+            leases,
+            backend_name,
+            task_id,
+            score,
+            fencing_token,
+            at,
+            metadata,
+        } = self;
+        // A claimed task that could not be recorded goes back to the queue at its score.
+        let give_back = || async {
+            if let Err(error) = tasks.queue.enqueue(task_id, score).await {
+                // The dispatch intent's sweep or the next rebuild puts it back.
+                tracing::warn!(%task_id, error = %crate::telemetry::error_chain(&error), "could not requeue a claimed task");
+            }
+            if let Err(error) = leases.release_slot(&backend_name, task_id).await {
+                tracing::warn!(%task_id, error = %crate::telemetry::error_chain(&error), "could not free a slot");
+            }
+        };
+        let (state, workflow) = match tasks.load_with_workflow(task_id).await {
+            Ok(loaded) => loaded,
+            Err(error) => {
+                give_back().await;
+                return Err(error);
+            }
+        };
+        let (Some(owner), Some(workflow), TaskStatus::Queued) =
+            (state.owner, workflow, state.status)
+        else {
+            leases.release_slot(&backend_name, task_id).await?;
+            return Ok(None);
+        };
+        let intent = tasks
+            .begin_intent(IntentKind::Dispatch, task_id, owner, None)
+            .await?;
+        let prompt_id = Uuid::now_v7();
+        let command = TaskCommand::Dispatch {
+            backend: backend_name.clone(),
+            prompt_id,
+            fencing_token,
+            at,
+        };
+        match tasks.execute_task(task_id, &command, &metadata).await {
+            Ok(_) => Ok(Some(Prepared {
+                owner,
+                workflow,
+                prompt_id,
+                intent,
+            })),
+            Err(CommandError::Rejected(TaskError::StaleDispatcher { .. })) => {
+                leases.release_slot(&backend_name, task_id).await?;
+                Err(LostLeadership.into())
+            }
+            Err(CommandError::Rejected(_)) => {
+                leases.release_slot(&backend_name, task_id).await?;
+                tasks.end_intent(intent).await?;
+                Ok(None)
+            }
+            Err(other) => {
+                give_back().await;
+                Err(anyhow::Error::new(other).context("recording a dispatch"))
+            }
+        }
+    }
+}
+
+fn failed(
+    reason: String,
+    fencing_token: u64,
+    at: chrono::DateTime<chrono::Utc>,
+) -> (TaskCommand, TaskNotice) {
+    (
+        TaskCommand::Fail {
+            reason: reason.clone(),
+            fencing_token,
+            at,
+        },
+        TaskNotice::Failed { reason },
+    )
+}
+
+/// A runtime error, said to a user: what failed, without tracebacks or server paths.
+fn failure_reason(node_type: &str, message: &str) -> String {
+    let first_line = message.lines().next().unwrap_or("").trim();
+    let short: String = first_line.chars().take(200).collect();
+    match (node_type.is_empty(), short.is_empty()) {
+        (true, true) => "generation failed on the image server".into(),
+        (true, false) => format!("generation failed on the image server: {short}"),
+        (false, true) => format!("generation failed on the image server at {node_type}"),
+        (false, false) => format!("generation failed on the image server at {node_type}: {short}"),
+    }
+}

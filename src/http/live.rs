@@ -1,0 +1,234 @@
+//! What users watch and fetch live: `GET /api/v1/ws` (notifications about their own tasks) and
+//! `GET /api/v1/images/{id}` (their images, served by zhihui; never a ComfyUI address).
+//!
+//! The socket listens to this process's [`crate::notify::NotificationHub`], so it hears what any
+//! process publishes, and passes on only what concerns its user. Queue positions are read from
+//! Redis when the queue moves, for the user's queued tasks only.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use actix_web::{HttpRequest, HttpResponse, web};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::broadcast;
+use uuid::Uuid;
+use zhihui_domain::task::TaskId;
+use zhihui_domain::user::UserId;
+
+use crate::http::ApiError;
+use crate::http::extract::{Authenticated, bearer_token, session_of};
+use crate::notify::{Envelope, TaskNotice};
+use crate::startup::AppState;
+
+/// The server pings each user socket this often (proxies drop idle connections).
+pub const USER_SOCKET_PING_MS: u64 = 20_000;
+/// Queued tasks followed per socket, at most (the per-user queue limit is far below).
+pub const WATCHED_TASKS_MAX: usize = 256;
+
+#[derive(Debug, Deserialize)]
+pub struct SocketQuery {
+    /// The bearer token, for clients that cannot set a header on a WebSocket (browsers).
+    pub token: Option<String>,
+}
+
+/// Notifications about the caller's tasks. Authenticate with `Authorization: Bearer <token>` or
+/// `?token=<token>`. Messages are JSON: `{"type": "position" | "dispatched" | "progress" |
+/// "succeeded" | "failed" | "cancelled", "task_id", ...}`; `succeeded` carries image URLs.
+pub async fn socket(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    query: web::Query<SocketQuery>,
+    body: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let token = match (&query.token, bearer_token(&request)) {
+        (_, Ok(token)) => token,
+        (Some(token), Err(_)) => token.clone(),
+        (None, Err(error)) => return Err(error),
+    };
+    let session = session_of(&state, &token).await?;
+    // Subscribed before answering: nothing published after the upgrade is missed.
+    let notifications = state.hub.subscribe().await?;
+    let watched = queued_tasks(&state, session.user_id).await?;
+    let (response, user_socket, messages) = actix_ws::handle(&request, body)
+        .map_err(|error| anyhow::anyhow!("WebSocket upgrade failed: {error}"))?;
+    actix_web::rt::spawn(follow(
+        state.into_inner(),
+        session.user_id,
+        user_socket,
+        messages,
+        notifications,
+        watched,
+    ));
+    Ok(response)
+}
+
+/// The user's tasks waiting in the queue (from the read model; new ones arrive as notices).
+async fn queued_tasks(state: &AppState, user_id: UserId) -> Result<Vec<TaskId>, ApiError> {
+    let client = state.pg_pool.get().await.map_err(anyhow::Error::new)?;
+    let rows = client
+        .query(
+            "SELECT task_id FROM tasks WHERE user_id = $1 AND status IN ('submitted', 'queued')
+              ORDER BY submitted_at LIMIT $2",
+            &[&user_id.as_uuid(), &(WATCHED_TASKS_MAX as i64)],
+        )
+        .await
+        .map_err(anyhow::Error::new)?;
+    Ok(rows.iter().map(|row| row.get(0)).collect())
+}
+
+fn notice_json(task_id: TaskId, notice: &TaskNotice) -> Value {
+    match notice {
+        TaskNotice::Position { position } => {
+            json!({"type": "position", "task_id": task_id, "position": position})
+        }
+        TaskNotice::Dispatched => json!({"type": "dispatched", "task_id": task_id}),
+        TaskNotice::Progress { value, max } => {
+            json!({"type": "progress", "task_id": task_id, "value": value, "max": max})
+        }
+        TaskNotice::Succeeded { images } => json!({
+            "type": "succeeded",
+            "task_id": task_id,
+            "images": images.iter().map(|id| format!("/api/v1/images/{id}")).collect::<Vec<_>>(),
+        }),
+        TaskNotice::Failed { reason } => {
+            json!({"type": "failed", "task_id": task_id, "reason": reason})
+        }
+        TaskNotice::Cancelled => json!({"type": "cancelled", "task_id": task_id}),
+    }
+}
+
+async fn follow(
+    state: std::sync::Arc<AppState>,
+    user_id: UserId,
+    mut user_socket: actix_ws::Session,
+    mut messages: actix_ws::MessageStream,
+    mut notifications: broadcast::Receiver<Envelope>,
+    watched: Vec<TaskId>,
+) {
+    // Last position told per queued task.
+    let mut positions: HashMap<TaskId, Option<u64>> =
+        watched.into_iter().map(|task_id| (task_id, None)).collect();
+    let mut pings = tokio::time::interval(Duration::from_millis(USER_SOCKET_PING_MS));
+    let mut send_positions = true;
+    loop {
+        if send_positions {
+            send_positions = false;
+            if tell_positions(&state, &mut user_socket, &mut positions)
+                .await
+                .is_err()
+            {
+                return;
+            }
+        }
+        let outgoing = tokio::select! {
+            message = messages.recv() => match message {
+                Some(Ok(actix_ws::Message::Ping(bytes))) => {
+                    if user_socket.pong(&bytes).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
+                Some(Ok(actix_ws::Message::Close(_))) | Some(Err(_)) | None => break,
+                // Clients have nothing to say; anything else is ignored.
+                Some(Ok(_)) => continue,
+            },
+            _ = pings.tick() => {
+                if user_socket.ping(b"").await.is_err() {
+                    return;
+                }
+                continue;
+            }
+            envelope = notifications.recv() => match envelope {
+                Ok(Envelope::Task { user_id: owner, task_id, notice }) if owner == user_id.as_uuid() => {
+                    match &notice {
+                        TaskNotice::Position { .. } => {
+                            if positions.len() < WATCHED_TASKS_MAX {
+                                positions.entry(task_id).or_insert(None);
+                            }
+                            send_positions = true;
+                            continue;
+                        }
+                        _ => {
+                            positions.remove(&task_id);
+                        }
+                    }
+                    notice_json(task_id, &notice)
+                }
+                Ok(Envelope::Task { .. }) => continue,
+                Ok(Envelope::QueueMoved) => {
+                    send_positions = true;
+                    continue;
+                }
+                // Fell behind: positions are re-read; other notices of the gap are lost (the
+                // tasks' states say the rest).
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    send_positions = true;
+                    continue;
+                }
+                Err(broadcast::error::RecvError::Closed) => break,
+            },
+        };
+        if user_socket.text(outgoing.to_string()).await.is_err() {
+            return;
+        }
+    }
+    drop(user_socket.close(None).await);
+}
+
+/// Tell the positions that changed; forget tasks that left the queue.
+async fn tell_positions(
+    state: &AppState,
+    user_socket: &mut actix_ws::Session,
+    positions: &mut HashMap<TaskId, Option<u64>>,
+) -> Result<(), actix_ws::Closed> {
+    let tasks: Vec<TaskId> = positions.keys().copied().collect();
+    for task_id in tasks {
+        let rank = match state.tasks.queue.rank(task_id).await {
+            Ok(rank) => rank,
+            Err(error) => {
+                tracing::debug!(%task_id, error = %crate::telemetry::error_chain(&error), "queue position unavailable");
+                continue;
+            }
+        };
+        let Some(rank) = rank else {
+            positions.remove(&task_id);
+            continue;
+        };
+        let position = rank + 1;
+        if positions.insert(task_id, Some(position)) != Some(Some(position)) {
+            let message = notice_json(task_id, &TaskNotice::Position { position });
+            user_socket.text(message.to_string()).await?;
+        }
+    }
+    Ok(())
+}
+
+/// An image of one of the caller's tasks (404 for anyone else's, as for a missing one).
+#[utoipa::path(
+    get, path = "/api/v1/images/{id}", tag = "tasks", security(("bearer" = [])),
+    params(("id" = Uuid, Path, description = "image id, from a task's `images`")),
+    responses(
+        (status = 200, description = "the image bytes", content_type = "image/png"),
+        (status = 404, body = crate::http::problem::Problem),
+    )
+)]
+pub async fn image(
+    state: web::Data<AppState>,
+    caller: Authenticated,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let not_found = || ApiError::NotFound("no such image".into());
+    let image_id = Uuid::parse_str(&path).map_err(|_| not_found())?;
+    let Some((record, bytes)) = state.images.get(image_id).await? else {
+        return Err(not_found());
+    };
+    if record.owner != caller.user_id().as_uuid() {
+        return Err(not_found());
+    }
+    Ok(HttpResponse::Ok()
+        .content_type(record.content_type)
+        // Private: the URL is the same for everyone, the answer depends on the token.
+        .insert_header(("Cache-Control", "private, max-age=31536000, immutable"))
+        .body(bytes))
+}

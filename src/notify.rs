@@ -1,0 +1,187 @@
+//! User notifications across zhihui processes: whoever learns something about a task (the
+//! dispatcher, a submit, a cancel) publishes it on one Redis pub/sub channel; every process runs
+//! one [`NotificationHub`] that listens there and hands each notification to the WebSockets of
+//! that user connected to it. So a user connected to process A hears about a task dispatched by
+//! process B.
+//!
+//! Pub/sub delivers at most once and keeps nothing: a notification is a hint that something
+//! changed, never the only record of it (the task's state is in its events and read model).
+
+use std::time::Duration;
+
+use anyhow::Context;
+use redis::AsyncCommands;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{OnceCell, broadcast};
+use uuid::Uuid;
+use zhihui_domain::task::TaskId;
+use zhihui_domain::user::UserId;
+
+use crate::redis_store::RedisStore;
+
+/// Notifications buffered per process for slow sockets; a socket that falls further behind skips
+/// ahead (and re-reads what it cares about).
+pub const HUB_BUFFER_MAX: usize = 4_096;
+/// Pause before the hub subscribes again after losing Redis.
+const HUB_RETRY: Duration = Duration::from_millis(500);
+
+/// What happened to a task, for its owner.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum TaskNotice {
+    /// 1-based place in the queue.
+    Position {
+        position: u64,
+    },
+    /// Posted to an image server.
+    Dispatched,
+    Progress {
+        value: f64,
+        max: f64,
+    },
+    /// Image ids (served at `/api/v1/images/{id}`).
+    Succeeded {
+        images: Vec<Uuid>,
+    },
+    Failed {
+        reason: String,
+    },
+    Cancelled,
+}
+
+/// One message on the channel.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Envelope {
+    Task {
+        user_id: Uuid,
+        task_id: TaskId,
+        notice: TaskNotice,
+    },
+    /// The queue's order changed (a claim, a cancel, a prioritise): sockets re-read the places
+    /// of their users' queued tasks.
+    QueueMoved,
+}
+
+/// Publishes notifications (cheap to clone).
+#[derive(Debug, Clone)]
+pub struct Notifier {
+    redis: RedisStore,
+}
+
+impl Notifier {
+    pub fn new(redis: RedisStore) -> Notifier {
+        Notifier { redis }
+    }
+
+    fn channel(redis: &RedisStore) -> String {
+        redis.key("notifications")
+    }
+
+    pub async fn publish(&self, envelope: &Envelope) -> anyhow::Result<()> {
+        let payload = serde_json::to_string(envelope).context("encoding a notification")?;
+        let mut connection = self.redis.connection().await?;
+        let _receivers: i64 = connection
+            .publish(Self::channel(&self.redis), payload)
+            .await
+            .context("publishing a notification")?;
+        Ok(())
+    }
+
+    /// Publish, logging a failure: a lost hint must never fail the work that produced it.
+    pub async fn tell(&self, user_id: UserId, task_id: TaskId, notice: TaskNotice) {
+        let envelope = Envelope::Task {
+            user_id: user_id.as_uuid(),
+            task_id,
+            notice,
+        };
+        if let Err(error) = self.publish(&envelope).await {
+            tracing::warn!(%task_id, error = %crate::telemetry::error_chain(&error), "notification not sent");
+        }
+    }
+
+    pub async fn queue_moved(&self) {
+        if let Err(error) = self.publish(&Envelope::QueueMoved).await {
+            tracing::warn!(error = %crate::telemetry::error_chain(&error), "queue notification not sent");
+        }
+    }
+}
+
+/// This process's listener on the channel (started on first use, by the first WebSocket).
+#[derive(Debug, Clone)]
+pub struct NotificationHub {
+    redis: RedisStore,
+    sender: broadcast::Sender<Envelope>,
+    started: std::sync::Arc<OnceCell<()>>,
+}
+
+impl NotificationHub {
+    pub fn new(redis: RedisStore) -> NotificationHub {
+        let (sender, _) = broadcast::channel(HUB_BUFFER_MAX);
+        NotificationHub {
+            redis,
+            sender,
+            started: std::sync::Arc::new(OnceCell::new()),
+        }
+    }
+
+    /// A receiver of every notification this process hears from now on. The first call
+    /// subscribes to Redis and returns once the subscription is confirmed.
+    pub async fn subscribe(&self) -> anyhow::Result<broadcast::Receiver<Envelope>> {
+        let receiver = self.sender.subscribe();
+        self.started
+            .get_or_try_init(|| async {
+                let pubsub = self.open().await?;
+                let hub = self.clone();
+                tokio::spawn(async move { hub.listen(pubsub).await });
+                anyhow::Ok(())
+            })
+            .await?;
+        Ok(receiver)
+    }
+
+    async fn open(&self) -> anyhow::Result<redis::aio::PubSub> {
+        let mut pubsub = self
+            .redis
+            .client()
+            .get_async_pubsub()
+            .await
+            .context("opening a Redis pub/sub connection")?;
+        pubsub
+            .subscribe(Notifier::channel(&self.redis))
+            .await
+            .context("subscribing to notifications")?;
+        Ok(pubsub)
+    }
+
+    async fn listen(self, first: redis::aio::PubSub) {
+        use futures::StreamExt;
+        let mut pubsub = Some(first);
+        loop {
+            let connection = match pubsub.take() {
+                Some(connection) => connection,
+                None => match self.open().await {
+                    Ok(connection) => connection,
+                    Err(error) => {
+                        tracing::warn!(error = %crate::telemetry::error_chain(&error), "notification hub cannot subscribe; retrying");
+                        tokio::time::sleep(HUB_RETRY).await;
+                        continue;
+                    }
+                },
+            };
+            let mut messages = connection.into_on_message();
+            while let Some(message) = messages.next().await {
+                let Ok(payload) = message.get_payload::<String>() else {
+                    continue;
+                };
+                match serde_json::from_str::<Envelope>(&payload) {
+                    // No receivers is fine: nobody of this process is connected.
+                    Ok(envelope) => drop(self.sender.send(envelope)),
+                    Err(error) => tracing::warn!(%error, "undecodable notification skipped"),
+                }
+            }
+            tracing::warn!("notification subscription ended; subscribing again");
+            tokio::time::sleep(HUB_RETRY).await;
+        }
+    }
+}

@@ -1,0 +1,668 @@
+//! Dispatch end to end against the ComfyUI simulator (real HTTP and WebSocket): tasks become
+//! images and settled points; failures, cancels and timeouts return the points; and the chaos
+//! cases (a server killed and restarted, a silenced socket, the leader killed, Redis flushed).
+//! The saga is driven step by step ([`Saga::step`]); nothing here sleeps.
+//!
+//! After every case: each task has exactly one end, every hold is settled or released exactly
+//! once (balances, and `zhihui audit verify`), and no slot is leased.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use comfyui_sim::{Faults, SimConfig, Simulator};
+use futures::StreamExt;
+use serde_json::{Value, json};
+use uuid::Uuid;
+use zhihui::dispatch::Saga;
+use zhihui::startup::AppState;
+use zhihui_domain::points::Points;
+use zhihui_domain::task::{TaskCommand, TaskError, TaskEvent, TaskStatus};
+
+use crate::helpers::{TestApp, spawn_app_with};
+use crate::tasks::{
+    account_of, flush_prefix, funded_user, metadata, project_and_verify, submit, task_events,
+};
+
+/// Longest a test drives the saga before it fails (a hang, not a slow machine).
+const DRIVE_LIMIT: Duration = Duration::from_secs(60);
+
+struct Harness {
+    app: TestApp,
+    sims: Vec<Simulator>,
+    _directory: TempDirectory,
+}
+
+/// A directory removed at the end of the test.
+struct TempDirectory(std::path::PathBuf);
+
+impl Drop for TempDirectory {
+    fn drop(&mut self) {
+        drop(std::fs::remove_dir_all(&self.0));
+    }
+}
+
+async fn start_sim(directory: &std::path::Path, index: usize, faults: Faults) -> Simulator {
+    Simulator::start(SimConfig {
+        bind: "127.0.0.1:0".parse().unwrap(),
+        output_dir: directory.join(format!("sim-{index}")),
+        models: vec![
+            "majicmixRealistic_v7.safetensors".into(),
+            "anythingelseV4_v45.safetensors".into(),
+        ],
+        faults,
+    })
+    .await
+    .unwrap()
+}
+
+/// An app with `backends` simulators of capacity 1 and short timings (so that recovery paths
+/// run within a test).
+async fn harness(backends: usize, faults: Faults) -> Harness {
+    let directory = std::env::temp_dir().join(format!("zhihui-dispatch-{}", Uuid::now_v7()));
+    let mut sims = Vec::new();
+    for index in 0..backends {
+        sims.push(start_sim(&directory, index, faults.clone()).await);
+    }
+    let specs: Vec<String> = sims
+        .iter()
+        .enumerate()
+        .map(|(index, sim)| format!("gpu-{index} {} 1", sim.base_url()))
+        .collect();
+    let images = directory.join("images");
+    let app = spawn_app_with(move |settings| {
+        let dispatch = &mut settings.dispatch;
+        // Tests lead by hand.
+        dispatch.enabled = false;
+        dispatch.backends = specs;
+        dispatch.images_directory = images.to_string_lossy().into_owned();
+        dispatch.tick_ms = 20;
+        dispatch.leader_lease_ms = 1_000;
+        dispatch.leader_renew_ms = 100;
+        dispatch.leader_retry_ms = 50;
+        dispatch.slot_lease_ms = 2_000;
+        dispatch.slot_renew_ms = 200;
+        dispatch.socket_ping_interval_ms = 100;
+        dispatch.socket_silence_max_ms = 500;
+        dispatch.reconnect_backoff_min_ms = 20;
+        dispatch.reconnect_backoff_max_ms = 200;
+        dispatch.reconcile_interval_ms = 300;
+        dispatch.orphan_scan_interval_ms = 300;
+        dispatch.history_retry_ms = 20;
+        dispatch.progress_notify_interval_ms = 0;
+    })
+    .await;
+    Harness {
+        app,
+        sims,
+        _directory: TempDirectory(directory),
+    }
+}
+
+impl Harness {
+    /// Services of another zhihui process on the same database and Redis (its own dispatcher).
+    fn process(&self) -> AppState {
+        self.app.services_on_app_clock()
+    }
+
+    /// Become the leader (retrying while another process still holds the lease).
+    async fn lead(&self, process: &AppState) -> Saga {
+        let started = tokio::time::Instant::now();
+        loop {
+            if let Some(saga) = process.dispatcher.lead().await.unwrap() {
+                return saga;
+            }
+            assert!(started.elapsed() < DRIVE_LIMIT, "never became the leader");
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+async fn status_of(process: &AppState, task_id: &str) -> zhihui_domain::task::TaskState {
+    process
+        .tasks
+        .load(Uuid::parse_str(task_id).unwrap())
+        .await
+        .unwrap()
+}
+
+/// Step the saga until every task is in one of `statuses`.
+async fn drive_until(
+    saga: &mut Saga,
+    process: &AppState,
+    tasks: &[String],
+    statuses: &[TaskStatus],
+) {
+    let started = tokio::time::Instant::now();
+    loop {
+        let mut all = true;
+        for task_id in tasks {
+            if !statuses.contains(&status_of(process, task_id).await.status) {
+                all = false;
+                break;
+            }
+        }
+        if all {
+            return;
+        }
+        assert!(
+            started.elapsed() < DRIVE_LIMIT,
+            "tasks did not reach {statuses:?}"
+        );
+        if let Err(error) = saga.step().await {
+            panic!("saga step failed: {error:#}");
+        }
+    }
+}
+
+/// Step until the saga follows no task any more (every completion recorded and settled).
+async fn drive_until_idle(saga: &mut Saga) {
+    let started = tokio::time::Instant::now();
+    while saga.in_flight() > 0 {
+        assert!(started.elapsed() < DRIVE_LIMIT, "the saga never went idle");
+        saga.step().await.unwrap();
+    }
+}
+
+/// Step until both server sockets are open (posts need a socket's clientId).
+async fn drive_until_connected(saga: &mut Saga, count: usize) {
+    let started = tokio::time::Instant::now();
+    while saga.connected_backends() < count {
+        assert!(started.elapsed() < DRIVE_LIMIT, "sockets never opened");
+        saga.step().await.unwrap();
+    }
+}
+
+async fn submit_task(app: &TestApp, token: &str, images: u32, steps: u32) -> String {
+    let response = submit(
+        app,
+        token,
+        &json!({"prompt": "a red fox in the snow", "images": images, "steps": steps}),
+        None,
+    )
+    .await;
+    assert_eq!(response.status(), 201);
+    let body: Value = response.json().await.unwrap();
+    body["task_id"].as_str().unwrap().to_owned()
+}
+
+/// The invariants every case ends with.
+async fn assert_settled(
+    harness: &Harness,
+    process: &AppState,
+    user: &str,
+    expected_available: i64,
+) {
+    let account = account_of(&harness.app, user).await;
+    assert_eq!(account.balance.available, Points::whole(expected_available));
+    assert_eq!(
+        account.balance.frozen,
+        Points::ZERO,
+        "a hold was left frozen"
+    );
+    for name in process.dispatcher.backend_names() {
+        let busy = process.dispatcher.leases().busy_slots(&name).await.unwrap();
+        assert!(busy.is_empty(), "slots of {name} still leased: {busy:?}");
+    }
+    project_and_verify(&harness.app).await;
+}
+
+fn ends(events: &[TaskEvent]) -> usize {
+    events
+        .iter()
+        .filter(|event| {
+            matches!(
+                event,
+                TaskEvent::Succeeded(_) | TaskEvent::Failed(_) | TaskEvent::Cancelled(_)
+            )
+        })
+        .count()
+}
+
+#[tokio::test]
+async fn tasks_become_images_the_points_are_settled_and_the_owner_is_told() {
+    let harness = harness(2, Faults::default()).await;
+    let app = &harness.app;
+    let (user, token) = funded_user(app, "painter", "10").await;
+    let (_, other_token) = funded_user(app, "neighbour", "10").await;
+    // The owner's socket, connected before anything happens.
+    let url = format!(
+        "{}/api/v1/ws?token={token}",
+        app.address.replace("http://", "ws://")
+    );
+    let (mut socket, _) = async_tungstenite::tokio::connect_async(url.as_str())
+        .await
+        .unwrap();
+    let (mut other_socket, _) = async_tungstenite::tokio::connect_async(
+        format!(
+            "{}/api/v1/ws?token={other_token}",
+            app.address.replace("http://", "ws://")
+        )
+        .as_str(),
+    )
+    .await
+    .unwrap();
+
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 2).await;
+    let tasks = vec![
+        submit_task(app, &token, 2, 3).await,
+        submit_task(app, &token, 1, 3).await,
+        submit_task(app, &token, 1, 3).await,
+    ];
+    drive_until(&mut saga, &process, &tasks, &[TaskStatus::Succeeded]).await;
+    drive_until_idle(&mut saga).await;
+
+    // 4 images at 1 point each, deducted; nothing frozen.
+    assert_settled(&harness, &process, &user, 6).await;
+    let view: Value = app
+        .get_as(&token, &format!("/api/v1/tasks/{}", tasks[0]))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(view["status"], "succeeded");
+    let images = view["images"].as_array().unwrap();
+    assert_eq!(images.len(), 2);
+    let url = images[0]["url"].as_str().unwrap();
+    assert!(url.starts_with("/api/v1/images/"), "{url}");
+    let image = app.get_as(&token, url).await;
+    assert_eq!(image.status(), 200);
+    let bytes = image.bytes().await.unwrap();
+    assert_eq!(&bytes[..4], b"\x89PNG");
+    // Nobody else sees it; no ComfyUI address anywhere in the view.
+    assert_eq!(app.get_as(&other_token, url).await.status(), 404);
+    assert!(!view.to_string().contains("127.0.0.1"));
+    // Each task ran on a server and ended once.
+    for task_id in &tasks {
+        let events = task_events(app, task_id).await;
+        assert_eq!(ends(&events), 1);
+        assert!(events.iter().any(|e| matches!(e, TaskEvent::Started(_))));
+    }
+
+    // The owner heard progress and the results; the other user heard nothing of them.
+    let mut heard: Vec<Value> = Vec::new();
+    while heard
+        .iter()
+        .filter(|message| message["type"] == "succeeded")
+        .count()
+        < tasks.len()
+    {
+        let frame = tokio::time::timeout(DRIVE_LIMIT, socket.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        if let async_tungstenite::tungstenite::Message::Text(text) = frame {
+            heard.push(serde_json::from_str(text.as_str()).unwrap());
+        }
+    }
+    assert!(
+        heard
+            .iter()
+            .any(|m| m["type"] == "progress" && m["max"] == 3.0)
+    );
+    assert!(heard.iter().any(|m| m["type"] == "position"));
+    let succeeded = heard
+        .iter()
+        .find(|m| m["type"] == "succeeded" && m["task_id"] == tasks[0].as_str())
+        .unwrap();
+    assert_eq!(succeeded["images"].as_array().unwrap().len(), 2);
+    for message in &heard {
+        assert!(tasks.contains(&message["task_id"].as_str().unwrap().to_owned()));
+    }
+    // The other user's socket is still open and has heard nothing: its next text frame is the
+    // answer to its own submit, not anything about the painter's tasks.
+    let theirs = submit_task(app, &other_token, 1, 1).await;
+    loop {
+        let frame = tokio::time::timeout(DRIVE_LIMIT, other_socket.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        if let async_tungstenite::tungstenite::Message::Text(text) = frame {
+            let message: Value = serde_json::from_str(text.as_str()).unwrap();
+            assert_eq!(
+                message["task_id"],
+                theirs.as_str(),
+                "heard another user's task"
+            );
+            break;
+        }
+    }
+    saga.resign().await;
+}
+
+#[tokio::test]
+async fn a_runtime_error_or_a_rejected_workflow_fails_the_task_and_returns_its_points() {
+    let faults = Faults {
+        fail_node_class: Some("KSampler".into()),
+        ..Faults::default()
+    };
+    let harness = harness(1, faults).await;
+    let app = &harness.app;
+    let (user, token) = funded_user(app, "unlucky", "10").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 1).await;
+    let task = submit_task(app, &token, 2, 2).await;
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&task),
+        &[TaskStatus::Failed],
+    )
+    .await;
+    drive_until_idle(&mut saga).await;
+    let events = task_events(app, &task).await;
+    let reason = events
+        .iter()
+        .find_map(|event| match event {
+            TaskEvent::Failed(failed) => Some(failed.reason.clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert!(reason.contains("KSampler"), "{reason}");
+    assert!(!reason.contains("Traceback"), "{reason}");
+    assert_settled(&harness, &process, &user, 10).await;
+    saga.resign().await;
+}
+
+#[tokio::test]
+async fn cancelling_a_running_task_interrupts_it_and_returns_its_points() {
+    let faults = Faults {
+        step_delay_ms: 50,
+        ..Faults::default()
+    };
+    let harness = harness(1, faults).await;
+    let app = &harness.app;
+    let (user, token) = funded_user(app, "changed-mind", "10").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 1).await;
+    // 40 steps of 50 ms: long enough to be cancelled while running.
+    let running = submit_task(app, &token, 1, 40).await;
+    let waiting = submit_task(app, &token, 1, 1).await;
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&running),
+        &[TaskStatus::Running],
+    )
+    .await;
+    let cancel = crate::tasks::act(app, &token, "cancel", &running).await;
+    assert_eq!(cancel.status(), 202);
+    drive_until(
+        &mut saga,
+        &process,
+        &[running.clone(), waiting.clone()],
+        &[TaskStatus::Cancelled, TaskStatus::Succeeded],
+    )
+    .await;
+    drive_until_idle(&mut saga).await;
+    assert_eq!(
+        status_of(&process, &running).await.status,
+        TaskStatus::Cancelled
+    );
+    // The freed slot went to the waiting task.
+    assert_eq!(
+        status_of(&process, &waiting).await.status,
+        TaskStatus::Succeeded
+    );
+    assert_settled(&harness, &process, &user, 9).await;
+    saga.resign().await;
+}
+
+#[tokio::test]
+async fn a_task_past_its_timeout_is_interrupted_and_fails() {
+    let faults = Faults {
+        step_delay_ms: 200,
+        ..Faults::default()
+    };
+    let directory = std::env::temp_dir().join(format!("zhihui-dispatch-{}", Uuid::now_v7()));
+    let sim = start_sim(&directory, 0, faults).await;
+    let spec = format!("gpu-0 {} 1", sim.base_url());
+    let images = directory.join("images").to_string_lossy().into_owned();
+    let app = spawn_app_with(move |settings| {
+        settings.dispatch.enabled = false;
+        settings.dispatch.backends = vec![spec];
+        settings.dispatch.images_directory = images;
+        settings.dispatch.tick_ms = 20;
+        settings.dispatch.task_timeout_ms = 1_000;
+    })
+    .await;
+    let harness = Harness {
+        app,
+        sims: vec![sim],
+        _directory: TempDirectory(directory),
+    };
+    let (user, token) = funded_user(&harness.app, "patient", "10").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 1).await;
+    // 50 steps of 200 ms: 10 s, far past the 1 s limit.
+    let task = submit_task(&harness.app, &token, 1, 50).await;
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&task),
+        &[TaskStatus::Failed],
+    )
+    .await;
+    drive_until_idle(&mut saga).await;
+    let events = task_events(&harness.app, &task).await;
+    let reason = events
+        .iter()
+        .find_map(|event| match event {
+            TaskEvent::Failed(failed) => Some(failed.reason.clone()),
+            _ => None,
+        })
+        .unwrap();
+    assert!(reason.contains("longer than the limit of 1 s"), "{reason}");
+    assert_settled(&harness, &process, &user, 10).await;
+    saga.resign().await;
+}
+
+#[tokio::test]
+async fn a_server_killed_mid_task_and_restarted_loses_nothing() {
+    let faults = Faults {
+        step_delay_ms: 20,
+        ..Faults::default()
+    };
+    let harness = harness(1, faults).await;
+    let app = &harness.app;
+    let (user, token) = funded_user(app, "crash-survivor", "10").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 1).await;
+    let tasks = vec![
+        submit_task(app, &token, 1, 20).await,
+        submit_task(app, &token, 1, 2).await,
+    ];
+    drive_until(&mut saga, &process, &tasks[..1], &[TaskStatus::Running]).await;
+    // SIGKILL: queue, history and sockets gone, connections refused.
+    harness.sims[0].crash().await;
+    let started = tokio::time::Instant::now();
+    while saga.connected_backends() > 0 {
+        assert!(started.elapsed() < DRIVE_LIMIT);
+        saga.step().await.unwrap();
+    }
+    harness.sims[0].restart().await;
+    // After the reconnect the lost prompt is found missing and posted once more, same id.
+    drive_until(
+        &mut saga,
+        &process,
+        &tasks,
+        &[TaskStatus::Succeeded, TaskStatus::Failed],
+    )
+    .await;
+    drive_until_idle(&mut saga).await;
+    let mut spent = 0;
+    for task_id in &tasks {
+        let events = task_events(app, task_id).await;
+        assert_eq!(ends(&events), 1, "{events:?}");
+        if events.iter().any(|e| matches!(e, TaskEvent::Succeeded(_))) {
+            spent += 1;
+        }
+    }
+    assert_eq!(spent, 2, "the lost prompt was resubmitted and finished");
+    assert_settled(&harness, &process, &user, 10 - spent).await;
+    saga.resign().await;
+}
+
+#[tokio::test]
+async fn a_silenced_socket_does_not_hang_a_task() {
+    let faults = Faults {
+        step_delay_ms: 20,
+        ..Faults::default()
+    };
+    let harness = harness(1, faults).await;
+    let app = &harness.app;
+    let (user, token) = funded_user(app, "in-the-dark", "10").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 1).await;
+    let task = submit_task(app, &token, 1, 10).await;
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&task),
+        &[TaskStatus::Running],
+    )
+    .await;
+    // Open, but nothing arrives any more: not the end of the task, not even pongs.
+    harness.sims[0].set_faults(Faults {
+        step_delay_ms: 20,
+        silent: true,
+        ..Faults::default()
+    });
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&task),
+        &[TaskStatus::Succeeded],
+    )
+    .await;
+    drive_until_idle(&mut saga).await;
+    assert_settled(&harness, &process, &user, 9).await;
+    saga.resign().await;
+}
+
+#[tokio::test]
+async fn when_the_leader_dies_another_process_takes_over_and_the_old_one_is_fenced_out() {
+    let faults = Faults {
+        step_delay_ms: 20,
+        ..Faults::default()
+    };
+    let harness = harness(2, faults).await;
+    let app = &harness.app;
+    let (user, token) = funded_user(app, "handed-over", "10").await;
+    let first = harness.process();
+    let second = harness.process();
+    let mut leader = harness.lead(&first).await;
+    assert!(
+        second.dispatcher.lead().await.unwrap().is_none(),
+        "two leaders"
+    );
+    drive_until_connected(&mut leader, 2).await;
+    let tasks = vec![
+        submit_task(app, &token, 1, 20).await,
+        submit_task(app, &token, 1, 20).await,
+        submit_task(app, &token, 1, 2).await,
+    ];
+    drive_until(&mut leader, &first, &tasks[..2], &[TaskStatus::Running]).await;
+    let old_token = leader.fencing_token();
+    // Killed: no resignation, its lease runs out.
+    drop(leader);
+    let killed_at = tokio::time::Instant::now();
+    app.project().await;
+    let mut successor = harness.lead(&second).await;
+    let takeover = killed_at.elapsed();
+    assert!(
+        takeover < Duration::from_secs(5),
+        "takeover took {takeover:?}"
+    );
+    assert!(successor.fencing_token() > old_token);
+    drive_until(&mut successor, &second, &tasks, &[TaskStatus::Succeeded]).await;
+    drive_until_idle(&mut successor).await;
+    for task_id in &tasks {
+        let events = task_events(app, task_id).await;
+        assert_eq!(ends(&events), 1);
+        let dispatches = events
+            .iter()
+            .filter(|e| matches!(e, TaskEvent::Dispatched(_)))
+            .count();
+        assert_eq!(dispatches, 1, "dispatched twice: {events:?}");
+    }
+    // The old leader's token is refused on a task the new one adopted.
+    let adopted = &tasks[0];
+    assert!(
+        task_events(app, adopted)
+            .await
+            .iter()
+            .any(|e| matches!(e, TaskEvent::Adopted(_)))
+    );
+    let stale = TaskCommand::Fail {
+        reason: "late".into(),
+        fencing_token: old_token,
+        at: app.clock.now(),
+    };
+    let refused = zhihui::command::execute::<zhihui_domain::task::Task>(
+        &second.event_store,
+        &zhihui_domain::task::task_stream(Uuid::parse_str(adopted).unwrap()),
+        &stale,
+        &metadata(),
+        zhihui::command::RetryPolicy::default(),
+    )
+    .await;
+    assert!(matches!(
+        refused,
+        Err(zhihui::command::CommandError::Rejected(
+            TaskError::StaleDispatcher { .. } | TaskError::InvalidTransition { .. }
+        ))
+    ));
+    assert_settled(&harness, &second, &user, 7).await;
+    successor.resign().await;
+}
+
+#[tokio::test]
+async fn redis_flushed_mid_run_loses_no_task_and_no_point() {
+    let faults = Faults {
+        step_delay_ms: 20,
+        ..Faults::default()
+    };
+    let harness = harness(2, faults).await;
+    let app = &harness.app;
+    let (user, token) = funded_user(app, "flushed", "10").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 2).await;
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        tasks.push(submit_task(app, &token, 1, 10).await);
+    }
+    drive_until(&mut saga, &process, &tasks[..1], &[TaskStatus::Running]).await;
+    app.project().await;
+    flush_prefix(app).await;
+    // The lease is gone: the saga notices at its next renewal and stops.
+    let started = tokio::time::Instant::now();
+    loop {
+        assert!(started.elapsed() < DRIVE_LIMIT, "the saga never noticed");
+        match saga.step().await {
+            Ok(()) => {}
+            Err(error) if error.is::<zhihui::dispatch::LostLeadership>() => break,
+            Err(error) => panic!("{error:#}"),
+        }
+    }
+    drop(saga);
+    // Leading again rebuilds the queue from the events and adopts what is in flight.
+    let mut saga = harness.lead(&process).await;
+    drive_until(&mut saga, &process, &tasks, &[TaskStatus::Succeeded]).await;
+    drive_until_idle(&mut saga).await;
+    for task_id in &tasks {
+        assert_eq!(ends(&task_events(app, task_id).await), 1);
+    }
+    assert_settled(&harness, &process, &user, 6).await;
+    saga.resign().await;
+}
