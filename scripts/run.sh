@@ -11,7 +11,8 @@ eval "$(scripts/services.sh start | sed 's/^/export /')"
 export ZHIHUI_DATABASE__URL="${ZHIHUI_DATABASE__URL:-$DATABASE_URL}"
 export ZHIHUI_REDIS__URL="${ZHIHUI_REDIS__URL:-$REDIS_URL}"
 
-cargo build --release --locked --bin zhihui --bin comfyui-sim
+cargo build --release --locked --bin zhihui
+cargo build --release --locked -p comfyui-sim --bin comfyui-sim
 ./target/release/zhihui migrate
 
 SIM_PIDS=()
