@@ -340,8 +340,8 @@ struct BackendState {
     client_id: Option<String>,
     /// When a slot last freed with nothing posted since (the start of a GPU idle gap).
     freed_at: Option<Instant>,
-    /// A staged dispatch is being recorded in the background.
-    staging: bool,
+    /// The task whose staged dispatch is being recorded in the background.
+    staging: Option<TaskId>,
 }
 
 /// A running saga (the leader's). Dropping it closes its sockets and stops its subscription.
@@ -355,6 +355,8 @@ pub struct Saga {
     backends: Vec<BackendState>,
     in_flight: HashMap<TaskId, InFlight>,
     by_prompt: HashMap<Uuid, TaskId>,
+    /// Cancel requests for tasks whose dispatch was still being recorded.
+    early_cancels: std::collections::HashSet<TaskId>,
     background: Vec<AbortHandle>,
     last_leader_renew: Instant,
     last_slot_renew: Instant,
@@ -456,6 +458,7 @@ impl Saga {
             tick,
             in_flight: HashMap::new(),
             by_prompt: HashMap::new(),
+            early_cancels: std::collections::HashSet::new(),
             background,
             last_leader_renew: now,
             last_slot_renew: now,
@@ -496,6 +499,9 @@ impl Saga {
                         fencing_token = self.term.fencing_token,
                         "dispatcher lost its leadership"
                     );
+                    // A no-op when the lease is gone; when the saga stopped for another reason
+                    // (its subscription ended) the next leader need not wait for the lease.
+                    self.resign().await;
                     return;
                 }
                 tracing::warn!(error = %crate::telemetry::error_chain(&error), "dispatch step failed");
@@ -561,6 +567,10 @@ impl Saga {
             Input::Queued => self.fill_all().await,
             Input::CancelRequested(task_id) => {
                 let Some(flight) = self.in_flight.get_mut(&task_id) else {
+                    // Maybe being staged right now: remembered for `admit`.
+                    if self.backends.iter().any(|b| b.staging == Some(task_id)) {
+                        self.early_cancels.insert(task_id);
+                    }
                     return Ok(());
                 };
                 if flight.stop.is_some() {
@@ -580,9 +590,18 @@ impl Saga {
                 task_id,
                 result,
             } => {
-                self.backends[backend].staging = false;
+                self.backends[backend].staging = None;
                 let prepared = result?;
                 self.admit(backend, task_id, prepared, Phase::Staged);
+                // Cancelled while it was being recorded: never posted, cancelled here.
+                if self
+                    .in_flight
+                    .get(&task_id)
+                    .is_some_and(|f| f.phase == Phase::Staged && f.stop.is_some())
+                {
+                    self.free_slot(task_id).await?;
+                    return self.record(task_id, Completion::Vanished).await;
+                }
                 // A slot may have freed meanwhile: the staged task goes out now.
                 self.fill(backend).await
             }
@@ -689,6 +708,25 @@ impl Saga {
                 flight.stop = Some(Stop::Timeout);
             }
             self.check_on(task_id);
+        }
+        // A staged task waits for a slot on its server; if the server is gone past the task's
+        // deadline, it will never be posted: it fails (never having run).
+        let stranded: Vec<TaskId> = self
+            .in_flight
+            .iter()
+            .filter(|(_, f)| {
+                f.phase == Phase::Staged
+                    && f.deadline <= now
+                    && self.backends[f.backend].client_id.is_none()
+            })
+            .map(|(task_id, _)| *task_id)
+            .collect();
+        for task_id in stranded {
+            if let Some(flight) = self.in_flight.get_mut(&task_id) {
+                flight.stop = Some(Stop::Timeout);
+            }
+            self.free_slot(task_id).await?;
+            self.record(task_id, Completion::Vanished).await?;
         }
         // Completions not recorded yet (the store was down).
         let unrecorded: Vec<TaskId> = self
@@ -816,7 +854,7 @@ impl Saga {
                 Claim::NotLeader => return Err(LostLeadership.into()),
             }
         }
-        if self.staged_on(backend).is_some() || self.backends[backend].staging {
+        if self.staged_on(backend).is_some() || self.backends[backend].staging.is_some() {
             return Ok(());
         }
         // One slot lease beyond the capacity: the staged task holds it until it is posted.
@@ -861,7 +899,7 @@ impl Saga {
             metadata: self.metadata(task_id),
         };
         if phase == Phase::Staged {
-            self.backends[backend].staging = true;
+            self.backends[backend].staging = Some(task_id);
             let sender = self.inputs_sender.clone();
             tokio::spawn(async move {
                 let result = preparation.run().await;
@@ -888,8 +926,16 @@ impl Saga {
         else {
             return;
         };
+        if self.in_flight.contains_key(&task_id) {
+            // Adopted meanwhile by the orphan scan: that entry stands.
+            return;
+        }
         let timeout = Duration::from_millis(self.dispatcher.settings.task_timeout_ms);
-        let flight = InFlight::new(owner, backend, prompt_id, workflow, phase, timeout, intent);
+        let mut flight = InFlight::new(owner, backend, prompt_id, workflow, phase, timeout, intent);
+        // A cancel that arrived while the dispatch was being recorded.
+        if self.early_cancels.remove(&task_id) {
+            flight.stop = Some(Stop::Cancel);
+        }
         self.in_flight.insert(task_id, flight);
         self.by_prompt.insert(prompt_id, task_id);
         if phase == Phase::Posting {
@@ -980,7 +1026,7 @@ impl Saga {
         let Some(flight) = self.in_flight.get_mut(&task_id) else {
             return Ok(());
         };
-        if flight.prompt_id != prompt_id {
+        if flight.prompt_id != prompt_id || flight.phase == Phase::Finishing {
             return Ok(());
         }
         flight.effect_running = false;
@@ -1050,7 +1096,8 @@ impl Saga {
         let Some(flight) = self.in_flight.get_mut(&task_id) else {
             return Ok(());
         };
-        if flight.prompt_id != prompt_id {
+        if flight.prompt_id != prompt_id || flight.phase == Phase::Finishing {
+            // Late: the task ended meanwhile and its completion owns it now.
             return Ok(());
         }
         flight.effect_running = false;
@@ -1349,7 +1396,8 @@ impl Saga {
         tokio::spawn(async move {
             let result = async {
                 let recorded = match tasks.execute_task(task_id, &command, &metadata).await {
-                    Ok(_) => true,
+                    // A repeat records nothing new and tells nobody twice.
+                    Ok(executed) => !executed.new_events.is_empty(),
                     Err(CommandError::Rejected(TaskError::StaleDispatcher { .. })) => {
                         return Err(LostLeadership.into());
                     }
@@ -1401,7 +1449,9 @@ impl Saga {
         };
         for row in rows {
             let task_id: TaskId = row.get(0);
-            if self.in_flight.contains_key(&task_id) {
+            if self.in_flight.contains_key(&task_id)
+                || self.backends.iter().any(|b| b.staging == Some(task_id))
+            {
                 continue;
             }
             self.adopt(task_id).await?;
@@ -1561,9 +1611,16 @@ impl Preparation {
             leases.release_slot(&backend_name, task_id).await?;
             return Ok(None);
         };
-        let intent = tasks
+        let intent = match tasks
             .begin_intent(IntentKind::Dispatch, task_id, owner, None)
-            .await?;
+            .await
+        {
+            Ok(intent) => intent,
+            Err(error) => {
+                give_back().await;
+                return Err(error);
+            }
+        };
         let prompt_id = Uuid::now_v7();
         let command = TaskCommand::Dispatch {
             backend: backend_name.clone(),

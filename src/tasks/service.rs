@@ -846,8 +846,15 @@ impl TaskService {
             let client = self.pool.get().await.context("getting a connection")?;
             client
                 .query(
-                    "SELECT intent_id, task_id, user_id, operation_id, kind FROM task_intents
-                      WHERE created_at <= $1 ORDER BY created_at LIMIT $2",
+                    // Dispatch intents of tasks in flight stay (their dispatcher ends them); they
+                    // are left out here so that many long runs cannot fill every sweep.
+                    "SELECT i.intent_id, i.task_id, i.user_id, i.operation_id, i.kind
+                       FROM task_intents i
+                      WHERE i.created_at <= $1
+                        AND NOT (i.kind = 'dispatch' AND EXISTS (
+                            SELECT 1 FROM tasks t
+                             WHERE t.task_id = i.task_id AND t.status IN ('dispatched', 'running')))
+                      ORDER BY i.created_at LIMIT $2",
                     &[&cutoff, &SWEEP_INTENTS_MAX],
                 )
                 .await

@@ -666,3 +666,57 @@ async fn redis_flushed_mid_run_loses_no_task_and_no_point() {
     assert_settled(&harness, &process, &user, 6).await;
     saga.resign().await;
 }
+
+#[tokio::test]
+async fn a_task_staged_behind_a_running_one_is_cancelled_without_ever_being_posted() {
+    let faults = Faults {
+        step_delay_ms: 50,
+        ..Faults::default()
+    };
+    let harness = harness(1, faults).await;
+    let app = &harness.app;
+    let (user, token) = funded_user(app, "second-thoughts", "10").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 1).await;
+    let running = submit_task(app, &token, 1, 40).await;
+    let staged = submit_task(app, &token, 1, 1).await;
+    // The second is recorded as dispatched (staged for the busy server) but not posted.
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&running),
+        &[TaskStatus::Running],
+    )
+    .await;
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&staged),
+        &[TaskStatus::Dispatched],
+    )
+    .await;
+    for task in [&staged, &running] {
+        assert_eq!(
+            crate::tasks::act(app, &token, "cancel", task)
+                .await
+                .status(),
+            202
+        );
+    }
+    drive_until(
+        &mut saga,
+        &process,
+        &[running.clone(), staged.clone()],
+        &[TaskStatus::Cancelled],
+    )
+    .await;
+    drive_until_idle(&mut saga).await;
+    assert_eq!(
+        harness.sims[0].prompts_received(),
+        1,
+        "the staged task was posted"
+    );
+    assert_settled(&harness, &process, &user, 10).await;
+    saga.resign().await;
+}
