@@ -59,7 +59,7 @@ impl Leases {
     }
 
     fn queue_key(&self) -> String {
-        self.redis.key("queue:tasks")
+        self.redis.key(crate::tasks::queue::QUEUE_KEY)
     }
 
     /// Try to become the leader. A new term always has a new, larger token.

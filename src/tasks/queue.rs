@@ -17,6 +17,9 @@ use zhihui_domain::task::TaskId;
 use crate::clock::Clock;
 use crate::redis_store::RedisStore;
 
+/// The queue's sorted set (under the prefix); the dispatcher's claim script pops it too.
+pub(crate) const QUEUE_KEY: &str = "queue:tasks";
+
 /// Scores count from 2025-01-01T00:00:00Z (ms).
 pub const SCORE_EPOCH_MS: i64 = 1_735_689_600_000;
 /// Scores per millisecond: room for 12 halvings between tasks queued a millisecond apart.
@@ -81,7 +84,7 @@ impl TaskQueue {
     }
 
     fn queue_key(&self) -> String {
-        self.redis.key("queue:tasks")
+        self.redis.key(QUEUE_KEY)
     }
 
     fn leases_key(&self) -> String {

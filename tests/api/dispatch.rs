@@ -59,6 +59,15 @@ async fn start_sim(directory: &std::path::Path, index: usize, faults: Faults) ->
 /// An app with `backends` simulators of capacity 1 and short timings (so that recovery paths
 /// run within a test).
 async fn harness(backends: usize, faults: Faults) -> Harness {
+    harness_with(backends, faults, |_| {}).await
+}
+
+/// [`harness`] with further dispatch settings.
+async fn harness_with(
+    backends: usize,
+    faults: Faults,
+    customise: impl FnOnce(&mut zhihui::configuration::DispatchSettings) + Send + 'static,
+) -> Harness {
     let directory = std::env::temp_dir().join(format!("zhihui-dispatch-{}", Uuid::now_v7()));
     let mut sims = Vec::new();
     for index in 0..backends {
@@ -90,6 +99,7 @@ async fn harness(backends: usize, faults: Faults) -> Harness {
         dispatch.orphan_scan_interval_ms = 300;
         dispatch.history_retry_ms = 20;
         dispatch.progress_notify_interval_ms = 0;
+        customise(dispatch);
     })
     .await;
     Harness {
@@ -205,6 +215,18 @@ async fn assert_settled(
         assert!(busy.is_empty(), "slots of {name} still leased: {busy:?}");
     }
     project_and_verify(&harness.app).await;
+}
+
+/// The reason recorded in a task's `TaskFailed`.
+async fn failure_reason(app: &TestApp, task_id: &str) -> String {
+    task_events(app, task_id)
+        .await
+        .iter()
+        .find_map(|event| match event {
+            TaskEvent::Failed(failed) => Some(failed.reason.clone()),
+            _ => None,
+        })
+        .expect("the task failed")
 }
 
 fn ends(events: &[TaskEvent]) -> usize {
@@ -355,14 +377,7 @@ async fn a_runtime_error_or_a_rejected_workflow_fails_the_task_and_returns_its_p
     )
     .await;
     drive_until_idle(&mut saga).await;
-    let events = task_events(app, &task).await;
-    let reason = events
-        .iter()
-        .find_map(|event| match event {
-            TaskEvent::Failed(failed) => Some(failed.reason.clone()),
-            _ => None,
-        })
-        .unwrap();
+    let reason = failure_reason(app, &task).await;
     assert!(reason.contains("KSampler"), "{reason}");
     assert!(!reason.contains("Traceback"), "{reason}");
     assert_settled(&harness, &process, &user, 10).await;
@@ -420,23 +435,7 @@ async fn a_task_past_its_timeout_is_interrupted_and_fails() {
         step_delay_ms: 200,
         ..Faults::default()
     };
-    let directory = std::env::temp_dir().join(format!("zhihui-dispatch-{}", Uuid::now_v7()));
-    let sim = start_sim(&directory, 0, faults).await;
-    let spec = format!("gpu-0 {} 1", sim.base_url());
-    let images = directory.join("images").to_string_lossy().into_owned();
-    let app = spawn_app_with(move |settings| {
-        settings.dispatch.enabled = false;
-        settings.dispatch.backends = vec![spec];
-        settings.dispatch.images_directory = images;
-        settings.dispatch.tick_ms = 20;
-        settings.dispatch.task_timeout_ms = 1_000;
-    })
-    .await;
-    let harness = Harness {
-        app,
-        sims: vec![sim],
-        _directory: TempDirectory(directory),
-    };
+    let harness = harness_with(1, faults, |dispatch| dispatch.task_timeout_ms = 1_000).await;
     let (user, token) = funded_user(&harness.app, "patient", "10").await;
     let process = harness.process();
     let mut saga = harness.lead(&process).await;
@@ -451,14 +450,7 @@ async fn a_task_past_its_timeout_is_interrupted_and_fails() {
     )
     .await;
     drive_until_idle(&mut saga).await;
-    let events = task_events(&harness.app, &task).await;
-    let reason = events
-        .iter()
-        .find_map(|event| match event {
-            TaskEvent::Failed(failed) => Some(failed.reason.clone()),
-            _ => None,
-        })
-        .unwrap();
+    let reason = failure_reason(&harness.app, &task).await;
     assert!(reason.contains("longer than the limit of 1 s"), "{reason}");
     assert_settled(&harness, &process, &user, 10).await;
     saga.resign().await;
