@@ -262,10 +262,15 @@ impl PostgresEventStore {
             .query(&window_sql, &[&after_commit, &after_prepare, &limit])
             .await
             .map_err(unavailable)?;
+        // The newest event's transaction, one probe at the end of the index. (An `EXISTS (...
+        // WHERE transaction_id >= horizon)` reads the same, but the planner chose a sequential
+        // scan for it, which finds nothing in the usual case and so read the whole table on
+        // every wake-up of every subscription.)
         let held_back: bool = transaction
             .query_one(
-                "SELECT EXISTS (SELECT 1 FROM events \
-                  WHERE transaction_id >= pg_snapshot_xmin(pg_current_snapshot()))",
+                "SELECT COALESCE((SELECT transaction_id FROM events \
+                   ORDER BY transaction_id DESC, global_position DESC LIMIT 1) \
+                   >= pg_snapshot_xmin(pg_current_snapshot()), false)",
                 &[],
             )
             .await
