@@ -4,12 +4,19 @@
 //! pool and at most `HASHES_IN_FLIGHT_MAX` at once: a flood of logins queues instead of
 //! allocating gigabytes. A login for an unknown user verifies against a dummy hash, so the answer
 //! takes as long as for a known user and does not reveal which names exist.
+//!
+//! The argon2 memory (19 MiB per hash by default) is ours and reused: letting the crate allocate
+//! and free it per hash left each blocking thread's glibc arena holding its own copy (a burst of
+//! logins grew the server from 20 to over 300 MB resident, for good). Now the process holds at
+//! most `HASHES_IN_FLIGHT_MAX` such blocks.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
-use argon2::password_hash::{PasswordHasher as _, PasswordVerifier as _};
-use argon2::{Algorithm, Argon2, Params, Version};
+use argon2::password_hash::phc::PasswordHash as Phc;
+use argon2::password_hash::phc::{Output, ParamsString, Salt};
+use argon2::{Algorithm, Argon2, Block, Params, Version};
+use rand::Rng as _;
 use secrecy::{ExposeSecret, SecretString};
 use tokio::sync::Semaphore;
 use zhihui_domain::user::PasswordHash;
@@ -20,9 +27,11 @@ use crate::configuration::AuthSettings;
 pub const PASSWORD_LENGTH_MIN: usize = 8;
 /// Longest password: long passphrases are welcome; megabyte "passwords" are a denial of service.
 pub const PASSWORD_LENGTH_MAX: usize = 128;
-/// Hashes computed at once. Each takes `argon2_memory_kib` of memory and a core for tens of ms;
-/// two per core keeps the cores busy without queuing memory.
-pub const HASHES_IN_FLIGHT_MAX: usize = 4;
+/// Hashes computed at once. Each takes `argon2_memory_kib` of memory (kept for reuse) and a core
+/// for tens of ms: more than the cores only queues inside the kernel and costs memory.
+pub const HASHES_IN_FLIGHT_MAX: usize = 2;
+/// Salt bytes of a new hash (the PHC format's recommendation).
+const SALT_LENGTH: usize = 16;
 
 /// A password as typed, valid by construction. Never printed.
 #[derive(Debug)]
@@ -54,6 +63,91 @@ pub struct Passwords {
     /// Verified against when the user does not exist (see the module comment).
     dummy_hash: Arc<str>,
     in_flight: Arc<Semaphore>,
+    memory: ArgonMemory,
+}
+
+/// Argon2 memory blocks, reused across hashes (see the module comment).
+#[derive(Debug, Clone, Default)]
+struct ArgonMemory(Arc<Mutex<Vec<Vec<Block>>>>);
+
+impl ArgonMemory {
+    /// Run argon2 (`algorithm`, `version`, `params`) over `password` and `salt` into an output
+    /// of `output_length` bytes, on blocks taken from the pool and given back.
+    fn compute(
+        &self,
+        argon2: &Argon2<'_>,
+        params: &Params,
+        password: &[u8],
+        salt: &[u8],
+        output_length: usize,
+    ) -> anyhow::Result<Output> {
+        let mut blocks = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .pop()
+            .unwrap_or_default();
+        if blocks.len() < params.block_count() {
+            blocks.resize(params.block_count(), Block::new());
+        }
+        let mut output = [0u8; Output::MAX_LENGTH];
+        let output = output
+            .get_mut(..output_length)
+            .context("argon2 output length out of range")?;
+        let result = argon2
+            .hash_password_into_with_memory(password, salt, output, &mut blocks[..])
+            .map_err(|error| anyhow::anyhow!("argon2id failed: {error}"));
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(blocks);
+        result?;
+        Output::new(output).map_err(|error| anyhow::anyhow!("argon2 output: {error}"))
+    }
+
+    /// A new PHC string (`$argon2id$v=19$m=…,t=…,p=…$salt$hash`) for `password`.
+    fn hash(&self, params: &Params, password: &[u8]) -> anyhow::Result<String> {
+        let mut salt = [0u8; SALT_LENGTH];
+        rand::rng().fill(&mut salt);
+        let salt = Salt::new(&salt).map_err(|error| anyhow::anyhow!("salt: {error}"))?;
+        let argon2 = Argon2::new(Algorithm::Argon2id, Version::V0x13, params.clone());
+        let output_length = params.output_len().unwrap_or(Params::DEFAULT_OUTPUT_LEN);
+        let output = self.compute(&argon2, params, password, &salt, output_length)?;
+        let phc = Phc {
+            algorithm: Algorithm::Argon2id.ident(),
+            version: Some(Version::V0x13.into()),
+            params: ParamsString::try_from(params)
+                .map_err(|error| anyhow::anyhow!("argon2 parameters: {error}"))?,
+            salt: Some(salt),
+            hash: Some(output),
+        };
+        Ok(phc.to_string())
+    }
+
+    /// Whether `password` matches the PHC string `phc`, with the parameters `phc` names (hashes
+    /// made with older settings keep verifying after the settings change).
+    fn verify(&self, password: &[u8], phc: &str) -> bool {
+        let check = || -> anyhow::Result<bool> {
+            let parsed = Phc::new(phc).map_err(|error| anyhow::anyhow!("{error}"))?;
+            let (Some(salt), Some(expected)) = (&parsed.salt, &parsed.hash) else {
+                return Ok(false);
+            };
+            let params = Params::try_from(&parsed).map_err(|error| anyhow::anyhow!("{error}"))?;
+            let algorithm = Algorithm::try_from(parsed.algorithm.as_str())
+                .map_err(|error| anyhow::anyhow!("{error}"))?;
+            let version = parsed
+                .version
+                .map(Version::try_from)
+                .transpose()
+                .map_err(|error| anyhow::anyhow!("{error}"))?
+                .unwrap_or_default();
+            let argon2 = Argon2::new(algorithm, version, params.clone());
+            let computed = self.compute(&argon2, &params, password, salt, expected.len())?;
+            // `Output`'s equality is constant-time.
+            Ok(computed == *expected)
+        };
+        check().unwrap_or(false)
+    }
 }
 
 impl Passwords {
@@ -65,15 +159,15 @@ impl Passwords {
             None,
         )
         .map_err(|error| anyhow::anyhow!("auth.argon2_* settings are invalid: {error}"))?;
-        let hasher = Argon2::new(Algorithm::Argon2id, Version::V0x13, argon2_params.clone());
-        let dummy_hash = hasher
-            .hash_password(b"zhihui dummy password, never a real one")
-            .map_err(|error| anyhow::anyhow!("hashing the dummy password: {error}"))?
-            .to_string();
+        let memory = ArgonMemory::default();
+        let dummy_hash = memory
+            .hash(&argon2_params, b"zhihui dummy password, never a real one")
+            .context("hashing the dummy password")?;
         Ok(Passwords {
             argon2_params,
             dummy_hash: dummy_hash.into(),
             in_flight: Arc::new(Semaphore::new(HASHES_IN_FLIGHT_MAX)),
+            memory,
         })
     }
 
@@ -85,11 +179,9 @@ impl Passwords {
             .context("password hasher closed")?;
         let params = self.argon2_params.clone();
         let secret = password.0.clone();
+        let memory = self.memory.clone();
         let phc = tokio::task::spawn_blocking(move || {
-            Argon2::new(Algorithm::Argon2id, Version::V0x13, params)
-                .hash_password(secret.expose_secret().as_bytes())
-                .map(|hash| hash.to_string())
-                .map_err(|error| anyhow::anyhow!("argon2id failed: {error}"))
+            memory.hash(&params, secret.expose_secret().as_bytes())
         })
         .await
         .context("password hashing task")??;
@@ -113,12 +205,9 @@ impl Passwords {
             None => self.dummy_hash.to_string(),
         };
         let secret = SecretString::from(password);
+        let memory = self.memory.clone();
         let matches = tokio::task::spawn_blocking(move || {
-            // The verifier takes its parameters from the PHC string, so hashes made with older
-            // settings keep verifying after the settings change.
-            Argon2::default()
-                .verify_password(secret.expose_secret().as_bytes(), phc.as_str())
-                .is_ok()
+            memory.verify(secret.expose_secret().as_bytes(), &phc)
         })
         .await
         .context("password verification task")?;
@@ -172,5 +261,41 @@ mod tests {
                 .unwrap()
         );
         assert!(!passwords.verify("correct horse", None).await.unwrap());
+    }
+
+    #[tokio::test]
+    async fn hashes_interoperate_with_the_argon2_crates_own_hasher_and_older_parameters() {
+        use argon2::password_hash::{PasswordHasher as _, PasswordVerifier as _};
+        let settings = crate::configuration::Settings::load(None).unwrap().auth;
+        let passwords = Passwords::new(&settings).unwrap();
+        // A hash stored before (the crate allocating its own memory), with other parameters.
+        let older = Params::new(4_096, 3, 1, None).unwrap();
+        let stored = Argon2::new(Algorithm::Argon2id, Version::V0x13, older)
+            .hash_password(b"an older password")
+            .unwrap()
+            .to_string();
+        let stored = zhihui_domain::user::PasswordHash::parse(&stored).unwrap();
+        assert!(
+            passwords
+                .verify("an older password", Some(&stored))
+                .await
+                .unwrap()
+        );
+        assert!(
+            !passwords
+                .verify("an older passwore", Some(&stored))
+                .await
+                .unwrap()
+        );
+        // A hash of ours verifies with the crate's verifier.
+        let ours = passwords
+            .hash(&PlainPassword::parse("a newer password").unwrap())
+            .await
+            .unwrap();
+        assert!(
+            Argon2::default()
+                .verify_password(b"a newer password", ours.expose_phc())
+                .is_ok()
+        );
     }
 }
