@@ -46,6 +46,9 @@ pub struct Faults {
     pub fail_node_class: Option<String>,
     /// WebSockets stay open but receive nothing at all (no frames, no pongs); HTTP unaffected.
     pub silent: bool,
+    /// SaveImage encodes with the fastest deflate instead of ComfyUI's level 4 (same pixels,
+    /// bigger files): a benchmark's simulated GPU should not eat the CPU of what it measures.
+    pub fast_png: bool,
 }
 
 /// One process lifetime of the simulated server.
@@ -94,6 +97,7 @@ impl Simulator {
             catalog: nodes::Catalog::new(&config.models),
             faults: Mutex::new(config.faults),
             prompts_received: AtomicU64::new(0),
+            idle: std::sync::Mutex::new(engine::IdleClock::default()),
         });
         let listener =
             TcpListener::bind(config.bind).with_context(|| format!("binding {}", config.bind))?;
@@ -179,6 +183,12 @@ impl Simulator {
     pub async fn stop(self) {
         self.crash().await;
         let _ = std::fs::remove_dir_all(&self.scratch);
+    }
+
+    /// The GPU's idle spells so far (taken): each from a prompt's end with nothing queued to the
+    /// start of the next prompt. The dispatcher's "idle gap", measured where it happens.
+    pub fn take_idle_gaps(&self) -> Vec<std::time::Duration> {
+        std::mem::take(&mut self.shared.idle_clock().gaps)
     }
 
     /// Accepted `POST /prompt`s (200s) since start, across restarts.

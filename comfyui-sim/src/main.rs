@@ -29,6 +29,9 @@ struct Args {
     /// Milliseconds per sampler step (fault `step_delay_ms`).
     #[arg(long, default_value_t = 0)]
     step_delay_ms: u64,
+    /// Save PNGs with the fastest compression (fault `fast_png`; for benchmarks).
+    #[arg(long)]
+    fast_png: bool,
 }
 
 #[tokio::main]
@@ -41,6 +44,7 @@ async fn main() -> anyhow::Result<()> {
         models: args.models,
         faults: Faults {
             step_delay_ms: args.step_delay_ms,
+            fast_png: args.fast_png,
             ..Faults::default()
         },
     })
