@@ -82,8 +82,36 @@ where
 pub async fn catch_up<D>(
     store: &AnyEventStore,
     stream: &str,
+    state: D::State,
+    version: Option<u64>,
+) -> anyhow::Result<Loaded<D::State>>
+where
+    D: Decider,
+    D::Event: DomainEvent,
+{
+    catch_up_inspecting::<D>(store, stream, state, version, |_| {}).await
+}
+
+/// Load and fold a whole stream, showing each event to `inspect` on the way (for what the
+/// state does not keep, such as a task's workflow): one read where two would otherwise be made.
+pub async fn load_inspecting<D>(
+    store: &AnyEventStore,
+    stream: &str,
+    inspect: impl FnMut(&D::Event),
+) -> anyhow::Result<Loaded<D::State>>
+where
+    D: Decider,
+    D::Event: DomainEvent,
+{
+    catch_up_inspecting::<D>(store, stream, D::initial_state(), None, inspect).await
+}
+
+async fn catch_up_inspecting<D>(
+    store: &AnyEventStore,
+    stream: &str,
     mut state: D::State,
     mut version: Option<u64>,
+    mut inspect: impl FnMut(&D::Event),
 ) -> anyhow::Result<Loaded<D::State>>
 where
     D: Decider,
@@ -111,6 +139,7 @@ where
                 &recorded.payload,
             )
             .with_context(|| format!("decoding event {} of {stream}", recorded.id))?;
+            inspect(&event);
             state = D::evolve(state, &event);
             version = Some(recorded.stream_version);
         }
@@ -146,8 +175,28 @@ where
     D: Decider,
     D::Event: DomainEvent,
 {
+    let loaded = load::<D>(store, stream).await?;
+    execute_on::<D>(store, stream, loaded, command, metadata, policy).await
+}
+
+/// [`execute`] on a state the caller has just loaded: the first attempt appends without reading
+/// the stream again; a conflict reloads as usual.
+pub async fn execute_on<D>(
+    store: &AnyEventStore,
+    stream: &str,
+    mut loaded: Loaded<D::State>,
+    command: &D::Command,
+    metadata: &EventMetadata,
+    policy: RetryPolicy,
+) -> Result<Executed<D>, CommandError<D::Error>>
+where
+    D: Decider,
+    D::Event: DomainEvent,
+{
     for attempt in 1..=policy.attempts_max {
-        let loaded = load::<D>(store, stream).await?;
+        if attempt > 1 {
+            loaded = load::<D>(store, stream).await?;
+        }
         let new_events = D::decide(&loaded.state, command).map_err(CommandError::Rejected)?;
         if new_events.is_empty() {
             return Ok(Executed {

@@ -134,6 +134,9 @@ impl BackendSettings {
     }
 }
 
+/// Staged tasks are committed to one server; more would let a queue jump (prioritise) miss them.
+pub const STAGED_PER_BACKEND_MAX: u32 = 8;
+
 /// The dispatcher: the pool of ComfyUI servers and every timing of the saga.
 #[derive(Debug, Clone, Deserialize)]
 pub struct DispatchSettings {
@@ -177,6 +180,9 @@ pub struct DispatchSettings {
     pub cancel_attempts_max: u32,
     /// The saga's timer: timeouts, renewals, retries.
     pub tick_ms: u64,
+    /// Tasks per server recorded as dispatched ahead of a free slot, posted the moment one
+    /// frees: enough to hide the store's latency behind the server's work.
+    pub staged_per_backend: u32,
 }
 
 impl DispatchSettings {
@@ -455,6 +461,10 @@ impl Settings {
                 && dispatch.cancel_attempts_max >= 1
                 && dispatch.task_timeout_ms >= 1_000,
             "dispatch: tick_ms must be 1..=leader_renew_ms, *_attempts_max at least 1, task_timeout_ms at least 1000"
+        );
+        anyhow::ensure!(
+            dispatch.staged_per_backend <= STAGED_PER_BACKEND_MAX,
+            "dispatch.staged_per_backend must be 0 to {STAGED_PER_BACKEND_MAX}"
         );
         Ok(())
     }

@@ -233,7 +233,7 @@ impl Application {
                     "dispatch.backends is empty: queued tasks wait until servers are configured"
                 );
             } else {
-                background.push(tokio::spawn(state.dispatcher.clone().run()));
+                background.push(state.dispatcher.clone().spawn_run());
             }
         }
 

@@ -190,19 +190,25 @@ pub fn rejection_reason(body: &Value) -> String {
 pub struct ComfyClient {
     base_url: String,
     http: reqwest::Client,
+    /// Posts only: its connections are opened by the dispatch lane's posts and so driven by that
+    /// lane's thread, never queued behind downloads on the shared runtime.
+    post_http: reqwest::Client,
 }
 
 impl ComfyClient {
     /// `timeout` bounds every request (a hung server must not hang the saga).
     pub fn new(base_url: &str, timeout: Duration) -> anyhow::Result<ComfyClient> {
-        let http = reqwest::Client::builder()
-            .timeout(timeout)
-            .connect_timeout(timeout)
-            .build()
-            .context("building the ComfyUI HTTP client")?;
+        let build = || {
+            reqwest::Client::builder()
+                .timeout(timeout)
+                .connect_timeout(timeout)
+                .build()
+                .context("building the ComfyUI HTTP client")
+        };
         Ok(ComfyClient {
             base_url: base_url.trim_end_matches('/').to_owned(),
-            http,
+            http: build()?,
+            post_http: build()?,
         })
     }
 
@@ -231,7 +237,13 @@ impl ComfyClient {
         workflow: &Value,
     ) -> PostOutcome {
         let body = json!({"prompt": workflow, "client_id": client_id, "prompt_id": prompt_id});
-        let response = match self.http.post(self.url("/prompt")).json(&body).send().await {
+        let response = match self
+            .post_http
+            .post(self.url("/prompt"))
+            .json(&body)
+            .send()
+            .await
+        {
             Ok(response) => response,
             Err(error) => return PostOutcome::Unreachable(error.into()),
         };

@@ -85,6 +85,41 @@ pub struct Dispatcher {
     settings: DispatchSettings,
     backends: Arc<Vec<Backend>>,
     instance: String,
+    /// The dispatch path's own thread: the saga (in `serve`), its sockets and its posts.
+    lane: Arc<Lane>,
+    /// The shared runtime: everything the saga starts that is not on the dispatch path
+    /// (recording, settling, preparing, fetching results, looking prompts up).
+    work: tokio::runtime::Handle,
+}
+
+/// A current-thread runtime on an OS thread of its own. On the shared runtime a woken saga or a
+/// post waits in line behind every ready task (downloads, appends, HTTP requests); here it runs
+/// at once, and the kernel schedules a mostly idle thread promptly. Stops when dropped.
+struct Lane {
+    handle: tokio::runtime::Handle,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Lane {
+    fn start() -> anyhow::Result<Lane> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("building the dispatch lane's runtime")?;
+        let handle = runtime.handle().clone();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name("zhihui-dispatch".into())
+            .spawn(move || {
+                // Until the last dispatcher handle is dropped; then its tasks are dropped too.
+                drop(runtime.block_on(stopped));
+            })
+            .context("starting the dispatch lane's thread")?;
+        Ok(Lane {
+            handle,
+            _stop: stop,
+        })
+    }
 }
 
 impl std::fmt::Debug for Dispatcher {
@@ -137,6 +172,9 @@ impl Dispatcher {
             settings,
             backends: Arc::new(backends),
             instance: Uuid::now_v7().simple().to_string(),
+            lane: Arc::new(Lane::start()?),
+            work: tokio::runtime::Handle::try_current()
+                .context("a dispatcher is built inside the runtime")?,
         })
     }
 
@@ -199,6 +237,12 @@ impl Dispatcher {
         }
     }
 
+    /// [`Dispatcher::run`] on the dispatch lane's thread.
+    pub fn spawn_run(self) -> tokio::task::JoinHandle<()> {
+        let lane = self.lane.handle.clone();
+        lane.spawn(self.run())
+    }
+
     /// Lead whenever possible, forever: a lost lease ends the saga (its sockets close, its memory
     /// is dropped) and the process competes again; the next saga resumes from the events.
     pub async fn run(self) {
@@ -220,6 +264,8 @@ impl Dispatcher {
 #[derive(Debug)]
 enum Input {
     Socket(usize, SocketEvent),
+    /// A task's `TaskStarted` was recorded (or not).
+    Started(anyhow::Result<()>),
     /// A task was queued (from the log): fill free slots.
     Queued,
     /// A user asked to cancel a task in flight (from the log).
@@ -303,6 +349,10 @@ struct InFlight {
     unrecorded: Option<Completion>,
     last_progress: Option<Instant>,
     intent: Uuid,
+    /// Claim order of a staged task: staged tasks are posted in the order they were claimed.
+    claim_seq: u64,
+    /// `TaskStarted` being recorded: the end is recorded after it, so the log keeps the order.
+    starting: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl InFlight {
@@ -330,6 +380,8 @@ impl InFlight {
             unrecorded: None,
             last_progress: None,
             intent,
+            claim_seq: 0,
+            starting: None,
         }
     }
 }
@@ -340,8 +392,8 @@ struct BackendState {
     client_id: Option<String>,
     /// When a slot last freed with nothing posted since (the start of a GPU idle gap).
     freed_at: Option<Instant>,
-    /// The task whose staged dispatch is being recorded in the background.
-    staging: Option<TaskId>,
+    /// Tasks whose staged dispatch is being recorded in the background, with their claim order.
+    staging: HashMap<TaskId, u64>,
 }
 
 /// A running saga (the leader's). Dropping it closes its sockets and stops its subscription.
@@ -363,6 +415,8 @@ pub struct Saga {
     last_watchdog: Instant,
     last_orphan_scan: Instant,
     gaps: Vec<Duration>,
+    /// Counts claims (orders staged tasks).
+    claims: u64,
 }
 
 impl std::fmt::Debug for Saga {
@@ -401,8 +455,13 @@ impl Saga {
         for (index, backend) in dispatcher.backends.iter().enumerate() {
             let client = backend.client.clone();
             let sender = socket_sender.clone();
-            background
-                .push(tokio::spawn(socket::run(index, client, timings, sender)).abort_handle());
+            background.push(
+                dispatcher
+                    .lane
+                    .handle
+                    .spawn(socket::run(index, client, timings, sender))
+                    .abort_handle(),
+            );
         }
         // Task events from now on: queued tasks wake the saga at once, cancel requests reach it.
         let head = dispatcher
@@ -465,6 +524,7 @@ impl Saga {
             last_watchdog: now,
             last_orphan_scan: now,
             gaps: Vec::new(),
+            claims: 0,
         })
     }
 
@@ -565,10 +625,17 @@ impl Saga {
                 self.on_message(backend, message).await
             }
             Input::Queued => self.fill_all().await,
+            // A start that could not be recorded is not retried: the end is what matters, and
+            // the end is recorded whatever happened to the start.
+            Input::Started(result) => result,
             Input::CancelRequested(task_id) => {
                 let Some(flight) = self.in_flight.get_mut(&task_id) else {
                     // Maybe being staged right now: remembered for `admit`.
-                    if self.backends.iter().any(|b| b.staging == Some(task_id)) {
+                    if self
+                        .backends
+                        .iter()
+                        .any(|b| b.staging.contains_key(&task_id))
+                    {
                         self.early_cancels.insert(task_id);
                     }
                     return Ok(());
@@ -590,9 +657,14 @@ impl Saga {
                 task_id,
                 result,
             } => {
-                self.backends[backend].staging = None;
+                let claim_seq = self.backends[backend].staging.remove(&task_id).unwrap_or(0);
                 let prepared = result?;
                 self.admit(backend, task_id, prepared, Phase::Staged);
+                if let Some(flight) = self.in_flight.get_mut(&task_id)
+                    && flight.phase == Phase::Staged
+                {
+                    flight.claim_seq = claim_seq;
+                }
                 // Cancelled while it was being recorded: never posted, cancelled here.
                 if self
                     .in_flight
@@ -787,11 +859,22 @@ impl Saga {
             .count()
     }
 
+    /// `backend`'s staged task claimed first (it was first in the queue).
     fn staged_on(&self, backend: usize) -> Option<TaskId> {
         self.in_flight
             .iter()
-            .find(|(_, f)| f.backend == backend && f.phase == Phase::Staged)
+            .filter(|(_, f)| f.backend == backend && f.phase == Phase::Staged)
+            .min_by_key(|(_, f)| f.claim_seq)
             .map(|(task_id, _)| *task_id)
+    }
+
+    /// Tasks staged on `backend` or being staged there.
+    fn staged_count(&self, backend: usize) -> usize {
+        self.in_flight
+            .values()
+            .filter(|f| f.backend == backend && f.phase == Phase::Staged)
+            .count()
+            + self.backends[backend].staging.len()
     }
 
     async fn fill_all(&mut self) -> anyhow::Result<()> {
@@ -829,17 +912,7 @@ impl Saga {
             if self.promote_staged(backend) {
                 continue;
             }
-            let claim = self
-                .dispatcher
-                .leases
-                .claim(
-                    &self.term,
-                    &self.dispatcher.backends[backend].settings.name,
-                    capacity,
-                    self.busy(backend),
-                    self.dispatcher.settings.slot_lease_ms,
-                )
-                .await?;
+            let claim = self.claim_on(backend, capacity, self.busy(backend)).await?;
             match claim {
                 Claim::Claimed { task_id, score } => {
                     self.dispatch(backend, task_id, score, Phase::Posting)
@@ -854,28 +927,41 @@ impl Saga {
                 Claim::NotLeader => return Err(LostLeadership.into()),
             }
         }
-        if self.staged_on(backend).is_some() || self.backends[backend].staging.is_some() {
-            return Ok(());
+        // Slot leases beyond the capacity: each staged task holds one until it is posted.
+        let depth = self.dispatcher.settings.staged_per_backend;
+        while self.staged_count(backend) < depth as usize {
+            let busy_known = self.busy(backend) + self.staged_count(backend);
+            let claim = self.claim_on(backend, capacity + depth, busy_known).await?;
+            match claim {
+                Claim::Claimed { task_id, score } => {
+                    self.dispatch(backend, task_id, score, Phase::Staged)
+                        .await?;
+                }
+                Claim::Full | Claim::Empty => return Ok(()),
+                Claim::NotLeader => return Err(LostLeadership.into()),
+            }
         }
-        // One slot lease beyond the capacity: the staged task holds it until it is posted.
-        let claim = self
-            .dispatcher
+        Ok(())
+    }
+
+    /// Claim the first queued task onto `backend` while fewer than `limit` of its slot leases are
+    /// live (at least `busy_known`: what this saga knows to be busy there).
+    async fn claim_on(
+        &self,
+        backend: usize,
+        limit: u32,
+        busy_known: usize,
+    ) -> anyhow::Result<Claim> {
+        self.dispatcher
             .leases
             .claim(
                 &self.term,
                 &self.dispatcher.backends[backend].settings.name,
-                capacity + 1,
-                self.busy(backend),
+                limit,
+                busy_known,
                 self.dispatcher.settings.slot_lease_ms,
             )
-            .await?;
-        match claim {
-            Claim::Claimed { task_id, score } => {
-                self.dispatch(backend, task_id, score, Phase::Staged).await
-            }
-            Claim::Full | Claim::Empty => Ok(()),
-            Claim::NotLeader => Err(LostLeadership.into()),
-        }
+            .await
     }
 
     /// Record a claimed task as dispatched to `backend`: now and posted (`Posting`), or in the
@@ -898,10 +984,11 @@ impl Saga {
             at: self.dispatcher.clock.now(),
             metadata: self.metadata(task_id),
         };
+        self.claims += 1;
         if phase == Phase::Staged {
-            self.backends[backend].staging = Some(task_id);
+            self.backends[backend].staging.insert(task_id, self.claims);
             let sender = self.inputs_sender.clone();
-            tokio::spawn(async move {
+            self.dispatcher.work.spawn(async move {
                 let result = preparation.run().await;
                 drop(sender.send(Input::Prepared {
                     backend,
@@ -942,7 +1029,7 @@ impl Saga {
             self.post(task_id);
         }
         let notifier = self.dispatcher.notifier.clone();
-        tokio::spawn(async move {
+        self.dispatcher.work.spawn(async move {
             notifier.tell(owner, task_id, TaskNotice::Dispatched).await;
             notifier.queue_moved().await;
         });
@@ -964,7 +1051,7 @@ impl Saga {
         let prompt_id = flight.prompt_id;
         let workflow = flight.workflow.clone();
         let sender = self.inputs_sender.clone();
-        tokio::spawn(async move {
+        self.dispatcher.lane.handle.spawn(async move {
             let outcome = client.post_prompt(prompt_id, &client_id, &workflow).await;
             let gap = freed_at.map(|freed| freed.elapsed());
             drop(sender.send(Input::Posted {
@@ -998,7 +1085,7 @@ impl Saga {
         if stopping {
             flight.stop_attempts += 1;
         }
-        tokio::spawn(async move {
+        self.dispatcher.work.spawn(async move {
             let result = async {
                 if stopping {
                     // Pending: out of the queue. Running: interrupted (a no-op on anything else).
@@ -1037,7 +1124,7 @@ impl Saga {
                 {
                     self.gaps.push(gap);
                 }
-                self.accepted(task_id).await?;
+                self.accepted(task_id);
                 if self
                     .in_flight
                     .get(&task_id)
@@ -1059,31 +1146,34 @@ impl Saga {
         }
     }
 
-    /// The server has the prompt: record the task as started (once).
-    async fn accepted(&mut self, task_id: TaskId) -> anyhow::Result<()> {
+    /// The server has the prompt: record the task as started (once), off the saga's path (a
+    /// slot that frees meanwhile must not wait for this append).
+    fn accepted(&mut self, task_id: TaskId) {
+        let metadata = self.metadata(task_id);
         let Some(flight) = self.in_flight.get_mut(&task_id) else {
-            return Ok(());
+            return;
         };
         if flight.phase != Phase::Posting {
-            return Ok(());
+            return;
         }
         flight.phase = Phase::Accepted;
         let command = TaskCommand::Start {
             fencing_token: self.term.fencing_token,
             at: self.dispatcher.clock.now(),
         };
-        match self
-            .dispatcher
-            .tasks
-            .execute_task(task_id, &command, &self.metadata(task_id))
-            .await
-        {
-            Ok(_) | Err(CommandError::Rejected(TaskError::InvalidTransition { .. })) => Ok(()),
-            Err(CommandError::Rejected(TaskError::StaleDispatcher { .. })) => {
-                Err(LostLeadership.into())
-            }
-            Err(other) => Err(anyhow::Error::new(other).context("recording a start")),
-        }
+        let tasks = self.dispatcher.tasks.clone();
+        let sender = self.inputs_sender.clone();
+        flight.starting = Some(self.dispatcher.work.spawn(async move {
+            let result = match tasks.execute_task(task_id, &command, &metadata).await {
+                // Already ended (recorded by an earlier leader): nothing to start.
+                Ok(_) | Err(CommandError::Rejected(TaskError::InvalidTransition { .. })) => Ok(()),
+                Err(CommandError::Rejected(TaskError::StaleDispatcher { .. })) => {
+                    Err(LostLeadership.into())
+                }
+                Err(other) => Err(anyhow::Error::new(other).context("recording a start")),
+            };
+            drop(sender.send(Input::Started(result)));
+        }));
     }
 
     async fn on_located(
@@ -1115,7 +1205,7 @@ impl Saga {
         };
         match whereabouts {
             PromptWhereabouts::Running | PromptWhereabouts::Pending => {
-                self.accepted(task_id).await?;
+                self.accepted(task_id);
                 let exhausted = self.in_flight.get(&task_id).is_some_and(|f| {
                     f.stop.is_some() && f.stop_attempts >= settings.cancel_attempts_max
                 });
@@ -1173,7 +1263,10 @@ impl Saga {
             return Ok(());
         }
         match message {
-            ComfyMessage::ExecutionStart { .. } => self.accepted(task_id).await,
+            ComfyMessage::ExecutionStart { .. } => {
+                self.accepted(task_id);
+                Ok(())
+            }
             ComfyMessage::Progress { value, max, .. } => {
                 let interval =
                     Duration::from_millis(self.dispatcher.settings.progress_notify_interval_ms);
@@ -1190,7 +1283,7 @@ impl Saga {
                 let queue = self.dispatcher.tasks.queue.clone();
                 let notifier = self.dispatcher.notifier.clone();
                 // Progress is a hint: written and told off the saga's path.
-                tokio::spawn(async move {
+                self.dispatcher.work.spawn(async move {
                     // ComfyUI may send floats; users get whole steps.
                     let (whole, whole_max) =
                         (value.max(0.0).round() as u64, max.max(0.0).round() as u64);
@@ -1278,7 +1371,7 @@ impl Saga {
         let prompt_id = flight.prompt_id;
         let settings = self.dispatcher.settings.clone();
         let sender = self.inputs_sender.clone();
-        tokio::spawn(async move {
+        self.dispatcher.work.spawn(async move {
             let result = async {
                 let outcome = match known {
                     // An error or interrupt says all there is; a success needs the outputs.
@@ -1386,15 +1479,20 @@ impl Saga {
         let owner = flight.owner;
         let intent = flight.intent;
         // Recorded off the saga's path: the next dispatch must not wait for this one's writes.
-        if let Some(flight) = self.in_flight.get_mut(&task_id) {
+        let starting = self.in_flight.get_mut(&task_id).and_then(|flight| {
             flight.effect_running = true;
-        }
+            flight.starting.take()
+        });
         let tasks = self.dispatcher.tasks.clone();
         let metadata = self.metadata(task_id);
         let notifier = self.dispatcher.notifier.clone();
         let sender = self.inputs_sender.clone();
-        tokio::spawn(async move {
+        self.dispatcher.work.spawn(async move {
             let result = async {
+                if let Some(starting) = starting {
+                    // Its outcome reaches the saga on its own; only the order matters here.
+                    drop(starting.await);
+                }
                 let recorded = match tasks.execute_task(task_id, &command, &metadata).await {
                     // A repeat records nothing new and tells nobody twice.
                     Ok(executed) => !executed.new_events.is_empty(),
@@ -1450,7 +1548,10 @@ impl Saga {
         for row in rows {
             let task_id: TaskId = row.get(0);
             if self.in_flight.contains_key(&task_id)
-                || self.backends.iter().any(|b| b.staging == Some(task_id))
+                || self
+                    .backends
+                    .iter()
+                    .any(|b| b.staging.contains_key(&task_id))
             {
                 continue;
             }
@@ -1461,7 +1562,8 @@ impl Saga {
 
     async fn adopt(&mut self, task_id: TaskId) -> anyhow::Result<()> {
         let tasks = self.dispatcher.tasks.clone();
-        let (state, workflow) = tasks.load_with_workflow(task_id).await?;
+        let (loaded, workflow) = tasks.load_with_workflow(task_id).await?;
+        let state = loaded.state;
         let (Some(owner), Some(workflow), Some(prompt_id), Some(backend_name)) = (
             state.owner,
             workflow,
@@ -1598,7 +1700,7 @@ impl Preparation {
                 tracing::warn!(%task_id, error = %crate::telemetry::error_chain(&error), "could not free a slot");
             }
         };
-        let (state, workflow) = match tasks.load_with_workflow(task_id).await {
+        let (loaded, workflow) = match tasks.load_with_workflow(task_id).await {
             Ok(loaded) => loaded,
             Err(error) => {
                 give_back().await;
@@ -1606,7 +1708,7 @@ impl Preparation {
             }
         };
         let (Some(owner), Some(workflow), TaskStatus::Queued) =
-            (state.owner, workflow, state.status)
+            (loaded.state.owner, workflow, loaded.state.status)
         else {
             leases.release_slot(&backend_name, task_id).await?;
             return Ok(None);
@@ -1628,7 +1730,11 @@ impl Preparation {
             fencing_token,
             at,
         };
-        match tasks.execute_task(task_id, &command, &metadata).await {
+        // Decided on the state just read: the append is the only other round trip.
+        match tasks
+            .execute_task_on(task_id, loaded, &command, &metadata)
+            .await
+        {
             Ok(_) => Ok(Some(Prepared {
                 owner,
                 workflow,

@@ -276,36 +276,21 @@ impl TaskService {
             .state)
     }
 
-    /// A task's state and the workflow it was submitted with (what a dispatcher posts).
+    /// A task's state and the workflow it was submitted with (what a dispatcher posts), in one
+    /// read of its stream; the state comes with its version for [`TaskService::execute_task_on`].
     pub async fn load_with_workflow(
         &self,
         task_id: TaskId,
-    ) -> anyhow::Result<(TaskState, Option<serde_json::Value>)> {
-        // A task stream starts with its `TaskSubmitted`.
-        let first = self
-            .store
-            .read_stream(
-                &task_stream(task_id),
-                crate::event_store::Direction::Forwards,
-                crate::event_store::ReadFrom::Start,
-                1,
-            )
-            .await
-            .context("reading a task's first event")?;
-        let workflow = match first.first() {
-            Some(recorded) => match TaskEvent::from_stored(
-                &recorded.event_type,
-                recorded.schema_version,
-                &recorded.payload,
-            )
-            .with_context(|| format!("decoding event {}", recorded.id))?
-            {
-                TaskEvent::Submitted(submitted) => Some(submitted.workflow),
-                _ => None,
-            },
-            None => None,
-        };
-        Ok((self.load(task_id).await?, workflow))
+    ) -> anyhow::Result<(command::Loaded<TaskState>, Option<serde_json::Value>)> {
+        let mut workflow = None;
+        let loaded =
+            command::load_inspecting::<Task>(&self.store, &task_stream(task_id), |event| {
+                if let TaskEvent::Submitted(submitted) = event {
+                    workflow = Some(submitted.workflow.clone());
+                }
+            })
+            .await?;
+        Ok((loaded, workflow))
     }
 
     pub(crate) async fn execute_task(
@@ -317,6 +302,25 @@ impl TaskService {
         command::execute::<Task>(
             &self.store,
             &task_stream(task_id),
+            command,
+            metadata,
+            self.retry,
+        )
+        .await
+    }
+
+    /// [`TaskService::execute_task`] on a state just loaded: no second read before the append.
+    pub(crate) async fn execute_task_on(
+        &self,
+        task_id: TaskId,
+        loaded: command::Loaded<TaskState>,
+        command: &TaskCommand,
+        metadata: &EventMetadata,
+    ) -> Result<command::Executed<Task>, CommandError<TaskError>> {
+        command::execute_on::<Task>(
+            &self.store,
+            &task_stream(task_id),
+            loaded,
             command,
             metadata,
             self.retry,

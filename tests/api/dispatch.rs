@@ -712,3 +712,64 @@ async fn a_task_staged_behind_a_running_one_is_cancelled_without_ever_being_post
     assert_settled(&harness, &process, &user, 10).await;
     saga.resign().await;
 }
+
+#[tokio::test]
+async fn staged_tasks_wait_ahead_of_the_queue_and_reach_their_server_in_queue_order() {
+    let faults = Faults {
+        step_delay_ms: 40,
+        ..Faults::default()
+    };
+    let harness = harness_with(1, faults, |dispatch| dispatch.staged_per_backend = 3).await;
+    let app = &harness.app;
+    let (user, token) = funded_user(app, "patient", "10").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 1).await;
+    // 50 steps of 40 ms: still running while the others are staged and checked.
+    let first = submit_task(app, &token, 1, 50).await;
+    let mut tasks = vec![first.clone()];
+    for _ in 0..4 {
+        tasks.push(submit_task(app, &token, 1, 1).await);
+    }
+    // While the first runs, three are recorded as dispatched to the busy server; the fifth waits
+    // in the queue (the staging depth bounds how many are committed to one server).
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&first),
+        &[TaskStatus::Running],
+    )
+    .await;
+    drive_until(&mut saga, &process, &tasks[1..4], &[TaskStatus::Dispatched]).await;
+    assert_eq!(
+        status_of(&process, &tasks[4]).await.status,
+        TaskStatus::Queued
+    );
+    drive_until(&mut saga, &process, &tasks, &[TaskStatus::Succeeded]).await;
+    drive_until_idle(&mut saga).await;
+    // The server ran them in the order they were queued: by each prompt's `execution_start`
+    // time in the server's history (prompts run at least one 40 ms step apart).
+    let history: Value = reqwest::get(format!("{}/history", harness.sims[0].base_url()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut ran = Vec::new();
+    for task in &tasks {
+        let prompt_id = status_of(&process, task).await.prompt_id.unwrap();
+        let started_ms = history[prompt_id.to_string()]["status"]["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|message| message[0] == "execution_start")
+            .and_then(|message| message[1]["timestamp"].as_u64())
+            .unwrap();
+        ran.push((started_ms, task.clone()));
+    }
+    ran.sort();
+    let ran: Vec<String> = ran.into_iter().map(|(_, task)| task).collect();
+    assert_eq!(ran, tasks, "staged tasks were posted out of queue order");
+    assert_settled(&harness, &process, &user, 5).await;
+    saga.resign().await;
+}
