@@ -1,10 +1,23 @@
-//! Benchmark of account commands through the real command path (`AggregateService<Account>` on
-//! the PostgreSQL event store): freeze/release pairs
-//! - on distinct accounts (each client its own account), and
-//! - on one hot account shared by 64 clients,
+//! Benchmark of account commands: our command path against the cqrs-es framework, on the same
+//! PostgreSQL in the same run, with the same workload: 64 clients doing freeze/release pairs of 1
+//! point
+//! - on distinct accounts (each client its own account, granted 1,000,000 points first), and
+//! - on one hot account shared by the 64 clients,
 //!
-//! printing commands/s, p50/p99 latency and the errors clients saw (conflicts must be zero), then
-//! `RESULT <name> <value> <unit>` lines.
+//! for SECONDS_PER_CASE per case.
+//!
+//! - Ours: `AggregateService<Account>` on the PostgreSQL event store (pool of 32 connections,
+//!   group commit with 4 writers). Every error a client sees is counted; there must be none.
+//! - The peer, after ours: a cqrs-es `Aggregate` with the same rules and event payloads, through
+//!   `postgres_es::postgres_cqrs` (the crate's default: no snapshots; no queries, as ours runs no
+//!   projections here), its tables in their own schema `cqrs_peer` of the same database, a pool of
+//!   32 connections (see `bench/src/cqrs_peer`). Its clients do not retry: the optimistic
+//!   concurrency conflicts (`AggregateError::AggregateConflict`) they see are counted apart from
+//!   other errors, and a pair whose freeze failed skips its release.
+//!
+//! Both sides count successful commands/s and their p50/p99 latency. It prints a table, then
+//! `RESULT <name> <value> <unit>` lines, the ratios `commands_*_ratio_vs_cqrs_es` being ours /
+//! theirs.
 //!
 //!     DATABASE_URL=postgres://zhihui@127.0.0.1:55432/zhihui \
 //!         cargo run --release --bin bench_commands [-- SECONDS_PER_CASE]
@@ -13,27 +26,34 @@
 
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
+#[path = "../cqrs_peer/mod.rs"]
+mod cqrs_peer;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use secrecy::ExposeSecret;
 use uuid::Uuid;
 use zhihui::aggregate::AggregateService;
-use zhihui::bench_support::metadata;
-use zhihui::command::RetryPolicy;
+use zhihui::bench_support::{Figure, metadata};
+use zhihui::command::{CommandError, RetryPolicy};
 use zhihui::configuration::Settings;
 use zhihui_domain::account::{Account, AccountCommand, account_stream};
 use zhihui_domain::points::Amount;
 use zhihui_domain::user::UserId;
 
 const CLIENTS: usize = 64;
+/// Connections of each side's pool.
+const POOL_SIZE: usize = 32;
+const CASES: [(&str, bool); 2] = [("distinct", false), ("hot", true)];
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let seconds = zhihui::bench_support::seconds_per_case()?;
     zhihui::bench_support::with_fresh_database(
         |settings| {
-            settings.database.pool_max_size = 32;
+            settings.database.pool_max_size = POOL_SIZE;
             settings.event_store.group_commit_writers = 4;
         },
         |settings| async move { run(&settings, seconds).await },
@@ -41,17 +61,134 @@ async fn main() -> anyhow::Result<()> {
     .await
 }
 
-async fn run(
-    settings: &Settings,
-    seconds: u64,
-) -> anyhow::Result<Vec<(String, f64, &'static str)>> {
+/// What the clients of one case saw.
+#[derive(Debug, Clone, Copy)]
+struct CaseFigures {
+    succeeded: usize,
+    per_second: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    conflicts: u64,
+    other_errors: u64,
+}
+
+impl CaseFigures {
+    fn new(
+        mut latencies_us: Vec<u64>,
+        elapsed: Duration,
+        conflicts: u64,
+        other_errors: u64,
+    ) -> CaseFigures {
+        latencies_us.sort_unstable();
+        let percentile = |p: f64| {
+            latencies_us
+                .get(
+                    ((latencies_us.len() as f64 * p) as usize)
+                        .min(latencies_us.len().saturating_sub(1)),
+                )
+                .copied()
+                .unwrap_or(0) as f64
+                / 1000.0
+        };
+        CaseFigures {
+            succeeded: latencies_us.len(),
+            per_second: latencies_us.len() as f64 / elapsed.as_secs_f64(),
+            p50_ms: percentile(0.50),
+            p99_ms: percentile(0.99),
+            conflicts,
+            other_errors,
+        }
+    }
+
+    fn errors(&self) -> u64 {
+        self.conflicts + self.other_errors
+    }
+
+    fn print(&self, side: &str, case: &str) {
+        println!(
+            "{side:>8} {case:>8} accounts, {CLIENTS} clients: {:>8.0} commands/s  p50 {:.2} ms  p99 {:.2} ms  errors seen by clients {} ({} conflicts)",
+            self.per_second,
+            self.p50_ms,
+            self.p99_ms,
+            self.errors(),
+            self.conflicts,
+        );
+    }
+}
+
+async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
+    let ours = run_ours(settings, seconds).await?;
+    let theirs = run_cqrs_es(settings, seconds).await?;
+
+    println!();
+    println!(
+        "| side | case | commands/s | commands succeeded | p50 ms | p99 ms | conflicts | other errors |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for (side, figures) in [("ours", &ours), ("cqrs-es", &theirs)] {
+        for ((case, _), f) in CASES.iter().zip(figures) {
+            println!(
+                "| {side} | {case} | {:.0} | {} | {:.2} | {:.2} | {} | {} |",
+                f.per_second, f.succeeded, f.p50_ms, f.p99_ms, f.conflicts, f.other_errors
+            );
+        }
+    }
+    for ((case, _), (ours, theirs)) in CASES.iter().zip(ours.iter().zip(&theirs)) {
+        println!(
+            "{case}: ours / cqrs-es = {:.1} x",
+            ours.per_second / theirs.per_second
+        );
+    }
+
+    let mut results: Vec<Figure> = Vec::new();
+    for ((case, _), f) in CASES.iter().zip(&ours) {
+        results.push((
+            format!("commands_{case}_64_clients"),
+            f.per_second,
+            "commands/s",
+        ));
+        results.push((
+            format!("commands_{case}_errors"),
+            f.errors() as f64,
+            "errors",
+        ));
+    }
+    for ((case, _), f) in CASES.iter().zip(&theirs) {
+        results.push((
+            format!("cqrs_es_{case}_commands_per_second"),
+            f.per_second,
+            "commands/s",
+        ));
+        results.push((
+            format!("cqrs_es_{case}_conflicts"),
+            f.conflicts as f64,
+            "conflicts",
+        ));
+        results.push((
+            format!("cqrs_es_{case}_other_errors"),
+            f.other_errors as f64,
+            "errors",
+        ));
+    }
+    for ((case, _), (ours, theirs)) in CASES.iter().zip(ours.iter().zip(&theirs)) {
+        results.push((
+            format!("commands_{case}_ratio_vs_cqrs_es"),
+            ours.per_second / theirs.per_second,
+            "x",
+        ));
+    }
+    Ok(results)
+}
+
+/// Our side: `AggregateService<Account>` on the PostgreSQL event store.
+async fn run_ours(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<CaseFigures>> {
     let pool = zhihui::postgres::build_pool(&settings.database)?;
     zhihui::postgres::migrate(&pool).await?;
     let store = zhihui::event_store::from_settings(settings, pool)?;
     let accounts: AggregateService<Account> =
         AggregateService::new(store, RetryPolicy::default(), Duration::from_secs(60));
-    let mut results = Vec::new();
-    for (case, hot) in [("distinct", false), ("hot", true)] {
+    let mut figures = Vec::new();
+    for (case, hot) in CASES {
         let hot_account = UserId::from_uuid(Uuid::now_v7());
         let streams: Vec<String> = (0..CLIENTS)
             .map(|_| {
@@ -62,21 +199,7 @@ async fn run(
                 })
             })
             .collect();
-        for stream in &streams {
-            accounts
-                .execute(
-                    stream,
-                    AccountCommand::Grant {
-                        operation_id: Uuid::now_v7(),
-                        amount: Amount::whole(1_000_000),
-                        reason: "bench".into(),
-                        at: chrono::Utc::now(),
-                    },
-                    metadata(),
-                )
-                .await
-                .map_err(|error| anyhow::anyhow!("{error}"))?;
-        }
+        zhihui::bench_support::fund(&accounts, &streams).await?;
         let stop = Arc::new(AtomicBool::new(false));
         let started = Instant::now();
         let clients: Vec<_> = streams
@@ -86,7 +209,8 @@ async fn run(
                 let stop = stop.clone();
                 tokio::spawn(async move {
                     let mut latencies_us = Vec::new();
-                    let mut errors = 0u64;
+                    let mut conflicts = 0u64;
+                    let mut other_errors = 0u64;
                     while !stop.load(Ordering::Relaxed) {
                         let hold_id = Uuid::now_v7();
                         for command in [
@@ -104,44 +228,60 @@ async fn run(
                             let sent = Instant::now();
                             match accounts.execute(&stream, command, metadata()).await {
                                 Ok(_) => latencies_us.push(sent.elapsed().as_micros() as u64),
-                                Err(_) => errors += 1,
+                                Err(CommandError::Contended { .. }) => conflicts += 1,
+                                Err(_) => other_errors += 1,
                             }
                         }
                     }
-                    (latencies_us, errors)
+                    (latencies_us, conflicts, other_errors)
                 })
             })
             .collect();
         tokio::time::sleep(Duration::from_secs(seconds)).await;
         stop.store(true, Ordering::Relaxed);
         let mut latencies = Vec::new();
-        let mut errors = 0;
+        let (mut conflicts, mut other_errors) = (0, 0);
         for client in clients {
-            let (client_latencies, client_errors) = client.await?;
+            let (client_latencies, client_conflicts, client_other_errors) = client.await?;
             latencies.extend(client_latencies);
-            errors += client_errors;
+            conflicts += client_conflicts;
+            other_errors += client_other_errors;
         }
-        let elapsed = started.elapsed().as_secs_f64();
-        latencies.sort_unstable();
-        let per_second = latencies.len() as f64 / elapsed;
-        let percentile = |p: f64| {
-            latencies
-                .get(((latencies.len() as f64 * p) as usize).min(latencies.len().saturating_sub(1)))
-                .copied()
-                .unwrap_or(0) as f64
-                / 1000.0
-        };
-        println!(
-            "{case:>8} accounts, {CLIENTS} clients: {per_second:>8.0} commands/s  p50 {:.2} ms  p99 {:.2} ms  errors seen by clients {errors}",
-            percentile(0.50),
-            percentile(0.99)
-        );
-        results.push((
-            format!("commands_{case}_64_clients"),
-            per_second,
-            "commands/s",
-        ));
-        results.push((format!("commands_{case}_errors"), errors as f64, "errors"));
+        let case_figures = CaseFigures::new(latencies, started.elapsed(), conflicts, other_errors);
+        case_figures.print("ours", case);
+        figures.push(case_figures);
     }
-    Ok(results)
+    Ok(figures)
+}
+
+/// The peer: the same workload through cqrs-es on postgres-es, in the same database.
+async fn run_cqrs_es(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<CaseFigures>> {
+    let pool = cqrs_peer::connect(settings.database.url.expose_secret(), POOL_SIZE as u32).await?;
+    let cqrs = Arc::new(postgres_es::postgres_cqrs::<cqrs_peer::BankAccount>(
+        pool.clone(),
+        vec![],
+        (),
+    ));
+    let mut figures = Vec::new();
+    for (case, hot) in CASES {
+        let outcome = cqrs_peer::run_case(&cqrs, hot, CLIENTS, seconds).await?;
+        if let Some(error) = &outcome.first_other_error {
+            println!("cqrs-es {case}: first error other than a conflict: {error}");
+        }
+        println!(
+            "cqrs-es {case}: {} releases skipped after a failed freeze",
+            outcome.releases_skipped
+        );
+        let case_figures = CaseFigures::new(
+            outcome.latencies_us,
+            outcome.elapsed,
+            outcome.conflicts,
+            outcome.other_errors,
+        );
+        case_figures.print("cqrs-es", case);
+        figures.push(case_figures);
+    }
+    drop(cqrs);
+    pool.close().await;
+    Ok(figures)
 }

@@ -81,21 +81,7 @@ async fn run(
     let streams: Vec<String> = (0..CLIENTS)
         .map(|_| account_stream(UserId::from_uuid(Uuid::now_v7())))
         .collect();
-    for stream in &streams {
-        accounts
-            .execute(
-                stream,
-                AccountCommand::Grant {
-                    operation_id: Uuid::now_v7(),
-                    amount: Amount::whole(1_000_000),
-                    reason: "bench".into(),
-                    at: chrono::Utc::now(),
-                },
-                metadata(),
-            )
-            .await
-            .map_err(|error| anyhow::anyhow!("{error}"))?;
-    }
+    zhihui::bench_support::fund(&accounts, &streams).await?;
 
     let (observer, mut lags) = tokio::sync::mpsc::unbounded_channel();
     let runner = zhihui::projector::Projector::live(
