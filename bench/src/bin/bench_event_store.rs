@@ -1,10 +1,11 @@
 //! Benchmark of event-store appends on PostgreSQL: 1, 8 and 32 concurrent writers, one event per
 //! append, each writer on its own stream with an exact expected version, with and without group
-//! commit. Prints events/s and p50/p99 latency, then one `RESULT <name> <value> <unit>` line per
-//! figure.
+//! commit, beside a baseline in the same run: plain single-row `INSERT`s (one transaction each,
+//! a primary key on (stream, version), the same payload), the least a durable append can cost.
+//! Prints events/s and p50/p99 latency, then one `RESULT <name> <value> <unit>` line per figure.
 //!
 //!     DATABASE_URL=postgres://zhihui@127.0.0.1:55432/zhihui \
-//!         cargo run --release --bin bench_event_store [-- SECONDS_PER_CASE]
+//!         cargo run --release -p zhihui-bench --bin bench_event_store [-- SECONDS_PER_CASE]
 //!
 //! It creates a fresh database `zhihui_bench_<uuid>` next to DATABASE_URL's and drops it at the end.
 
@@ -58,6 +59,55 @@ async fn run(
         "mode", "writers", "events/s", "p50 ms", "p99 ms"
     );
     let mut results = Vec::new();
+    pool.get()
+        .await?
+        .batch_execute(
+            "CREATE TABLE bench_raw_events (stream_id text NOT NULL, stream_version bigint NOT NULL, \
+               payload jsonb NOT NULL, PRIMARY KEY (stream_id, stream_version))",
+        )
+        .await?;
+    let mut raw_per_second = Vec::new();
+    for writers in WRITER_COUNTS {
+        let run = Uuid::now_v7().simple();
+        let pool = pool.clone();
+        let (events_per_second, p50, p99) =
+            measure(writers, Duration::from_secs(seconds), move |writer, n| {
+                let pool = pool.clone();
+                async move {
+                    let client = pool.get().await?;
+                    let insert = client
+                        .prepare_cached(
+                            "INSERT INTO bench_raw_events (stream_id, stream_version, payload) \
+                             VALUES ($1, $2, $3)",
+                        )
+                        .await?;
+                    client
+                        .execute(
+                            &insert,
+                            &[
+                                &format!("bench-{run}-{writer}"),
+                                &i64::try_from(n)?,
+                                &serde_json::json!({ "n": n }),
+                            ],
+                        )
+                        .await?;
+                    anyhow::Ok(())
+                }
+            })
+            .await?;
+        print_case("raw_insert", writers, events_per_second, p50, p99);
+        raw_per_second.push(events_per_second);
+        results.push((
+            format!("raw_insert_{writers}w"),
+            events_per_second,
+            "events/s",
+        ));
+        results.push((
+            format!("raw_insert_{writers}w_p99"),
+            p99.as_secs_f64() * 1e6,
+            "us",
+        ));
+    }
     for group_commit in [false, true] {
         let store = PostgresEventStore::start(
             pool.clone(),
@@ -72,19 +122,35 @@ async fn run(
                 listen_config: settings.database.pg_config()?,
             },
         );
-        for writers in WRITER_COUNTS {
+        for (case, writers) in WRITER_COUNTS.into_iter().enumerate() {
+            let run = Uuid::now_v7().simple();
+            let store = store.clone();
             let (events_per_second, p50, p99) =
-                measure(&store, writers, Duration::from_secs(seconds)).await?;
+                measure(writers, Duration::from_secs(seconds), move |writer, n| {
+                    let store = store.clone();
+                    async move {
+                        let expected = match n {
+                            0 => ExpectedVersion::NoStream,
+                            n => ExpectedVersion::Exact(n - 1),
+                        };
+                        store
+                            .append(&format!("bench-{run}-{writer}"), expected, vec![event(n)])
+                            .await?;
+                        anyhow::Ok(())
+                    }
+                })
+                .await?;
             let mode = if group_commit {
                 "group_commit"
             } else {
                 "single"
             };
-            println!(
-                "{mode:<14} {writers:>8} {events_per_second:>12.0} {:>10.2} {:>10.2}",
-                p50.as_secs_f64() * 1e3,
-                p99.as_secs_f64() * 1e3
-            );
+            print_case(mode, writers, events_per_second, p50, p99);
+            results.push((
+                format!("append_{mode}_{writers}w_ratio_vs_raw_insert"),
+                events_per_second / raw_per_second[case],
+                "x",
+            ));
             results.push((
                 format!("append_{mode}_{writers}w"),
                 events_per_second,
@@ -100,36 +166,51 @@ async fn run(
     Ok(results)
 }
 
-/// Run `writers` loops for `duration`; each appends one event at a time to its own stream.
-async fn measure(
-    store: &PostgresEventStore,
+fn print_case(mode: &str, writers: usize, events_per_second: f64, p50: Duration, p99: Duration) {
+    println!(
+        "{mode:<14} {writers:>8} {events_per_second:>12.0} {:>10.2} {:>10.2}",
+        p50.as_secs_f64() * 1e3,
+        p99.as_secs_f64() * 1e3
+    );
+}
+
+fn event(n: u64) -> NewEvent {
+    NewEvent {
+        id: Uuid::now_v7(),
+        event_type: "BenchmarkEventAppended".into(),
+        schema_version: 1,
+        payload: serde_json::json!({ "n": n }),
+        metadata: EventMetadata {
+            correlation_id: Uuid::now_v7(),
+            causation_id: None,
+            actor: "system:bench".into(),
+        },
+    }
+}
+
+/// Run `writers` loops for `duration`; writer `w` calls `append(w, n)` for n = 0, 1, 2, ...
+/// (one event each, on its own stream) and each call's latency is kept.
+async fn measure<F, Fut>(
     writers: usize,
     duration: Duration,
-) -> anyhow::Result<(f64, Duration, Duration)> {
+    append: F,
+) -> anyhow::Result<(f64, Duration, Duration)>
+where
+    F: Fn(usize, u64) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = anyhow::Result<()>> + Send,
+{
     let started = Instant::now();
     let deadline = started + duration;
-    let tasks = (0..writers).map(|_| {
-        let store = store.clone();
+    let tasks = (0..writers).map(|writer| {
+        let append = append.clone();
         tokio::spawn(async move {
-            let stream = format!("bench-{}", Uuid::now_v7().simple());
             let mut latencies = Vec::new();
-            let mut expected = ExpectedVersion::NoStream;
+            let mut n = 0;
             while Instant::now() < deadline {
-                let event = NewEvent {
-                    id: Uuid::now_v7(),
-                    event_type: "BenchmarkEventAppended".into(),
-                    schema_version: 1,
-                    payload: serde_json::json!({ "n": latencies.len() }),
-                    metadata: EventMetadata {
-                        correlation_id: Uuid::now_v7(),
-                        causation_id: None,
-                        actor: "system:bench".into(),
-                    },
-                };
                 let begun = Instant::now();
-                let outcome = store.append(&stream, expected, vec![event]).await?;
+                append(writer, n).await?;
                 latencies.push(begun.elapsed());
-                expected = ExpectedVersion::Exact(outcome.stream_version);
+                n += 1;
             }
             anyhow::Ok(latencies)
         })
