@@ -15,8 +15,10 @@ use serde_json::Value;
 use tokio::sync::mpsc;
 use tokio_tungstenite::tungstenite::Message;
 
+/// Under the target directory (Cargo's scratch space for integration tests), not the system's
+/// temp directory: the output files stay after a test, and `cargo clean` takes them.
 pub fn output_dir() -> PathBuf {
-    std::env::temp_dir().join(format!(
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!(
         "comfyui-sim-test-{}",
         uuid::Uuid::new_v4().simple()
     ))
