@@ -21,6 +21,17 @@ pub fn metadata() -> crate::event_store::EventMetadata {
     }
 }
 
+/// The `p` quantile (0 to 1) of `sorted` (ascending), by nearest rank; `None` when empty.
+pub fn percentile<T: Copy>(sorted: &[T], p: f64) -> Option<T> {
+    let last = sorted.len().checked_sub(1)?;
+    sorted.get(((last as f64) * p).round() as usize).copied()
+}
+
+/// A duration in milliseconds (the unit every benchmark prints).
+pub fn ms(duration: std::time::Duration) -> f64 {
+    duration.as_secs_f64() * 1_000.0
+}
+
 /// The first argument as seconds per case (default 5).
 pub fn seconds_per_case() -> anyhow::Result<u64> {
     Ok(std::env::args()
@@ -91,4 +102,21 @@ pub async fn fund(
             .map_err(|error| anyhow::anyhow!("{error}"))?;
     }
     Ok(())
+}
+
+/// The benchmarks' unit of account work: freeze one point under a fresh hold, then release it.
+pub fn freeze_release_pair() -> [zhihui_domain::account::AccountCommand; 2] {
+    let hold_id = Uuid::now_v7();
+    [
+        zhihui_domain::account::AccountCommand::Freeze {
+            hold_id,
+            amount: zhihui_domain::points::Amount::whole(1),
+            at: chrono::Utc::now(),
+        },
+        zhihui_domain::account::AccountCommand::ReleaseHold {
+            hold_id,
+            reason: "bench".into(),
+            at: chrono::Utc::now(),
+        },
+    ]
 }

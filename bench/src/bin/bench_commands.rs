@@ -39,8 +39,7 @@ use zhihui::aggregate::AggregateService;
 use zhihui::bench_support::{Figure, metadata};
 use zhihui::command::{CommandError, RetryPolicy};
 use zhihui::configuration::Settings;
-use zhihui_domain::account::{Account, AccountCommand, account_stream};
-use zhihui_domain::points::Amount;
+use zhihui_domain::account::{Account, account_stream};
 use zhihui_domain::user::UserId;
 
 const CLIENTS: usize = 64;
@@ -81,14 +80,7 @@ impl CaseFigures {
     ) -> CaseFigures {
         latencies_us.sort_unstable();
         let percentile = |p: f64| {
-            latencies_us
-                .get(
-                    ((latencies_us.len() as f64 * p) as usize)
-                        .min(latencies_us.len().saturating_sub(1)),
-                )
-                .copied()
-                .unwrap_or(0) as f64
-                / 1000.0
+            zhihui::bench_support::percentile(&latencies_us, p).unwrap_or(0) as f64 / 1000.0
         };
         CaseFigures {
             succeeded: latencies_us.len(),
@@ -212,19 +204,7 @@ async fn run_ours(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<CaseF
                     let mut conflicts = 0u64;
                     let mut other_errors = 0u64;
                     while !stop.load(Ordering::Relaxed) {
-                        let hold_id = Uuid::now_v7();
-                        for command in [
-                            AccountCommand::Freeze {
-                                hold_id,
-                                amount: Amount::whole(1),
-                                at: chrono::Utc::now(),
-                            },
-                            AccountCommand::ReleaseHold {
-                                hold_id,
-                                reason: "bench".into(),
-                                at: chrono::Utc::now(),
-                            },
-                        ] {
+                        for command in zhihui::bench_support::freeze_release_pair() {
                             let sent = Instant::now();
                             match accounts.execute(&stream, command, metadata()).await {
                                 Ok(_) => latencies_us.push(sent.elapsed().as_micros() as u64),

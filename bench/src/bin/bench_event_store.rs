@@ -221,12 +221,7 @@ where
     }
     let elapsed = started.elapsed();
     latencies.sort_unstable();
-    let percentile = |p: f64| {
-        latencies
-            .get(((latencies.len() as f64 * p) as usize).min(latencies.len().saturating_sub(1)))
-            .copied()
-            .unwrap_or_default()
-    };
+    let percentile = |p: f64| zhihui::bench_support::percentile(&latencies, p).unwrap_or_default();
     Ok((
         latencies.len() as f64 / elapsed.as_secs_f64(),
         percentile(0.50),

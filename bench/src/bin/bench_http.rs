@@ -320,8 +320,7 @@ async fn run(
 fn percentiles(samples: &mut [Duration]) -> (f64, f64) {
     samples.sort();
     let at = |p: f64| {
-        let index = ((samples.len() as f64 - 1.0) * p).round() as usize;
-        samples[index].as_secs_f64() * 1_000.0
+        zhihui::bench_support::percentile(samples, p).map_or(0.0, zhihui::bench_support::ms)
     };
     (at(0.5), at(0.99))
 }

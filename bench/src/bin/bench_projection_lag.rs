@@ -23,8 +23,7 @@ use uuid::Uuid;
 use zhihui::aggregate::AggregateService;
 use zhihui::bench_support::metadata;
 use zhihui::command::RetryPolicy;
-use zhihui_domain::account::{Account, AccountCommand, account_stream};
-use zhihui_domain::points::Amount;
+use zhihui_domain::account::{Account, account_stream};
 use zhihui_domain::user::UserId;
 use zhihui_projections::ProjectionName;
 
@@ -45,19 +44,7 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn freeze_release(accounts: &AggregateService<Account>, stream: &str) -> anyhow::Result<()> {
-    let hold_id = Uuid::now_v7();
-    for command in [
-        AccountCommand::Freeze {
-            hold_id,
-            amount: Amount::whole(1),
-            at: chrono::Utc::now(),
-        },
-        AccountCommand::ReleaseHold {
-            hold_id,
-            reason: "bench".into(),
-            at: chrono::Utc::now(),
-        },
-    ] {
+    for command in zhihui::bench_support::freeze_release_pair() {
         accounts
             .execute(stream, command, metadata())
             .await
@@ -145,9 +132,8 @@ async fn run(
         }
         samples.sort_unstable();
         anyhow::ensure!(!samples.is_empty(), "the runner applied nothing");
-        let percentile = |p: f64| {
-            samples[((samples.len() as f64 * p) as usize).min(samples.len() - 1)] as f64 / 1000.0
-        };
+        let percentile =
+            |p: f64| zhihui::bench_support::percentile(&samples, p).unwrap_or(0) as f64 / 1000.0;
         let (p50, p99, max) = (percentile(0.50), percentile(0.99), percentile(1.0));
         println!(
             "{case:>9}: {:.0} commands/s, {} events applied; lag p50 {p50:.1} ms, p99 {p99:.1} ms, max {max:.1} ms",

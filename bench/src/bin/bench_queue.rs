@@ -478,10 +478,7 @@ async fn process(queue: &TaskQueue, concurrency: usize, lease_ms: u64) -> anyhow
 fn phase(latencies: &mut [Duration], per_second: f64) -> Phase {
     latencies.sort_unstable();
     let at = |p: f64| {
-        let index = ((latencies.len() as f64 - 1.0) * p).round() as usize;
-        latencies
-            .get(index)
-            .map_or(0.0, |latency| latency.as_secs_f64() * 1_000.0)
+        zhihui::bench_support::percentile(latencies, p).map_or(0.0, zhihui::bench_support::ms)
     };
     Phase {
         count: latencies.len(),
