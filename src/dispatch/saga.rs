@@ -614,7 +614,7 @@ impl Saga {
                 for task_id in tasks {
                     self.check_on(task_id);
                 }
-                self.fill(backend).await
+                self.fill_all().await
             }
             Input::Socket(backend, SocketEvent::Closed { reason }) => {
                 tracing::warn!(backend = %self.dispatcher.backends[backend].settings.name, %reason, "server socket closed");
@@ -675,7 +675,7 @@ impl Saga {
                     return self.record(task_id, Completion::Vanished).await;
                 }
                 // A slot may have freed meanwhile: the staged task goes out now.
-                self.fill(backend).await
+                self.fill_all().await
             }
             Input::Recorded {
                 task_id,
@@ -877,9 +877,37 @@ impl Saga {
             + self.backends[backend].staging.len()
     }
 
+    /// Fill every server's free slots (staged tasks first), then stage ahead, one task per
+    /// server per round: a task is never staged behind a busy server while another server has a
+    /// free slot, and a short queue is spread over the servers.
     async fn fill_all(&mut self) -> anyhow::Result<()> {
+        let mut queued = true;
         for backend in 0..self.backends.len() {
-            self.fill(backend).await?;
+            queued = self.fill_slots(backend, queued).await?;
+        }
+        if !queued {
+            return Ok(());
+        }
+        // Slot leases beyond the capacity: each staged task holds one until it is posted.
+        let depth = self.dispatcher.settings.staged_per_backend;
+        for round in 0..depth as usize {
+            for backend in 0..self.backends.len() {
+                if self.backends[backend].client_id.is_none() || self.staged_count(backend) > round
+                {
+                    continue;
+                }
+                let capacity = self.dispatcher.backends[backend].settings.capacity;
+                let busy_known = self.busy(backend) + self.staged_count(backend);
+                match self.claim_on(backend, capacity + depth, busy_known).await? {
+                    Claim::Claimed { task_id, score } => {
+                        self.dispatch(backend, task_id, score, Phase::Staged)
+                            .await?;
+                    }
+                    Claim::Full => {}
+                    Claim::Empty => return Ok(()),
+                    Claim::NotLeader => return Err(LostLeadership.into()),
+                }
+            }
         }
         Ok(())
     }
@@ -902,46 +930,37 @@ impl Saga {
         true
     }
 
-    /// Fill `backend`'s free slots now (its staged task first), then stage its next task.
-    async fn fill(&mut self, backend: usize) -> anyhow::Result<()> {
+    /// Fill `backend`'s free slots now: its staged tasks first, then (when `claim`) from the
+    /// queue. Whether the queue may still hold tasks.
+    async fn fill_slots(&mut self, backend: usize, claim: bool) -> anyhow::Result<bool> {
         let capacity = self.dispatcher.backends[backend].settings.capacity;
         if self.backends[backend].client_id.is_none() {
-            return Ok(());
+            return Ok(claim);
         }
         while self.busy(backend) < capacity as usize {
             if self.promote_staged(backend) {
                 continue;
             }
-            let claim = self.claim_on(backend, capacity, self.busy(backend)).await?;
-            match claim {
+            if !claim {
+                // The queue is empty: this slot's idleness is not a dispatch gap either.
+                self.backends[backend].freed_at = None;
+                return Ok(false);
+            }
+            match self.claim_on(backend, capacity, self.busy(backend)).await? {
                 Claim::Claimed { task_id, score } => {
                     self.dispatch(backend, task_id, score, Phase::Posting)
                         .await?;
                 }
-                Claim::Full => return Ok(()),
+                Claim::Full => return Ok(true),
                 Claim::Empty => {
                     // Nothing waited: the slot's idleness is not a dispatch gap.
                     self.backends[backend].freed_at = None;
-                    return Ok(());
+                    return Ok(false);
                 }
                 Claim::NotLeader => return Err(LostLeadership.into()),
             }
         }
-        // Slot leases beyond the capacity: each staged task holds one until it is posted.
-        let depth = self.dispatcher.settings.staged_per_backend;
-        while self.staged_count(backend) < depth as usize {
-            let busy_known = self.busy(backend) + self.staged_count(backend);
-            let claim = self.claim_on(backend, capacity + depth, busy_known).await?;
-            match claim {
-                Claim::Claimed { task_id, score } => {
-                    self.dispatch(backend, task_id, score, Phase::Staged)
-                        .await?;
-                }
-                Claim::Full | Claim::Empty => return Ok(()),
-                Claim::NotLeader => return Err(LostLeadership.into()),
-            }
-        }
-        Ok(())
+        Ok(true)
     }
 
     /// Claim the first queued task onto `backend` while fewer than `limit` of its slot leases are
@@ -1337,7 +1356,7 @@ impl Saga {
         self.promote_staged(backend);
         let name = self.dispatcher.backends[backend].settings.name.clone();
         self.dispatcher.leases.release_slot(&name, task_id).await?;
-        self.fill(backend).await
+        self.fill_all().await
     }
 
     /// A prompt ended on its server: free the slot, then fetch and record its results.
