@@ -29,6 +29,6 @@ script!(QUEUE_SCORES_AFTER, "queue_scores_after.lua");
 script!(DISPATCH_LEADER_ACQUIRE, "dispatch_leader_acquire.lua");
 script!(DISPATCH_LEADER_RENEW, "dispatch_leader_renew.lua");
 script!(DISPATCH_LEADER_RESIGN, "dispatch_leader_resign.lua");
-script!(DISPATCH_CLAIM, "dispatch_claim.lua");
+script!(DISPATCH_FILL, "dispatch_fill.lua");
 script!(DISPATCH_SLOTS_RENEW, "dispatch_slots_renew.lua");
 script!(TASK_PROGRESS, "task_progress.lua");

@@ -24,18 +24,33 @@ impl Term {
     }
 }
 
-/// What a claim found.
+/// What the saga knows of one server when it fills: prompts posted there and tasks staged there
+/// (floors for the busy slots: after a Redis flush the leases may be gone while prompts run).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ServerSlots {
+    pub capacity: u32,
+    pub busy: usize,
+    pub staged: usize,
+}
+
+/// A task taken off the queue onto a server's slot.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Claim {
+pub struct Claimed {
+    /// Index of the server in the configuration.
+    pub backend: usize,
+    pub task_id: TaskId,
+    pub score: i64,
+}
+
+/// What a fill did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Fill {
+    /// In claim order (the queue's order).
     Claimed {
-        task_id: TaskId,
-        score: i64,
+        claims: Vec<Claimed>,
+        queue_empty: bool,
     },
-    /// The backend's slots are all busy.
-    Full,
-    /// Nothing queued.
-    Empty,
-    /// The lease is no longer ours.
+    /// The lease is no longer ours: nothing was claimed (the releases were made).
     NotLeader,
 }
 
@@ -126,37 +141,79 @@ impl Leases {
             .context("reading the leader lease")
     }
 
-    /// Take the first queued task onto a free slot of `backend`.
-    pub async fn claim(
+    /// In one step (`dispatch_fill.lua`): release the slot leases of ended prompts, then take
+    /// queued tasks onto the free slots of every server, then stage up to `depth` tasks per
+    /// server beyond its capacity. `servers[i]` is `None` for a server nothing may go to (no
+    /// socket); `names[i]` is every server's name, in the configuration's order.
+    pub async fn fill(
         &self,
         term: &Term,
-        backend: &str,
-        capacity: u32,
-        busy_known: usize,
+        names: &[String],
+        releases: &[(usize, TaskId)],
+        servers: &[Option<ServerSlots>],
+        depth: u32,
         slot_lease_ms: u64,
-    ) -> anyhow::Result<Claim> {
+    ) -> anyhow::Result<Fill> {
+        assert_eq!(names.len(), servers.len(), "one view per server");
         let mut connection = self.redis.connection().await?;
-        let answer: Vec<String> = crate::lua::DISPATCH_CLAIM
-            .key(self.leader_key())
-            .key(self.queue_key())
-            .key(self.slots_key(backend))
+        let mut invocation = crate::lua::DISPATCH_FILL.key(self.leader_key());
+        invocation.key(self.queue_key());
+        for name in names {
+            invocation.key(self.slots_key(name));
+        }
+        invocation
             .arg(term.value())
-            .arg(capacity)
             .arg(slot_lease_ms)
-            .arg(busy_known)
+            .arg(depth)
+            .arg(releases.len());
+        for (backend, task_id) in releases {
+            assert!(
+                *backend < names.len(),
+                "a release names a configured server"
+            );
+            invocation.arg(backend + 1).arg(task_id.to_string());
+        }
+        for server in servers {
+            match server {
+                Some(slots) => invocation
+                    .arg(i64::from(slots.capacity))
+                    .arg(slots.busy)
+                    .arg(slots.staged),
+                None => invocation.arg(-1).arg(0).arg(0),
+            };
+        }
+        let answer: Vec<String> = invocation
             .invoke_async(&mut connection)
             .await
-            .context("claiming a task")?;
-        Ok(match answer.as_slice() {
-            [kind, task_id, score] if kind == "claimed" => Claim::Claimed {
-                task_id: TaskId::parse_str(task_id)
-                    .with_context(|| format!("queue member {task_id:?} is not a task id"))?,
-                score: crate::tasks::queue::parse_score(score)?,
-            },
-            [kind] if kind == "full" => Claim::Full,
-            [kind] if kind == "empty" => Claim::Empty,
-            [kind] if kind == "not-leader" => Claim::NotLeader,
-            other => anyhow::bail!("unexpected claim answer {other:?}"),
+            .context("filling the servers' slots")?;
+        let (queue_empty, rest) = match answer.as_slice() {
+            [kind] if kind == "not-leader" => return Ok(Fill::NotLeader),
+            [kind, queue_empty, rest @ ..] if kind == "ok" && rest.len() % 3 == 0 => {
+                (queue_empty == "1", rest)
+            }
+            other => anyhow::bail!("unexpected fill answer {other:?}"),
+        };
+        let claims = rest
+            .chunks_exact(3)
+            .map(|claim| {
+                let server: usize = claim[0]
+                    .parse()
+                    .with_context(|| format!("server number {:?}", claim[0]))?;
+                anyhow::ensure!(
+                    (1..=names.len()).contains(&server),
+                    "server number {server} out of range"
+                );
+                Ok(Claimed {
+                    backend: server - 1,
+                    task_id: TaskId::parse_str(&claim[1])
+                        .with_context(|| format!("queue member {:?} is not a task id", claim[1]))?,
+                    score: crate::tasks::queue::parse_score(&claim[2])?,
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(Fill::Claimed {
+            claims,
+            queue_empty,
         })
     }
 

@@ -9,4 +9,4 @@ pub mod lease;
 pub mod saga;
 pub mod socket;
 
-pub use saga::{Dispatcher, LostLeadership, Saga};
+pub use saga::{Dispatcher, GapSample, LostLeadership, Saga};

@@ -4,24 +4,29 @@
 //! One leader at a time runs it ([`Dispatcher::lead`]: a Redis lease with a fencing token; every
 //! task event the saga appends carries the token, and a task refuses tokens older than the last
 //! one it saw). The saga is an actor: [`Saga::step`] takes one input of a closed set (a socket
-//! event, a task event from the log, the result of a side effect, a timer tick) and reacts. Calls
-//! to servers run as spawned effects whose results come back as inputs, so a slow server never
-//! holds up the leader's renewals or the other servers.
+//! event, a task event from the log, the result of a side effect, a timer tick) and reacts. It
+//! never waits on Redis, PostgreSQL or a server while reacting: every round trip is a spawned
+//! effect whose result comes back as an input, so a prompt's end is acted on the moment it
+//! arrives, and a slow server never holds up the leader's renewals or the other servers.
 //!
-//! Per task: claim (Lua: leader check, a free slot of a healthy server, pop the queue, lease the
-//! slot) -> intent row -> `TaskDispatched` with a fresh prompt id (recorded before the post, so a
-//! restart can look for it) -> post -> `TaskStarted` -> follow the socket by prompt id, forward
-//! progress -> on the first terminal message the slot is freed and the next task claimed at once
-//! (no polling period) -> history, images through `/view` into the image store ->
-//! `TaskSucceeded` / `TaskFailed` / `TaskCancelled` -> settle or release the hold
-//! (`TaskService::reconcile`, idempotent) -> end the intent.
+//! Per task: claimed by the filler (one Lua step: leader check, a free slot of a connected
+//! server, pop the queue, lease the slot) -> `TaskDispatched` with a fresh prompt id (recorded
+//! before the post, so a restart can look for it) -> staged until a slot of its server is free
+//! -> post -> `TaskStarted` -> follow the socket by prompt id, forward progress -> on the first
+//! terminal message the next staged task is posted at once (no polling period, no round trip)
+//! and the slot's lease is released by the next filler -> history, images through `/view` into
+//! the image store -> `dispatch` intent row -> `TaskSucceeded` / `TaskFailed` / `TaskCancelled`
+//! -> settle or release the hold (`TaskService::reconcile`, idempotent) -> end the intent.
+//!
+//! Slot leases are released, renewed and claimed only by the filler, one filler at a time, so a
+//! renewal never puts back a lease that a release just took away.
 //!
 //! Recovery: the socket is a hint, `/queue` + `/history` the truth. After a reconnect and on a
 //! watchdog period every prompt in flight is located; a prompt the server lost is posted once
 //! more with the same id, then failed. A new leader adopts every task in flight (`TaskAdopted`
 //! fences the old leader out) and locates it; the queue is rebuilt from the events. What a dead
-//! dispatcher leaves between two streams (a finished task whose hold was not settled) is finished
-//! by the intent sweeper from the `dispatch` intent.
+//! dispatcher leaves between two streams (a task whose end is recorded but whose hold is not
+//! settled) is finished by the intent sweeper from the `dispatch` intent.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -47,7 +52,7 @@ use crate::dispatch::comfy::{
     ComfyClient, ComfyMessage, HistoryOutcome, PostOutcome, PromptWhereabouts,
 };
 use crate::dispatch::images::{ImageStore, image_id};
-use crate::dispatch::lease::{Claim, Leases, Term};
+use crate::dispatch::lease::{Claimed, Fill, Leases, ServerSlots, Term};
 use crate::dispatch::socket::{self, SocketEvent, SocketTimings};
 use crate::event_store::{
     AnyEventStore, EventFilter, EventMetadata, EventStore, SubscriptionMessage,
@@ -61,6 +66,16 @@ pub const ADOPT_PER_SCAN_MAX: i64 = 256;
 pub const COMPLETION_ATTEMPTS_MAX: u32 = 3;
 /// Gap samples kept for the benchmark (oldest dropped).
 pub const GAP_SAMPLES_MAX: usize = 100_000;
+
+/// One GPU idle gap as the saga sees it (benchmarks): from a prompt's end message to the next
+/// `POST /prompt` answered on that server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GapSample {
+    pub duration: Duration,
+    /// A staged task was ready when the slot freed (the gap is the saga's reaction); otherwise
+    /// the slot waited for the next dispatch to be recorded.
+    pub staged_ready: bool,
+}
 
 /// The leader lease is gone: the saga stops; the process may try to lead again.
 #[derive(Debug, thiserror::Error)]
@@ -243,6 +258,16 @@ impl Dispatcher {
         lane.spawn(self.run())
     }
 
+    /// Run `future` on the dispatch lane's thread, where `serve` runs the saga (benchmarks
+    /// drive a saga there step by step).
+    pub fn spawn_on_lane<F>(&self, future: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.lane.handle.spawn(future)
+    }
+
     /// Lead whenever possible, forever: a lost lease ends the saga (its sockets close, its memory
     /// is dropped) and the process competes again; the next saga resumes from the events.
     pub async fn run(self) {
@@ -274,7 +299,7 @@ enum Input {
         task_id: TaskId,
         prompt_id: Uuid,
         outcome: PostOutcome,
-        gap: Option<Duration>,
+        gap: Option<GapSample>,
     },
     /// Where a prompt is (reconcile after a reconnect, the watchdog, after a stop).
     Located {
@@ -286,6 +311,19 @@ enum Input {
         task_id: TaskId,
         prompt_id: Uuid,
         result: anyhow::Result<Completion>,
+    },
+    /// The filler took a task off the queue for `backend`; its dispatch is being recorded.
+    /// Sent before the recording starts, so it always comes before the task's `Prepared`.
+    Claimed {
+        backend: usize,
+        task_id: TaskId,
+    },
+    /// The filler is done: what it could not release, and how it ended.
+    Filled(FillOutcome),
+    /// The leader lease renewed (`Ok(true)`), gone (`Ok(false)`), or not reachable.
+    Renewed {
+        at: Instant,
+        result: anyhow::Result<bool>,
     },
     /// A staged dispatch was recorded (or not).
     Prepared {
@@ -348,7 +386,6 @@ struct InFlight {
     /// A completion that could not be recorded yet (the store was down): retried on ticks.
     unrecorded: Option<Completion>,
     last_progress: Option<Instant>,
-    intent: Uuid,
     /// Claim order of a staged task: staged tasks are posted in the order they were claimed.
     claim_seq: u64,
     /// `TaskStarted` being recorded: the end is recorded after it, so the log keeps the order.
@@ -363,7 +400,6 @@ impl InFlight {
         workflow: Value,
         phase: Phase,
         time_left: Duration,
-        intent: Uuid,
     ) -> InFlight {
         InFlight {
             owner,
@@ -379,7 +415,6 @@ impl InFlight {
             completion_attempts: 0,
             unrecorded: None,
             last_progress: None,
-            intent,
             claim_seq: 0,
             starting: None,
         }
@@ -392,6 +427,8 @@ struct BackendState {
     client_id: Option<String>,
     /// When a slot last freed with nothing posted since (the start of a GPU idle gap).
     freed_at: Option<Instant>,
+    /// A slot of it is being freed right now: a post now is a staged task that was ready.
+    freeing: bool,
     /// Tasks whose staged dispatch is being recorded in the background, with their claim order.
     staging: HashMap<TaskId, u64>,
 }
@@ -414,9 +451,22 @@ pub struct Saga {
     last_slot_renew: Instant,
     last_watchdog: Instant,
     last_orphan_scan: Instant,
-    gaps: Vec<Duration>,
+    gaps: Vec<GapSample>,
     /// Counts claims (orders staged tasks).
     claims: u64,
+    /// A filler effect is out: it alone releases, renews and claims slot leases, one after the
+    /// other, so a renewal can never put back a lease that a release just took away.
+    filling: bool,
+    /// Something may be claimable (a slot freed, a task queued): run the filler (again).
+    fill_wanted: bool,
+    /// Slot leases to release, in the order their tasks ended (the next filler's first work).
+    releases: Vec<(usize, TaskId)>,
+    /// The slot leases are due for renewal: the next filler renews them.
+    slot_renew_wanted: bool,
+    /// A leader lease renewal is out.
+    renewing: bool,
+    /// After a failed renewal, not before this.
+    renew_retry_at: Instant,
 }
 
 impl std::fmt::Debug for Saga {
@@ -525,6 +575,12 @@ impl Saga {
             last_orphan_scan: now,
             gaps: Vec::new(),
             claims: 0,
+            filling: false,
+            fill_wanted: false,
+            releases: Vec::new(),
+            slot_renew_wanted: false,
+            renewing: false,
+            renew_retry_at: now,
         })
     }
 
@@ -546,7 +602,7 @@ impl Saga {
     }
 
     /// GPU idle gaps measured so far (slot freed with work waiting -> next prompt accepted), taken.
-    pub fn take_gaps(&mut self) -> Vec<Duration> {
+    pub fn take_gaps(&mut self) -> Vec<GapSample> {
         std::mem::take(&mut self.gaps)
     }
 
@@ -581,22 +637,23 @@ impl Saga {
         // Under a steady stream of inputs the timer must still get its turn: the lease renewal
         // cannot wait for a quiet moment.
         let renew = Duration::from_millis(self.dispatcher.settings.leader_renew_ms);
-        if self.last_leader_renew.elapsed() >= renew {
+        if self.last_leader_renew.elapsed() >= renew
+            && !self.renewing
+            && Instant::now() >= self.renew_retry_at
+        {
             return self.on_tick().await;
         }
         tokio::select! {
-            Some(input) = self.inputs.recv() => self.handle(input).await,
+            // The servers first: a prompt's end is what frees a GPU.
+            biased;
             Some((backend, event)) = self.sockets.recv() => self.handle(Input::Socket(backend, event)).await,
+            Some(input) = self.inputs.recv() => self.handle(input).await,
             _ = self.tick.tick() => self.on_tick().await,
         }
     }
 
     fn metadata(&self, task_id: TaskId) -> EventMetadata {
-        EventMetadata {
-            correlation_id: task_id,
-            causation_id: None,
-            actor: format!("system:dispatcher:{}", self.term.fencing_token),
-        }
+        dispatcher_metadata(self.term.fencing_token, task_id)
     }
 
     async fn handle(&mut self, input: Input) -> anyhow::Result<()> {
@@ -614,7 +671,8 @@ impl Saga {
                 for task_id in tasks {
                     self.check_on(task_id);
                 }
-                self.fill_all().await
+                self.fill_all();
+                Ok(())
             }
             Input::Socket(backend, SocketEvent::Closed { reason }) => {
                 tracing::warn!(backend = %self.dispatcher.backends[backend].settings.name, %reason, "server socket closed");
@@ -624,7 +682,31 @@ impl Saga {
             Input::Socket(backend, SocketEvent::Message(message)) => {
                 self.on_message(backend, message).await
             }
-            Input::Queued => self.fill_all().await,
+            Input::Queued => {
+                self.fill_all();
+                Ok(())
+            }
+            Input::Claimed { backend, task_id } => {
+                self.claims += 1;
+                self.backends[backend].staging.insert(task_id, self.claims);
+                Ok(())
+            }
+            Input::Filled(outcome) => self.on_filled(outcome),
+            Input::Renewed { at, result } => {
+                self.renewing = false;
+                match result {
+                    Ok(true) => {
+                        self.last_leader_renew = at;
+                        Ok(())
+                    }
+                    Ok(false) => Err(LostLeadership.into()),
+                    Err(error) => {
+                        self.renew_retry_at = Instant::now()
+                            + Duration::from_millis(self.dispatcher.settings.tick_ms);
+                        Err(error)
+                    }
+                }
+            }
             // A start that could not be recorded is not retried: the end is what matters, and
             // the end is recorded whatever happened to the start.
             Input::Started(result) => result,
@@ -646,7 +728,7 @@ impl Saga {
                 flight.stop = Some(Stop::Cancel);
                 if flight.phase == Phase::Staged {
                     // Never posted: cancelled without asking any server.
-                    self.free_slot(task_id).await?;
+                    self.free_slot(task_id);
                     return self.record(task_id, Completion::Vanished).await;
                 }
                 self.check_on(task_id);
@@ -659,7 +741,7 @@ impl Saga {
             } => {
                 let claim_seq = self.backends[backend].staging.remove(&task_id).unwrap_or(0);
                 let prepared = result?;
-                self.admit(backend, task_id, prepared, Phase::Staged);
+                self.admit(backend, task_id, prepared);
                 if let Some(flight) = self.in_flight.get_mut(&task_id)
                     && flight.phase == Phase::Staged
                 {
@@ -671,11 +753,12 @@ impl Saga {
                     .get(&task_id)
                     .is_some_and(|f| f.phase == Phase::Staged && f.stop.is_some())
                 {
-                    self.free_slot(task_id).await?;
+                    self.free_slot(task_id);
                     return self.record(task_id, Completion::Vanished).await;
                 }
                 // A slot may have freed meanwhile: the staged task goes out now.
-                self.fill_all().await
+                self.fill_all();
+                Ok(())
             }
             Input::Recorded {
                 task_id,
@@ -748,19 +831,23 @@ impl Saga {
     async fn on_tick(&mut self) -> anyhow::Result<()> {
         let settings = self.dispatcher.settings.clone();
         let now = Instant::now();
-        if now - self.last_leader_renew >= Duration::from_millis(settings.leader_renew_ms) {
-            if !self
-                .dispatcher
-                .leases
-                .renew(&self.term, settings.leader_lease_ms)
-                .await?
-            {
-                return Err(LostLeadership.into());
-            }
-            self.last_leader_renew = now;
+        if now - self.last_leader_renew >= Duration::from_millis(settings.leader_renew_ms)
+            && !self.renewing
+            && now >= self.renew_retry_at
+        {
+            // Off the saga's path: a renewal's round trip must not hold up a freed slot.
+            self.renewing = true;
+            let leases = self.dispatcher.leases.clone();
+            let term = self.term.clone();
+            let sender = self.inputs_sender.clone();
+            self.dispatcher.work.spawn(async move {
+                let result = leases.renew(&term, settings.leader_lease_ms).await;
+                drop(sender.send(Input::Renewed { at: now, result }));
+            });
         }
         if now - self.last_slot_renew >= Duration::from_millis(settings.slot_renew_ms) {
-            self.renew_slots().await?;
+            // The filler renews them, in line with its releases.
+            self.slot_renew_wanted = true;
             self.last_slot_renew = now;
         }
         // Timeouts.
@@ -797,7 +884,7 @@ impl Saga {
             if let Some(flight) = self.in_flight.get_mut(&task_id) {
                 flight.stop = Some(Stop::Timeout);
             }
-            self.free_slot(task_id).await?;
+            self.free_slot(task_id);
             self.record(task_id, Completion::Vanished).await?;
         }
         // Completions not recorded yet (the store was down).
@@ -827,28 +914,21 @@ impl Saga {
             self.last_orphan_scan = now;
             self.adopt_orphans().await?;
         }
-        self.fill_all().await
+        self.fill_all();
+        Ok(())
     }
 
-    async fn renew_slots(&mut self) -> anyhow::Result<()> {
-        let slot_lease_ms = self.dispatcher.settings.slot_lease_ms;
-        for (index, backend) in self.dispatcher.backends.iter().enumerate() {
-            let tasks: Vec<TaskId> = self
-                .in_flight
-                .iter()
-                .filter(|(_, f)| f.backend == index && f.phase != Phase::Finishing)
-                .map(|(task_id, _)| *task_id)
-                .collect();
-            if !self
-                .dispatcher
-                .leases
-                .renew_slots(&self.term, &backend.settings.name, &tasks, slot_lease_ms)
-                .await?
-            {
-                return Err(LostLeadership.into());
-            }
-        }
-        Ok(())
+    /// The slot leases this saga holds, per server: every task in flight that has not ended.
+    fn held_slots(&self) -> Vec<Vec<TaskId>> {
+        (0..self.backends.len())
+            .map(|index| {
+                self.in_flight
+                    .iter()
+                    .filter(|(_, f)| f.backend == index && f.phase != Phase::Finishing)
+                    .map(|(task_id, _)| *task_id)
+                    .collect()
+            })
+            .collect()
     }
 
     /// Prompts posted (or being posted) to `backend`: its occupied slots.
@@ -877,38 +957,77 @@ impl Saga {
             + self.backends[backend].staging.len()
     }
 
-    /// Fill every server's free slots (staged tasks first), then stage ahead, one task per
-    /// server per round: a task is never staged behind a busy server while another server has a
-    /// free slot, and a short queue is spread over the servers.
-    async fn fill_all(&mut self) -> anyhow::Result<()> {
-        let mut queued = true;
+    /// Post staged tasks into every free slot now, then have the filler claim what more can be
+    /// claimed. Never waits: the claims are the filler's round trips, not the saga's.
+    fn fill_all(&mut self) {
         for backend in 0..self.backends.len() {
-            queued = self.fill_slots(backend, queued).await?;
+            while self.promote_staged(backend) {}
         }
-        if !queued {
-            return Ok(());
+        self.fill_wanted = true;
+        self.spawn_filler();
+    }
+
+    /// Start the filler unless one is out (it runs again when that one is done).
+    fn spawn_filler(&mut self) {
+        if self.filling || !(self.fill_wanted || self.slot_renew_wanted) {
+            return;
         }
-        // Slot leases beyond the capacity: each staged task holds one until it is posted.
-        let depth = self.dispatcher.settings.staged_per_backend;
-        for round in 0..depth as usize {
+        let renew_slots = std::mem::take(&mut self.slot_renew_wanted).then(|| self.held_slots());
+        let claim = std::mem::take(&mut self.fill_wanted);
+        let servers = (0..self.backends.len())
+            .map(|backend| {
+                (claim && self.backends[backend].client_id.is_some()).then(|| ServerSlots {
+                    capacity: self.dispatcher.backends[backend].settings.capacity,
+                    busy: self.busy(backend),
+                    staged: self.staged_count(backend),
+                })
+            })
+            .collect();
+        let filler = Filler {
+            tasks: self.dispatcher.tasks.clone(),
+            leases: self.dispatcher.leases.clone(),
+            clock: self.dispatcher.clock.clone(),
+            work: self.dispatcher.work.clone(),
+            term: self.term.clone(),
+            names: self.dispatcher.backend_names(),
+            slot_lease_ms: self.dispatcher.settings.slot_lease_ms,
+            depth: self.dispatcher.settings.staged_per_backend,
+            releases: std::mem::take(&mut self.releases),
+            renew_slots,
+            servers,
+        };
+        self.filling = true;
+        let sender = self.inputs_sender.clone();
+        self.dispatcher.work.spawn(filler.run(sender));
+    }
+
+    fn on_filled(&mut self, outcome: FillOutcome) -> anyhow::Result<()> {
+        self.filling = false;
+        let FillOutcome {
+            mut unreleased,
+            renew_failed,
+            queue_empty,
+            result,
+        } = outcome;
+        if !unreleased.is_empty() {
+            // Released first next time, before anything else is claimed.
+            unreleased.append(&mut self.releases);
+            self.releases = unreleased;
+        }
+        if renew_failed {
+            self.slot_renew_wanted = true;
+        }
+        if queue_empty {
+            // Nothing waited: a slot that stays free is not a dispatch gap.
             for backend in 0..self.backends.len() {
-                if self.backends[backend].client_id.is_none() || self.staged_count(backend) > round
-                {
-                    continue;
-                }
-                let capacity = self.dispatcher.backends[backend].settings.capacity;
-                let busy_known = self.busy(backend) + self.staged_count(backend);
-                match self.claim_on(backend, capacity + depth, busy_known).await? {
-                    Claim::Claimed { task_id, score } => {
-                        self.dispatch(backend, task_id, score, Phase::Staged)
-                            .await?;
-                    }
-                    Claim::Full => {}
-                    Claim::Empty => return Ok(()),
-                    Claim::NotLeader => return Err(LostLeadership.into()),
+                let capacity = self.dispatcher.backends[backend].settings.capacity as usize;
+                if self.busy(backend) + self.staged_count(backend) < capacity {
+                    self.backends[backend].freed_at = None;
                 }
             }
         }
+        result?;
+        self.spawn_filler();
         Ok(())
     }
 
@@ -930,104 +1049,12 @@ impl Saga {
         true
     }
 
-    /// Fill `backend`'s free slots now: its staged tasks first, then (when `claim`) from the
-    /// queue. Whether the queue may still hold tasks.
-    async fn fill_slots(&mut self, backend: usize, claim: bool) -> anyhow::Result<bool> {
-        let capacity = self.dispatcher.backends[backend].settings.capacity;
-        if self.backends[backend].client_id.is_none() {
-            return Ok(claim);
-        }
-        while self.busy(backend) < capacity as usize {
-            if self.promote_staged(backend) {
-                continue;
-            }
-            if !claim {
-                // The queue is empty: this slot's idleness is not a dispatch gap either.
-                self.backends[backend].freed_at = None;
-                return Ok(false);
-            }
-            match self.claim_on(backend, capacity, self.busy(backend)).await? {
-                Claim::Claimed { task_id, score } => {
-                    self.dispatch(backend, task_id, score, Phase::Posting)
-                        .await?;
-                }
-                Claim::Full => return Ok(true),
-                Claim::Empty => {
-                    // Nothing waited: the slot's idleness is not a dispatch gap.
-                    self.backends[backend].freed_at = None;
-                    return Ok(false);
-                }
-                Claim::NotLeader => return Err(LostLeadership.into()),
-            }
-        }
-        Ok(true)
-    }
-
-    /// Claim the first queued task onto `backend` while fewer than `limit` of its slot leases are
-    /// live (at least `busy_known`: what this saga knows to be busy there).
-    async fn claim_on(
-        &self,
-        backend: usize,
-        limit: u32,
-        busy_known: usize,
-    ) -> anyhow::Result<Claim> {
-        self.dispatcher
-            .leases
-            .claim(
-                &self.term,
-                &self.dispatcher.backends[backend].settings.name,
-                limit,
-                busy_known,
-                self.dispatcher.settings.slot_lease_ms,
-            )
-            .await
-    }
-
-    /// Record a claimed task as dispatched to `backend`: now and posted (`Posting`), or in the
-    /// background and then held back until a slot frees (`Staged`), so that the saga never
-    /// waits on the store while a server could be fed.
-    async fn dispatch(
-        &mut self,
-        backend: usize,
-        task_id: TaskId,
-        score: i64,
-        phase: Phase,
-    ) -> anyhow::Result<()> {
-        let preparation = Preparation {
-            tasks: self.dispatcher.tasks.clone(),
-            leases: self.dispatcher.leases.clone(),
-            backend_name: self.dispatcher.backends[backend].settings.name.clone(),
-            task_id,
-            score,
-            fencing_token: self.term.fencing_token,
-            at: self.dispatcher.clock.now(),
-            metadata: self.metadata(task_id),
-        };
-        self.claims += 1;
-        if phase == Phase::Staged {
-            self.backends[backend].staging.insert(task_id, self.claims);
-            let sender = self.inputs_sender.clone();
-            self.dispatcher.work.spawn(async move {
-                let result = preparation.run().await;
-                drop(sender.send(Input::Prepared {
-                    backend,
-                    task_id,
-                    result,
-                }));
-            });
-            return Ok(());
-        }
-        let prepared = preparation.run().await?;
-        self.admit(backend, task_id, prepared, phase);
-        Ok(())
-    }
-
-    fn admit(&mut self, backend: usize, task_id: TaskId, prepared: Option<Prepared>, phase: Phase) {
+    /// Follow a task recorded as dispatched to `backend`: staged until a slot of it is free.
+    fn admit(&mut self, backend: usize, task_id: TaskId, prepared: Option<Prepared>) {
         let Some(Prepared {
             owner,
             workflow,
             prompt_id,
-            intent,
         }) = prepared
         else {
             return;
@@ -1037,16 +1064,13 @@ impl Saga {
             return;
         }
         let timeout = Duration::from_millis(self.dispatcher.settings.task_timeout_ms);
-        let mut flight = InFlight::new(owner, backend, prompt_id, workflow, phase, timeout, intent);
+        let mut flight = InFlight::new(owner, backend, prompt_id, workflow, Phase::Staged, timeout);
         // A cancel that arrived while the dispatch was being recorded.
         if self.early_cancels.remove(&task_id) {
             flight.stop = Some(Stop::Cancel);
         }
         self.in_flight.insert(task_id, flight);
         self.by_prompt.insert(prompt_id, task_id);
-        if phase == Phase::Posting {
-            self.post(task_id);
-        }
         let notifier = self.dispatcher.notifier.clone();
         self.dispatcher.work.spawn(async move {
             notifier.tell(owner, task_id, TaskNotice::Dispatched).await;
@@ -1067,12 +1091,16 @@ impl Saga {
         flight.effect_running = true;
         let client = self.dispatcher.backends[backend].client.clone();
         let freed_at = self.backends[backend].freed_at.take();
+        let staged_ready = self.backends[backend].freeing;
         let prompt_id = flight.prompt_id;
         let workflow = flight.workflow.clone();
         let sender = self.inputs_sender.clone();
         self.dispatcher.lane.handle.spawn(async move {
             let outcome = client.post_prompt(prompt_id, &client_id, &workflow).await;
-            let gap = freed_at.map(|freed| freed.elapsed());
+            let gap = freed_at.map(|freed| GapSample {
+                duration: freed.elapsed(),
+                staged_ready,
+            });
             drop(sender.send(Input::Posted {
                 task_id,
                 prompt_id,
@@ -1127,7 +1155,7 @@ impl Saga {
         task_id: TaskId,
         prompt_id: Uuid,
         outcome: PostOutcome,
-        gap: Option<Duration>,
+        gap: Option<GapSample>,
     ) -> anyhow::Result<()> {
         let Some(flight) = self.in_flight.get_mut(&task_id) else {
             return Ok(());
@@ -1154,7 +1182,7 @@ impl Saga {
                 Ok(())
             }
             PostOutcome::Rejected(reason) => {
-                self.free_slot(task_id).await?;
+                self.free_slot(task_id);
                 self.record(task_id, Completion::Failed(reason)).await
             }
             PostOutcome::Unreachable(error) => {
@@ -1216,7 +1244,7 @@ impl Saga {
                 tracing::debug!(%task_id, error = %crate::telemetry::error_chain(&error), "server unreachable");
                 if flight.stop.is_some() && flight.stop_attempts >= settings.cancel_attempts_max {
                     // The server stays unreachable: record the stop without its confirmation.
-                    self.free_slot(task_id).await?;
+                    self.free_slot(task_id);
                     return self.record(task_id, Completion::Interrupted).await;
                 }
                 return Ok(());
@@ -1231,7 +1259,7 @@ impl Saga {
                 if exhausted {
                     // An interrupt that never lands (a node that reports no progress): give up
                     // on the confirmation; a late result is ignored.
-                    self.free_slot(task_id).await?;
+                    self.free_slot(task_id);
                     return self.record(task_id, Completion::Interrupted).await;
                 }
                 Ok(())
@@ -1242,7 +1270,7 @@ impl Saga {
                     (flight.phase, flight.stop.is_some(), flight.resubmitted);
                 if stopping {
                     // Deleted by our stop before it ran (or lost): nothing will ever come.
-                    self.free_slot(task_id).await?;
+                    self.free_slot(task_id);
                     return self.record(task_id, Completion::Vanished).await;
                 }
                 match phase {
@@ -1260,7 +1288,7 @@ impl Saga {
                         Ok(())
                     }
                     Phase::Accepted | Phase::Finishing => {
-                        self.free_slot(task_id).await?;
+                        self.free_slot(task_id);
                         self.record(task_id, Completion::Vanished).await
                     }
                 }
@@ -1342,21 +1370,22 @@ impl Saga {
     }
 
     /// Free the task's slot (once) and fill it at once.
-    async fn free_slot(&mut self, task_id: TaskId) -> anyhow::Result<()> {
+    fn free_slot(&mut self, task_id: TaskId) {
         let Some(flight) = self.in_flight.get_mut(&task_id) else {
-            return Ok(());
+            return;
         };
         if flight.phase == Phase::Finishing {
-            return Ok(());
+            return;
         }
         flight.phase = Phase::Finishing;
         let backend = flight.backend;
         self.backends[backend].freed_at = Some(Instant::now());
         // The staged task goes out first: its post needs nothing from Redis or the store.
+        self.backends[backend].freeing = true;
         self.promote_staged(backend);
-        let name = self.dispatcher.backends[backend].settings.name.clone();
-        self.dispatcher.leases.release_slot(&name, task_id).await?;
-        self.fill_all().await
+        self.backends[backend].freeing = false;
+        self.releases.push((backend, task_id));
+        self.fill_all();
     }
 
     /// A prompt ended on its server: free the slot, then fetch and record its results.
@@ -1371,7 +1400,7 @@ impl Saga {
         if flight.phase == Phase::Finishing {
             return Ok(());
         }
-        self.free_slot(task_id).await?;
+        self.free_slot(task_id);
         if let Some(flight) = self.in_flight.get_mut(&task_id) {
             flight.effect_running = true;
         }
@@ -1496,7 +1525,6 @@ impl Saga {
             ),
         };
         let owner = flight.owner;
-        let intent = flight.intent;
         // Recorded off the saga's path: the next dispatch must not wait for this one's writes.
         let starting = self.in_flight.get_mut(&task_id).and_then(|flight| {
             flight.effect_running = true;
@@ -1512,6 +1540,12 @@ impl Saga {
                     // Its outcome reaches the saga on its own; only the order matters here.
                     drop(starting.await);
                 }
+                // Begun before the end is recorded: if this process dies between the end and the
+                // settlement, the intent sweeper settles the hold (before the end, the task is
+                // in flight, and the next leader adopts it).
+                let intent = tasks
+                    .begin_intent(IntentKind::Dispatch, task_id, owner, None)
+                    .await?;
                 let recorded = match tasks.execute_task(task_id, &command, &metadata).await {
                     // A repeat records nothing new and tells nobody twice.
                     Ok(executed) => !executed.new_events.is_empty(),
@@ -1597,9 +1631,6 @@ impl Saga {
         let metadata = self.metadata(task_id);
         let token = self.term.fencing_token;
         let at = self.dispatcher.clock.now();
-        let intent = tasks
-            .begin_intent(IntentKind::Dispatch, task_id, owner, None)
-            .await?;
         let Some(backend) = self
             .dispatcher
             .backends
@@ -1607,6 +1638,9 @@ impl Saga {
             .position(|b| b.settings.name == backend_name)
         else {
             // Its server left the configuration: nobody can finish it.
+            let intent = tasks
+                .begin_intent(IntentKind::Dispatch, task_id, owner, None)
+                .await?;
             let command = TaskCommand::Fail {
                 reason: "its image server was removed from service".into(),
                 fencing_token: token,
@@ -1650,7 +1684,7 @@ impl Saga {
         } else {
             Phase::Posting
         };
-        let mut flight = InFlight::new(owner, backend, prompt_id, workflow, phase, left, intent);
+        let mut flight = InFlight::new(owner, backend, prompt_id, workflow, phase, left);
         flight.stop = state.cancel_requested.then_some(Stop::Cancel);
         self.in_flight.insert(task_id, flight);
         self.by_prompt.insert(prompt_id, task_id);
@@ -1674,7 +1708,146 @@ impl Saga {
     }
 }
 
-/// What a dispatch records before its post, with what it needs; runs on or off the saga.
+/// What a filler effect did not finish, and how it ended.
+#[derive(Debug)]
+struct FillOutcome {
+    /// Releases not done (Redis failed): done first by the next filler.
+    unreleased: Vec<(usize, TaskId)>,
+    /// The slot renewal was due and did not happen: the next filler tries again.
+    renew_failed: bool,
+    /// The queue ran dry.
+    queue_empty: bool,
+    result: anyhow::Result<()>,
+}
+
+/// One pass of the saga's slot-lease work, off its path: release the leases of ended tasks,
+/// renew the held ones when due, then claim queued tasks (free slots on every server first,
+/// then one staged task per server per round, up to the staging depth) and start recording
+/// each claimed task's dispatch at once. The saga runs one filler at a time.
+struct Filler {
+    tasks: TaskService,
+    leases: Leases,
+    clock: Clock,
+    work: tokio::runtime::Handle,
+    term: Term,
+    names: Vec<String>,
+    slot_lease_ms: u64,
+    depth: u32,
+    releases: Vec<(usize, TaskId)>,
+    /// Per server, the tasks whose leases to renew (when due).
+    renew_slots: Option<Vec<Vec<TaskId>>>,
+    /// Per server; `None`: nothing is claimed for it (no socket, or only releasing/renewing).
+    servers: Vec<Option<ServerSlots>>,
+}
+
+impl Filler {
+    async fn run(mut self, sender: mpsc::UnboundedSender<Input>) {
+        let outcome = self.work_through(&sender).await;
+        drop(sender.send(Input::Filled(outcome)));
+    }
+
+    async fn work_through(&mut self, sender: &mpsc::UnboundedSender<Input>) -> FillOutcome {
+        let releases = std::mem::take(&mut self.releases);
+        if let Some(held) = self.renew_slots.take() {
+            for (backend, tasks) in held.iter().enumerate() {
+                let renewed = self
+                    .leases
+                    .renew_slots(&self.term, &self.names[backend], tasks, self.slot_lease_ms)
+                    .await;
+                let result = match renewed {
+                    Ok(true) => continue,
+                    Ok(false) => Err(LostLeadership.into()),
+                    Err(error) => Err(error),
+                };
+                return FillOutcome {
+                    unreleased: releases,
+                    renew_failed: true,
+                    queue_empty: false,
+                    result,
+                };
+            }
+        }
+        let filled = self
+            .leases
+            .fill(
+                &self.term,
+                &self.names,
+                &releases,
+                &self.servers,
+                self.depth,
+                self.slot_lease_ms,
+            )
+            .await;
+        let (claims, queue_empty) = match filled {
+            Ok(Fill::Claimed {
+                claims,
+                queue_empty,
+            }) => (claims, queue_empty),
+            Ok(Fill::NotLeader) => {
+                return FillOutcome {
+                    unreleased: Vec::new(),
+                    renew_failed: false,
+                    queue_empty: false,
+                    result: Err(LostLeadership.into()),
+                };
+            }
+            Err(error) => {
+                return FillOutcome {
+                    unreleased: releases,
+                    renew_failed: false,
+                    queue_empty: false,
+                    result: Err(error),
+                };
+            }
+        };
+        for Claimed {
+            backend,
+            task_id,
+            score,
+        } in claims
+        {
+            // Told first, so the saga knows of the task before its `Prepared` arrives. The
+            // recording runs even if the saga is gone: the next leader adopts what it recorded.
+            drop(sender.send(Input::Claimed { backend, task_id }));
+            let preparation = Preparation {
+                tasks: self.tasks.clone(),
+                leases: self.leases.clone(),
+                backend_name: self.names[backend].clone(),
+                task_id,
+                score,
+                fencing_token: self.term.fencing_token,
+                at: self.clock.now(),
+                metadata: dispatcher_metadata(self.term.fencing_token, task_id),
+            };
+            let sender = sender.clone();
+            self.work.spawn(async move {
+                let result = preparation.run().await;
+                drop(sender.send(Input::Prepared {
+                    backend,
+                    task_id,
+                    result,
+                }));
+            });
+        }
+        FillOutcome {
+            unreleased: Vec::new(),
+            renew_failed: false,
+            queue_empty,
+            result: Ok(()),
+        }
+    }
+}
+
+/// Who the saga's appends are by: the dispatcher of this term, for this task.
+fn dispatcher_metadata(fencing_token: u64, task_id: TaskId) -> EventMetadata {
+    EventMetadata {
+        correlation_id: task_id,
+        causation_id: None,
+        actor: format!("system:dispatcher:{fencing_token}"),
+    }
+}
+
+/// What a dispatch records before its post, with what it needs; runs off the saga.
 struct Preparation {
     tasks: TaskService,
     leases: Leases,
@@ -1692,12 +1865,13 @@ struct Prepared {
     owner: UserId,
     workflow: Value,
     prompt_id: Uuid,
-    intent: Uuid,
 }
 
 impl Preparation {
-    /// Intent, then `TaskDispatched` with a fresh prompt id. `None`: the queue entry was stale
-    /// (the task was cancelled or dispatched meanwhile; its slot is freed).
+    /// `TaskDispatched` with a fresh prompt id, decided on one read of the task: two round
+    /// trips. `None`: the queue entry was stale (the task was cancelled or dispatched
+    /// meanwhile; its slot is freed). No intent row yet: until its end is recorded the task is
+    /// in flight, and a leader that dies leaves it to the next one, which adopts it.
     async fn run(self) -> anyhow::Result<Option<Prepared>> {
         let Preparation {
             tasks,
@@ -1712,7 +1886,7 @@ impl Preparation {
         // A claimed task that could not be recorded goes back to the queue at its score.
         let give_back = || async {
             if let Err(error) = tasks.queue.enqueue(task_id, score).await {
-                // The dispatch intent's sweep or the next rebuild puts it back.
+                // The next leader's queue rebuild puts it back (the events say queued).
                 tracing::warn!(%task_id, error = %crate::telemetry::error_chain(&error), "could not requeue a claimed task");
             }
             if let Err(error) = leases.release_slot(&backend_name, task_id).await {
@@ -1732,16 +1906,6 @@ impl Preparation {
             leases.release_slot(&backend_name, task_id).await?;
             return Ok(None);
         };
-        let intent = match tasks
-            .begin_intent(IntentKind::Dispatch, task_id, owner, None)
-            .await
-        {
-            Ok(intent) => intent,
-            Err(error) => {
-                give_back().await;
-                return Err(error);
-            }
-        };
         let prompt_id = Uuid::now_v7();
         let command = TaskCommand::Dispatch {
             backend: backend_name.clone(),
@@ -1749,7 +1913,6 @@ impl Preparation {
             fencing_token,
             at,
         };
-        // Decided on the state just read: the append is the only other round trip.
         match tasks
             .execute_task_on(task_id, loaded, &command, &metadata)
             .await
@@ -1758,7 +1921,6 @@ impl Preparation {
                 owner,
                 workflow,
                 prompt_id,
-                intent,
             })),
             Err(CommandError::Rejected(TaskError::StaleDispatcher { .. })) => {
                 leases.release_slot(&backend_name, task_id).await?;
@@ -1766,7 +1928,6 @@ impl Preparation {
             }
             Err(CommandError::Rejected(_)) => {
                 leases.release_slot(&backend_name, task_id).await?;
-                tasks.end_intent(intent).await?;
                 Ok(None)
             }
             Err(other) => {

@@ -779,3 +779,145 @@ async fn staged_tasks_wait_ahead_of_the_queue_and_reach_their_server_in_queue_or
     assert_settled(&harness, &process, &user, 5).await;
     saga.resign().await;
 }
+
+/// The filler's one Redis step (`dispatch_fill.lua`): releases first, then free slots on every
+/// server before anything is staged, then one staged task per server per round up to the
+/// depth, in queue order; servers without a socket get nothing; the live leases are a floor
+/// under what the caller knows; a stale leader claims nothing but its releases still happen.
+#[tokio::test]
+async fn one_fill_releases_then_fills_every_free_slot_before_staging_in_queue_order() {
+    use zhihui::dispatch::lease::{Claimed, Fill, ServerSlots, Term};
+
+    let harness = harness(2, Faults::default()).await;
+    let process = harness.process();
+    let leases = process.dispatcher.leases();
+    let names = process.dispatcher.backend_names();
+    let term = leases
+        .acquire("fill-test", 10_000)
+        .await
+        .unwrap()
+        .expect("nobody else leads");
+    let queued: Vec<Uuid> = (0..8).map(|_| Uuid::now_v7()).collect();
+    for (score, task_id) in (1..).zip(&queued) {
+        process.tasks.queue.enqueue(*task_id, score).await.unwrap();
+    }
+    let slots = |busy, staged| {
+        Some(ServerSlots {
+            capacity: 1,
+            busy,
+            staged,
+        })
+    };
+    let claimed = |pairs: &[(usize, usize)]| {
+        pairs
+            .iter()
+            .map(|&(backend, index)| Claimed {
+                backend,
+                task_id: queued[index],
+                score: i64::try_from(index).unwrap() + 1,
+            })
+            .collect::<Vec<_>>()
+    };
+    let busy = |backend: usize| {
+        let leases = leases.clone();
+        let name = names[backend].clone();
+        async move {
+            let mut busy = leases.busy_slots(&name).await.unwrap();
+            busy.sort();
+            busy
+        }
+    };
+
+    // Both servers idle, depth 2: a slot on each, then staged 0, 1, 0, 1.
+    let filled = leases
+        .fill(&term, &names, &[], &[slots(0, 0), slots(0, 0)], 2, 10_000)
+        .await
+        .unwrap();
+    assert_eq!(
+        filled,
+        Fill::Claimed {
+            claims: claimed(&[(0, 0), (1, 1), (0, 2), (1, 3), (0, 4), (1, 5)]),
+            queue_empty: false,
+        }
+    );
+    assert_eq!(busy(0).await, vec![queued[0], queued[2], queued[4]]);
+    assert_eq!(busy(1).await, vec![queued[1], queued[3], queued[5]]);
+
+    // Full everywhere: nothing more, even when the caller forgot what it staged (the leases
+    // are the floor).
+    let filled = leases
+        .fill(&term, &names, &[], &[slots(1, 0), slots(0, 0)], 2, 10_000)
+        .await
+        .unwrap();
+    assert_eq!(
+        filled,
+        Fill::Claimed {
+            claims: Vec::new(),
+            queue_empty: false,
+        }
+    );
+
+    // gpu-0's prompt ends (its first staged task is posted): released, then one staged task
+    // tops gpu-0 up; gpu-1 has no socket and gets nothing.
+    let filled = leases
+        .fill(
+            &term,
+            &names,
+            &[(0, queued[0])],
+            &[slots(1, 1), None],
+            2,
+            10_000,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        filled,
+        Fill::Claimed {
+            claims: claimed(&[(0, 6)]),
+            queue_empty: false,
+        }
+    );
+    assert_eq!(busy(0).await, vec![queued[2], queued[4], queued[6]]);
+
+    // A leader that lost its lease claims nothing; its releases are still made.
+    let stale = Term {
+        instance: term.instance.clone(),
+        fencing_token: term.fencing_token + 1,
+    };
+    let filled = leases
+        .fill(
+            &stale,
+            &names,
+            &[(1, queued[1])],
+            &[slots(0, 0), slots(0, 0)],
+            2,
+            10_000,
+        )
+        .await
+        .unwrap();
+    assert_eq!(filled, Fill::NotLeader);
+    assert_eq!(busy(1).await, vec![queued[3], queued[5]]);
+    assert_eq!(process.tasks.queue.len().await.unwrap(), 1);
+
+    // gpu-1 emptied: its free slot takes the last task, and the queue runs dry.
+    let filled = leases
+        .fill(
+            &term,
+            &names,
+            &[(1, queued[3]), (1, queued[5])],
+            &[None, slots(0, 0)],
+            2,
+            10_000,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        filled,
+        Fill::Claimed {
+            claims: claimed(&[(1, 7)]),
+            queue_empty: true,
+        }
+    );
+    assert_eq!(busy(1).await, vec![queued[7]]);
+    leases.resign(&term).await.unwrap();
+}

@@ -26,8 +26,8 @@
 //! - process: CONCURRENCY workers, each looping `claim` (lease 30 s, the setting's default) then
 //!   `release_lease` (the completion), until the queue is empty; per-job latency from the claim's
 //!   start to the release's answer (two round trips). The dispatcher itself claims through
-//!   `dispatch_claim.lua` instead, which also checks its leader lease and the backend's free
-//!   slots (a few more commands in the same script). / a `Worker` with concurrency CONCURRENCY, a
+//!   `dispatch_fill.lua` instead, which also releases ended prompts' slots, checks its leader
+//!   lease and fills every server's free slots in the same script. / a `Worker` with concurrency CONCURRENCY, a
 //!   no-op processor and `removeOnComplete`; per-job latency from the processor's start to the
 //!   'completed' event: one round trip (`moveToFinished`), which also fetches that slot's next job
 //!   (BullMQ bundles the next claim into the completion). Jobs/s from the first completion to the
