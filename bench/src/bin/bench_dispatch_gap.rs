@@ -6,7 +6,7 @@
 //! terminal message reaching the saga to `POST /prompt` answered. Then the reference design runs
 //! on the same simulators: a dispatcher that looks for free servers once a second.
 //!
-//! The whole path is real: Lua claim, intent row, `TaskDispatched` appended to PostgreSQL, the
+//! The whole path is real: Lua fill, `TaskDispatched` appended to PostgreSQL, the
 //! post over HTTP, the socket, completions recorded and settled alongside. The simulators run on
 //! threads of their own and encode PNGs with the fastest compression, as a GPU server's work
 //! happens elsewhere; they still share this machine's two cores with zhihui and PostgreSQL.
