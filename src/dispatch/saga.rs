@@ -680,7 +680,7 @@ impl Saga {
                 Ok(())
             }
             Input::Socket(backend, SocketEvent::Message(message)) => {
-                self.on_message(backend, message).await
+                self.on_message(backend, message)
             }
             Input::Queued => {
                 self.fill_all();
@@ -729,7 +729,7 @@ impl Saga {
                 if flight.phase == Phase::Staged {
                     // Never posted: cancelled without asking any server.
                     self.free_slot(task_id);
-                    return self.record(task_id, Completion::Vanished).await;
+                    return self.record(task_id, Completion::Vanished);
                 }
                 self.check_on(task_id);
                 Ok(())
@@ -754,7 +754,7 @@ impl Saga {
                     .is_some_and(|f| f.phase == Phase::Staged && f.stop.is_some())
                 {
                     self.free_slot(task_id);
-                    return self.record(task_id, Completion::Vanished).await;
+                    return self.record(task_id, Completion::Vanished);
                 }
                 // A slot may have freed meanwhile: the staged task goes out now.
                 self.fill_all();
@@ -785,12 +785,12 @@ impl Saga {
                 prompt_id,
                 outcome,
                 gap,
-            } => self.on_posted(task_id, prompt_id, outcome, gap).await,
+            } => self.on_posted(task_id, prompt_id, outcome, gap),
             Input::Located {
                 task_id,
                 prompt_id,
                 result,
-            } => self.on_located(task_id, prompt_id, result).await,
+            } => self.on_located(task_id, prompt_id, result),
             Input::Completed {
                 task_id,
                 prompt_id,
@@ -804,14 +804,14 @@ impl Saga {
                 }
                 flight.effect_running = false;
                 match result {
-                    Ok(completion) => self.record(task_id, completion).await,
+                    Ok(completion) => self.record(task_id, completion),
                     Err(error) => {
                         flight.completion_attempts += 1;
                         tracing::warn!(%task_id, attempt = flight.completion_attempts, error = %crate::telemetry::error_chain(&error), "fetching results failed");
                         if flight.completion_attempts >= COMPLETION_ATTEMPTS_MAX {
                             let reason =
                                 "the images could not be fetched from the image server".to_owned();
-                            self.record(task_id, Completion::Failed(reason)).await
+                            self.record(task_id, Completion::Failed(reason))
                         } else {
                             // Retried by the watchdog.
                             Ok(())
@@ -885,7 +885,7 @@ impl Saga {
                 flight.stop = Some(Stop::Timeout);
             }
             self.free_slot(task_id);
-            self.record(task_id, Completion::Vanished).await?;
+            self.record(task_id, Completion::Vanished)?;
         }
         // Completions not recorded yet (the store was down).
         let unrecorded: Vec<TaskId> = self
@@ -900,7 +900,7 @@ impl Saga {
                 .get_mut(&task_id)
                 .and_then(|f| f.unrecorded.take())
             {
-                self.record(task_id, completion).await?;
+                self.record(task_id, completion)?;
             }
         }
         if now - self.last_watchdog >= Duration::from_millis(settings.reconcile_interval_ms) {
@@ -1150,7 +1150,7 @@ impl Saga {
         });
     }
 
-    async fn on_posted(
+    fn on_posted(
         &mut self,
         task_id: TaskId,
         prompt_id: Uuid,
@@ -1183,7 +1183,7 @@ impl Saga {
             }
             PostOutcome::Rejected(reason) => {
                 self.free_slot(task_id);
-                self.record(task_id, Completion::Failed(reason)).await
+                self.record(task_id, Completion::Failed(reason))
             }
             PostOutcome::Unreachable(error) => {
                 // Maybe queued there, maybe not: the next reconcile finds out before posting again.
@@ -1223,7 +1223,7 @@ impl Saga {
         }));
     }
 
-    async fn on_located(
+    fn on_located(
         &mut self,
         task_id: TaskId,
         prompt_id: Uuid,
@@ -1245,7 +1245,7 @@ impl Saga {
                 if flight.stop.is_some() && flight.stop_attempts >= settings.cancel_attempts_max {
                     // The server stays unreachable: record the stop without its confirmation.
                     self.free_slot(task_id);
-                    return self.record(task_id, Completion::Interrupted).await;
+                    return self.record(task_id, Completion::Interrupted);
                 }
                 return Ok(());
             }
@@ -1260,18 +1260,18 @@ impl Saga {
                     // An interrupt that never lands (a node that reports no progress): give up
                     // on the confirmation; a late result is ignored.
                     self.free_slot(task_id);
-                    return self.record(task_id, Completion::Interrupted).await;
+                    return self.record(task_id, Completion::Interrupted);
                 }
                 Ok(())
             }
-            PromptWhereabouts::Finished(outcome) => self.finishing(task_id, Some(outcome)).await,
+            PromptWhereabouts::Finished(outcome) => self.finishing(task_id, Some(outcome)),
             PromptWhereabouts::Unknown => {
                 let (phase, stopping, resubmitted) =
                     (flight.phase, flight.stop.is_some(), flight.resubmitted);
                 if stopping {
                     // Deleted by our stop before it ran (or lost): nothing will ever come.
                     self.free_slot(task_id);
-                    return self.record(task_id, Completion::Vanished).await;
+                    return self.record(task_id, Completion::Vanished);
                 }
                 match phase {
                     // Never accepted: post it now.
@@ -1289,14 +1289,14 @@ impl Saga {
                     }
                     Phase::Accepted | Phase::Finishing => {
                         self.free_slot(task_id);
-                        self.record(task_id, Completion::Vanished).await
+                        self.record(task_id, Completion::Vanished)
                     }
                 }
             }
         }
     }
 
-    async fn on_message(&mut self, backend: usize, message: ComfyMessage) -> anyhow::Result<()> {
+    fn on_message(&mut self, backend: usize, message: ComfyMessage) -> anyhow::Result<()> {
         let Some(prompt_id) = message.prompt_id() else {
             return Ok(());
         };
@@ -1345,7 +1345,7 @@ impl Saga {
                 Ok(())
             }
             // The first terminal message: the GPU is free now.
-            ComfyMessage::ExecutionSuccess { .. } => self.finishing(task_id, None).await,
+            ComfyMessage::ExecutionSuccess { .. } => self.finishing(task_id, None),
             ComfyMessage::ExecutionError {
                 node_type,
                 exception_message,
@@ -1355,14 +1355,13 @@ impl Saga {
                     node_type,
                     message: exception_message,
                 };
-                self.finishing(task_id, Some(outcome)).await
+                self.finishing(task_id, Some(outcome))
             }
             ComfyMessage::ExecutionInterrupted { .. } => {
                 self.finishing(task_id, Some(HistoryOutcome::Interrupted))
-                    .await
             }
             // The end of a prompt whose terminal message we missed.
-            ComfyMessage::Executing { node: None, .. } => self.finishing(task_id, None).await,
+            ComfyMessage::Executing { node: None, .. } => self.finishing(task_id, None),
             ComfyMessage::Executing { .. } | ComfyMessage::Status { .. } | ComfyMessage::Other => {
                 Ok(())
             }
@@ -1389,11 +1388,7 @@ impl Saga {
     }
 
     /// A prompt ended on its server: free the slot, then fetch and record its results.
-    async fn finishing(
-        &mut self,
-        task_id: TaskId,
-        known: Option<HistoryOutcome>,
-    ) -> anyhow::Result<()> {
+    fn finishing(&mut self, task_id: TaskId, known: Option<HistoryOutcome>) -> anyhow::Result<()> {
         let Some(flight) = self.in_flight.get(&task_id) else {
             return Ok(());
         };
@@ -1479,7 +1474,7 @@ impl Saga {
     }
 
     /// Record how the task ended, settle or release its hold, tell its owner, forget it.
-    async fn record(&mut self, task_id: TaskId, completion: Completion) -> anyhow::Result<()> {
+    fn record(&mut self, task_id: TaskId, completion: Completion) -> anyhow::Result<()> {
         let Some(flight) = self.in_flight.get(&task_id) else {
             return Ok(());
         };

@@ -15,6 +15,7 @@ use futures::StreamExt;
 use serde_json::{Value, json};
 use uuid::Uuid;
 use zhihui::dispatch::Saga;
+use zhihui::dispatch::lease::{Claimed, Fill, ServerSlots, Term};
 use zhihui::startup::AppState;
 use zhihui_domain::points::Points;
 use zhihui_domain::task::{TaskCommand, TaskError, TaskEvent, TaskStatus};
@@ -780,14 +781,28 @@ async fn staged_tasks_wait_ahead_of_the_queue_and_reach_their_server_in_queue_or
     saga.resign().await;
 }
 
+/// One fill at the depth and slot lease the fill test uses.
+async fn fill(
+    process: &AppState,
+    term: &Term,
+    releases: &[(usize, Uuid)],
+    servers: &[Option<ServerSlots>],
+) -> Fill {
+    let names = process.dispatcher.backend_names();
+    process
+        .dispatcher
+        .leases()
+        .fill(term, &names, releases, servers, 2, 10_000)
+        .await
+        .unwrap()
+}
+
 /// The filler's one Redis step (`dispatch_fill.lua`): releases first, then free slots on every
 /// server before anything is staged, then one staged task per server per round up to the
 /// depth, in queue order; servers without a socket get nothing; the live leases are a floor
 /// under what the caller knows; a stale leader claims nothing but its releases still happen.
 #[tokio::test]
 async fn one_fill_releases_then_fills_every_free_slot_before_staging_in_queue_order() {
-    use zhihui::dispatch::lease::{Claimed, Fill, ServerSlots, Term};
-
     let harness = harness(2, Faults::default()).await;
     let process = harness.process();
     let leases = process.dispatcher.leases();
@@ -829,10 +844,7 @@ async fn one_fill_releases_then_fills_every_free_slot_before_staging_in_queue_or
     };
 
     // Both servers idle, depth 2: a slot on each, then staged 0, 1, 0, 1.
-    let filled = leases
-        .fill(&term, &names, &[], &[slots(0, 0), slots(0, 0)], 2, 10_000)
-        .await
-        .unwrap();
+    let filled = fill(&process, &term, &[], &[slots(0, 0), slots(0, 0)]).await;
     assert_eq!(
         filled,
         Fill::Claimed {
@@ -845,10 +857,7 @@ async fn one_fill_releases_then_fills_every_free_slot_before_staging_in_queue_or
 
     // Full everywhere: nothing more, even when the caller forgot what it staged (the leases
     // are the floor).
-    let filled = leases
-        .fill(&term, &names, &[], &[slots(1, 0), slots(0, 0)], 2, 10_000)
-        .await
-        .unwrap();
+    let filled = fill(&process, &term, &[], &[slots(1, 0), slots(0, 0)]).await;
     assert_eq!(
         filled,
         Fill::Claimed {
@@ -859,17 +868,7 @@ async fn one_fill_releases_then_fills_every_free_slot_before_staging_in_queue_or
 
     // gpu-0's prompt ends (its first staged task is posted): released, then one staged task
     // tops gpu-0 up; gpu-1 has no socket and gets nothing.
-    let filled = leases
-        .fill(
-            &term,
-            &names,
-            &[(0, queued[0])],
-            &[slots(1, 1), None],
-            2,
-            10_000,
-        )
-        .await
-        .unwrap();
+    let filled = fill(&process, &term, &[(0, queued[0])], &[slots(1, 1), None]).await;
     assert_eq!(
         filled,
         Fill::Claimed {
@@ -884,33 +883,25 @@ async fn one_fill_releases_then_fills_every_free_slot_before_staging_in_queue_or
         instance: term.instance.clone(),
         fencing_token: term.fencing_token + 1,
     };
-    let filled = leases
-        .fill(
-            &stale,
-            &names,
-            &[(1, queued[1])],
-            &[slots(0, 0), slots(0, 0)],
-            2,
-            10_000,
-        )
-        .await
-        .unwrap();
+    let filled = fill(
+        &process,
+        &stale,
+        &[(1, queued[1])],
+        &[slots(0, 0), slots(0, 0)],
+    )
+    .await;
     assert_eq!(filled, Fill::NotLeader);
     assert_eq!(busy(1).await, vec![queued[3], queued[5]]);
     assert_eq!(process.tasks.queue.len().await.unwrap(), 1);
 
     // gpu-1 emptied: its free slot takes the last task, and the queue runs dry.
-    let filled = leases
-        .fill(
-            &term,
-            &names,
-            &[(1, queued[3]), (1, queued[5])],
-            &[None, slots(0, 0)],
-            2,
-            10_000,
-        )
-        .await
-        .unwrap();
+    let filled = fill(
+        &process,
+        &term,
+        &[(1, queued[3]), (1, queued[5])],
+        &[None, slots(0, 0)],
+    )
+    .await;
     assert_eq!(
         filled,
         Fill::Claimed {
