@@ -643,9 +643,9 @@ impl Saga {
         {
             return self.on_tick().await;
         }
+        // Not biased: under a burst of socket messages the effects' results (a renewal among
+        // them) must still get their turns.
         tokio::select! {
-            // The servers first: a prompt's end is what frees a GPU.
-            biased;
             Some((backend, event)) = self.sockets.recv() => self.handle(Input::Socket(backend, event)).await,
             Some(input) = self.inputs.recv() => self.handle(input).await,
             _ = self.tick.tick() => self.on_tick().await,
@@ -740,7 +740,14 @@ impl Saga {
                 result,
             } => {
                 let claim_seq = self.backends[backend].staging.remove(&task_id).unwrap_or(0);
-                let prepared = result?;
+                let prepared = match result {
+                    Ok(prepared) => prepared,
+                    Err(error) => {
+                        // Tasks claimed after it may have waited for it (`staged_on`).
+                        self.fill_all();
+                        return Err(error);
+                    }
+                };
                 self.admit(backend, task_id, prepared);
                 if let Some(flight) = self.in_flight.get_mut(&task_id)
                     && flight.phase == Phase::Staged
@@ -939,13 +946,20 @@ impl Saga {
             .count()
     }
 
-    /// `backend`'s staged task claimed first (it was first in the queue).
+    /// `backend`'s staged task claimed first (it was first in the queue), unless a task claimed
+    /// before it is still being recorded: dispatch records finish in any order, and a later
+    /// claim must not overtake an earlier one (the earlier one's `Prepared` fills the slot).
     fn staged_on(&self, backend: usize) -> Option<TaskId> {
-        self.in_flight
+        let (task_id, first) = self
+            .in_flight
             .iter()
             .filter(|(_, f)| f.backend == backend && f.phase == Phase::Staged)
-            .min_by_key(|(_, f)| f.claim_seq)
-            .map(|(task_id, _)| *task_id)
+            .min_by_key(|(_, f)| f.claim_seq)?;
+        let earlier_being_recorded = self.backends[backend]
+            .staging
+            .values()
+            .any(|&claim_seq| claim_seq < first.claim_seq);
+        (!earlier_being_recorded).then_some(*task_id)
     }
 
     /// Tasks staged on `backend` or being staged there.
