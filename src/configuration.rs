@@ -183,6 +183,11 @@ pub struct DispatchSettings {
     /// Tasks per server recorded as dispatched ahead of a free slot, posted the moment one
     /// frees: enough to hide the store's latency behind the server's work.
     pub staged_per_backend: u32,
+    /// Of those, how many are posted at once into the server's own queue, behind the prompts
+    /// it runs: when one ends, ComfyUI starts the next itself, with no round trip in between
+    /// (the GPU idle gap is then the server's own). A posted task can still be cancelled (it
+    /// is deleted from the server's queue) but is committed to that server.
+    pub posted_ahead_per_backend: u32,
 }
 
 impl DispatchSettings {
@@ -465,6 +470,11 @@ impl Settings {
         anyhow::ensure!(
             dispatch.staged_per_backend <= STAGED_PER_BACKEND_MAX,
             "dispatch.staged_per_backend must be 0 to {STAGED_PER_BACKEND_MAX}"
+        );
+        anyhow::ensure!(
+            dispatch.posted_ahead_per_backend <= dispatch.staged_per_backend,
+            "dispatch.posted_ahead_per_backend must be 0 to staged_per_backend ({}): only staged tasks are posted ahead",
+            dispatch.staged_per_backend
         );
         Ok(())
     }

@@ -34,7 +34,7 @@ pub struct Shared {
 /// started: the gap a dispatcher should keep small, seen from the server.
 #[derive(Debug, Default)]
 pub struct IdleClock {
-    since: Option<std::time::Instant>,
+    pub since: Option<std::time::Instant>,
     pub gaps: Vec<std::time::Duration>,
 }
 
@@ -209,9 +209,8 @@ pub async fn run_worker(inst: Arc<Instance>) {
             messages: outcome.messages,
         };
         st.task_done(task_id, outcome.outputs, outcome.meta, status);
-        if st.queue.0.is_empty() {
-            inst.shared.idle_clock().since = Some(std::time::Instant::now());
-        }
+        // Also when the next prompt is queued already: that gap is the server's own, near zero.
+        inst.shared.idle_clock().since = Some(std::time::Instant::now());
         if let Some(client) = &outcome.client_id {
             st.send(
                 "executing",

@@ -185,10 +185,14 @@ impl Simulator {
         let _ = std::fs::remove_dir_all(&self.scratch);
     }
 
-    /// The GPU's idle spells so far (taken): each from a prompt's end with nothing queued to the
-    /// start of the next prompt. The dispatcher's "idle gap", measured where it happens.
+    /// The GPU's idle spells so far (taken): each from a prompt's end to the start of the next
+    /// (near zero when the next was waiting in the queue). The dispatcher's "idle gap", measured
+    /// where it happens. Idle time before the call is not a gap: after it, the next prompt's
+    /// start closes no spell.
     pub fn take_idle_gaps(&self) -> Vec<std::time::Duration> {
-        std::mem::take(&mut self.shared.idle_clock().gaps)
+        let mut clock = self.shared.idle_clock();
+        clock.since = None;
+        std::mem::take(&mut clock.gaps)
     }
 
     /// Accepted `POST /prompt`s (200s) since start, across restarts.

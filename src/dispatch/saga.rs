@@ -11,10 +11,13 @@
 //!
 //! Per task: claimed by the filler (one Lua step: leader check, a free slot of a connected
 //! server, pop the queue, lease the slot) -> `TaskDispatched` with a fresh prompt id (recorded
-//! before the post, so a restart can look for it) -> staged until a slot of its server is free
-//! -> post -> `TaskStarted` -> follow the socket by prompt id, forward progress -> on the first
-//! terminal message the next staged task is posted at once (no polling period, no round trip)
-//! and the slot's lease is released by the next filler -> history, images through `/view` into
+//! before the post, so a restart can look for it) -> staged until its server has room: a free
+//! slot, or a place in the server's own queue behind the prompts it runs
+//! (`posted_ahead_per_backend`; ComfyUI then starts it the moment the one before ends, with no
+//! round trip at all) -> post -> `TaskStarted` (when it runs) -> follow the socket by prompt id,
+//! forward progress -> on the first terminal message the next staged task is posted at once (no
+//! polling period, no round trip) and the slot's lease is released by the next filler ->
+//! history, images through `/view` into
 //! the image store -> `dispatch` intent row -> `TaskSucceeded` / `TaskFailed` / `TaskCancelled`
 //! -> settle or release the hold (`TaskService::reconcile`, idempotent) -> end the intent.
 //!
@@ -353,7 +356,7 @@ enum Completion {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Phase {
     /// Recorded as dispatched to a busy server, not posted yet: the next task for that server,
-    /// posted the moment a slot frees (no round trip to the store in between).
+    /// posted the moment it has room (no round trip to the store in between).
     Staged,
     /// Recorded as dispatched; the server has not (knowingly) accepted it.
     Posting,
@@ -388,6 +391,11 @@ struct InFlight {
     last_progress: Option<Instant>,
     /// Claim order of a staged task: staged tasks are posted in the order they were claimed.
     claim_seq: u64,
+    /// Posted into the server's own queue behind the prompts it runs: it starts when they end,
+    /// without us (its `TaskStarted` waits for its `execution_start`).
+    posted_ahead: bool,
+    /// `TaskStarted` is recorded or being recorded (once per task).
+    start_recorded: bool,
     /// `TaskStarted` being recorded: the end is recorded after it, so the log keeps the order.
     starting: Option<tokio::task::JoinHandle<()>>,
 }
@@ -416,6 +424,8 @@ impl InFlight {
             unrecorded: None,
             last_progress: None,
             claim_seq: 0,
+            posted_ahead: false,
+            start_recorded: false,
             starting: None,
         }
     }
@@ -1045,22 +1055,53 @@ impl Saga {
         Ok(())
     }
 
-    /// Post `backend`'s staged task if it has a free slot and a socket; whether it did.
+    /// Post `backend`'s staged task if it has a socket and room: a free slot, or a place in
+    /// its own queue (`posted_ahead_per_backend`); whether it did.
     fn promote_staged(&mut self, backend: usize) -> bool {
         let capacity = self.dispatcher.backends[backend].settings.capacity as usize;
-        if self.backends[backend].client_id.is_none() || self.busy(backend) >= capacity {
+        let posted_max = capacity + self.dispatcher.settings.posted_ahead_per_backend as usize;
+        if self.backends[backend].client_id.is_none()
+            || self.busy(backend) >= posted_max
+            || self.post_unanswered(backend)
+        {
             return false;
         }
         let Some(task_id) = self.staged_on(backend) else {
             return false;
         };
+        // Behind prompts the server runs, it may wait for each of them to end (or time out).
+        let waits_behind = self.waits_behind(backend, task_id);
         let timeout = Duration::from_millis(self.dispatcher.settings.task_timeout_ms);
         if let Some(flight) = self.in_flight.get_mut(&task_id) {
             flight.phase = Phase::Posting;
-            flight.deadline = Instant::now() + timeout;
+            flight.deadline = Instant::now() + timeout * (1 + waits_behind);
         }
         self.post(task_id);
         true
+    }
+
+    /// A post to `backend` is not answered yet: the next waits for it. Two posts in flight to
+    /// one server can arrive in either order, and the server runs its queue in arrival order.
+    fn post_unanswered(&self, backend: usize) -> bool {
+        self.in_flight
+            .values()
+            .any(|f| f.backend == backend && f.phase == Phase::Posting)
+    }
+
+    /// How many prompts a prompt posted to `backend` now would wait behind in its queue: 0 when
+    /// a slot is free.
+    fn waits_behind(&self, backend: usize, task_id: TaskId) -> u32 {
+        let capacity = self.dispatcher.backends[backend].settings.capacity as usize;
+        let others = self
+            .in_flight
+            .iter()
+            .filter(|(other, f)| {
+                **other != task_id
+                    && f.backend == backend
+                    && matches!(f.phase, Phase::Posting | Phase::Accepted)
+            })
+            .count();
+        u32::try_from((others + 1).saturating_sub(capacity)).unwrap_or(u32::MAX)
     }
 
     /// Follow a task recorded as dispatched to `backend`: staged until a slot of it is free.
@@ -1102,6 +1143,11 @@ impl Saga {
             // Posted when the socket opens (its reconcile finds the prompt unknown).
             return;
         };
+        let posted_ahead = self.waits_behind(backend, task_id) > 0;
+        let Some(flight) = self.in_flight.get_mut(&task_id) else {
+            return;
+        };
+        flight.posted_ahead = posted_ahead;
         flight.effect_running = true;
         let client = self.dispatcher.backends[backend].client.clone();
         let freed_at = self.backends[backend].freed_at.take();
@@ -1149,9 +1195,15 @@ impl Saga {
         self.dispatcher.work.spawn(async move {
             let result = async {
                 if stopping {
-                    // Pending: out of the queue. Running: interrupted (a no-op on anything else).
+                    // Pending: out of the queue. Running: interrupted, and only then: a targeted
+                    // interrupt that races the prompt's end hits the next prompt (PROTOCOL.md
+                    // 1.4), and the next prompt is often ours, posted ahead.
                     client.delete_pending(prompt_id).await?;
-                    client.interrupt(prompt_id).await?;
+                    let whereabouts = client.whereabouts(prompt_id).await?;
+                    if matches!(whereabouts, PromptWhereabouts::Running) {
+                        client.interrupt(prompt_id).await?;
+                    }
+                    return Ok(whereabouts);
                 }
                 client.whereabouts(prompt_id).await
             }
@@ -1207,10 +1259,9 @@ impl Saga {
         }
     }
 
-    /// The server has the prompt: record the task as started (once), off the saga's path (a
-    /// slot that frees meanwhile must not wait for this append).
+    /// The server has the prompt. In a free slot it runs at once: recorded as started. Posted
+    /// ahead, it waits in the server's queue until its `execution_start` ([`Saga::running`]).
     fn accepted(&mut self, task_id: TaskId) {
-        let metadata = self.metadata(task_id);
         let Some(flight) = self.in_flight.get_mut(&task_id) else {
             return;
         };
@@ -1218,6 +1269,37 @@ impl Saga {
             return;
         }
         flight.phase = Phase::Accepted;
+        let backend = flight.backend;
+        if !flight.posted_ahead {
+            self.record_start(task_id);
+        }
+        // The next staged task may follow it now.
+        self.promote_staged(backend);
+    }
+
+    /// The prompt runs on its server now (its `execution_start`, or `/queue` says so).
+    fn running(&mut self, task_id: TaskId) {
+        self.accepted(task_id);
+        let Some(flight) = self.in_flight.get_mut(&task_id) else {
+            return;
+        };
+        if flight.phase == Phase::Accepted && flight.posted_ahead {
+            flight.posted_ahead = false;
+            self.record_start(task_id);
+        }
+    }
+
+    /// Record the task as started (once), off the saga's path (a slot that frees meanwhile must
+    /// not wait for this append).
+    fn record_start(&mut self, task_id: TaskId) {
+        let metadata = self.metadata(task_id);
+        let Some(flight) = self.in_flight.get_mut(&task_id) else {
+            return;
+        };
+        if flight.start_recorded {
+            return;
+        }
+        flight.start_recorded = true;
         let command = TaskCommand::Start {
             fencing_token: self.term.fencing_token,
             at: self.dispatcher.clock.now(),
@@ -1266,7 +1348,18 @@ impl Saga {
         };
         match whereabouts {
             PromptWhereabouts::Running | PromptWhereabouts::Pending => {
-                self.accepted(task_id);
+                if matches!(whereabouts, PromptWhereabouts::Running) {
+                    self.running(task_id);
+                } else {
+                    // In the server's queue behind other prompts (adopted, or posted ahead):
+                    // started when it runs.
+                    if let Some(flight) = self.in_flight.get_mut(&task_id)
+                        && flight.phase == Phase::Posting
+                    {
+                        flight.posted_ahead = true;
+                    }
+                    self.accepted(task_id);
+                }
                 let exhausted = self.in_flight.get(&task_id).is_some_and(|f| {
                     f.stop.is_some() && f.stop_attempts >= settings.cancel_attempts_max
                 });
@@ -1325,7 +1418,13 @@ impl Saga {
         }
         match message {
             ComfyMessage::ExecutionStart { .. } => {
-                self.accepted(task_id);
+                // A prompt posted ahead waited in the server's queue: its time limit counts
+                // from now.
+                if flight.posted_ahead {
+                    flight.deadline = Instant::now()
+                        + Duration::from_millis(self.dispatcher.settings.task_timeout_ms);
+                }
+                self.running(task_id);
                 Ok(())
             }
             ComfyMessage::Progress { value, max, .. } => {
@@ -1392,7 +1491,11 @@ impl Saga {
         }
         flight.phase = Phase::Finishing;
         let backend = flight.backend;
-        self.backends[backend].freed_at = Some(Instant::now());
+        // With a prompt posted ahead behind it, the server went on by itself: no idle GPU.
+        let capacity = self.dispatcher.backends[backend].settings.capacity as usize;
+        if self.busy(backend) < capacity {
+            self.backends[backend].freed_at = Some(Instant::now());
+        }
         // The staged task goes out first: its post needs nothing from Redis or the store.
         self.backends[backend].freeing = true;
         self.promote_staged(backend);
@@ -1409,6 +1512,10 @@ impl Saga {
         if flight.phase == Phase::Finishing {
             return Ok(());
         }
+        // It ran: a prompt posted ahead whose end is known before its `execution_start` was
+        // read (`/history` can answer before the socket's messages are handled) is recorded as
+        // started first; the end waits for that append.
+        self.record_start(task_id);
         self.free_slot(task_id);
         if let Some(flight) = self.in_flight.get_mut(&task_id) {
             flight.effect_running = true;

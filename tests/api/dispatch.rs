@@ -156,10 +156,13 @@ async fn drive_until(
         if all {
             return;
         }
-        assert!(
-            started.elapsed() < DRIVE_LIMIT,
-            "tasks did not reach {statuses:?}"
-        );
+        if started.elapsed() >= DRIVE_LIMIT {
+            let mut now = Vec::new();
+            for task_id in tasks {
+                now.push(status_of(process, task_id).await.status);
+            }
+            panic!("tasks did not reach {statuses:?}: they are {now:?}");
+        }
         if let Err(error) = saga.step().await {
             panic!("saga step failed: {error:#}");
         }
@@ -672,7 +675,8 @@ async fn a_task_staged_behind_a_running_one_is_cancelled_without_ever_being_post
         step_delay_ms: 50,
         ..Faults::default()
     };
-    let harness = harness(1, faults).await;
+    // Staged here, not posted ahead into the server's queue.
+    let harness = harness_with(1, faults, |dispatch| dispatch.posted_ahead_per_backend = 0).await;
     let app = &harness.app;
     let (user, token) = funded_user(app, "second-thoughts", "10").await;
     let process = harness.process();
@@ -723,7 +727,7 @@ async fn a_task_staged_behind_a_running_one_is_cancelled_without_ever_being_post
 #[tokio::test]
 async fn staged_tasks_wait_ahead_of_the_queue_and_reach_their_server_in_queue_order() {
     let faults = Faults {
-        step_delay_ms: 40,
+        step_delay_ms: 100,
         ..Faults::default()
     };
     let harness = harness_with(1, faults, |dispatch| dispatch.staged_per_backend = 3).await;
@@ -732,14 +736,16 @@ async fn staged_tasks_wait_ahead_of_the_queue_and_reach_their_server_in_queue_or
     let process = harness.process();
     let mut saga = harness.lead(&process).await;
     drive_until_connected(&mut saga, 1).await;
-    // 50 steps of 40 ms: still running while the others are staged and checked.
+    // 50 steps of 100 ms: still running while the others are staged and checked (with room for
+    // a slow machine: the checks hold only while it runs).
     let first = submit_task(app, &token, 1, 50).await;
     let mut tasks = vec![first.clone()];
     for _ in 0..4 {
         tasks.push(submit_task(app, &token, 1, 1).await);
     }
-    // While the first runs, three are recorded as dispatched to the busy server; the fifth waits
-    // in the queue (the staging depth bounds how many are committed to one server).
+    // While the first runs, three are recorded as dispatched to the busy server (the first of
+    // them posted into its queue, still not started); the fifth waits in our queue (the staging
+    // depth bounds how many are committed to one server).
     drive_until(
         &mut saga,
         &process,
@@ -755,7 +761,7 @@ async fn staged_tasks_wait_ahead_of_the_queue_and_reach_their_server_in_queue_or
     drive_until(&mut saga, &process, &tasks, &[TaskStatus::Succeeded]).await;
     drive_until_idle(&mut saga).await;
     // The server ran them in the order they were queued: by each prompt's `execution_start`
-    // time in the server's history (prompts run at least one 40 ms step apart).
+    // time in the server's history (prompts run at least one 100 ms step apart).
     let history: Value = reqwest::get(format!("{}/history", harness.sims[0].base_url()))
         .await
         .unwrap()
@@ -778,6 +784,166 @@ async fn staged_tasks_wait_ahead_of_the_queue_and_reach_their_server_in_queue_or
     let ran: Vec<String> = ran.into_iter().map(|(_, task)| task).collect();
     assert_eq!(ran, tasks, "staged tasks were posted out of queue order");
     assert_settled(&harness, &process, &user, 5).await;
+    saga.resign().await;
+}
+
+/// The ids in a server's `/queue`: running, pending.
+async fn server_queue(sim: &Simulator) -> (Vec<String>, Vec<String>) {
+    let queue: Value = reqwest::get(format!("{}/queue", sim.base_url()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids = |key: &str| -> Vec<String> {
+        queue[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|item| item[1].as_str().unwrap().to_owned())
+            .collect()
+    };
+    (ids("queue_running"), ids("queue_pending"))
+}
+
+#[tokio::test]
+async fn a_task_posted_ahead_waits_in_the_servers_queue_and_a_cancel_deletes_it_from_there() {
+    let faults = Faults {
+        step_delay_ms: 100,
+        ..Faults::default()
+    };
+    // The defaults: two staged per server, one of them posted ahead.
+    let harness = harness_with(1, faults, |dispatch| {
+        dispatch.staged_per_backend = 2;
+        dispatch.posted_ahead_per_backend = 1;
+    })
+    .await;
+    let sim = &harness.sims[0];
+    let app = &harness.app;
+    let (user, token) = funded_user(app, "early-bird", "10").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 1).await;
+    // 50 steps of 100 ms: running while the others are posted, staged and cancelled (with
+    // room for a slow machine: the checks below hold only while it runs).
+    let running = submit_task(app, &token, 1, 50).await;
+    let ahead = submit_task(app, &token, 1, 1).await;
+    let staged = submit_task(app, &token, 1, 1).await;
+    let prompt_of = |task: &str| {
+        let task = task.to_owned();
+        let process = &process;
+        async move {
+            status_of(process, &task)
+                .await
+                .prompt_id
+                .unwrap()
+                .to_string()
+        }
+    };
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&running),
+        &[TaskStatus::Running],
+    )
+    .await;
+    drive_until(
+        &mut saga,
+        &process,
+        &[ahead.clone(), staged.clone()],
+        &[TaskStatus::Dispatched],
+    )
+    .await;
+    // The second waits in the server's own queue; the third is staged here.
+    let expected = (
+        vec![prompt_of(&running).await],
+        vec![prompt_of(&ahead).await],
+    );
+    let started = tokio::time::Instant::now();
+    while server_queue(sim).await != expected {
+        assert!(started.elapsed() < DRIVE_LIMIT, "nothing was posted ahead");
+        saga.step().await.unwrap();
+    }
+    assert_eq!(sim.prompts_received(), 2);
+    // Waiting on the server is not running: no `TaskStarted` until it starts.
+    assert_eq!(
+        status_of(&process, &ahead).await.status,
+        TaskStatus::Dispatched
+    );
+
+    assert_eq!(
+        crate::tasks::act(app, &token, "cancel", &ahead)
+            .await
+            .status(),
+        202
+    );
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&ahead),
+        &[TaskStatus::Cancelled],
+    )
+    .await;
+    // Deleted from the server's queue, the running prompt untouched; the staged task took the
+    // place in the server's queue.
+    let started = tokio::time::Instant::now();
+    while sim.prompts_received() < 3 {
+        assert!(
+            started.elapsed() < DRIVE_LIMIT,
+            "the staged task was not posted ahead"
+        );
+        saga.step().await.unwrap();
+    }
+    let (server_running, pending) = server_queue(sim).await;
+    assert_eq!(server_running, vec![prompt_of(&running).await]);
+    assert_eq!(pending, vec![prompt_of(&staged).await]);
+
+    drive_until(
+        &mut saga,
+        &process,
+        &[running.clone(), staged.clone()],
+        &[TaskStatus::Succeeded],
+    )
+    .await;
+    drive_until_idle(&mut saga).await;
+    let history: Value = reqwest::get(format!("{}/history", sim.base_url()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        history.get(prompt_of(&ahead).await).is_none(),
+        "the cancelled prompt ran"
+    );
+    let message_at = |prompt: &str, kind: &str| -> u64 {
+        history[prompt]["status"]["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|message| message[0] == kind)
+            .and_then(|message| message[1]["timestamp"].as_u64())
+            .unwrap()
+    };
+    // The server went on to the staged prompt by itself, after the first one's end.
+    assert!(
+        message_at(&prompt_of(&staged).await, "execution_start")
+            >= message_at(&prompt_of(&running).await, "execution_success")
+    );
+    for task in [&running, &staged] {
+        let events = task_events(app, task).await;
+        assert_eq!(ends(&events), 1);
+        assert!(events.iter().any(|e| matches!(e, TaskEvent::Started(_))));
+    }
+    assert!(
+        !task_events(app, &ahead)
+            .await
+            .iter()
+            .any(|e| matches!(e, TaskEvent::Started(_))),
+        "a task cancelled in the server's queue never started"
+    );
+    // Two images deducted, the cancelled hold returned.
+    assert_settled(&harness, &process, &user, 8).await;
     saga.resign().await;
 }
 

@@ -1,10 +1,13 @@
 //! Benchmark of the GPU idle gap, with two ComfyUI simulators at zero latency, capacity 1 each,
 //! and a queue that never runs dry. PRODUCT.md's target: p99 under 5 ms.
 //!
-//! The gap is measured where the GPU idles: in each simulator, from a prompt's end (nothing
-//! queued there) to the start of the next prompt. The saga's own view is printed too: from the
-//! terminal message reaching the saga to `POST /prompt` answered. Then the reference design runs
-//! on the same simulators: a dispatcher that looks for free servers once a second.
+//! The gap is measured where the GPU idles: in each simulator, from every prompt's end to the
+//! start of the next (near zero when zhihui had posted the next one ahead into the server's
+//! queue). The saga's own view is printed too, for slots that freed with nothing posted ahead:
+//! from the terminal message reaching the saga to `POST /prompt` answered. Then the reference
+//! design runs on the same simulators: a dispatcher that looks for free servers once a second.
+//! zhihui runs with its default settings (`staged_per_backend`, `posted_ahead_per_backend`)
+//! unless they are set in the environment (`ZHIHUI_DISPATCH__...`).
 //!
 //! The whole path is real: Lua fill, `TaskDispatched` appended to PostgreSQL, the
 //! post over HTTP, the socket, completions recorded and settled alongside. The simulators run on
@@ -166,6 +169,7 @@ async fn run(
         // Idle before the run began is not a gap.
         sim.take_idle_gaps();
     }
+    println!("dispatching {tasks} tasks");
     let started = Instant::now();
     // Stepped on the dispatch lane's thread, as `serve` runs it; the queue is asked only once
     // nothing is in flight (a round trip after every step would hold the saga up).
@@ -194,12 +198,23 @@ async fn run(
     // saga to `POST /prompt` answered (later at both ends: the message's delivery is not in it,
     // the answer's return is).
     let mut idle: Vec<Duration> = sims.iter().flat_map(Simulator::take_idle_gaps).collect();
-    anyhow::ensure!(!idle.is_empty() && !gaps.is_empty(), "no gap was measured");
+    anyhow::ensure!(!idle.is_empty(), "no gap was measured");
     let (idle_p50, idle_p99, idle_max) = percentiles(&mut idle);
+    let idle_p90 =
+        zhihui::bench_support::percentile(&idle, 0.9).map_or(0.0, zhihui::bench_support::ms);
+    let under_target = idle
+        .iter()
+        .filter(|gap| **gap < Duration::from_millis(5))
+        .count() as f64
+        / idle.len() as f64
+        * 100.0;
+    // The saga's view, only where a slot freed with nothing posted ahead behind it (none when
+    // every prompt was posted ahead in time).
     let mut saga_gaps: Vec<Duration> = gaps.iter().map(|gap| gap.duration).collect();
     let (p50, p99, max) = percentiles(&mut saga_gaps);
-    // Split by cause: a staged task ready when the slot freed (the saga's reaction) or not yet
-    // recorded as dispatched (the pipeline behind the GPU did not keep up).
+    // Split by cause: a staged task ready when the slot freed (the saga's reaction; with tasks
+    // posted ahead, rare: a ready task is on the server already) or not yet recorded as
+    // dispatched (the pipeline behind the GPU did not keep up).
     let mut ready: Vec<Duration> = gaps
         .iter()
         .filter(|gap| gap.staged_ready)
@@ -210,7 +225,6 @@ async fn run(
         .filter(|gap| !gap.staged_ready)
         .map(|gap| gap.duration)
         .collect();
-    let ready_share = ready.len() as f64 / gaps.len() as f64 * 100.0;
     let (ready_p50, ready_p99, _) = percentiles(&mut ready);
     let (waited_p50, waited_p99, _) = percentiles(&mut waited);
     println!(
@@ -219,16 +233,18 @@ async fn run(
         tasks as f64 / elapsed.as_secs_f64(),
     );
     println!(
-        "server idle gap (prompt end -> next prompt start, {} gaps): p50 {idle_p50:.2} ms, p99 {idle_p99:.2} ms, max {idle_max:.2} ms (target p99 < 5 ms)",
+        "server idle gap (prompt end -> next prompt start, {} gaps): p50 {idle_p50:.2} ms, p90 {idle_p90:.2} ms, p99 {idle_p99:.2} ms, max {idle_max:.2} ms; {under_target:.1} % under 5 ms (target p99 < 5 ms)",
         idle.len()
     );
     println!(
-        "saga gap (end message handled -> next POST /prompt answered, {} gaps): p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms",
-        gaps.len()
+        "saga gap where a slot freed with nothing posted ahead ({} of {} prompts): end message handled -> next POST /prompt answered p50 {p50:.2} ms, p99 {p99:.2} ms, max {max:.2} ms",
+        gaps.len(),
+        tasks
     );
     println!(
-        "  staged task ready at the end ({ready_share:.1} %): p50 {ready_p50:.2} ms, p99 {ready_p99:.2} ms; \
+        "  a staged task was ready ({} gaps): p50 {ready_p50:.2} ms, p99 {ready_p99:.2} ms; \
          waiting for its dispatch to be recorded ({} gaps): p50 {waited_p50:.2} ms, p99 {waited_p99:.2} ms",
+        ready.len(),
         waited.len()
     );
     // The reference design: a dispatcher that looks for free servers once a second.
@@ -252,10 +268,10 @@ async fn run(
     Ok(vec![
         ("dispatch_gap_p50".into(), idle_p50, "ms"),
         ("dispatch_gap_p99".into(), idle_p99, "ms"),
-        ("dispatch_saga_gap_p50".into(), p50, "ms"),
+        ("dispatch_gap_p90".into(), idle_p90, "ms"),
+        ("dispatch_gap_under_5ms_share".into(), under_target, "%"),
+        ("dispatch_saga_gaps".into(), gaps.len() as f64, "gaps"),
         ("dispatch_saga_gap_p99".into(), p99, "ms"),
-        ("dispatch_saga_gap_ready_p99".into(), ready_p99, "ms"),
-        ("dispatch_staged_ready_share".into(), ready_share, "%"),
         ("dispatch_gap_poller_p50".into(), poller_p50, "ms"),
         ("dispatch_gap_poller_p99".into(), poller_p99, "ms"),
         (
