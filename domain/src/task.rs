@@ -306,8 +306,10 @@ pub struct TaskState {
     pub prompt_id: Option<Uuid>,
     /// The highest dispatcher fencing token recorded on this task (0: none yet).
     pub fencing_token: u64,
-    /// When it was dispatched (its run time counts from here).
+    /// When it was dispatched (a prompt posted into a busy server's queue waits from here).
     pub dispatched_at: Option<DateTime<Utc>>,
+    /// When it started running on its server (its time limit counts from here).
+    pub started_at: Option<DateTime<Utc>>,
 }
 
 impl Default for TaskState {
@@ -324,6 +326,7 @@ impl Default for TaskState {
             prompt_id: None,
             fencing_token: 0,
             dispatched_at: None,
+            started_at: None,
         }
     }
 }
@@ -733,7 +736,10 @@ impl Decider for Task {
             TaskEvent::Adopted(e) => {
                 state.fencing_token = state.fencing_token.max(e.fencing_token);
             }
-            TaskEvent::Started(_) => state.status = TaskStatus::Running,
+            TaskEvent::Started(e) => {
+                state.status = TaskStatus::Running;
+                state.started_at = Some(e.at);
+            }
             TaskEvent::Succeeded(_) => state.status = TaskStatus::Succeeded,
             TaskEvent::Failed(_) => state.status = TaskStatus::Failed,
         }

@@ -1786,14 +1786,12 @@ impl Saga {
             Err(CommandError::Rejected(_)) => return Ok(()),
             Err(other) => return Err(anyhow::Error::new(other).context("adopting a task")),
         }
-        let timeout = chrono::Duration::milliseconds(
-            i64::try_from(self.dispatcher.settings.task_timeout_ms).unwrap_or(i64::MAX),
+        let left = adopted_time_left(
+            &state,
+            Duration::from_millis(self.dispatcher.settings.task_timeout_ms),
+            self.dispatcher.settings.posted_ahead_per_backend,
+            at,
         );
-        let left = state
-            .dispatched_at
-            .map_or(timeout, |dispatched| dispatched + timeout - at)
-            .to_std()
-            .unwrap_or(Duration::ZERO);
         tracing::info!(%task_id, %prompt_id, backend = %backend_name, "adopted a task in flight");
         let phase = if state.status == TaskStatus::Running {
             Phase::Accepted
@@ -1801,6 +1799,7 @@ impl Saga {
             Phase::Posting
         };
         let mut flight = InFlight::new(owner, backend, prompt_id, workflow, phase, left);
+        flight.start_recorded = state.status == TaskStatus::Running;
         flight.stop = state.cancel_requested.then_some(Stop::Cancel);
         self.in_flight.insert(task_id, flight);
         self.by_prompt.insert(prompt_id, task_id);
@@ -1822,6 +1821,30 @@ impl Saga {
         }
         Ok(())
     }
+}
+
+/// The time an adopted task has left. Running: its limit counts from its start. Not started: it
+/// may wait in its server's queue behind the prompts posted before it (at most
+/// `posted_ahead_per_backend`), each up to its own limit; its `execution_start` restarts the count.
+fn adopted_time_left(
+    state: &zhihui_domain::task::TaskState,
+    timeout: Duration,
+    posted_ahead_per_backend: u32,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Duration {
+    let limit = |waits: u32| {
+        chrono::Duration::from_std(timeout.saturating_mul(waits)).unwrap_or(chrono::Duration::MAX)
+    };
+    let ends_at = match (state.started_at, state.dispatched_at) {
+        (Some(started), _) => started.checked_add_signed(limit(1)),
+        (None, Some(dispatched)) => {
+            dispatched.checked_add_signed(limit(posted_ahead_per_backend.saturating_add(1)))
+        }
+        (None, None) => return timeout,
+    };
+    ends_at.map_or(timeout, |ends_at| {
+        (ends_at - now).to_std().unwrap_or(Duration::ZERO)
+    })
 }
 
 /// What a filler effect did not finish, and how it ended.
@@ -2078,5 +2101,58 @@ fn failure_reason(node_type: &str, message: &str) -> String {
         (true, false) => format!("generation failed on the image server: {short}"),
         (false, true) => format!("generation failed on the image server at {node_type}"),
         (false, false) => format!("generation failed on the image server at {node_type}: {short}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(seconds: i64) -> chrono::DateTime<chrono::Utc> {
+        chrono::DateTime::UNIX_EPOCH + chrono::Duration::seconds(seconds)
+    }
+
+    #[test]
+    fn an_adopted_running_task_has_its_limit_from_its_start() {
+        let state = zhihui_domain::task::TaskState {
+            dispatched_at: Some(at(100)),
+            started_at: Some(at(700)),
+            ..Default::default()
+        };
+        // Dispatched 600 s before it started (it waited behind another prompt): the 600 s limit
+        // counts from the start, so 100 s are left at 1,200.
+        assert_eq!(
+            adopted_time_left(&state, Duration::from_secs(600), 1, at(1_200)),
+            Duration::from_secs(100)
+        );
+        assert_eq!(
+            adopted_time_left(&state, Duration::from_secs(600), 1, at(1_400)),
+            Duration::ZERO
+        );
+    }
+
+    #[test]
+    fn an_adopted_task_not_started_may_wait_behind_the_prompts_posted_before_it() {
+        let state = zhihui_domain::task::TaskState {
+            dispatched_at: Some(at(100)),
+            ..Default::default()
+        };
+        assert_eq!(
+            adopted_time_left(&state, Duration::from_secs(600), 1, at(200)),
+            Duration::from_secs(1_100)
+        );
+        assert_eq!(
+            adopted_time_left(&state, Duration::from_secs(600), 0, at(200)),
+            Duration::from_secs(500)
+        );
+        assert_eq!(
+            adopted_time_left(
+                &zhihui_domain::task::TaskState::default(),
+                Duration::from_secs(600),
+                1,
+                at(200)
+            ),
+            Duration::from_secs(600)
+        );
     }
 }
