@@ -3,7 +3,10 @@
 //! one. The revenue stream is checked against the account streams (each settle, charge and refund
 //! recorded exactly once) and conservation is checked: points in accounts + revenue + movements
 //! the recorder has not reached yet = grants + credits. It reads the whole log through the
-//! `EventStore` trait, so it works on either store.
+//! `EventStore` trait, so it works on either store. The task streams are checked against the
+//! `tasks` read model and against the holds and fees on their owners' accounts (`tasks.rs`).
+
+mod tasks;
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -173,17 +176,42 @@ impl RevenueFold {
     }
 }
 
-/// Fold the log and compare with `accounts`, `ledger_entries` and `users`.
+/// What `verify` found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Verified {
+    pub events_read: u64,
+    pub differences: Vec<Difference>,
+    /// Tasks, holds and fees whose settlement is due but still within the bound (a request or a
+    /// dispatcher between two streams right now, or one that died and awaits the sweeper).
+    pub pending_settlements: usize,
+}
+
+/// How long a settlement may take before its absence is a difference: the intent sweeper
+/// resolves a request that died between two streams within `intent_resolve_after_ms +
+/// intent_sweep_interval_ms`.
+pub fn settlement_bound(settings: &crate::configuration::TaskSettings) -> chrono::Duration {
+    let bound_ms = settings
+        .intent_resolve_after_ms
+        .saturating_add(settings.intent_sweep_interval_ms);
+    chrono::Duration::milliseconds(i64::try_from(bound_ms).unwrap_or(i64::MAX))
+}
+
+/// Fold the log and compare with `accounts`, `ledger_entries`, `users` and `tasks`, and every
+/// task with its hold and fees; a settlement missing for longer than `settle_within` is a
+/// difference.
 pub async fn verify(
     store: &AnyEventStore,
     client: &tokio_postgres::Client,
-) -> anyhow::Result<(u64, Vec<Difference>)> {
+    settle_within: chrono::Duration,
+) -> anyhow::Result<Verified> {
     let mut accounts: HashMap<Uuid, FoldedAccount> = HashMap::new();
     let mut users: HashMap<Uuid, (UserState, u64)> = HashMap::new();
     let mut revenue = RevenueFold::default();
+    let mut task_fold = tasks::TaskFold::default();
     let filter = EventFilter::StreamPrefixes(vec![
         "account-".into(),
         "user-".into(),
+        "task-".into(),
         REVENUE_STREAM.into(),
     ]);
     let mut after = None;
@@ -203,6 +231,7 @@ pub async fn verify(
                 )
                 .with_context(|| format!("decoding event {}", recorded.id))?;
                 revenue.account_event(recorded, &event);
+                task_fold.account_event(user_id, recorded, &event);
                 let folded = accounts.entry(user_id).or_default();
                 let state = std::mem::take(&mut folded.state);
                 folded.state = Account::evolve(state, &event);
@@ -215,6 +244,8 @@ pub async fn verify(
                         folded.state.balance.frozen.as_decimal(),
                     ),
                 );
+            } else if let Some(task_id) = zhihui_domain::task::task_id_of_stream(&recorded.stream) {
+                task_fold.task_event(task_id, recorded, &tasks::decode(recorded)?);
             } else if recorded.stream == REVENUE_STREAM {
                 let event = RevenueEvent::from_stored(
                     &recorded.event_type,
@@ -379,6 +410,38 @@ pub async fn verify(
         sum + folded.state.balance.available.as_decimal() + folded.state.balance.frozen.as_decimal()
     });
     revenue.compare(in_accounts, &mut differences);
+
+    let rows = client
+        .query(
+            &format!("SELECT {} FROM tasks", tasks::TaskRow::COLUMNS),
+            &[],
+        )
+        .await
+        .context("reading tasks")?;
+    let task_rows = rows
+        .iter()
+        .map(tasks::TaskRow::from_row)
+        .collect::<anyhow::Result<HashMap<_, _>>>()
+        .context("reading a task row")?;
+    // The database's clock: the one `recorded_at` was taken with.
+    let now: chrono::DateTime<chrono::Utc> = client
+        .query_one("SELECT now()", &[])
+        .await
+        .context("reading the database's clock")?
+        .get(0);
+    let pending_settlements = task_fold.compare(
+        &task_rows,
+        accounts
+            .iter()
+            .map(|(user_id, folded)| (*user_id, &folded.state)),
+        now,
+        settle_within,
+        &mut differences,
+    );
     differences.sort_by(|a, b| (a.read_model, &a.key).cmp(&(b.read_model, &b.key)));
-    Ok((events_read, differences))
+    Ok(Verified {
+        events_read,
+        differences,
+        pending_settlements,
+    })
 }

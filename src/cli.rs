@@ -299,14 +299,24 @@ async fn audit_verify(settings: &Settings) -> anyhow::Result<()> {
     let pool = crate::postgres::build_pool(&settings.database)?;
     let store = crate::event_store::from_settings(settings, pool.clone())?;
     let client = pool.get().await.context("connecting to PostgreSQL")?;
-    let (events, differences) = crate::audit::verify(&store, &client).await?;
+    let crate::audit::Verified {
+        events_read,
+        differences,
+        pending_settlements,
+    } = crate::audit::verify(
+        &store,
+        &client,
+        crate::audit::settlement_bound(&settings.tasks),
+    )
+    .await?;
     let mut out = std::io::stdout().lock();
     for difference in &differences {
         writeln!(out, "DIFFERENCE {difference}").context("writing to standard output")?;
     }
     writeln!(
         out,
-        "audit verify: {events} events folded, {} difference(s)",
+        "audit verify: {events_read} events folded, {} difference(s), {pending_settlements} \
+         settlement(s) pending within the bound",
         differences.len()
     )
     .context("writing to standard output")?;

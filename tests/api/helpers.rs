@@ -215,6 +215,19 @@ impl TestApp {
         }
     }
 
+    /// `audit verify` in this process; a settlement missing for longer than `settle_within`
+    /// (default: the app's settlement bound) is a difference.
+    pub async fn verify(&self, settle_within: Option<chrono::Duration>) -> zhihui::audit::Verified {
+        let client = connect(&self.settings).await;
+        zhihui::audit::verify(
+            &self.services().event_store,
+            &client,
+            settle_within.unwrap_or_else(|| zhihui::audit::settlement_bound(&self.settings.tasks)),
+        )
+        .await
+        .unwrap()
+    }
+
     /// Create an admin through the users service (as `zhihui users create --admin` does) and
     /// return its token.
     pub async fn admin_token(&self, username: &str) -> String {

@@ -1,6 +1,7 @@
 //! The one integration-test binary: every test here runs against a real PostgreSQL (a fresh
 //! database per test) and a real Redis (a fresh key prefix per test). See `helpers.rs`.
 
+mod audit;
 mod auth;
 mod dispatch;
 mod event_store;

@@ -180,10 +180,7 @@ async fn replay_produces_read_models_equal_to_the_live_ones_and_keeps_index_name
     // The live runner goes on from the swapped-in checkpoint.
     activity(&app, alice, 1).await;
     app.project().await;
-    let client = crate::helpers::connect(&app.settings).await;
-    let (_, differences) = zhihui::audit::verify(&services.event_store, &client)
-        .await
-        .unwrap();
+    let differences = app.verify(None).await.differences;
     assert!(differences.is_empty(), "{differences:?}");
 }
 

@@ -150,12 +150,12 @@ async fn revenue_events(app: &TestApp) -> Vec<RevenueRecorded> {
 }
 
 async fn verify(app: &TestApp) -> Vec<String> {
-    let services = app.services();
-    let client = crate::helpers::connect(&app.settings).await;
-    let (_, differences) = zhihui::audit::verify(&services.event_store, &client)
+    app.verify(None)
         .await
-        .unwrap();
-    differences.iter().map(ToString::to_string).collect()
+        .differences
+        .iter()
+        .map(ToString::to_string)
+        .collect()
 }
 
 #[tokio::test]
