@@ -240,7 +240,8 @@ impl Dispatcher {
         };
         let startup = async {
             saga.dispatcher.tasks.rebuild_queue().await?;
-            saga.adopt_orphans().await
+            saga.adopt_orphans().await?;
+            saga.adopt_leased().await
         };
         let started = tokio::select! {
             started = startup => started,
@@ -1725,6 +1726,25 @@ impl Saga {
                 continue;
             }
             self.adopt(task_id).await?;
+        }
+        Ok(())
+    }
+
+    /// At takeover, before this saga claims anything: each slot lease left behind belongs to a
+    /// task in flight (adopted here when the read model did not list it yet) or to a claim the
+    /// previous leader never recorded (its task is queued again by the rebuild). Such a lease is
+    /// released now: until it ran out, its slot would stay taken with nothing running there.
+    async fn adopt_leased(&mut self) -> anyhow::Result<()> {
+        for name in self.dispatcher.backend_names() {
+            for task_id in self.dispatcher.leases.busy_slots(&name).await? {
+                if !self.in_flight.contains_key(&task_id) {
+                    self.adopt(task_id).await?;
+                }
+                if !self.in_flight.contains_key(&task_id) {
+                    tracing::info!(%task_id, backend = %name, "released a slot lease of a claim never recorded");
+                    self.dispatcher.leases.release_slot(&name, task_id).await?;
+                }
+            }
         }
         Ok(())
     }

@@ -1078,3 +1078,59 @@ async fn one_fill_releases_then_fills_every_free_slot_before_staging_in_queue_or
     assert_eq!(busy(1).await, vec![queued[7]]);
     leases.resign(&term).await.unwrap();
 }
+
+/// A leader that dies between claiming a task (its Lua step popped it and leased a slot) and
+/// recording its dispatch leaves a lease with nothing behind it. The next leader frees that slot
+/// as it takes over, and the task runs, instead of the slot staying taken until the lease runs
+/// out (found with two `zhihui serve` processes: a killed leader cost a server 15 s).
+#[tokio::test]
+async fn a_claim_the_dead_leader_never_recorded_frees_its_slot_at_takeover() {
+    let harness = harness(2, Faults::default()).await;
+    let app = &harness.app;
+    let (user, token) = funded_user(app, "claimed-only", "10").await;
+    let task = submit_task(app, &token, 1, 1).await;
+    app.project().await;
+    let dead = harness.process();
+    let term = dead
+        .dispatcher
+        .leases()
+        .acquire("dies-after-claiming", 10_000)
+        .await
+        .unwrap()
+        .expect("nobody else leads");
+    let slots = Some(ServerSlots {
+        capacity: 1,
+        busy: 0,
+        staged: 0,
+    });
+    let filled = fill(&dead, &term, &[], &[slots, None]).await;
+    assert_eq!(
+        filled,
+        Fill::Claimed {
+            claims: vec![Claimed {
+                backend: 0,
+                task_id: Uuid::parse_str(&task).unwrap(),
+                score: status_of(&dead, &task).await.score.unwrap(),
+            }],
+            queue_empty: true,
+        }
+    );
+    let leases = dead.dispatcher.leases().clone();
+    assert_eq!(leases.busy_slots("gpu-0").await.unwrap().len(), 1);
+    // It dies here: its leader lease is gone, the slot lease (10 s) is not.
+    leases.resign(&term).await.unwrap();
+
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    assert_eq!(
+        leases.busy_slots("gpu-0").await.unwrap(),
+        Vec::<Uuid>::new(),
+        "the slot of a claim never recorded is still taken"
+    );
+    assert_eq!(process.tasks.queue.len().await.unwrap(), 1, "queued again");
+    drive_until_connected(&mut saga, 2).await;
+    drive_until(&mut saga, &process, &[task], &[TaskStatus::Succeeded]).await;
+    drive_until_idle(&mut saga).await;
+    assert_settled(&harness, &process, &user, 9).await;
+    saga.resign().await;
+}
