@@ -10,6 +10,7 @@ mod health;
 mod helpers;
 mod ledger;
 mod migrations;
+mod processes;
 mod replay;
 mod revenue;
 mod tasks;

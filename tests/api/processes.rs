@@ -1,0 +1,324 @@
+//! Two `zhihui serve` OS processes (the real binary, product timings for leadership) on one
+//! database, one Redis and two ComfyUI simulators: the user's socket is on the process that does
+//! not dispatch and still hears everything about their tasks; the dispatching process is killed
+//! with SIGKILL mid-run and the other takes over within 5 s; every task ends once, every hold is
+//! settled once, no slot stays leased and `zhihui audit verify` passes.
+//!
+//! Nothing here is stepped: these are separate processes. The test waits on what they say
+//! (socket frames, the leader key), each wait bounded.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use comfyui_sim::{Faults, SimConfig, Simulator};
+use futures::StreamExt;
+use secrecy::ExposeSecret;
+use serde_json::{Value, json};
+use uuid::Uuid;
+use zhihui_domain::points::Points;
+use zhihui_domain::task::TaskEvent;
+
+use crate::helpers::{TestApp, spawn_app};
+use crate::tasks::{account_of, project_and_verify, task_events};
+
+/// Longest any one wait of this test may take (a hang, not a slow machine).
+const WAIT_LIMIT: Duration = Duration::from_secs(60);
+/// PRODUCT.md: another instance takes over within a few seconds; the issue says 5.
+const TAKEOVER_MAX: Duration = Duration::from_secs(5);
+
+/// A `zhihui serve` child process; killed when dropped.
+struct Serve {
+    child: tokio::process::Child,
+    address: String,
+}
+
+async fn serve(app: &TestApp, backends: &str, images: &std::path::Path) -> Serve {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let settings = &app.settings;
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_zhihui"))
+        .arg("serve")
+        .env(
+            "ZHIHUI_DATABASE__URL",
+            settings.database.url.expose_secret(),
+        )
+        .env("ZHIHUI_DATABASE__POOL_MAX_SIZE", "8")
+        .env("ZHIHUI_REDIS__URL", settings.redis.url.expose_secret())
+        .env("ZHIHUI_REDIS__KEY_PREFIX", &settings.redis.key_prefix)
+        .env("ZHIHUI_HTTP__PORT", port.to_string())
+        .env("ZHIHUI_HTTP__WORKERS", "1")
+        .env("ZHIHUI_TRANSLATION__ENABLED", "false")
+        .env("ZHIHUI_DISPATCH__BACKENDS", backends)
+        // Shared by both processes, as a shared volume would be: either serves any image.
+        .env("ZHIHUI_DISPATCH__IMAGES_DIRECTORY", images)
+        // Adopted prompts were posted for the dead leader's socket: their ends are found by the
+        // watchdog, here every second instead of five.
+        .env("ZHIHUI_DISPATCH__RECONCILE_INTERVAL_MS", "1000")
+        .env("ZHIHUI_DISPATCH__PROGRESS_NOTIFY_INTERVAL_MS", "0")
+        .env("ZHIHUI_LOG__FILTER", "warn")
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let address = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    let started = tokio::time::Instant::now();
+    loop {
+        if let Ok(response) = http.get(format!("{address}/ready")).send().await
+            && response.status() == 200
+        {
+            break;
+        }
+        assert!(
+            started.elapsed() < WAIT_LIMIT,
+            "zhihui serve never got ready"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Serve { child, address }
+}
+
+/// The dispatcher leader lease's value (`<instance>:<fencing token>`), if anyone holds it.
+async fn leader(redis: &mut redis::aio::MultiplexedConnection, prefix: &str) -> Option<String> {
+    redis::cmd("GET")
+        .arg(format!("{prefix}:dispatch:leader"))
+        .query_async(redis)
+        .await
+        .unwrap()
+}
+
+async fn wait_for_leader(
+    redis: &mut redis::aio::MultiplexedConnection,
+    prefix: &str,
+    other_than: Option<&str>,
+) -> String {
+    let started = tokio::time::Instant::now();
+    loop {
+        if let Some(holder) = leader(redis, prefix).await
+            && Some(holder.as_str()) != other_than
+        {
+            return holder;
+        }
+        assert!(started.elapsed() < WAIT_LIMIT, "nobody took the lead");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn the_dispatching_process_killed_mid_run_is_replaced_and_the_other_one_tells_the_user() {
+    let app = spawn_app().await;
+    let directory = std::env::temp_dir().join(format!("zhihui-processes-{}", Uuid::now_v7()));
+    let mut sims = Vec::new();
+    for index in 0..2 {
+        sims.push(
+            Simulator::start(SimConfig {
+                bind: "127.0.0.1:0".parse().unwrap(),
+                output_dir: directory.join(format!("sim-{index}")),
+                models: vec!["majicmixRealistic_v7.safetensors".into()],
+                // 40 steps of 25 ms: a task runs for a second.
+                faults: Faults {
+                    step_delay_ms: 25,
+                    ..Faults::default()
+                },
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    let backends = sims
+        .iter()
+        .enumerate()
+        .map(|(index, sim)| format!("gpu-{index} {} 1", sim.base_url()))
+        .collect::<Vec<_>>()
+        .join(",");
+    let images = directory.join("images");
+    let prefix = app.settings.redis.key_prefix.clone();
+    let mut redis = redis::Client::open(app.settings.redis.url.expose_secret())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+
+    // The first process leads; only then does the second start.
+    let mut dispatching = serve(&app, &backends, &images).await;
+    let first_leader = wait_for_leader(&mut redis, &prefix, None).await;
+    let other = serve(&app, &backends, &images).await;
+    assert_eq!(
+        leader(&mut redis, &prefix).await,
+        Some(first_leader.clone())
+    );
+
+    // A user of the second process, with 10 points.
+    let http = reqwest::Client::new();
+    let admin_name = "boss";
+    app.admin_token(admin_name).await;
+    let login = |name: &str, password: &str| {
+        let request = http
+            .post(format!("{}/api/v1/auth/login", other.address))
+            .json(&json!({"username": name, "password": password}));
+        async move {
+            let answer: Value = request.send().await.unwrap().json().await.unwrap();
+            answer["token"].as_str().unwrap().to_owned()
+        }
+    };
+    let admin = login(admin_name, "admin password").await;
+    let registered: Value = http
+        .post(format!("{}/api/v1/auth/register", other.address))
+        .json(&json!({"username": "far-away", "password": "correct horse battery"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let user = registered["id"].as_str().unwrap().to_owned();
+    let token = login("far-away", "correct horse battery").await;
+    let granted = http
+        .post(format!(
+            "{}/api/v1/admin/accounts/{user}/grants",
+            other.address
+        ))
+        .bearer_auth(&admin)
+        .json(&json!({"amount": "10", "reason": "test"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(granted.status(), 201);
+
+    let (mut socket, _) = async_tungstenite::tokio::connect_async(
+        format!(
+            "{}/api/v1/ws?token={token}",
+            other.address.replace("http://", "ws://")
+        )
+        .as_str(),
+    )
+    .await
+    .unwrap();
+    let mut tasks = Vec::new();
+    for _ in 0..4 {
+        let submitted = http
+            .post(format!("{}/api/v1/tasks", other.address))
+            .bearer_auth(&token)
+            .json(&json!({"prompt": "a lighthouse", "images": 1, "steps": 40}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(submitted.status(), 201);
+        let submitted: Value = submitted.json().await.unwrap();
+        tasks.push(submitted["task_id"].as_str().unwrap().to_owned());
+    }
+
+    // What the user hears, on the process that does not dispatch.
+    let mut heard: HashMap<String, Vec<Value>> = HashMap::new();
+    let mut next_message = async || -> Value {
+        loop {
+            let frame = tokio::time::timeout(WAIT_LIMIT, socket.next())
+                .await
+                .expect("the user's socket went quiet")
+                .unwrap()
+                .unwrap();
+            if let async_tungstenite::tungstenite::Message::Text(text) = frame {
+                return serde_json::from_str(text.as_str()).unwrap();
+            }
+        }
+    };
+    // Both servers run a task: the leader is killed in the middle of them.
+    let mut running = HashSet::new();
+    while running.len() < 2 {
+        let message = next_message().await;
+        let task_id = message["task_id"].as_str().unwrap().to_owned();
+        if message["type"] == "progress" {
+            running.insert(task_id.clone());
+        }
+        heard.entry(task_id).or_default().push(message);
+    }
+    dispatching.child.start_kill().unwrap();
+    let killed_at = tokio::time::Instant::now();
+    dispatching.child.wait().await.unwrap();
+    let successor = wait_for_leader(&mut redis, &prefix, Some(&first_leader)).await;
+    let takeover = killed_at.elapsed();
+    assert!(
+        takeover < TAKEOVER_MAX,
+        "the other process took over after {takeover:?}"
+    );
+    let token_of = |holder: &str| -> u64 { holder.rsplit(':').next().unwrap().parse().unwrap() };
+    assert!(token_of(&successor) > token_of(&first_leader));
+
+    // Every task ends, and the user hears it on the other process.
+    let mut ended = HashSet::new();
+    while ended.len() < tasks.len() {
+        let message = next_message().await;
+        let task_id = message["task_id"].as_str().unwrap().to_owned();
+        assert!(tasks.contains(&task_id), "heard of a task not theirs");
+        if ["succeeded", "failed", "cancelled"].contains(&message["type"].as_str().unwrap()) {
+            assert_eq!(message["type"], "succeeded", "{message}");
+            let image = message["images"][0].as_str().unwrap();
+            let fetched = http
+                .get(format!("{}{image}", other.address))
+                .bearer_auth(&token)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(fetched.status(), 200);
+            assert_eq!(&fetched.bytes().await.unwrap()[..4], b"\x89PNG");
+            ended.insert(task_id.clone());
+        }
+        heard.entry(task_id).or_default().push(message);
+    }
+    for task_id in &tasks {
+        let events = task_events(&app, task_id).await;
+        let count = |wanted: fn(&TaskEvent) -> bool| events.iter().filter(|e| wanted(e)).count();
+        assert_eq!(
+            count(|e| matches!(e, TaskEvent::Dispatched(_))),
+            1,
+            "{events:?}"
+        );
+        assert_eq!(
+            count(|e| matches!(e, TaskEvent::Succeeded(_))),
+            1,
+            "{events:?}"
+        );
+    }
+    // Notifications are hints, at most once: the killed leader's `dispatched` of a task it had
+    // just staged may be lost with it; the others reach the user's process.
+    assert!(
+        heard
+            .values()
+            .flatten()
+            .any(|message| message["type"] == "dispatched"),
+        "{heard:?}"
+    );
+    // Settled by the successor: 4 points deducted, nothing frozen; no slot left leased.
+    let account = account_of(&app, &user).await;
+    assert_eq!(account.balance.available, Points::whole(6));
+    assert_eq!(account.balance.frozen, Points::ZERO);
+    let services = app.services();
+    let started = tokio::time::Instant::now();
+    for backend in ["gpu-0", "gpu-1"] {
+        // The last slot is released by the filler right after the last end.
+        while !services
+            .dispatcher
+            .leases()
+            .busy_slots(backend)
+            .await
+            .unwrap()
+            .is_empty()
+        {
+            assert!(
+                started.elapsed() < WAIT_LIMIT,
+                "a slot of {backend} stays leased"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    drop(other);
+    project_and_verify(&app).await;
+    for sim in sims {
+        sim.stop().await;
+    }
+    drop(std::fs::remove_dir_all(&directory));
+}
