@@ -17,9 +17,12 @@
 //! already wrote its stream (status `retry`), which keeps each stream's events in stream order in
 //! the global log. See ARCHITECTURE.md.
 //!
-//! **Live delivery.** `zhihui_append` calls `pg_notify('zhihui_events')`; one LISTEN connection
-//! per store wakes every subscription. While an unfinished transaction holds the horizon back, a
-//! subscription re-checks with a short, capped backoff (it never skips; it waits).
+//! **Live delivery.** `zhihui_append` calls `pg_notify('zhihui_events', '<category> <type>')`
+//! (migrations/V5__targeted_wakes.sql); one LISTEN connection per store passes each notification
+//! to every subscription, and a subscription reads again only when one may concern its filter
+//! (any other payload, and every LISTEN reconnect, concerns everyone). While an unfinished
+//! transaction holds the horizon back, a subscription re-checks with a short, capped backoff (it
+//! never skips; it waits).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,7 +31,7 @@ use anyhow::Context;
 use chrono::{DateTime, Utc};
 use deadpool_postgres::{GenericClient, Pool};
 use futures::stream::BoxStream;
-use tokio::sync::{Mutex, mpsc, oneshot, watch};
+use tokio::sync::{Mutex, broadcast, mpsc, oneshot};
 use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 use uuid::Uuid;
@@ -41,6 +44,60 @@ use super::{
 
 /// The NOTIFY channel `zhihui_append` signals on commit.
 pub const NOTIFY_CHANNEL: &str = "zhihui_events";
+
+/// Wake-ups kept for a subscription that is busy reading: one that falls further behind wakes
+/// for everything once (it reads anyway), so the bound costs a read, never an event.
+const WAKE_BACKLOG_MAX: usize = 1_024;
+
+/// What a notification says was appended, for subscriptions to decide whether to read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Wake {
+    /// Events of this type, in a stream whose name starts with `category` (the name up to its
+    /// first `-`, inclusive; a name without `-` gets one added: `revenue` -> `revenue-`).
+    Appended {
+        category: String,
+        event_type: String,
+    },
+    /// Anything may have been appended: a notification without a payload we know (an instance
+    /// of an older version), or a (re)connect of the LISTEN connection.
+    Anything,
+}
+
+impl Wake {
+    /// Parse a notification's payload (`'<category> <event type>'`).
+    pub fn from_payload(payload: &str) -> Wake {
+        match payload.split_once(' ') {
+            Some((category, event_type)) if !category.is_empty() && !event_type.is_empty() => {
+                Wake::Appended {
+                    category: category.to_owned(),
+                    event_type: event_type.to_owned(),
+                }
+            }
+            _ => Wake::Anything,
+        }
+    }
+
+    /// Whether events this wake-up announces may pass `filter` (never `false` for one that does).
+    pub fn may_concern(&self, filter: &EventFilter) -> bool {
+        let Wake::Appended {
+            category,
+            event_type,
+        } = self
+        else {
+            return true;
+        };
+        match filter {
+            EventFilter::All => true,
+            EventFilter::EventTypes(types) => types.iter().any(|wanted| wanted == event_type),
+            // The stream's name starts with `category` (or is `category` without its last
+            // '-'); a prefix may match it when either starts with the other ("user-" and
+            // "user-name-"), or when the prefix is that name or part of it ("revenue").
+            EventFilter::StreamPrefixes(prefixes) => prefixes.iter().any(|prefix| {
+                prefix.starts_with(category.as_str()) || category.starts_with(prefix.as_str())
+            }),
+        }
+    }
+}
 
 /// Tuning of the PostgreSQL store; from `[event_store]` settings.
 #[derive(Debug, Clone)]
@@ -84,8 +141,8 @@ struct Inner {
     options: PostgresEventStoreOptions,
     /// Queue to the group-commit writers (None when group commit is off).
     appends: Option<mpsc::Sender<AppendRequest>>,
-    /// Bumped on every NOTIFY (and on every LISTEN (re)connect): subscriptions wait on it.
-    wake: watch::Receiver<u64>,
+    /// Every NOTIFY (and every LISTEN (re)connect) as a [`Wake`]: each subscription listens.
+    wakes: broadcast::Sender<Wake>,
     /// Background tasks (listener, writers), stopped when the store is dropped.
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -119,10 +176,10 @@ impl PostgresEventStore {
         assert!(options.group_commit_max_batch >= 1);
         assert!(options.group_commit_writers >= 1);
         assert!(options.subscription_batch_size >= 1);
-        let (wake_sender, wake) = watch::channel(0_u64);
+        let (wakes, _) = broadcast::channel(WAKE_BACKLOG_MAX);
         let mut tasks = vec![tokio::spawn(listen(
             options.listen_config.clone(),
-            wake_sender,
+            wakes.clone(),
         ))];
         let appends = if options.group_commit {
             // Bounded: a flood of appends waits here instead of growing memory without limit.
@@ -146,7 +203,7 @@ impl PostgresEventStore {
                 pool,
                 options,
                 appends,
-                wake,
+                wakes,
                 tasks,
             }),
         }
@@ -413,14 +470,21 @@ async fn run_subscription(
         .options
         .held_back_recheck_max_ms
         .max(HELD_BACK_RECHECK_MIN_MS);
-    let mut wake = store.inner.wake.clone();
+    let mut wakes = store.inner.wakes.subscribe();
     let mut caught_up_sent = false;
     let mut held_back_backoff_ms = HELD_BACK_RECHECK_MIN_MS;
     let mut error_backoff_ms = 10;
     loop {
-        // Mark the current wake-up as seen BEFORE reading: a NOTIFY that arrives during the read
-        // then makes `changed()` return at once, so no commit can slip between read and wait.
-        wake.borrow_and_update();
+        // Take the wake-ups so far BEFORE reading (the read sees what they announce): one that
+        // arrives during the read stays queued and is looked at after it, so no commit can slip
+        // between read and wait.
+        loop {
+            match wakes.try_recv() {
+                Ok(_) | Err(broadcast::error::TryRecvError::Lagged(_)) => {}
+                Err(broadcast::error::TryRecvError::Empty) => break,
+                Err(broadcast::error::TryRecvError::Closed) => return,
+            }
+        }
         let (slice, held_back) = match store.read_window(checkpoint, batch_size, &filter).await {
             Ok(read) => {
                 error_backoff_ms = 10;
@@ -473,7 +537,7 @@ async fn run_subscription(
         }
         if held_back {
             tokio::select! {
-                changed = wake.changed() => if changed.is_err() { return },
+                woken = concerning_wake(&mut wakes, &filter) => if !woken { return },
                 () = tokio::time::sleep(Duration::from_millis(held_back_backoff_ms)) => {}
                 () = sender.closed() => return,
             }
@@ -481,26 +545,40 @@ async fn run_subscription(
         } else {
             held_back_backoff_ms = HELD_BACK_RECHECK_MIN_MS;
             tokio::select! {
-                changed = wake.changed() => if changed.is_err() { return },
+                woken = concerning_wake(&mut wakes, &filter) => if !woken { return },
                 () = sender.closed() => return,
             }
         }
     }
 }
 
-/// Hold a LISTEN connection; bump `wake` on every notification and on every (re)connect (a
-/// commit may have happened while we were not listening, so everyone re-reads).
-async fn listen(config: tokio_postgres::Config, wake: watch::Sender<u64>) {
+/// Wait for a wake-up that may concern `filter`; `false` when the store is gone. Falling behind
+/// the backlog counts as one (whatever was missed may have).
+async fn concerning_wake(wakes: &mut broadcast::Receiver<Wake>, filter: &EventFilter) -> bool {
+    loop {
+        match wakes.recv().await {
+            Ok(wake) if wake.may_concern(filter) => return true,
+            Ok(_) => {}
+            Err(broadcast::error::RecvError::Lagged(_)) => return true,
+            Err(broadcast::error::RecvError::Closed) => return false,
+        }
+    }
+}
+
+/// Hold a LISTEN connection; pass on every notification, and wake everyone on every (re)connect
+/// (a commit may have happened while we were not listening, so everyone re-reads).
+async fn listen(config: tokio_postgres::Config, wakes: broadcast::Sender<Wake>) {
     const RECONNECT_BACKOFF_MAX_MS: u64 = 2_000;
     let mut backoff_ms = 50;
     loop {
-        match listen_once(&config, &wake).await {
+        match listen_once(&config, &wakes).await {
             Ok(()) => backoff_ms = 50,
             Err(error) => {
                 tracing::warn!(error = %format!("{error:#}"), retry_in_ms = backoff_ms, "event LISTEN connection lost");
             }
         }
-        wake.send_modify(|generation| *generation += 1);
+        // No subscription yet is no error.
+        drop(wakes.send(Wake::Anything));
         tokio::time::sleep(Duration::from_millis(backoff_ms)).await;
         backoff_ms = (backoff_ms * 2).min(RECONNECT_BACKOFF_MAX_MS);
     }
@@ -508,7 +586,7 @@ async fn listen(config: tokio_postgres::Config, wake: watch::Sender<u64>) {
 
 async fn listen_once(
     config: &tokio_postgres::Config,
-    wake: &watch::Sender<u64>,
+    wakes: &broadcast::Sender<Wake>,
 ) -> anyhow::Result<()> {
     let (client, mut connection) = config
         .connect(tokio_postgres::NoTls)
@@ -527,13 +605,13 @@ async fn listen_once(
         .batch_execute(&format!("LISTEN {NOTIFY_CHANNEL}"))
         .await
         .context("LISTEN")?;
-    wake.send_modify(|generation| *generation += 1);
+    drop(wakes.send(Wake::Anything));
     while let Some(message) = messages.recv().await {
         // Notices and other messages carry nothing for us.
-        if let tokio_postgres::AsyncMessage::Notification(_) =
+        if let tokio_postgres::AsyncMessage::Notification(notification) =
             message.context("LISTEN connection")?
         {
-            wake.send_modify(|generation| *generation += 1);
+            drop(wakes.send(Wake::from_payload(notification.payload())));
         }
     }
     driver.abort();
@@ -793,4 +871,61 @@ fn unavailable<E: Into<anyhow::Error>>(error: E) -> EventStoreError {
 
 fn unavailable_msg(message: impl std::fmt::Display) -> EventStoreError {
     EventStoreError::Unavailable(anyhow::anyhow!("{message}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn types(names: &[&str]) -> EventFilter {
+        EventFilter::EventTypes(names.iter().map(|name| (*name).to_owned()).collect())
+    }
+
+    fn prefixes(names: &[&str]) -> EventFilter {
+        EventFilter::StreamPrefixes(names.iter().map(|name| (*name).to_owned()).collect())
+    }
+
+    #[test]
+    fn a_payload_names_the_category_and_type_and_anything_else_wakes_everyone() {
+        assert_eq!(
+            Wake::from_payload("task- TaskQueued"),
+            Wake::Appended {
+                category: "task-".into(),
+                event_type: "TaskQueued".into()
+            }
+        );
+        assert_eq!(
+            Wake::from_payload("revenue- RevenueRecorded"),
+            Wake::Appended {
+                category: "revenue-".into(),
+                event_type: "RevenueRecorded".into()
+            }
+        );
+        // V1's empty payload (an instance not yet upgraded), and anything unknown.
+        for payload in ["", " ", "task-", " TaskQueued", "task- "] {
+            assert_eq!(Wake::from_payload(payload), Wake::Anything, "{payload:?}");
+        }
+    }
+
+    #[test]
+    fn a_subscription_is_woken_for_whatever_may_pass_its_filter() {
+        let queued = Wake::from_payload("task- TaskQueued");
+        let frozen = Wake::from_payload("account- PointsFrozen");
+        let claimed = Wake::from_payload("user- IdentifierClaimed");
+        let revenue = Wake::from_payload("revenue- RevenueRecorded");
+        assert!(queued.may_concern(&EventFilter::All));
+        assert!(queued.may_concern(&types(&["TaskQueued", "TaskCancelRequested"])));
+        assert!(!frozen.may_concern(&types(&["TaskQueued", "TaskCancelRequested"])));
+        assert!(frozen.may_concern(&prefixes(&["account-"])));
+        assert!(!queued.may_concern(&prefixes(&["account-", "revenue"])));
+        assert!(revenue.may_concern(&prefixes(&["account-", "revenue"])));
+        // "user-name-alice" and "user-<uuid>" share the category "user-": both prefixes may match.
+        assert!(claimed.may_concern(&prefixes(&["user-name-"])));
+        assert!(claimed.may_concern(&prefixes(&["user-"])));
+        assert!(claimed.may_concern(&prefixes(&["us"])));
+        assert!(!claimed.may_concern(&prefixes(&["task-"])));
+        for filter in [EventFilter::All, types(&["X"]), prefixes(&["x-"])] {
+            assert!(Wake::Anything.may_concern(&filter));
+        }
+    }
 }

@@ -433,6 +433,70 @@ async fn the_head_is_the_last_visible_event_and_a_subscription_from_it_sees_only
     assert_eq!(next[0].event_type, "B");
 }
 
+/// A subscription that follows one event type, or one stream prefix, hears its events however
+/// many others are appended around them, alone or in the same transaction (PostgreSQL wakes a
+/// subscription only for notifications that may concern its filter).
+async fn a_filtered_subscription_hears_its_events_among_many_others<S: EventStore>(store: &S) {
+    let prefix = prefix();
+    let wanted_type = format!("Wanted{}", Uuid::now_v7().simple());
+    let head = store.head().await.unwrap();
+    let mut by_type = store.subscribe_all(head, EventFilter::EventTypes(vec![wanted_type.clone()]));
+    let mut by_prefix = store.subscribe_all(
+        head,
+        EventFilter::StreamPrefixes(vec![format!("{prefix}wanted-")]),
+    );
+    // Others, one append each, then ours amid concurrent others, then others, then ours alone.
+    append_others(store, &format!("{prefix}other-")).await;
+    let amid = (0..20).map(|n| {
+        let (stream, event_type) = if n == 10 {
+            (format!("{prefix}wanted-1"), wanted_type.as_str())
+        } else {
+            (format!("{prefix}around-{n}"), "Other")
+        };
+        async move {
+            store
+                .append(
+                    &stream,
+                    ExpectedVersion::NoStream,
+                    vec![event(event_type, n)],
+                )
+                .await
+                .unwrap()
+        }
+    });
+    futures::future::join_all(amid).await;
+    append_others(store, &format!("{prefix}later-")).await;
+    store
+        .append(
+            &format!("{prefix}wanted-2"),
+            ExpectedVersion::NoStream,
+            vec![event(&wanted_type, 99)],
+        )
+        .await
+        .unwrap();
+    for subscription in [&mut by_type, &mut by_prefix] {
+        let heard = collect_events(subscription, 2).await;
+        assert_eq!(
+            heard.iter().map(|e| e.stream.as_str()).collect::<Vec<_>>(),
+            [format!("{prefix}wanted-1"), format!("{prefix}wanted-2")]
+        );
+    }
+}
+
+/// Twenty events of type `Other`, one append each, in streams `{streams}0` to `{streams}19`.
+async fn append_others<S: EventStore>(store: &S, streams: &str) {
+    for n in 0..20 {
+        store
+            .append(
+                &format!("{streams}{n}"),
+                ExpectedVersion::NoStream,
+                vec![event("Other", n)],
+            )
+            .await
+            .unwrap();
+    }
+}
+
 macro_rules! conformance {
     ($($name:ident),* $(,)?) => {
         mod postgres_group_commit {
@@ -480,7 +544,53 @@ conformance!(
     reads_the_global_log_from_a_position_with_filters,
     a_subscription_catches_up_then_follows_live,
     the_head_is_the_last_visible_event_and_a_subscription_from_it_sees_only_new_ones,
+    a_filtered_subscription_hears_its_events_among_many_others,
 );
+
+/// An instance of an older version notifies without a payload (V1's `zhihui_append`): that
+/// wakes every subscription, whatever it follows.
+#[tokio::test]
+async fn a_notification_without_a_payload_wakes_every_subscription() {
+    let pg = pg_store(true).await;
+    let prefix = prefix();
+    let wanted_type = format!("Wanted{}", Uuid::now_v7().simple());
+    let head = pg.store.head().await.unwrap();
+    let mut subscription = pg
+        .store
+        .subscribe_all(head, EventFilter::EventTypes(vec![wanted_type.clone()]));
+    // Stored the way V1 stores it, announced the way V1 announces it.
+    let client = connect(&pg.settings).await;
+    let stream = format!("{prefix}old");
+    client.batch_execute("BEGIN").await.unwrap();
+    client
+        .execute(
+            "INSERT INTO streams (stream_id, version, last_transaction_id)
+             VALUES ($1, 0, pg_current_xact_id())",
+            &[&stream],
+        )
+        .await
+        .unwrap();
+    client
+        .execute(
+            "INSERT INTO events (event_id, stream_id, stream_version, event_type, schema_version,
+                                 payload, metadata)
+             VALUES ($1, $2, 0, $3, 1, '{}', $4)",
+            &[
+                &Uuid::now_v7(),
+                &stream,
+                &wanted_type,
+                &serde_json::json!({"correlation_id": Uuid::nil(), "causation_id": null, "actor": "system:test"}),
+            ],
+        )
+        .await
+        .unwrap();
+    client
+        .batch_execute("SELECT pg_notify('zhihui_events', ''); COMMIT")
+        .await
+        .unwrap();
+    let heard = collect_events(&mut subscription, 1).await;
+    assert_eq!(heard[0].stream, stream);
+}
 
 // ---------------------------------------------------------------- PostgreSQL hard cases
 
