@@ -20,8 +20,11 @@
 //! The whole path is real: Lua fill, `TaskDispatched` appended to PostgreSQL, the
 //! post over HTTP, the socket, completions recorded and settled alongside. The simulators run on
 //! threads of their own and encode PNGs with the fastest compression, as a GPU server's work
-//! happens elsewhere; they still share this machine's cores with zhihui and PostgreSQL. Their
-//! output and zhihui's image store are under the project's `target/` directory.
+//! happens elsewhere; they still share this machine's cores with zhihui and PostgreSQL. zhihui's
+//! image store is under the project's `target/` directory; the simulators write their outputs to
+//! memory (`/dev/shm` where there is one), as a GPU server writes to its own disk: on the disk
+//! PostgreSQL commits to, their PNGs made WAL fsyncs stall for up to half a second (ext4 flushes
+//! new files' data with the journal commit an fsync forces).
 //!
 //!     DATABASE_URL=postgres://zhihui@127.0.0.1:55432/zhihui REDIS_URL=redis://127.0.0.1:56379/0 \
 //!         cargo run --release -p zhihui-bench --bin bench_dispatch_gap [-- TASKS [STEP_DELAY_MS ...]]
@@ -85,11 +88,15 @@ async fn main() -> anyhow::Result<()> {
         .thread_name(SIM_THREAD_PREFIX)
         .enable_all()
         .build()?;
+    let sim_directory = match std::path::Path::new("/dev/shm") {
+        memory if memory.is_dir() => memory.join(format!("zhihui-bench-gap-{}", Uuid::now_v7())),
+        _ => directory.join("sims"),
+    };
     let mut sims = Vec::new();
     for index in 0..2 {
         let config = SimConfig {
             bind: "127.0.0.1:0".parse()?,
-            output_dir: directory.join(format!("sim-{index}")),
+            output_dir: sim_directory.join(format!("sim-{index}")),
             models: vec!["majicmixRealistic_v7.safetensors".into()],
             faults: sim_faults(0),
         };
@@ -124,6 +131,7 @@ async fn main() -> anyhow::Result<()> {
     }
     sim_runtime.shutdown_background();
     drop(std::fs::remove_dir_all(&directory));
+    drop(std::fs::remove_dir_all(&sim_directory));
     outcome
 }
 
