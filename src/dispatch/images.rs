@@ -3,9 +3,9 @@
 //! (`images/<image id>.json`). Users fetch images from zhihui by id, owner only; a ComfyUI
 //! address never reaches them.
 //!
-//! The record is written before the task's `TaskSucceeded` event names the image, so an image a
-//! user is told about always exists; a crash in between leaves an unreferenced file, never a
-//! missing one. Image ids are derived from the task id and the output's position, so a retried
+//! The record is written, and made durable, before the task's `TaskSucceeded` event names the
+//! image, so an image a user is told about (and charged for) always exists, also after a power
+//! loss; a crash in between leaves an unreferenced file, never a missing one. Image ids are derived from the task id and the output's position, so a retried
 //! completion stores the same ids again.
 
 use std::path::{Path, PathBuf};
@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use tokio::io::AsyncWriteExt;
 use uuid::Uuid;
 use zhihui_domain::task::TaskId;
 use zhihui_domain::user::UserId;
@@ -97,19 +98,36 @@ impl ImageStore {
     }
 }
 
-/// Write to a temporary name, then rename: a reader never sees half a file.
+/// Write to a temporary name, flush it to disk, then rename and flush the directory: a reader
+/// never sees half a file, and once this returns the file survives a power loss. Without the
+/// flushes the file system may commit the rename before the data (ext4 allocates late), leaving
+/// an empty file under the final name after a crash: an image the user paid for, lost, and a
+/// blob `put` would then never write again.
 async fn write_atomically(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     let directory = path.parent().context("an image path has a directory")?;
     tokio::fs::create_dir_all(directory)
         .await
         .with_context(|| format!("creating {}", directory.display()))?;
     let temporary = directory.join(format!(".{}.tmp", Uuid::new_v4().simple()));
-    tokio::fs::write(&temporary, bytes)
+    let mut file = tokio::fs::File::create(&temporary)
+        .await
+        .with_context(|| format!("creating {}", temporary.display()))?;
+    file.write_all(bytes)
         .await
         .with_context(|| format!("writing {}", temporary.display()))?;
+    file.sync_all()
+        .await
+        .with_context(|| format!("flushing {}", temporary.display()))?;
+    drop(file);
     tokio::fs::rename(&temporary, path)
         .await
         .with_context(|| format!("renaming into {}", path.display()))?;
+    tokio::fs::File::open(directory)
+        .await
+        .with_context(|| format!("opening {}", directory.display()))?
+        .sync_all()
+        .await
+        .with_context(|| format!("flushing {}", directory.display()))?;
     Ok(())
 }
 
@@ -139,6 +157,39 @@ mod tests {
         assert_eq!(bytes, b"png bytes");
         assert!(store.get(Uuid::now_v7()).await.unwrap().is_none());
         assert_ne!(image_id(task, 0), image_id(task, 1));
+        tokio::fs::remove_dir_all(root).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_stored_again_record_replaces_the_old_one_and_no_temporary_file_is_left() {
+        let root = std::env::temp_dir().join(format!("zhihui-images-{}", Uuid::new_v4()));
+        let store = ImageStore::new(&root);
+        let task = Uuid::now_v7();
+        let owner = UserId::from_uuid(Uuid::now_v7());
+        let id = image_id(task, 0);
+        store
+            .put(id, owner, task, b"first", "image/png")
+            .await
+            .unwrap();
+        // A retried completion stores the same id again (here with other bytes).
+        store
+            .put(id, owner, task, b"second", "image/png")
+            .await
+            .unwrap();
+        let (record, bytes) = store.get(id).await.unwrap().unwrap();
+        assert_eq!(bytes, b"second");
+        assert_eq!(record.bytes, 6);
+        let mut pending = vec![root.clone()];
+        while let Some(directory) = pending.pop() {
+            let mut entries = tokio::fs::read_dir(&directory).await.unwrap();
+            while let Some(entry) = entries.next_entry().await.unwrap() {
+                let name = entry.file_name().to_string_lossy().into_owned();
+                assert!(!name.ends_with(".tmp"), "left behind: {name}");
+                if entry.file_type().await.unwrap().is_dir() {
+                    pending.push(entry.path());
+                }
+            }
+        }
         tokio::fs::remove_dir_all(root).await.unwrap();
     }
 }
