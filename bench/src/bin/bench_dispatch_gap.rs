@@ -20,11 +20,14 @@
 //! The whole path is real: Lua fill, `TaskDispatched` appended to PostgreSQL, the
 //! post over HTTP, the socket, completions recorded and settled alongside. The simulators run on
 //! threads of their own and encode PNGs with the fastest compression, as a GPU server's work
-//! happens elsewhere; they still share this machine's cores with zhihui and PostgreSQL. zhihui's
-//! image store is under the project's `target/` directory; the simulators write their outputs to
-//! memory (`/dev/shm` where there is one), as a GPU server writes to its own disk: on the disk
-//! PostgreSQL commits to, their PNGs made WAL fsyncs stall for up to half a second (ext4 flushes
-//! new files' data with the journal commit an fsync forces).
+//! happens elsewhere; they still share this machine's cores with zhihui and PostgreSQL.
+//!
+//! Files go to memory (`/dev/shm` where there is one, else the project's `target/tmp`): the
+//! simulators' outputs, as a GPU server writes to its own disk, and zhihui's image store, as
+//! README advises (off PostgreSQL's WAL disk). On the disk PostgreSQL commits to, these writes
+//! made WAL fsyncs stall for up to half a second (ext4 flushes new files' data, and zhihui
+//! flushes every image before recording it, with the journal commits a WAL fsync waits for).
+//! `BENCH_IMAGES_DIRECTORY=<dir>` puts zhihui's image store there instead, to measure that.
 //!
 //!     DATABASE_URL=postgres://zhihui@127.0.0.1:55432/zhihui REDIS_URL=redis://127.0.0.1:56379/0 \
 //!         cargo run --release -p zhihui-bench --bin bench_dispatch_gap [-- TASKS [STEP_DELAY_MS ...]]
@@ -88,15 +91,21 @@ async fn main() -> anyhow::Result<()> {
         .thread_name(SIM_THREAD_PREFIX)
         .enable_all()
         .build()?;
-    let sim_directory = match std::path::Path::new("/dev/shm") {
+    let memory = match std::path::Path::new("/dev/shm") {
         memory if memory.is_dir() => memory.join(format!("zhihui-bench-gap-{}", Uuid::now_v7())),
-        _ => directory.join("sims"),
+        _ => directory.clone(),
+    };
+    let images = match std::env::var_os("BENCH_IMAGES_DIRECTORY") {
+        Some(chosen) => {
+            std::path::PathBuf::from(chosen).join(format!("bench-gap-{}", Uuid::now_v7()))
+        }
+        None => memory.join("images"),
     };
     let mut sims = Vec::new();
     for index in 0..2 {
         let config = SimConfig {
             bind: "127.0.0.1:0".parse()?,
-            output_dir: sim_directory.join(format!("sim-{index}")),
+            output_dir: memory.join(format!("sim-{index}")),
             models: vec!["majicmixRealistic_v7.safetensors".into()],
             faults: sim_faults(0),
         };
@@ -107,7 +116,7 @@ async fn main() -> anyhow::Result<()> {
         .enumerate()
         .map(|(index, sim)| format!("gpu-{index} {} 1", sim.base_url()))
         .collect();
-    let images = directory.join("images").to_string_lossy().into_owned();
+    let images_directory = images.to_string_lossy().into_owned();
     let redis_url =
         std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into());
     let sims_ref = &sims;
@@ -118,7 +127,7 @@ async fn main() -> anyhow::Result<()> {
             settings.translation.enabled = false;
             settings.tasks.queued_per_user_max = u32::MAX;
             settings.dispatch.backends = backends;
-            settings.dispatch.images_directory = images;
+            settings.dispatch.images_directory = images_directory;
             settings.database.pool_max_size = 16;
             settings.log.filter =
                 std::env::var("ZHIHUI_LOG__FILTER").unwrap_or_else(|_| "warn".into());
@@ -130,8 +139,9 @@ async fn main() -> anyhow::Result<()> {
         sim_runtime.spawn(sim.stop()).await?;
     }
     sim_runtime.shutdown_background();
-    drop(std::fs::remove_dir_all(&directory));
-    drop(std::fs::remove_dir_all(&sim_directory));
+    for scratch in [&directory, &memory, &images] {
+        drop(std::fs::remove_dir_all(scratch));
+    }
     outcome
 }
 
