@@ -64,9 +64,11 @@ pub enum Wake {
 }
 
 impl Wake {
-    /// Parse a notification's payload (`'<category> <event type>'`).
+    /// Parse a notification's payload (`'<category> <event type>'`). Split at the last space:
+    /// an event type is an identifier, while the category comes from a stream id, which the
+    /// store does not forbid to hold a space.
     pub fn from_payload(payload: &str) -> Wake {
-        match payload.split_once(' ') {
+        match payload.rsplit_once(' ') {
             Some((category, event_type)) if !category.is_empty() && !event_type.is_empty() => {
                 Wake::Appended {
                     category: category.to_owned(),
@@ -899,6 +901,13 @@ mod tests {
             Wake::Appended {
                 category: "revenue-".into(),
                 event_type: "RevenueRecorded".into()
+            }
+        );
+        assert_eq!(
+            Wake::from_payload("odd name- Renamed"),
+            Wake::Appended {
+                category: "odd name-".into(),
+                event_type: "Renamed".into()
             }
         );
         // V1's empty payload (an instance not yet upgraded), and anything unknown.

@@ -481,6 +481,18 @@ async fn a_filtered_subscription_hears_its_events_among_many_others<S: EventStor
             [format!("{prefix}wanted-1"), format!("{prefix}wanted-2")]
         );
     }
+    // A stream name with a space before its first '-' (the notification's separator).
+    let odd = format!("{} odd-1", prefix.trim_end_matches('-'));
+    store
+        .append(
+            &odd,
+            ExpectedVersion::NoStream,
+            vec![event(&wanted_type, 100)],
+        )
+        .await
+        .unwrap();
+    let heard = collect_events(&mut by_type, 1).await;
+    assert_eq!(heard[0].stream, odd);
 }
 
 /// Twenty events of type `Other`, one append each, in streams `{streams}0` to `{streams}19`.
