@@ -73,16 +73,23 @@ async fn main() -> anyhow::Result<()> {
     if step_delays_ms.is_empty() {
         step_delays_ms = DEFAULT_STEP_DELAYS_MS.to_vec();
     }
-    // Under the project's target/ (next to this program): this machine's /tmp is where every
-    // test run creates and deletes files, and creating a file there costs several times more.
-    let target = std::env::current_exe()?
-        .parent()
-        .and_then(std::path::Path::parent)
-        .context("the program runs from target/<profile>/")?
-        .to_path_buf();
-    let directory = target
-        .join("tmp")
-        .join(format!("bench-gap-{}", Uuid::now_v7()));
+    // Scratch files in memory (see above); without /dev/shm under the project's target/ (next to
+    // this program): this machine's /tmp is where every test run creates and deletes files, and
+    // creating a file there costs several times more.
+    let scratch = format!("zhihui-bench-gap-{}", Uuid::now_v7());
+    let directory = match std::path::Path::new("/dev/shm") {
+        memory if memory.is_dir() => memory.join(&scratch),
+        _ => std::env::current_exe()?
+            .parent()
+            .and_then(std::path::Path::parent)
+            .context("the program runs from target/<profile>/")?
+            .join("tmp")
+            .join(&scratch),
+    };
+    let images = match std::env::var_os("BENCH_IMAGES_DIRECTORY") {
+        Some(chosen) => std::path::PathBuf::from(chosen).join(&scratch),
+        None => directory.join("images"),
+    };
     // The simulators run on their own threads, as a real ComfyUI runs in its own process on its
     // own machine: their synchronous PNG work must not stall the runtime that zhihui (and the
     // measured saga) runs on.
@@ -91,21 +98,11 @@ async fn main() -> anyhow::Result<()> {
         .thread_name(SIM_THREAD_PREFIX)
         .enable_all()
         .build()?;
-    let memory = match std::path::Path::new("/dev/shm") {
-        memory if memory.is_dir() => memory.join(format!("zhihui-bench-gap-{}", Uuid::now_v7())),
-        _ => directory.clone(),
-    };
-    let images = match std::env::var_os("BENCH_IMAGES_DIRECTORY") {
-        Some(chosen) => {
-            std::path::PathBuf::from(chosen).join(format!("bench-gap-{}", Uuid::now_v7()))
-        }
-        None => memory.join("images"),
-    };
     let mut sims = Vec::new();
     for index in 0..2 {
         let config = SimConfig {
             bind: "127.0.0.1:0".parse()?,
-            output_dir: memory.join(format!("sim-{index}")),
+            output_dir: directory.join(format!("sim-{index}")),
             models: vec!["majicmixRealistic_v7.safetensors".into()],
             faults: sim_faults(0),
         };
@@ -139,7 +136,7 @@ async fn main() -> anyhow::Result<()> {
         sim_runtime.spawn(sim.stop()).await?;
     }
     sim_runtime.shutdown_background();
-    for scratch in [&directory, &memory, &images] {
+    for scratch in [&directory, &images] {
         drop(std::fs::remove_dir_all(scratch));
     }
     outcome
