@@ -9,6 +9,13 @@
 //!
 //! The cached state also makes long streams cheap: a stream is folded once when its actor starts,
 //! then only caught up. An actor with nothing to do for `idle` exits and forgets its state.
+//!
+//! The cache may make a decision faster, never decide a refusal: another process may have
+//! appended since (a freeze through another instance, then a release here would be refused as an
+//! unknown hold). An accepted command is safe, since its append checks the version; a refusal is
+//! returned only when the batch's append succeeded (so the version it was decided on was the
+//! latest) or, when nothing was appended, after a read of the stream shows nothing came after
+//! the cached version. If something did, the batch is decided again on it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -275,6 +282,21 @@ where
                     .collect()
             };
             if new_events.is_empty() {
+                if decisions.iter().any(Result::is_err) {
+                    // A refusal counts only on the stream's latest version: the cache may miss
+                    // what another process appended (a freeze, a grant), and nothing appended
+                    // here could reveal the conflict. Read what came after the cached version;
+                    // if anything did, decide the batch again on it.
+                    let (latest_state, latest_version) = self.catch_up(base.0, base.1).await?;
+                    let moved = latest_version != version;
+                    self.state = Some((latest_state, latest_version));
+                    if moved {
+                        continue;
+                    }
+                    let results = finish(&state, decisions);
+                    return Ok(results);
+                }
+                // Only repeats: an idempotent repeat stays one at every later version.
                 let results = finish(&state, decisions);
                 self.state = Some((state, version));
                 return Ok(results);
@@ -285,6 +307,8 @@ where
             };
             match self.store.append(&self.stream, expected, new_events).await {
                 Ok(outcome) => {
+                    // The append checked `version` was the latest: every refusal of this batch
+                    // was decided on the stream's latest state too.
                     let results = finish(&state, decisions);
                     self.state = Some((state, Some(outcome.stream_version)));
                     return Ok(results);

@@ -40,6 +40,14 @@ pub fn kind_of(event: &AccountEvent) -> &'static str {
     }
 }
 
+/// Whether a movement belongs to a hold (its reference is a task id) or to an operation.
+pub fn is_hold(event: &AccountEvent) -> bool {
+    matches!(
+        event,
+        AccountEvent::Frozen(_) | AccountEvent::HoldSettled(_) | AccountEvent::HoldReleased(_)
+    )
+}
+
 /// The reason or reference a movement carries, as the ledger shows it.
 pub fn reason_of(event: &AccountEvent) -> Option<String> {
     match event {
@@ -100,10 +108,7 @@ pub async fn apply(
         })?;
         let stream_version = i64::try_from(recorded.stream_version)?;
         let after = event.balance_after();
-        let is_hold = matches!(
-            event,
-            AccountEvent::Frozen(_) | AccountEvent::HoldSettled(_) | AccountEvent::HoldReleased(_)
-        );
+        let is_hold = is_hold(&event);
         ledger.user_id.push(user_id);
         ledger.stream_version.push(stream_version);
         ledger.event_id.push(recorded.id);

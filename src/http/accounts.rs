@@ -1,4 +1,5 @@
-//! `/api/v1/account*` (own balance and ledger, from the read models) and
+//! `/api/v1/account*` (own balance and ledger: the read model, plus the account stream's events
+//! it has not applied yet, so a user reads their own writes at once) and
 //! `/api/v1/admin/accounts/{user}/grants`, `/api/v1/admin/projections`.
 
 use actix_web::{HttpRequest, HttpResponse, web};
@@ -7,10 +8,12 @@ use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
-use zhihui_domain::account::{AccountCommand, AccountError, account_stream};
+use zhihui_domain::DomainEvent;
+use zhihui_domain::account::{AccountCommand, AccountError, AccountEvent, account_stream};
 use zhihui_domain::points::Amount;
 
 use crate::command::CommandError;
+use crate::event_store::{Direction, EventStore, ReadFrom, RecordedEvent};
 use crate::http::extract::{Admin, Authenticated};
 use crate::http::{ApiError, event_metadata};
 use crate::startup::AppState;
@@ -97,20 +100,28 @@ pub async fn balance(
     state: web::Data<AppState>,
     caller: Authenticated,
 ) -> Result<HttpResponse, ApiError> {
-    let client = state.pg_pool.get().await.context("getting a connection")?;
-    let row = client
-        .query_opt(
-            "SELECT available, frozen, updated_at FROM accounts WHERE user_id = $1",
-            &[&caller.user_id().as_uuid()],
+    // From the account stream's last event (each carries the balance after it), not the read
+    // model: a user reads their own writes even while the projection lags, on any instance.
+    let last = state
+        .event_store
+        .read_stream(
+            &account_stream(caller.user_id()),
+            Direction::Backwards,
+            ReadFrom::End,
+            1,
         )
         .await
-        .context("reading the balance")?;
-    let view = match row {
-        Some(row) => BalanceView {
-            available: row.get(0),
-            frozen: row.get(1),
-            updated_at: Some(row.get(2)),
-        },
+        .context("reading the account's last event")?;
+    let view = match last.first() {
+        Some(recorded) => {
+            let event = account_event(recorded)?;
+            let balance = event.balance_after();
+            BalanceView {
+                available: two_places(balance.available.as_decimal()),
+                frozen: two_places(balance.frozen.as_decimal()),
+                updated_at: Some(event.at()),
+            }
+        }
         None => BalanceView {
             available: Decimal::new(0, 2),
             frozen: Decimal::new(0, 2),
@@ -118,6 +129,41 @@ pub async fn balance(
         },
     };
     Ok(HttpResponse::Ok().json(view))
+}
+
+/// Points as the read model's `numeric(20, 2)` shows them (a stored zero may have no places).
+fn two_places(mut value: Decimal) -> Decimal {
+    value.rescale(zhihui_domain::points::POINTS_SCALE);
+    value
+}
+
+fn account_event(recorded: &RecordedEvent) -> anyhow::Result<AccountEvent> {
+    AccountEvent::from_stored(
+        &recorded.event_type,
+        recorded.schema_version,
+        &recorded.payload,
+    )
+    .with_context(|| format!("decoding event {} of {}", recorded.id, recorded.stream))
+}
+
+/// A ledger row from an account event the projection has not applied yet (the same columns the
+/// `ledger` projection writes).
+fn ledger_entry_of(recorded: &RecordedEvent) -> anyhow::Result<(i64, LedgerEntryView)> {
+    let event = account_event(recorded)?;
+    let after = event.balance_after();
+    let is_hold = zhihui_projections::accounts::is_hold(&event);
+    let view = LedgerEntryView {
+        occurred_at: event.at(),
+        kind: zhihui_projections::accounts::kind_of(&event).to_owned(),
+        amount: two_places(event.amount().as_decimal()),
+        available_after: two_places(after.available.as_decimal()),
+        frozen_after: two_places(after.frozen.as_decimal()),
+        task_id: is_hold.then(|| event.reference_id()),
+        operation_id: (!is_hold).then(|| event.reference_id()),
+        reason: zhihui_projections::accounts::reason_of(&event),
+        correlation_id: recorded.metadata.correlation_id,
+    };
+    Ok((i64::try_from(recorded.stream_version)?, view))
 }
 
 /// The caller's ledger, newest first.
@@ -157,27 +203,68 @@ pub async fn ledger(
         )
         .await
         .context("reading the ledger")?;
-    let has_more = rows.len() as i64 > limit;
-    let rows = &rows[..rows.len().min(usize::try_from(limit).unwrap_or(0))];
+    let projected_version: Option<i64> = client
+        .query_opt(
+            "SELECT stream_version FROM accounts WHERE user_id = $1",
+            &[&caller.user_id().as_uuid()],
+        )
+        .await
+        .context("reading how far the ledger is projected")?
+        .map(|row| row.get(0));
+    drop(client);
+    // The page's newest entries may not be projected yet: read them from the stream (at most a
+    // page, newest first), so a user sees their own acknowledged movements at once.
+    let newest = if before == i64::MAX {
+        ReadFrom::End
+    } else {
+        ReadFrom::Version(u64::try_from(before.saturating_sub(1)).unwrap_or(0))
+    };
+    let mut entries: Vec<(i64, LedgerEntryView)> = Vec::new();
+    if before > 0 {
+        let tail = state
+            .event_store
+            .read_stream(
+                &account_stream(caller.user_id()),
+                Direction::Backwards,
+                newest,
+                usize::try_from(limit + 1).unwrap_or(1),
+            )
+            .await
+            .context("reading the account's newest events")?;
+        for recorded in &tail {
+            let version = i64::try_from(recorded.stream_version).context("stream version")?;
+            if projected_version.is_some_and(|projected| version <= projected) || version >= before
+            {
+                break;
+            }
+            entries.push(ledger_entry_of(recorded)?);
+        }
+    }
+    entries.extend(rows.iter().map(|row| {
+        (
+            row.get::<_, i64>(9),
+            LedgerEntryView {
+                occurred_at: row.get(0),
+                kind: row.get(1),
+                amount: row.get(2),
+                available_after: row.get(3),
+                frozen_after: row.get(4),
+                task_id: row.get(5),
+                operation_id: row.get(6),
+                reason: row.get(7),
+                correlation_id: row.get(8),
+            },
+        )
+    }));
+    let limit = usize::try_from(limit).unwrap_or(0);
+    let has_more = entries.len() > limit;
+    entries.truncate(limit);
     let next_cursor = if has_more {
-        rows.last().map(|row| row.get::<_, i64>(9).to_string())
+        entries.last().map(|(version, _)| version.to_string())
     } else {
         None
     };
-    let entries = rows
-        .iter()
-        .map(|row| LedgerEntryView {
-            occurred_at: row.get(0),
-            kind: row.get(1),
-            amount: row.get(2),
-            available_after: row.get(3),
-            frozen_after: row.get(4),
-            task_id: row.get(5),
-            operation_id: row.get(6),
-            reason: row.get(7),
-            correlation_id: row.get(8),
-        })
-        .collect();
+    let entries = entries.into_iter().map(|(_, entry)| entry).collect();
     Ok(HttpResponse::Ok().json(LedgerPage {
         entries,
         next_cursor,
@@ -289,8 +376,8 @@ pub async fn grant(
     Ok(HttpResponse::Created().json(GrantResponse {
         operation_id,
         granted_now: !handled.new_events.is_empty(),
-        available: balance.available.as_decimal(),
-        frozen: balance.frozen.as_decimal(),
+        available: two_places(balance.available.as_decimal()),
+        frozen: two_places(balance.frozen.as_decimal()),
     }))
 }
 

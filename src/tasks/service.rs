@@ -55,7 +55,6 @@ pub const REBUILD_PAGE_MAX: usize = 1_000;
 const SUBMIT_NAMESPACE: Uuid = Uuid::from_u128(0x7a68_6968_7569_4000_8000_7375_626d_6974);
 const PRIORITISE_NAMESPACE: Uuid = Uuid::from_u128(0x7a68_6968_7569_4000_8000_7072_696f_7269);
 const REFUND_NAMESPACE: Uuid = Uuid::from_u128(0x7a68_6968_7569_4000_8000_7265_6675_6e64);
-const INTENT_NAMESPACE: Uuid = Uuid::from_u128(0x7a68_6968_7569_4000_8000_696e_7465_6e74);
 
 /// Where a test makes a request die, as a crash would: nothing after it runs, its intent stays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -171,6 +170,25 @@ pub struct RebuildReport {
     pub removed: usize,
 }
 
+/// The account movements one reconcile made itself.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct AccountMoves {
+    pub hold_settled: bool,
+    pub hold_released: bool,
+    pub fee_refunded: bool,
+}
+
+impl AccountMoves {
+    pub fn any(&self) -> bool {
+        self.hold_settled || self.hold_released || self.fee_refunded
+    }
+}
+
+/// The operation id of the refund of an abandoned prioritise's fee (one per charge).
+pub fn refund_operation_id(charge_operation_id: OperationId) -> OperationId {
+    Uuid::new_v5(&REFUND_NAMESPACE, charge_operation_id.as_bytes())
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum IntentKind {
     Submit,
@@ -216,14 +234,6 @@ fn request_digest(request: &RequestedTask) -> String {
         .iter()
         .map(|byte| format!("{byte:02x}"))
         .collect()
-}
-
-fn system_metadata(correlation_id: Uuid) -> EventMetadata {
-    EventMetadata {
-        correlation_id,
-        causation_id: None,
-        actor: "system:task-intents".into(),
-    }
 }
 
 impl TaskService {
@@ -335,15 +345,15 @@ impl TaskService {
         user_id: UserId,
         operation_id: Option<OperationId>,
     ) -> anyhow::Result<Uuid> {
-        let intent_id = Uuid::new_v5(
-            &INTENT_NAMESPACE,
-            format!("{}:{task_id}:{operation_id:?}", kind.as_str()).as_bytes(),
-        );
+        // Fresh for every request: an intent belongs to the request that wrote it, so a refused
+        // duplicate (the same Idempotency-Key with another body) ends its own intent, never
+        // the one of the request that won and may still crash.
+        let intent_id = Uuid::now_v7();
         let client = self.pool.get().await.context("getting a connection")?;
         client
             .execute(
                 "INSERT INTO task_intents (intent_id, kind, task_id, user_id, operation_id, created_at)
-                 VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (intent_id) DO NOTHING",
+                 VALUES ($1, $2, $3, $4, $5, $6)",
                 &[
                     &intent_id,
                     &kind.as_str(),
@@ -402,17 +412,40 @@ impl TaskService {
         Err(refusal)
     }
 
-    /// Tasks of a user still waiting (from the read model: a soft limit).
-    async fn waiting_tasks(&self, user_id: UserId) -> anyhow::Result<i64> {
-        let client = self.pool.get().await.context("getting a connection")?;
-        let row = client
-            .query_one(
-                "SELECT count(*) FROM tasks WHERE user_id = $1 AND status IN ('submitted', 'queued')",
-                &[&user_id.as_uuid()],
-            )
-            .await
-            .context("counting waiting tasks")?;
-        Ok(row.get(0))
+    /// Whether the user already has `queued_per_user_max` tasks waiting. The read model finds
+    /// the candidates cheaply; since it may lag (a task that has left the queue may still be
+    /// listed as waiting), a refusal is confirmed on the candidates' streams. A task submitted
+    /// through another process and not yet projected is not counted: the limit is soft.
+    async fn at_queue_limit(&self, user_id: UserId) -> anyhow::Result<bool> {
+        let max =
+            usize::try_from(self.catalog.settings().queued_per_user_max).unwrap_or(usize::MAX);
+        let candidates: Vec<TaskId> = {
+            let client = self.pool.get().await.context("getting a connection")?;
+            client
+                .query(
+                    "SELECT task_id FROM tasks WHERE user_id = $1 AND status IN ('submitted', 'queued')",
+                    &[&user_id.as_uuid()],
+                )
+                .await
+                .context("listing waiting tasks")?
+                .iter()
+                .map(|row| row.get(0))
+                .collect()
+        };
+        if candidates.len() < max {
+            return Ok(false);
+        }
+        let mut waiting = 0;
+        for task_id in candidates {
+            let status = self.load(task_id).await?.status;
+            if matches!(status, TaskStatus::Submitted | TaskStatus::Queued) {
+                waiting += 1;
+                if waiting >= max {
+                    return Ok(true);
+                }
+            }
+        }
+        Ok(false)
     }
 
     /// Submit a task (see the module comment for the order of steps and what a crash leaves).
@@ -439,7 +472,7 @@ impl TaskService {
             }
         }
         let settings = self.catalog.settings();
-        if self.waiting_tasks(user_id).await? >= i64::from(settings.queued_per_user_max) {
+        if self.at_queue_limit(user_id).await? {
             return Err(TaskServiceError::QueueLimit {
                 max: settings.queued_per_user_max,
             });
@@ -753,8 +786,42 @@ impl TaskService {
         operation: Option<OperationId>,
         correlation_id: Uuid,
     ) -> anyhow::Result<TaskState> {
-        let metadata = system_metadata(correlation_id);
+        let (state, _moves) = self
+            .reconcile_reporting(
+                task_id,
+                user_id,
+                operation,
+                correlation_id,
+                "system:task-intents",
+            )
+            .await?;
+        Ok(state)
+    }
+
+    /// [`TaskService::reconcile`], saying which account movements it made itself (`actor` is
+    /// written into their metadata): the settlement reconciler counts these as its repairs.
+    ///
+    /// "No such hold" or "no such charge" is accepted only where the task stream allows it: the
+    /// account refuses only on its stream's latest version (see `src/aggregate.rs`), and a task
+    /// that was ever recorded had its points frozen first, so an unknown hold of a recorded task
+    /// is reported as an error, never read as "settled". A task abandoned before it was recorded
+    /// may truly have no hold (the request died before freezing) or one still to come (the
+    /// request is slow): the settlement reconciler releases such a late hold.
+    pub async fn reconcile_reporting(
+        &self,
+        task_id: TaskId,
+        user_id: UserId,
+        operation: Option<OperationId>,
+        correlation_id: Uuid,
+        actor: &str,
+    ) -> anyhow::Result<(TaskState, AccountMoves)> {
+        let metadata = EventMetadata {
+            correlation_id,
+            causation_id: None,
+            actor: actor.to_owned(),
+        };
         let now = self.clock.now();
+        let mut moves = AccountMoves::default();
         let mut state = self.load(task_id).await?;
         if state.status == TaskStatus::Unknown {
             let abandon = TaskCommand::Abandon {
@@ -782,7 +849,7 @@ impl TaskService {
             }
             if state.prioritisations.get(&operation_id) == Some(&PrioritisationOutcome::Abandoned) {
                 let refund = AccountCommand::Refund {
-                    operation_id: Uuid::new_v5(&REFUND_NAMESPACE, operation_id.as_bytes()),
+                    operation_id: refund_operation_id(operation_id),
                     charge_operation_id: operation_id,
                     reason: format!("prioritise of task {task_id} did not happen"),
                     at: now,
@@ -792,8 +859,10 @@ impl TaskService {
                     .execute(&account_stream(owner), refund, metadata.clone())
                     .await
                 {
-                    Ok(_)
-                    | Err(CommandError::Rejected(
+                    Ok(handled) => moves.fee_refunded = !handled.new_events.is_empty(),
+                    // Refused on the account's latest version: refunded already, or the request
+                    // died before charging (the prioritise is abandoned, so it never will).
+                    Err(CommandError::Rejected(
                         AccountError::UnknownCharge(_) | AccountError::ChargeAlreadyRefunded(_),
                     )) => {}
                     Err(other) => return Err(anyhow::Error::new(other).context("refunding a fee")),
@@ -808,7 +877,7 @@ impl TaskService {
         }
         let account = account_stream(owner);
         let settled = match state.hold_outcome() {
-            HoldOutcome::Keep => Ok(()),
+            HoldOutcome::Keep => return Ok((state, moves)),
             HoldOutcome::Release => {
                 let release = AccountCommand::ReleaseHold {
                     hold_id: task_id,
@@ -818,7 +887,7 @@ impl TaskService {
                 self.accounts
                     .execute(&account, release, metadata.clone())
                     .await
-                    .map(|_| ())
+                    .map(|handled| moves.hold_released = !handled.new_events.is_empty())
             }
             HoldOutcome::Settle => {
                 let settle = AccountCommand::SettleHold {
@@ -828,13 +897,22 @@ impl TaskService {
                 self.accounts
                     .execute(&account, settle, metadata.clone())
                     .await
-                    .map(|_| ())
+                    .map(|handled| moves.hold_settled = !handled.new_events.is_empty())
             }
         };
         match settled {
-            // No hold: the request died before freezing.
-            Ok(()) | Err(CommandError::Rejected(AccountError::UnknownHold(_))) => Ok(state),
-            Err(other) => Err(anyhow::Error::new(other).context("settling a task's hold")),
+            Ok(()) => Ok((state, moves)),
+            // No hold at the account's latest version, and the task was never recorded: the
+            // request died before freezing (or freezes late, which the reconciler repairs).
+            Err(CommandError::Rejected(AccountError::UnknownHold(_)))
+                if state.status == TaskStatus::Abandoned =>
+            {
+                Ok((state, moves))
+            }
+            Err(other) => Err(anyhow::Error::new(other).context(format!(
+                "settling the hold of task {task_id} ({})",
+                state.status.as_str()
+            ))),
         }
     }
 

@@ -28,9 +28,9 @@ use crate::tasks::{
 /// Longest a test drives the saga before it fails (a hang, not a slow machine).
 const DRIVE_LIMIT: Duration = Duration::from_secs(60);
 
-struct Harness {
-    app: TestApp,
-    sims: Vec<Simulator>,
+pub(crate) struct Harness {
+    pub(crate) app: TestApp,
+    pub(crate) sims: Vec<Simulator>,
     _directory: TempDirectory,
 }
 
@@ -59,12 +59,12 @@ async fn start_sim(directory: &std::path::Path, index: usize, faults: Faults) ->
 
 /// An app with `backends` simulators of capacity 1 and short timings (so that recovery paths
 /// run within a test).
-async fn harness(backends: usize, faults: Faults) -> Harness {
+pub(crate) async fn harness(backends: usize, faults: Faults) -> Harness {
     harness_with(backends, faults, |_| {}).await
 }
 
 /// [`harness`] with further dispatch settings.
-async fn harness_with(
+pub(crate) async fn harness_with(
     backends: usize,
     faults: Faults,
     customise: impl FnOnce(&mut zhihui::configuration::DispatchSettings) + Send + 'static,
@@ -112,12 +112,12 @@ async fn harness_with(
 
 impl Harness {
     /// Services of another zhihui process on the same database and Redis (its own dispatcher).
-    fn process(&self) -> AppState {
+    pub(crate) fn process(&self) -> AppState {
         self.app.services_on_app_clock()
     }
 
     /// Become the leader (retrying while another process still holds the lease).
-    async fn lead(&self, process: &AppState) -> Saga {
+    pub(crate) async fn lead(&self, process: &AppState) -> Saga {
         let started = tokio::time::Instant::now();
         loop {
             if let Some(saga) = process.dispatcher.lead().await.unwrap() {
@@ -129,7 +129,7 @@ impl Harness {
     }
 }
 
-async fn status_of(process: &AppState, task_id: &str) -> zhihui_domain::task::TaskState {
+pub(crate) async fn status_of(process: &AppState, task_id: &str) -> zhihui_domain::task::TaskState {
     process
         .tasks
         .load(Uuid::parse_str(task_id).unwrap())
@@ -138,7 +138,7 @@ async fn status_of(process: &AppState, task_id: &str) -> zhihui_domain::task::Ta
 }
 
 /// Step the saga until every task is in one of `statuses`.
-async fn drive_until(
+pub(crate) async fn drive_until(
     saga: &mut Saga,
     process: &AppState,
     tasks: &[String],
@@ -170,7 +170,7 @@ async fn drive_until(
 }
 
 /// Step until the saga follows no task any more (every completion recorded and settled).
-async fn drive_until_idle(saga: &mut Saga) {
+pub(crate) async fn drive_until_idle(saga: &mut Saga) {
     let started = tokio::time::Instant::now();
     while saga.in_flight() > 0 {
         assert!(started.elapsed() < DRIVE_LIMIT, "the saga never went idle");
@@ -179,7 +179,7 @@ async fn drive_until_idle(saga: &mut Saga) {
 }
 
 /// Step until both server sockets are open (posts need a socket's clientId).
-async fn drive_until_connected(saga: &mut Saga, count: usize) {
+pub(crate) async fn drive_until_connected(saga: &mut Saga, count: usize) {
     let started = tokio::time::Instant::now();
     while saga.connected_backends() < count {
         assert!(started.elapsed() < DRIVE_LIMIT, "sockets never opened");
@@ -187,7 +187,7 @@ async fn drive_until_connected(saga: &mut Saga, count: usize) {
     }
 }
 
-async fn submit_task(app: &TestApp, token: &str, images: u32, steps: u32) -> String {
+pub(crate) async fn submit_task(app: &TestApp, token: &str, images: u32, steps: u32) -> String {
     let response = submit(
         app,
         token,

@@ -150,6 +150,32 @@ impl TestApp {
         body["token"].as_str().unwrap().to_owned()
     }
 
+    /// Another zhihui instance over HTTP, as another `zhihui serve` process would be: the same
+    /// database, Redis prefix, clock and settings, but its own services and caches (account
+    /// actors) and its own port. It never dispatches: tests that need a dispatcher drive one.
+    pub async fn another_instance(&self) -> TestApp {
+        let mut settings = self.settings.clone();
+        settings.database.migrate_on_start = false;
+        settings.dispatch.enabled = false;
+        let overrides = Overrides {
+            clock: Clock::Manual(self.clock.clone()),
+            code_sender: Some(self.codes.clone()),
+        };
+        let application = Application::build_with(&settings, overrides)
+            .await
+            .expect("another instance builds");
+        let port = application.port();
+        tokio::spawn(application.run_until_stopped());
+        TestApp {
+            address: format!("http://127.0.0.1:{port}"),
+            settings,
+            http: reqwest::Client::new(),
+            clock: self.clock.clone(),
+            codes: self.codes.clone(),
+            ollama: self.ollama.clone(),
+        }
+    }
+
     /// A second set of services on the same database and Redis, as another zhihui process would
     /// have (no HTTP).
     pub fn services(&self) -> zhihui::startup::AppState {

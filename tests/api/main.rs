@@ -8,6 +8,7 @@ mod event_store;
 mod fake_ollama;
 mod health;
 mod helpers;
+mod instances;
 mod ledger;
 mod migrations;
 mod processes;
