@@ -132,6 +132,16 @@ pub enum AuditCommand {
         #[arg(long)]
         json: bool,
     },
+    /// The settlements the settlement reconciler made itself (holds of finished tasks settled or
+    /// released, fees of abandoned prioritises refunded), oldest first.
+    Repairs {
+        /// Only repairs made at or after this time (RFC 3339).
+        #[arg(long)]
+        since: Option<chrono::DateTime<chrono::Utc>>,
+        /// JSON (one array) instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -182,6 +192,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                     json,
                 },
         } => crate::inspect::audit_account(&settings, &user, since, kind.as_deref(), json).await,
+        Command::Audit {
+            command: AuditCommand::Repairs { since, json },
+        } => audit_repairs(&settings, since, json).await,
         Command::Replay {
             projection,
             batch_size,
@@ -275,7 +288,7 @@ async fn create_user(
     Ok(())
 }
 
-/// `zhihui audit verify`.
+/// `zhihui queue rebuild`.
 async fn queue_rebuild(settings: &Settings) -> anyhow::Result<()> {
     use std::io::Write;
 
@@ -293,6 +306,51 @@ async fn queue_rebuild(settings: &Settings) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `zhihui audit repairs`.
+async fn audit_repairs(
+    settings: &Settings,
+    since: Option<chrono::DateTime<chrono::Utc>>,
+    json: bool,
+) -> anyhow::Result<()> {
+    use std::io::Write;
+
+    let pool = crate::postgres::build_pool(&settings.database)?;
+    let repairs = crate::settlements::repairs(&pool, since).await?;
+    let mut out = std::io::stdout().lock();
+    if json {
+        serde_json::to_writer_pretty(&mut out, &repairs).context("writing JSON")?;
+        writeln!(out).context("writing to standard output")?;
+        return Ok(());
+    }
+    writeln!(out, "{} repair(s)", repairs.len()).context("writing to standard output")?;
+    writeln!(
+        out,
+        "{:<25}  {:<14}  {:<36}  {:<36}  {:<25}  operation",
+        "repaired at", "kind", "task", "user", "owed since"
+    )?;
+    for repair in &repairs {
+        writeln!(
+            out,
+            "{:<25}  {:<14}  {:<36}  {:<36}  {:<25}  {}",
+            repair
+                .repaired_at
+                .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            repair.kind.as_str(),
+            repair.task_id,
+            repair.user_id,
+            repair
+                .due_since
+                .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            repair
+                .operation_id
+                .map(|id| id.to_string())
+                .unwrap_or_default()
+        )?;
+    }
+    Ok(())
+}
+
+/// `zhihui audit verify`.
 async fn audit_verify(settings: &Settings) -> anyhow::Result<()> {
     use std::io::Write;
 

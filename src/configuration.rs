@@ -80,6 +80,13 @@ pub struct TaskSettings {
     /// How often the intent sweeper looks for such requests. Orphans are resolved within
     /// `intent_resolve_after_ms + intent_sweep_interval_ms`.
     pub intent_sweep_interval_ms: u64,
+    /// The settlement reconciler repairs a hold still open this long after its task ended (or a
+    /// fee not refunded this long after its prioritise was abandoned). The normal path settles
+    /// within milliseconds; the margin keeps the reconciler from racing it needlessly (racing is
+    /// harmless: every settlement is idempotent).
+    pub settlement_after_ms: u64,
+    /// How often the settlement reconciler looks.
+    pub settlement_interval_ms: u64,
 }
 
 /// One ComfyUI server of the pool.
@@ -517,6 +524,10 @@ impl Settings {
         anyhow::ensure!(
             tasks.intent_resolve_after_ms > 2 * self.translation.timeout_ms + 10_000,
             "tasks.intent_resolve_after_ms must exceed two translation timeouts plus 10 s: a submit still running must never be taken for a crashed one"
+        );
+        anyhow::ensure!(
+            tasks.settlement_interval_ms >= 1,
+            "tasks.settlement_interval_ms must be at least 1"
         );
         Ok(())
     }

@@ -20,6 +20,7 @@ pub mod projector;
 pub mod redis_store;
 pub mod replay;
 pub mod revenue;
+pub mod settlements;
 pub mod startup;
 pub mod tasks;
 pub mod telemetry;

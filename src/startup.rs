@@ -207,6 +207,12 @@ impl Application {
                     tracing::error!(error = %crate::telemetry::error_chain(&error), "revenue recorder stopped");
                 }
             }));
+            let reconciler = crate::settlements::SettlementReconciler::new(
+                state.tasks.clone(),
+                state.pg_pool.clone(),
+                state.clock.clone(),
+            );
+            background.push(tokio::spawn(reconciler.run()));
             // The queue is derived: put it back from the events at start (Redis may have been
             // flushed or restarted), retrying until Redis answers; then sweep crashed requests.
             let tasks = state.tasks.clone();

@@ -10,6 +10,7 @@
 //! The dependency direction is fixed: `zhihui` -> `zhihui-projections` -> `zhihui-domain`.
 
 pub mod accounts;
+pub mod settlements;
 pub mod tasks;
 pub mod users;
 
@@ -41,13 +42,16 @@ pub enum ProjectionName {
     Users,
     /// `tasks`.
     Tasks,
+    /// `open_settlements` (what the settlement reconciler looks at).
+    Settlements,
 }
 
 impl ProjectionName {
-    pub const ALL: [ProjectionName; 3] = [
+    pub const ALL: [ProjectionName; 4] = [
         ProjectionName::Ledger,
         ProjectionName::Users,
         ProjectionName::Tasks,
+        ProjectionName::Settlements,
     ];
 
     pub fn as_str(&self) -> &'static str {
@@ -55,6 +59,7 @@ impl ProjectionName {
             ProjectionName::Ledger => "ledger",
             ProjectionName::Users => "users",
             ProjectionName::Tasks => "tasks",
+            ProjectionName::Settlements => "settlements",
         }
     }
 
@@ -70,6 +75,7 @@ impl ProjectionName {
             ProjectionName::Ledger => &["accounts", "ledger_entries"],
             ProjectionName::Users => &["users"],
             ProjectionName::Tasks => &["tasks"],
+            ProjectionName::Settlements => &["open_settlements"],
         }
     }
 
@@ -79,6 +85,7 @@ impl ProjectionName {
             ProjectionName::Ledger => vec!["account-".into()],
             ProjectionName::Users => vec!["user-".into()],
             ProjectionName::Tasks => vec!["task-".into()],
+            ProjectionName::Settlements => vec!["account-".into(), "task-".into()],
         }
     }
 
@@ -93,6 +100,7 @@ impl ProjectionName {
             ProjectionName::Ledger => accounts::apply(transaction, tables, events).await,
             ProjectionName::Users => users::apply(transaction, tables, events).await,
             ProjectionName::Tasks => tasks::apply(transaction, tables, events).await,
+            ProjectionName::Settlements => settlements::apply(transaction, tables, events).await,
         }
     }
 }

@@ -14,4 +14,5 @@ mod migrations;
 mod processes;
 mod replay;
 mod revenue;
+mod settlements;
 mod tasks;
