@@ -1,6 +1,7 @@
 //! Two `zhihui serve` OS processes (the real binary, product timings for leadership) on one
 //! database, one Redis and two ComfyUI simulators: the user's socket is on the process that does
-//! not dispatch and still hears everything about their tasks; the dispatching process is killed
+//! not dispatch and still hears everything about their tasks, and prioritises and cancels there
+//! (queued and in flight) while the other dispatches and settles; the dispatching process is killed
 //! with SIGKILL mid-run and the other takes over within 5 s; every task ends once, every hold is
 //! settled once, no slot stays leased and `zhihui audit verify` passes.
 //!
@@ -183,7 +184,7 @@ async fn the_dispatching_process_killed_mid_run_is_replaced_and_the_other_one_te
             other.address
         ))
         .bearer_auth(&admin)
-        .json(&json!({"amount": "10", "reason": "test"}))
+        .json(&json!({"amount": "20", "reason": "test"}))
         .send()
         .await
         .unwrap();
@@ -199,7 +200,8 @@ async fn the_dispatching_process_killed_mid_run_is_replaced_and_the_other_one_te
     .await
     .unwrap();
     let mut tasks = Vec::new();
-    for _ in 0..4 {
+    // Two servers, each running one and staging two: the last two wait in the queue.
+    for _ in 0..8 {
         let submitted = http
             .post(format!("{}/api/v1/tasks", other.address))
             .bearer_auth(&token)
@@ -211,6 +213,22 @@ async fn the_dispatching_process_killed_mid_run_is_replaced_and_the_other_one_te
         let submitted: Value = submitted.json().await.unwrap();
         tasks.push(submitted["task_id"].as_str().unwrap().to_owned());
     }
+
+    // Through the process that does not dispatch, while the other settles on the same account:
+    // the last task moves ahead of the one before it (one fee), which is then cancelled while
+    // queued (its point returns at once).
+    let act = |action: &str, task: &str| {
+        http.post(format!("{}/api/v1/tasks/{task}/{action}", other.address))
+            .bearer_auth(&token)
+            .send()
+    };
+    let moved = act("prioritise", &tasks[7]).await.unwrap();
+    assert_eq!(moved.status(), 200);
+    let cancelled = act("cancel", &tasks[6]).await.unwrap();
+    assert_eq!(cancelled.status(), 200);
+    let cancelled: Value = cancelled.json().await.unwrap();
+    assert_eq!(cancelled["status"], "cancelled");
+    let cancelled_while_queued = tasks[6].clone();
 
     // What the user hears, on the process that does not dispatch.
     let mut heard: HashMap<String, Vec<Value>> = HashMap::new();
@@ -248,14 +266,34 @@ async fn the_dispatching_process_killed_mid_run_is_replaced_and_the_other_one_te
     let token_of = |holder: &str| -> u64 { holder.rsplit(':').next().unwrap().parse().unwrap() };
     assert!(token_of(&successor) > token_of(&first_leader));
 
-    // Every task ends, and the user hears it on the other process.
+    // A task the new leader has not finished is cancelled through the other process: 202 while
+    // it runs or waits on its server, 409 if it ended meanwhile.
+    let cancelled_late = tasks[5].clone();
+    let late = act("cancel", &cancelled_late).await.unwrap();
+    assert!(
+        [200, 202, 409].contains(&late.status().as_u16()),
+        "{}",
+        late.status()
+    );
+
+    // Every task ends once, and the user hears it on the other process.
     let mut ended = HashSet::new();
-    while ended.len() < tasks.len() {
+    let mut succeeded = 0;
+    while ended.len() < tasks.len() - 1 {
         let message = next_message().await;
         let task_id = message["task_id"].as_str().unwrap().to_owned();
         assert!(tasks.contains(&task_id), "heard of a task not theirs");
         if ["succeeded", "failed", "cancelled"].contains(&message["type"].as_str().unwrap()) {
+            if task_id == cancelled_while_queued {
+                continue;
+            }
+            assert!(ended.insert(task_id.clone()), "{task_id} ended twice");
+            if message["type"] == "cancelled" && task_id == cancelled_late {
+                heard.entry(task_id).or_default().push(message);
+                continue;
+            }
             assert_eq!(message["type"], "succeeded", "{message}");
+            succeeded += 1;
             let image = message["images"][0].as_str().unwrap();
             let fetched = http
                 .get(format!("{}{image}", other.address))
@@ -265,23 +303,25 @@ async fn the_dispatching_process_killed_mid_run_is_replaced_and_the_other_one_te
                 .unwrap();
             assert_eq!(fetched.status(), 200);
             assert_eq!(&fetched.bytes().await.unwrap()[..4], b"\x89PNG");
-            ended.insert(task_id.clone());
         }
         heard.entry(task_id).or_default().push(message);
     }
     for task_id in &tasks {
         let events = task_events(&app, task_id).await;
         let count = |wanted: fn(&TaskEvent) -> bool| events.iter().filter(|e| wanted(e)).count();
-        assert_eq!(
-            count(|e| matches!(e, TaskEvent::Dispatched(_))),
-            1,
-            "{events:?}"
-        );
-        assert_eq!(
-            count(|e| matches!(e, TaskEvent::Succeeded(_))),
-            1,
-            "{events:?}"
-        );
+        let dispatched = count(|e| matches!(e, TaskEvent::Dispatched(_)));
+        let ends = count(|e| {
+            matches!(
+                e,
+                TaskEvent::Succeeded(_) | TaskEvent::Failed(_) | TaskEvent::Cancelled(_)
+            )
+        });
+        assert_eq!(ends, 1, "{events:?}");
+        if *task_id == cancelled_while_queued {
+            assert_eq!(dispatched, 0, "{events:?}");
+        } else {
+            assert_eq!(dispatched, 1, "{events:?}");
+        }
     }
     // Notifications are hints, at most once: the killed leader's `dispatched` of a task it had
     // just staged may be lost with it; the others reach the user's process.
@@ -292,9 +332,11 @@ async fn the_dispatching_process_killed_mid_run_is_replaced_and_the_other_one_te
             .any(|message| message["type"] == "dispatched"),
         "{heard:?}"
     );
-    // Settled by the successor: 4 points deducted, nothing frozen; no slot left leased.
+    // Settled by the successor: a point per success and the one fee deducted, nothing frozen;
+    // no slot left leased.
+    assert!(succeeded >= 6, "{succeeded} succeeded");
     let account = account_of(&app, &user).await;
-    assert_eq!(account.balance.available, Points::whole(6));
+    assert_eq!(account.balance.available, Points::whole(20 - succeeded - 5));
     assert_eq!(account.balance.frozen, Points::ZERO);
     let services = app.services();
     let started = tokio::time::Instant::now();

@@ -2,7 +2,9 @@
 //! PostgreSQL in the same run, with the same workload: 64 clients doing freeze/release pairs of 1
 //! point
 //! - on distinct accounts (each client its own account, granted 1,000,000 points first), and
-//! - on one hot account shared by the 64 clients,
+//! - on one hot account shared by the 64 clients, and (ours only)
+//! - on one hot account with the clients split over two instances (each its own pool and account
+//!   actor), every pair frozen through one and released through the other,
 //!
 //! for SECONDS_PER_CASE per case.
 //!
@@ -46,6 +48,9 @@ const CLIENTS: usize = 64;
 /// Connections of each side's pool.
 const POOL_SIZE: usize = 32;
 const CASES: [(&str, bool); 2] = [("distinct", false), ("hot", true)];
+/// Ours only: cqrs-es keeps no state between commands, so its `hot` case is already what any
+/// number of its instances would do.
+const SPLIT_CASE: &str = "hot_split";
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -110,6 +115,7 @@ impl CaseFigures {
 
 async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
     let ours = run_ours(settings, seconds).await?;
+    let split = run_split(settings, seconds).await?;
     let theirs = run_cqrs_es(settings, seconds).await?;
 
     println!();
@@ -125,12 +131,26 @@ async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
             );
         }
     }
+    println!(
+        "| ours | {SPLIT_CASE} (two instances) | {:.0} | {} | {:.2} | {:.2} | {} | {} |",
+        split.per_second,
+        split.succeeded,
+        split.p50_ms,
+        split.p99_ms,
+        split.conflicts,
+        split.other_errors
+    );
     for ((case, _), (ours, theirs)) in CASES.iter().zip(ours.iter().zip(&theirs)) {
         println!(
             "{case}: ours / cqrs-es = {:.1} x",
             ours.per_second / theirs.per_second
         );
     }
+    println!(
+        "{SPLIT_CASE}: ours on two instances / cqrs-es hot = {:.1} x, / ours hot on one = {:.2} x",
+        split.per_second / theirs[1].per_second,
+        split.per_second / ours[1].per_second
+    );
 
     let mut results: Vec<Figure> = Vec::new();
     for ((case, _), f) in CASES.iter().zip(&ours) {
@@ -145,6 +165,16 @@ async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
             "errors",
         ));
     }
+    results.push((
+        format!("commands_{SPLIT_CASE}_64_clients"),
+        split.per_second,
+        "commands/s",
+    ));
+    results.push((
+        format!("commands_{SPLIT_CASE}_errors"),
+        split.errors() as f64,
+        "errors",
+    ));
     for ((case, _), f) in CASES.iter().zip(&theirs) {
         results.push((
             format!("cqrs_es_{case}_commands_per_second"),
@@ -172,7 +202,8 @@ async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
     Ok(results)
 }
 
-/// Our side: `AggregateService<Account>` on the PostgreSQL event store.
+/// Our side: `AggregateService<Account>` on the PostgreSQL event store, then the hot account
+/// split over two instances.
 async fn run_ours(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<CaseFigures>> {
     let pool = zhihui::postgres::build_pool(&settings.database)?;
     zhihui::postgres::migrate(&pool).await?;
@@ -192,46 +223,95 @@ async fn run_ours(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<CaseF
             })
             .collect();
         zhihui::bench_support::fund(&accounts, &streams).await?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let started = Instant::now();
-        let clients: Vec<_> = streams
-            .into_iter()
-            .map(|stream| {
-                let accounts = accounts.clone();
-                let stop = stop.clone();
-                tokio::spawn(async move {
-                    let mut latencies_us = Vec::new();
-                    let mut conflicts = 0u64;
-                    let mut other_errors = 0u64;
-                    while !stop.load(Ordering::Relaxed) {
-                        for command in zhihui::bench_support::freeze_release_pair() {
-                            let sent = Instant::now();
-                            match accounts.execute(&stream, command, metadata()).await {
-                                Ok(_) => latencies_us.push(sent.elapsed().as_micros() as u64),
-                                Err(CommandError::Contended { .. }) => conflicts += 1,
-                                Err(_) => other_errors += 1,
-                            }
-                        }
-                    }
-                    (latencies_us, conflicts, other_errors)
-                })
-            })
-            .collect();
-        tokio::time::sleep(Duration::from_secs(seconds)).await;
-        stop.store(true, Ordering::Relaxed);
-        let mut latencies = Vec::new();
-        let (mut conflicts, mut other_errors) = (0, 0);
-        for client in clients {
-            let (client_latencies, client_conflicts, client_other_errors) = client.await?;
-            latencies.extend(client_latencies);
-            conflicts += client_conflicts;
-            other_errors += client_other_errors;
-        }
-        let case_figures = CaseFigures::new(latencies, started.elapsed(), conflicts, other_errors);
+        let case_figures = run_clients(std::slice::from_ref(&accounts), streams, seconds).await?;
         case_figures.print("ours", case);
         figures.push(case_figures);
     }
     Ok(figures)
+}
+
+/// The hot account with its clients split over two instances, as two `zhihui serve` processes
+/// would be: each its own pool (half the connections) and event store, its own actor and cache.
+/// Each pair freezes through one instance and releases through the other, so every release is
+/// decided first on a cache that has not seen its freeze: the refusal must be confirmed on the
+/// latest version and decided again, never reach the client.
+async fn run_split(settings: &Settings, seconds: u64) -> anyhow::Result<CaseFigures> {
+    let mut half = settings.clone();
+    half.database.pool_max_size = POOL_SIZE / 2;
+    half.event_store.group_commit_writers = 2;
+    let mut instances = Vec::new();
+    for _ in 0..2 {
+        let pool = zhihui::postgres::build_pool(&half.database)?;
+        let store = zhihui::event_store::from_settings(&half, pool)?;
+        instances.push(AggregateService::<Account>::new(
+            store,
+            RetryPolicy::default(),
+            Duration::from_secs(60),
+        ));
+    }
+    let hot_account = account_stream(UserId::from_uuid(Uuid::now_v7()));
+    let streams = vec![hot_account; CLIENTS];
+    zhihui::bench_support::fund(&instances[0], &streams[..1]).await?;
+    let figures = run_clients(&instances, streams, seconds).await?;
+    figures.print("ours", SPLIT_CASE);
+    Ok(figures)
+}
+
+/// `CLIENTS` clients, client `i` on `streams[i]`, doing freeze/release pairs for `seconds`. With
+/// several instances, client `i`'s freezes go through instance `i`, its releases through the next.
+async fn run_clients(
+    instances: &[AggregateService<Account>],
+    streams: Vec<String>,
+    seconds: u64,
+) -> anyhow::Result<CaseFigures> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let started = Instant::now();
+    let clients: Vec<_> = streams
+        .into_iter()
+        .enumerate()
+        .map(|(index, stream)| {
+            let through = [
+                instances[index % instances.len()].clone(),
+                instances[(index + 1) % instances.len()].clone(),
+            ];
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let mut latencies_us = Vec::new();
+                let mut conflicts = 0u64;
+                let mut other_errors = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    for (accounts, command) in through
+                        .iter()
+                        .zip(zhihui::bench_support::freeze_release_pair())
+                    {
+                        let sent = Instant::now();
+                        match accounts.execute(&stream, command, metadata()).await {
+                            Ok(_) => latencies_us.push(sent.elapsed().as_micros() as u64),
+                            Err(CommandError::Contended { .. }) => conflicts += 1,
+                            Err(_) => other_errors += 1,
+                        }
+                    }
+                }
+                (latencies_us, conflicts, other_errors)
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_secs(seconds)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut latencies = Vec::new();
+    let (mut conflicts, mut other_errors) = (0, 0);
+    for client in clients {
+        let (client_latencies, client_conflicts, client_other_errors) = client.await?;
+        latencies.extend(client_latencies);
+        conflicts += client_conflicts;
+        other_errors += client_other_errors;
+    }
+    Ok(CaseFigures::new(
+        latencies,
+        started.elapsed(),
+        conflicts,
+        other_errors,
+    ))
 }
 
 /// The peer: the same workload through cqrs-es on postgres-es, in the same database.
