@@ -157,23 +157,13 @@ impl TestApp {
         let mut settings = self.settings.clone();
         settings.database.migrate_on_start = false;
         settings.dispatch.enabled = false;
-        let overrides = Overrides {
-            clock: Clock::Manual(self.clock.clone()),
-            code_sender: Some(self.codes.clone()),
-        };
-        let application = Application::build_with(&settings, overrides)
-            .await
-            .expect("another instance builds");
-        let port = application.port();
-        tokio::spawn(application.run_until_stopped());
-        TestApp {
-            address: format!("http://127.0.0.1:{port}"),
+        start_instance(
             settings,
-            http: reqwest::Client::new(),
-            clock: self.clock.clone(),
-            codes: self.codes.clone(),
-            ollama: self.ollama.clone(),
-        }
+            self.clock.clone(),
+            self.codes.clone(),
+            self.ollama.clone(),
+        )
+        .await
     }
 
     /// A second set of services on the same database and Redis, as another zhihui process would
@@ -345,6 +335,16 @@ pub async fn spawn_app_with(customise: impl FnOnce(&mut Settings)) -> TestApp {
     customise(&mut settings);
     let clock = ManualClock::starting_at(test_epoch());
     let codes = Arc::new(CapturedCodes::default());
+    start_instance(settings, clock, codes, ollama).await
+}
+
+/// Build and serve one instance with the test's clock and code sender.
+async fn start_instance(
+    settings: Settings,
+    clock: ManualClock,
+    codes: Arc<CapturedCodes>,
+    ollama: crate::fake_ollama::FakeOllama,
+) -> TestApp {
     let overrides = Overrides {
         clock: Clock::Manual(clock.clone()),
         code_sender: Some(codes.clone()),
