@@ -193,16 +193,8 @@ pub async fn ledger(
         })?,
     };
     let client = state.pg_pool.get().await.context("getting a connection")?;
-    let rows = client
-        .query(
-            "SELECT occurred_at, kind, amount, available_after, frozen_after, task_id,
-                    operation_id, reason, correlation_id, stream_version
-               FROM ledger_entries WHERE user_id = $1 AND stream_version < $2
-              ORDER BY stream_version DESC LIMIT $3",
-            &[&caller.user_id().as_uuid(), &before, &(limit + 1)],
-        )
-        .await
-        .context("reading the ledger")?;
+    // How far the projection got first, then only rows up to there: a batch committed between
+    // the two reads must not leave a gap between the rows and the stream's tail below.
     let projected_version: Option<i64> = client
         .query_opt(
             "SELECT stream_version FROM accounts WHERE user_id = $1",
@@ -211,6 +203,25 @@ pub async fn ledger(
         .await
         .context("reading how far the ledger is projected")?
         .map(|row| row.get(0));
+    let rows = match projected_version {
+        None => Vec::new(),
+        Some(projected) => client
+            .query(
+                "SELECT occurred_at, kind, amount, available_after, frozen_after, task_id,
+                        operation_id, reason, correlation_id, stream_version
+                   FROM ledger_entries
+                  WHERE user_id = $1 AND stream_version < $2 AND stream_version <= $3
+                  ORDER BY stream_version DESC LIMIT $4",
+                &[
+                    &caller.user_id().as_uuid(),
+                    &before,
+                    &projected,
+                    &(limit + 1),
+                ],
+            )
+            .await
+            .context("reading the ledger")?,
+    };
     drop(client);
     // The page's newest entries may not be projected yet: read them from the stream (at most a
     // page, newest first), so a user sees their own acknowledged movements at once.
@@ -233,8 +244,7 @@ pub async fn ledger(
             .context("reading the account's newest events")?;
         for recorded in &tail {
             let version = i64::try_from(recorded.stream_version).context("stream version")?;
-            if projected_version.is_some_and(|projected| version <= projected) || version >= before
-            {
+            if projected_version.is_some_and(|projected| version <= projected) {
                 break;
             }
             entries.push(ledger_entry_of(recorded)?);

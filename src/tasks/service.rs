@@ -178,12 +178,6 @@ pub struct AccountMoves {
     pub fee_refunded: bool,
 }
 
-impl AccountMoves {
-    pub fn any(&self) -> bool {
-        self.hold_settled || self.hold_released || self.fee_refunded
-    }
-}
-
 /// The operation id of the refund of an abandoned prioritise's fee (one per charge).
 pub fn refund_operation_id(charge_operation_id: OperationId) -> OperationId {
     Uuid::new_v5(&REFUND_NAMESPACE, charge_operation_id.as_bytes())

@@ -465,3 +465,149 @@ async fn random_commands_over_three_instances_keep_every_account_exact() {
     }
     project_and_verify(first).await;
 }
+
+/// The ledger shows the caller's own movements at once on any instance: the projected rows, then
+/// the stream's newer events, newest first, one page running on into the next.
+#[tokio::test]
+async fn the_ledger_joins_projected_rows_and_newer_events_across_instances() {
+    let a = spawn_app().await;
+    let b = a.another_instance().await;
+    let user = a.register("bookkeeper", "correct horse battery").await;
+    let token = b.login("bookkeeper", "correct horse battery").await;
+    let admin = a.admin_token("admin-bookkeeper").await;
+    grant_via(&a, &admin, &user, "10").await;
+    let first = submit(&b, &token, &json!({"prompt": "first"}), None).await;
+    let first: Value = first.json().await.unwrap();
+    a.project().await;
+    // Not projected from here on.
+    let cancel = act(&a, &token, "cancel", first["task_id"].as_str().unwrap()).await;
+    assert_eq!(cancel.status(), 200);
+    let second = submit(&b, &token, &json!({"prompt": "second", "images": 2}), None).await;
+    assert_eq!(second.status(), 201);
+
+    let kinds = |page: &Value| -> Vec<(String, String)> {
+        page["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|entry| {
+                (
+                    entry["kind"].as_str().unwrap().to_owned(),
+                    entry["available_after"].as_str().unwrap().to_owned(),
+                )
+            })
+            .collect()
+    };
+    let whole = ledger_page(&a, &token, "/api/v1/account/ledger").await;
+    let expected = [
+        ("freeze", "8.00"),
+        ("return", "10.00"),
+        ("freeze", "9.00"),
+        ("grant", "10.00"),
+    ]
+    .map(|(kind, after)| (kind.to_owned(), after.to_owned()));
+    assert_eq!(kinds(&whole), expected);
+    assert!(whole["next_cursor"].is_null());
+    // Two at a time: the first page from the stream, the second from the read model.
+    let newest = ledger_page(&b, &token, "/api/v1/account/ledger?limit=2").await;
+    assert_eq!(kinds(&newest), expected[..2]);
+    assert_eq!(newest["next_cursor"], "2");
+    let older = ledger_page(&a, &token, "/api/v1/account/ledger?limit=2&cursor=2").await;
+    assert_eq!(kinds(&older), expected[2..]);
+    assert!(older["next_cursor"].is_null());
+    // Once projected, the same pages.
+    a.project().await;
+    assert_eq!(
+        kinds(&ledger_page(&b, &token, "/api/v1/account/ledger").await),
+        expected
+    );
+    project_and_verify(&a).await;
+}
+
+/// Two submits with one `Idempotency-Key` and different bodies: the first froze its points and
+/// died; the second, through another instance, is refused. Its refusal must not end the first
+/// one's intent (it did when both shared one intent row): the sweeper then returns the points.
+#[tokio::test]
+async fn a_refused_duplicate_never_ends_the_intent_of_the_request_that_froze() {
+    let a = spawn_app().await;
+    let b = a.another_instance().await;
+    let user = a.register("double-click", "correct horse battery").await;
+    let user_id = UserId::from_uuid(Uuid::parse_str(&user).unwrap());
+    let token = b.login("double-click", "correct horse battery").await;
+    let admin = a.admin_token("admin-double-click").await;
+    grant_via(&a, &admin, &user, "10").await;
+    let crashing = a.services_on_app_clock();
+    let request = RequestedTask {
+        prompt: "a windmill".into(),
+        images: Some(2),
+        ..RequestedTask::default()
+    };
+    let crashed = crashing
+        .tasks
+        .crashing_at(CrashPoint::AfterFreeze)
+        .submit(user_id, &request, Some("same-key"), &metadata())
+        .await;
+    assert!(matches!(crashed, Err(TaskServiceError::Crashed(_))));
+    let duplicate = submit(
+        &b,
+        &token,
+        &json!({"prompt": "a windmill", "images": 1}),
+        Some("same-key"),
+    )
+    .await;
+    assert_eq!(duplicate.status(), 409);
+    let problem: Value = duplicate.json().await.unwrap();
+    assert_eq!(problem["type"], "/problems/idempotency-key-reused");
+    assert_eq!(
+        balance_via(&a, &token).await,
+        ("8.00".into(), "2.00".into())
+    );
+
+    a.clock.advance(Duration::from_millis(
+        a.settings.tasks.intent_resolve_after_ms + 1,
+    ));
+    let swept = b.services_on_app_clock().tasks.sweep_once().await.unwrap();
+    assert_eq!(swept.intents_resolved, 1);
+    assert_eq!(
+        balance_via(&b, &token).await,
+        ("10.00".into(), "0.00".into())
+    );
+    project_and_verify(&a).await;
+}
+
+/// The per-user queue limit reads the read model, which may still list a task cancelled through
+/// another instance: a refusal is confirmed on the task streams first.
+#[tokio::test]
+async fn the_queue_limit_is_not_enforced_on_a_task_the_read_model_has_not_seen_leave() {
+    let a = crate::helpers::spawn_app_with(|settings| settings.tasks.queued_per_user_max = 2).await;
+    let b = a.another_instance().await;
+    let user = a.register("two-at-a-time", "correct horse battery").await;
+    let token = a.login("two-at-a-time", "correct horse battery").await;
+    let admin = a.admin_token("admin-two-at-a-time").await;
+    grant_via(&a, &admin, &user, "10").await;
+    let first = submit(&a, &token, &json!({"prompt": "one"}), None).await;
+    let first: Value = first.json().await.unwrap();
+    let second = submit(&a, &token, &json!({"prompt": "two"}), None).await;
+    assert_eq!(second.status(), 201);
+    a.project().await;
+    let full = submit(&b, &token, &json!({"prompt": "too many"}), None).await;
+    assert_eq!(full.status(), 409);
+    let problem: Value = full.json().await.unwrap();
+    assert_eq!(problem["type"], "/problems/queue-limit");
+    // Cancelled through B; the read model (not projected) still lists it as queued.
+    let cancel = act(&b, &token, "cancel", first["task_id"].as_str().unwrap()).await;
+    assert_eq!(cancel.status(), 200);
+    let third = submit(&a, &token, &json!({"prompt": "three"}), None).await;
+    assert_eq!(third.status(), 201);
+    assert_eq!(
+        balance_via(&b, &token).await,
+        ("8.00".into(), "2.00".into())
+    );
+    project_and_verify(&a).await;
+}
+
+async fn ledger_page(instance: &TestApp, token: &str, query: &str) -> Value {
+    let response = instance.get_as(token, query).await;
+    assert_eq!(response.status(), 200);
+    response.json().await.unwrap()
+}
