@@ -46,6 +46,26 @@ async fn grant_via(app: &TestApp, admin: &str, user: &str, points: &str) {
     assert_eq!(granted.status(), 201);
 }
 
+/// The balance `GET /api/v1/account` answers on `instance` is (available, frozen).
+async fn assert_balance(instance: &TestApp, token: &str, available: &str, frozen: &str) {
+    assert_eq!(
+        balance_via(instance, token).await,
+        (available.to_owned(), frozen.to_owned())
+    );
+}
+
+/// Step the dispatcher until `task` ends as `status` and it follows no task any more (so the
+/// end is settled).
+async fn run_until_ended(
+    saga: &mut zhihui::dispatch::Saga,
+    dispatcher: &zhihui::startup::AppState,
+    task: &str,
+    status: TaskStatus,
+) {
+    drive_until(saga, dispatcher, &[task.to_owned()], &[status]).await;
+    drive_until_idle(saga).await;
+}
+
 /// The repro: a grant through A, a submit through B, a cancel through A. A's account
 /// actor cached the account after the grant and never saw B's freeze; before the fix it refused
 /// the release as an unknown hold, the cancel answered 200 and the point stayed frozen forever.
@@ -62,10 +82,7 @@ async fn a_task_submitted_through_one_instance_and_cancelled_through_another_ret
     assert_eq!(response.status(), 201);
     let task: Value = response.json().await.unwrap();
     let task = task["task_id"].as_str().unwrap().to_owned();
-    assert_eq!(
-        balance_via(&a, &token).await,
-        ("9.00".into(), "1.00".into())
-    );
+    assert_balance(&a, &token, "9.00", "1.00").await;
 
     let cancel = act(&a, &token, "cancel", &task).await;
     assert_eq!(cancel.status(), 200);
@@ -73,10 +90,7 @@ async fn a_task_submitted_through_one_instance_and_cancelled_through_another_ret
     assert_eq!(body["status"], "cancelled");
     // Both instances answer the caller's own writes at once (no projection has run here).
     for instance in [&a, &b] {
-        assert_eq!(
-            balance_via(instance, &token).await,
-            ("10.00".into(), "0.00".into())
-        );
+        assert_balance(instance, &token, "10.00", "0.00").await;
     }
     let account = account_of(&a, &user).await;
     assert_eq!(account.balance.available, Points::whole(10));
@@ -107,10 +121,7 @@ async fn a_freeze_is_not_refused_on_a_balance_another_instance_has_raised() {
     grant_via(&b, &admin, &user, "3").await;
     let accepted = submit(&a, &token, &json!({"prompt": "now paid"}), None).await;
     assert_eq!(accepted.status(), 201);
-    assert_eq!(
-        balance_via(&b, &token).await,
-        ("2.00".into(), "1.00".into())
-    );
+    assert_balance(&b, &token, "2.00", "1.00").await;
     project_and_verify(&a).await;
 }
 
@@ -138,75 +149,33 @@ async fn every_money_path_through_alternating_instances_settles_once() {
 
     // Grant through A, read through B.
     grant_via(a, &admin, &user, "100").await;
-    assert_eq!(
-        balance_via(&b, &token).await,
-        ("100.00".into(), "0.00".into())
-    );
+    assert_balance(&b, &token, "100.00", "0.00").await;
 
     // A first task through B succeeds: the dispatcher settles it and caches the account.
     let first = submit_task(&b, &token, 1, 2).await;
-    drive_until(
-        &mut saga,
-        &dispatcher,
-        std::slice::from_ref(&first),
-        &[TaskStatus::Succeeded],
-    )
-    .await;
-    drive_until_idle(&mut saga).await;
-    assert_eq!(
-        balance_via(a, &token).await,
-        ("99.00".into(), "0.00".into())
-    );
+    run_until_ended(&mut saga, &dispatcher, &first, TaskStatus::Succeeded).await;
+    assert_balance(a, &token, "99.00", "0.00").await;
 
     // Freezes through A and B while nothing is dispatched (the dispatcher is not stepped).
     let queued_then_cancelled = submit_task(a, &token, 2, 2).await;
     let prioritised = submit_task(&b, &token, 1, 2).await;
-    assert_eq!(
-        balance_via(a, &token).await,
-        ("96.00".into(), "3.00".into())
-    );
+    assert_balance(a, &token, "96.00", "3.00").await;
     // Charge through A for a task frozen through B.
     let moved = act(a, &token, "prioritise", &prioritised).await;
     assert_eq!(moved.status(), 200);
-    assert_eq!(
-        balance_via(&b, &token).await,
-        ("91.00".into(), "3.00".into())
-    );
+    assert_balance(&b, &token, "91.00", "3.00").await;
     // Cancel through B a queued task frozen through A.
     let cancel = act(&b, &token, "cancel", &queued_then_cancelled).await;
     assert_eq!(cancel.status(), 200);
-    assert_eq!(
-        balance_via(a, &token).await,
-        ("93.00".into(), "1.00".into())
-    );
+    assert_balance(a, &token, "93.00", "1.00").await;
     // The dispatcher, whose cache knows only the first task, settles the prioritised one.
-    drive_until(
-        &mut saga,
-        &dispatcher,
-        std::slice::from_ref(&prioritised),
-        &[TaskStatus::Succeeded],
-    )
-    .await;
-    drive_until_idle(&mut saga).await;
-    assert_eq!(
-        balance_via(&b, &token).await,
-        ("93.00".into(), "0.00".into())
-    );
+    run_until_ended(&mut saga, &dispatcher, &prioritised, TaskStatus::Succeeded).await;
+    assert_balance(&b, &token, "93.00", "0.00").await;
 
     // A failure: past its time limit, its points return (released by the dispatcher).
     let too_long = submit_task(a, &token, 1, 50).await;
-    drive_until(
-        &mut saga,
-        &dispatcher,
-        std::slice::from_ref(&too_long),
-        &[TaskStatus::Failed],
-    )
-    .await;
-    drive_until_idle(&mut saga).await;
-    assert_eq!(
-        balance_via(&b, &token).await,
-        ("93.00".into(), "0.00".into())
-    );
+    run_until_ended(&mut saga, &dispatcher, &too_long, TaskStatus::Failed).await;
+    assert_balance(&b, &token, "93.00", "0.00").await;
 
     // Cancel a running task through A, frozen through B.
     let running = submit_task(&b, &token, 3, 50).await;
@@ -219,18 +188,8 @@ async fn every_money_path_through_alternating_instances_settles_once() {
     .await;
     let cancel = act(a, &token, "cancel", &running).await;
     assert_eq!(cancel.status(), 202);
-    drive_until(
-        &mut saga,
-        &dispatcher,
-        std::slice::from_ref(&running),
-        &[TaskStatus::Cancelled],
-    )
-    .await;
-    drive_until_idle(&mut saga).await;
-    assert_eq!(
-        balance_via(&b, &token).await,
-        ("93.00".into(), "0.00".into())
-    );
+    run_until_ended(&mut saga, &dispatcher, &running, TaskStatus::Cancelled).await;
+    assert_balance(&b, &token, "93.00", "0.00").await;
 
     // Crashed requests in a fourth process, swept by a fifth: a submit that died after freezing
     // (abandoned, released) and a prioritise that died after charging (refunded).
@@ -259,10 +218,7 @@ async fn every_money_path_through_alternating_instances_settles_once() {
         )
         .await;
     assert!(matches!(crashed, Err(TaskServiceError::Crashed(_))));
-    assert_eq!(
-        balance_via(&b, &token).await,
-        ("84.00".into(), "4.00".into())
-    );
+    assert_balance(&b, &token, "84.00", "4.00").await;
     a.clock.advance(Duration::from_millis(
         a.settings.tasks.intent_resolve_after_ms + 1,
     ));
@@ -271,10 +227,7 @@ async fn every_money_path_through_alternating_instances_settles_once() {
         sweeper.tasks.sweep_once().await.unwrap().intents_resolved,
         2
     );
-    assert_eq!(
-        balance_via(a, &token).await,
-        ("91.00".into(), "2.00".into())
-    );
+    assert_balance(a, &token, "91.00", "2.00").await;
     // The two left run to success through the dispatcher.
     drive_until(
         &mut saga,
@@ -287,10 +240,7 @@ async fn every_money_path_through_alternating_instances_settles_once() {
 
     // 100 - 4 succeeded - one fee; nothing frozen, on every instance and in the events.
     for instance in [a, &b] {
-        assert_eq!(
-            balance_via(instance, &token).await,
-            ("91.00".into(), "0.00".into())
-        );
+        assert_balance(instance, &token, "91.00", "0.00").await;
     }
     let account = account_of(a, &user).await;
     assert_eq!(account.balance.available, Points::whole(91));
@@ -558,20 +508,14 @@ async fn a_refused_duplicate_never_ends_the_intent_of_the_request_that_froze() {
     assert_eq!(duplicate.status(), 409);
     let problem: Value = duplicate.json().await.unwrap();
     assert_eq!(problem["type"], "/problems/idempotency-key-reused");
-    assert_eq!(
-        balance_via(&a, &token).await,
-        ("8.00".into(), "2.00".into())
-    );
+    assert_balance(&a, &token, "8.00", "2.00").await;
 
     a.clock.advance(Duration::from_millis(
         a.settings.tasks.intent_resolve_after_ms + 1,
     ));
     let swept = b.services_on_app_clock().tasks.sweep_once().await.unwrap();
     assert_eq!(swept.intents_resolved, 1);
-    assert_eq!(
-        balance_via(&b, &token).await,
-        ("10.00".into(), "0.00".into())
-    );
+    assert_balance(&b, &token, "10.00", "0.00").await;
     project_and_verify(&a).await;
 }
 
@@ -599,10 +543,7 @@ async fn the_queue_limit_is_not_enforced_on_a_task_the_read_model_has_not_seen_l
     assert_eq!(cancel.status(), 200);
     let third = submit(&a, &token, &json!({"prompt": "three"}), None).await;
     assert_eq!(third.status(), 201);
-    assert_eq!(
-        balance_via(&b, &token).await,
-        ("8.00".into(), "2.00".into())
-    );
+    assert_balance(&b, &token, "8.00", "2.00").await;
     project_and_verify(&a).await;
 }
 

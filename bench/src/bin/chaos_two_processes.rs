@@ -72,14 +72,7 @@ impl Run {
             .env("ZHIHUI_DATABASE__URL", &self.database_url)
             .env("ZHIHUI_DATABASE__MIGRATE_ON_START", "false")
             .env("ZHIHUI_LOG__FILTER", "warn")
-            .env(
-                "ZHIHUI_TASKS__INTENT_RESOLVE_AFTER_MS",
-                INTENT_RESOLVE_AFTER_MS.to_string(),
-            )
-            .env(
-                "ZHIHUI_TASKS__INTENT_SWEEP_INTERVAL_MS",
-                INTENT_SWEEP_INTERVAL_MS.to_string(),
-            );
+            .envs(settlement_timings());
         command
     }
 
@@ -97,19 +90,7 @@ impl Run {
             .env("ZHIHUI_DISPATCH__IMAGES_DIRECTORY", &self.images)
             .env("ZHIHUI_DISPATCH__RECONCILE_INTERVAL_MS", "1000")
             .env("ZHIHUI_DISPATCH__TASK_TIMEOUT_MS", "60000")
-            .env(
-                "ZHIHUI_TASKS__INTENT_RESOLVE_AFTER_MS",
-                INTENT_RESOLVE_AFTER_MS.to_string(),
-            )
-            .env(
-                "ZHIHUI_TASKS__INTENT_SWEEP_INTERVAL_MS",
-                INTENT_SWEEP_INTERVAL_MS.to_string(),
-            )
-            .env(
-                "ZHIHUI_TASKS__SETTLEMENT_AFTER_MS",
-                SETTLEMENT_AFTER_MS.to_string(),
-            )
-            .env("ZHIHUI_TASKS__SETTLEMENT_INTERVAL_MS", "1000")
+            .envs(settlement_timings())
             .env("ZHIHUI_TASKS__QUEUED_PER_USER_MAX", "1000")
             .env("ZHIHUI_LOG__FILTER", "warn,zhihui::settlements=warn")
             .stdout(Stdio::null())
@@ -138,6 +119,26 @@ impl Run {
             port,
         })
     }
+}
+
+/// The run's settlement timings, the same for the servers and the CLI (`audit verify` reads its
+/// settlement bound from them).
+fn settlement_timings() -> [(&'static str, String); 4] {
+    [
+        (
+            "ZHIHUI_TASKS__INTENT_RESOLVE_AFTER_MS",
+            INTENT_RESOLVE_AFTER_MS.to_string(),
+        ),
+        (
+            "ZHIHUI_TASKS__INTENT_SWEEP_INTERVAL_MS",
+            INTENT_SWEEP_INTERVAL_MS.to_string(),
+        ),
+        (
+            "ZHIHUI_TASKS__SETTLEMENT_AFTER_MS",
+            SETTLEMENT_AFTER_MS.to_string(),
+        ),
+        ("ZHIHUI_TASKS__SETTLEMENT_INTERVAL_MS", "1000".into()),
+    ]
 }
 
 fn free_port() -> anyhow::Result<u16> {
