@@ -6,6 +6,7 @@
 //! `EventStore` trait, so it works on either store. The task streams are checked against the
 //! `tasks` read model and against the holds and fees on their owners' accounts (`tasks.rs`).
 
+mod codes;
 mod tasks;
 
 use std::collections::{BTreeMap, HashMap};
@@ -208,11 +209,14 @@ pub async fn verify(
     let mut users: HashMap<Uuid, (UserState, u64)> = HashMap::new();
     let mut revenue = RevenueFold::default();
     let mut task_fold = tasks::TaskFold::default();
+    let mut code_fold = codes::CodeFold::default();
     let filter = EventFilter::StreamPrefixes(vec![
         "account-".into(),
         "user-".into(),
         "task-".into(),
         REVENUE_STREAM.into(),
+        "codebatch-".into(),
+        "code-".into(),
     ]);
     let mut after = None;
     let mut events_read = 0u64;
@@ -232,6 +236,7 @@ pub async fn verify(
                 .with_context(|| format!("decoding event {}", recorded.id))?;
                 revenue.account_event(recorded, &event);
                 task_fold.account_event(user_id, recorded, &event);
+                code_fold.account_event(user_id, &event);
                 let folded = accounts.entry(user_id).or_default();
                 let state = std::mem::take(&mut folded.state);
                 folded.state = Account::evolve(state, &event);
@@ -246,6 +251,16 @@ pub async fn verify(
                 );
             } else if let Some(task_id) = zhihui_domain::task::task_id_of_stream(&recorded.stream) {
                 task_fold.task_event(task_id, recorded, &tasks::decode(recorded)?);
+            } else if let Some(batch_id) =
+                zhihui_domain::redeem::batch_id_of_stream(&recorded.stream)
+            {
+                code_fold
+                    .batch_event(batch_id, recorded)
+                    .with_context(|| format!("decoding event {}", recorded.id))?;
+            } else if zhihui_domain::redeem::serial_of_stream(&recorded.stream).is_some() {
+                code_fold
+                    .code_event(recorded)
+                    .with_context(|| format!("decoding event {}", recorded.id))?;
             } else if recorded.stream == REVENUE_STREAM {
                 let event = RevenueEvent::from_stored(
                     &recorded.event_type,
@@ -429,15 +444,19 @@ pub async fn verify(
         .await
         .context("reading the database's clock")?
         .get(0);
-    let pending_settlements = task_fold.compare(
-        &task_rows,
-        accounts
-            .iter()
-            .map(|(user_id, folded)| (*user_id, &folded.state)),
-        now,
-        settle_within,
-        &mut differences,
-    );
+    let pending_credits = code_fold
+        .compare(client, now, settle_within, &mut differences)
+        .await?;
+    let pending_settlements = pending_credits
+        + task_fold.compare(
+            &task_rows,
+            accounts
+                .iter()
+                .map(|(user_id, folded)| (*user_id, &folded.state)),
+            now,
+            settle_within,
+            &mut differences,
+        );
     differences.sort_by(|a, b| (a.read_model, &a.key).cmp(&(b.read_model, &b.key)));
     Ok(Verified {
         events_read,

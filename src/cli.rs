@@ -64,6 +64,47 @@ pub enum Command {
         #[command(subcommand)]
         command: QueueCommand,
     },
+    /// Redeem code batches.
+    Codes {
+        #[command(subcommand)]
+        command: CodesCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CodesCommand {
+    /// Create a batch and issue its codes (in pages, here; a running server's generator may
+    /// share the work: pages are fenced, no serial is issued twice).
+    Issue {
+        /// 1 to 1,000,000 codes.
+        #[arg(long)]
+        count: u32,
+        /// Points per code (e.g. 50 or 12.5).
+        #[arg(long)]
+        points: rust_decimal::Decimal,
+        /// Start of the window (RFC 3339); now when absent.
+        #[arg(long)]
+        valid_from: Option<chrono::DateTime<chrono::Utc>>,
+        /// End of the window (RFC 3339, excluded).
+        #[arg(long)]
+        valid_until: chrono::DateTime<chrono::Utc>,
+        #[arg(long, default_value = "")]
+        note: String,
+    },
+    /// Write a batch's issued codes as CSV (to standard output, or --output).
+    Export {
+        batch: uuid::Uuid,
+        #[arg(long)]
+        output: Option<PathBuf>,
+    },
+    /// A batch and its progress.
+    Show { batch: uuid::Uuid },
+    /// Revoke a batch: its unredeemed codes stop working.
+    Revoke {
+        batch: uuid::Uuid,
+        #[arg(long)]
+        reason: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -132,6 +173,11 @@ pub enum AuditCommand {
         #[arg(long)]
         json: bool,
     },
+    /// One redeem code's life: its batch, its redemption and its credit, from their streams.
+    Code {
+        /// The code as printed (case, hyphens and spaces do not matter).
+        code: String,
+    },
     /// The settlements the settlement reconciler made itself (holds of finished tasks settled or
     /// released, fees of abandoned prioritises refunded), oldest first.
     Repairs {
@@ -195,6 +241,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Audit {
             command: AuditCommand::Repairs { since, json },
         } => audit_repairs(&settings, since, json).await,
+        Command::Audit {
+            command: AuditCommand::Code { code },
+        } => crate::codes::cli::audit_code(&settings, &code).await,
+        Command::Codes { command } => crate::codes::cli::run(&settings, command).await,
         Command::Replay {
             projection,
             batch_size,
@@ -326,7 +376,7 @@ async fn audit_repairs(
     writeln!(
         out,
         "{:<25}  {:<14}  {:<36}  {:<36}  {:<25}  operation",
-        "repaired at", "kind", "task", "user", "owed since"
+        "repaired at", "kind", "task or code serial", "user", "owed since"
     )?;
     for repair in &repairs {
         writeln!(
@@ -336,7 +386,11 @@ async fn audit_repairs(
                 .repaired_at
                 .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             repair.kind.as_str(),
-            repair.task_id,
+            repair
+                .task_id
+                .map(|id| id.to_string())
+                .or_else(|| repair.code_serial.map(|serial| format!("code {serial}")))
+                .unwrap_or_default(),
             repair.user_id,
             repair
                 .due_since

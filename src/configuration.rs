@@ -17,6 +17,7 @@ pub const ENV_PREFIX: &str = "ZHIHUI";
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct Settings {
+    pub environment: Environment,
     pub http: HttpSettings,
     pub database: DatabaseSettings,
     pub redis: RedisSettings,
@@ -28,7 +29,55 @@ pub struct Settings {
     pub tasks: TaskSettings,
     pub translation: TranslationSettings,
     pub dispatch: DispatchSettings,
+    pub codes: CodeSettings,
     pub log: LogSettings,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Environment {
+    Development,
+    Production,
+}
+
+/// The development signing key of `default_settings.toml`: refused outside development.
+pub const DEVELOPMENT_CODE_KEY: &str =
+    "development-only code signing key: never use it in production";
+
+/// Redeem codes (PRODUCT.md section 4).
+#[derive(Debug, Clone, Deserialize)]
+pub struct CodeSettings {
+    /// Signing keys by slot (`"0"` to `"7"`), at least 32 bytes each. Secret.
+    pub keys: std::collections::BTreeMap<String, SecretString>,
+    /// The slot new batches are signed with.
+    pub active_key_slot: u8,
+    /// Codes per generated page.
+    pub page_size: u32,
+    /// How often the generator looks for unfinished batches.
+    pub issue_scan_interval_ms: u64,
+    /// Failed redemptions per user per window before 429.
+    pub failures_max: u32,
+    pub failures_window_ms: u64,
+    /// Redis keeps a batch and its redeemed markers this long past the batch's window.
+    pub redis_keep_after_window_ms: u64,
+}
+
+impl CodeSettings {
+    /// The keys as the domain uses them.
+    pub fn code_keys(&self) -> anyhow::Result<zhihui_domain::redeem::CodeKeys> {
+        use zhihui_domain::redeem::{CodeKeys, SigningKey};
+        let mut keys = Vec::new();
+        for (slot, secret) in &self.keys {
+            let slot: u8 = slot
+                .parse()
+                .with_context(|| format!("codes.keys: slot {slot:?} is not a number 0 to 7"))?;
+            let key = SigningKey::new(secret.expose_secret().as_bytes())
+                .map_err(|message| anyhow::anyhow!("codes.keys.{slot}: {message}"))?;
+            keys.push((slot, key));
+        }
+        CodeKeys::new(keys, self.active_key_slot)
+            .map_err(|message| anyhow::anyhow!("codes: {message}"))
+    }
 }
 
 /// The task catalog and its limits (PRODUCT.md section 2). A submit is checked against every one
@@ -446,6 +495,28 @@ impl Settings {
         );
         self.validate_tasks()?;
         self.validate_dispatch()?;
+        self.validate_codes()?;
+        Ok(())
+    }
+
+    fn validate_codes(&self) -> anyhow::Result<()> {
+        let codes = &self.codes;
+        codes.code_keys()?;
+        if self.environment != Environment::Development {
+            for (slot, secret) in &codes.keys {
+                anyhow::ensure!(
+                    secret.expose_secret() != DEVELOPMENT_CODE_KEY,
+                    "codes.keys.{slot} is the development key, refused outside development: set ZHIHUI_CODES__KEYS__{slot} to a secret of at least 32 bytes"
+                );
+            }
+        }
+        anyhow::ensure!(
+            codes.page_size >= 1
+                && codes.failures_max >= 1
+                && codes.failures_window_ms >= 1_000
+                && codes.issue_scan_interval_ms >= 1,
+            "codes: page_size, failures_max and issue_scan_interval_ms must be at least 1, failures_window_ms at least 1000"
+        );
         Ok(())
     }
 
@@ -562,6 +633,27 @@ mod tests {
             .expect("defaults deserialize");
         settings.validate().expect("defaults are valid");
         assert_eq!(settings.log.format, LogFormat::Pretty);
+    }
+
+    #[test]
+    fn production_refuses_the_development_code_key_and_keys_never_print() {
+        let mut settings = Settings::load(None).expect("defaults load");
+        settings.environment = Environment::Production;
+        let refused = settings
+            .validate()
+            .expect_err("the development key is refused");
+        assert!(refused.to_string().contains("codes.keys.0"), "{refused}");
+        settings.codes.keys.insert(
+            "0".into(),
+            SecretString::from("a production secret of at least thirty-two bytes"),
+        );
+        settings.validate().expect("a real key is accepted");
+        assert!(!format!("{:?}", settings.codes).contains("production secret"));
+        settings
+            .codes
+            .keys
+            .insert("1".into(), SecretString::from("too short"));
+        assert!(settings.validate().is_err());
     }
 
     #[test]

@@ -18,12 +18,15 @@ pub fn lock_key(name: &str) -> i64 {
     i64::from_ne_bytes(hash.to_ne_bytes())
 }
 
+/// A connection holding a leader lock. It is taken out of its pool the moment the lock is held,
+/// so that it never counts against the pool's size (one process may lead many workers: each
+/// lock held from the pool would starve the work those workers do with the same pool) and can
+/// never go back to the pool locked. Dropping it closes the connection, which releases the lock.
+#[derive(Debug)]
+pub struct LeaderLock(deadpool_postgres::ClientWrapper);
+
 /// A dedicated connection holding the lock named `name`, or `None` if another process holds it.
-/// Give it up with [`resign`], never by dropping it (it would go back to the pool locked).
-pub async fn try_lead(
-    pool: &Pool,
-    name: &str,
-) -> anyhow::Result<Option<deadpool_postgres::Object>> {
+pub async fn try_lead(pool: &Pool, name: &str) -> anyhow::Result<Option<LeaderLock>> {
     let connection = pool.get().await.context("getting a connection")?;
     let locked: bool = connection
         .query_one("SELECT pg_try_advisory_lock($1)", &[&lock_key(name)])
@@ -31,18 +34,17 @@ pub async fn try_lead(
         .with_context(|| format!("trying the lock {name}"))?
         .get(0);
     // Not locked: the connection holds nothing and goes back to the pool.
-    Ok(locked.then_some(connection))
+    Ok(locked.then(|| LeaderLock(deadpool_postgres::Object::take(connection))))
 }
 
-/// Give up leadership: the connection is taken out of the pool and closed, which releases the
-/// lock. Returning it to the pool instead would keep the lock held by an idle pooled connection
-/// (recycling does not unlock), and whichever worker got that connection next would lead under it.
-pub fn resign(lock_connection: deadpool_postgres::Object) {
-    drop(deadpool_postgres::Object::take(lock_connection));
+/// Give up leadership: the connection closes, which releases the lock.
+pub fn resign(lock_connection: LeaderLock) {
+    drop(lock_connection);
 }
 
 /// Fails when the lock connection is gone (and with it, the lock).
-pub async fn still_leading(lock_connection: &deadpool_postgres::Object) -> anyhow::Result<()> {
+pub async fn still_leading(lock_connection: &LeaderLock) -> anyhow::Result<()> {
+    let lock_connection = &lock_connection.0;
     lock_connection
         .simple_query("SELECT 1")
         .await
@@ -66,7 +68,7 @@ pub async fn next_batch(
         'static,
         Result<crate::event_store::SubscriptionMessage, crate::event_store::EventStoreError>,
     >,
-    lock_connection: &deadpool_postgres::Object,
+    lock_connection: &LeaderLock,
     lock_check: std::time::Duration,
     batch_max: usize,
 ) -> anyhow::Result<SubscriptionBatch> {

@@ -6,6 +6,7 @@ pub mod auth;
 pub mod bench_support;
 pub mod cli;
 pub mod clock;
+pub mod codes;
 pub mod command;
 pub mod configuration;
 pub mod dispatch;

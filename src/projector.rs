@@ -184,7 +184,7 @@ impl Projector {
     }
 
     fn filter(&self) -> EventFilter {
-        EventFilter::StreamPrefixes(self.projection.stream_prefixes())
+        crate::event_store::filter_of(self.projection)
     }
 
     /// Lock the checkpoint row (creating it first) inside `transaction`.
@@ -476,7 +476,7 @@ impl Projector {
 
     async fn lead(
         &self,
-        lock_connection: &deadpool_postgres::Object,
+        lock_connection: &crate::leader::LeaderLock,
         statuses: &Statuses,
     ) -> anyhow::Result<()> {
         let mut checkpoint = self.checkpoint().await?;

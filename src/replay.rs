@@ -22,7 +22,7 @@ use deadpool_postgres::Pool;
 use zhihui_projections::{ProjectionName, Tables};
 
 use crate::configuration::ProjectionSettings;
-use crate::event_store::{AnyEventStore, EventFilter, EventStore, Position};
+use crate::event_store::{AnyEventStore, EventStore, Position};
 use crate::projector::{Projector, position_from_sql, position_to_sql};
 
 /// What a replay did.
@@ -244,18 +244,28 @@ async fn count_events(
         return None;
     }
     let client = pool.get().await.ok()?;
-    let patterns: Vec<String> = projection
-        .stream_prefixes()
-        .iter()
-        .map(|prefix| format!("{}%", prefix.replace('%', "\\%").replace('_', "\\_")))
-        .collect();
-    let row = client
-        .query_one(
-            "SELECT count(*) FROM events WHERE stream_id LIKE ANY($1)",
-            &[&patterns],
-        )
-        .await
-        .ok()?;
+    let row = match projection.reads() {
+        zhihui_projections::Reads::StreamPrefixes(prefixes) => {
+            let patterns: Vec<String> = prefixes
+                .iter()
+                .map(|prefix| format!("{}%", prefix.replace('%', "\\%").replace('_', "\\_")))
+                .collect();
+            client
+                .query_one(
+                    "SELECT count(*) FROM events WHERE stream_id LIKE ANY($1)",
+                    &[&patterns],
+                )
+                .await
+                .ok()?
+        }
+        zhihui_projections::Reads::EventTypes(types) => client
+            .query_one(
+                "SELECT count(*) FROM events WHERE event_type = ANY($1)",
+                &[&types],
+            )
+            .await
+            .ok()?,
+    };
     u64::try_from(row.get::<_, i64>(0)).ok()
 }
 
@@ -269,7 +279,7 @@ async fn build(
     applied_before: u64,
     progress: &mut dyn ReplayProgress,
 ) -> anyhow::Result<u64> {
-    let filter = EventFilter::StreamPrefixes(projection.stream_prefixes());
+    let filter = crate::event_store::filter_of(projection);
     let read = |after: Option<Position>| {
         let store = store.clone();
         let filter = filter.clone();
@@ -344,7 +354,7 @@ pub async fn swap(
     // after this transaction has written and so holds an id, would wait on ourselves).
     let mut gap = Vec::new();
     if live > rebuilt {
-        let filter = EventFilter::StreamPrefixes(projection.stream_prefixes());
+        let filter = crate::event_store::filter_of(projection);
         let mut after = rebuilt;
         while after < live {
             let slice = store

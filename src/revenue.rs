@@ -311,7 +311,7 @@ impl RevenueRecorder {
         }
     }
 
-    async fn lead(&self, lock_connection: &deadpool_postgres::Object) -> anyhow::Result<()> {
+    async fn lead(&self, lock_connection: &crate::leader::LeaderLock) -> anyhow::Result<()> {
         let mut cursor = self.cursor.lock().await;
         self.reload(&mut cursor).await?;
         let mut subscription = self.store.subscribe_all(cursor.scanned_to, Self::filter());

@@ -11,6 +11,11 @@
 //! `settlement_repairs` (`zhihui audit repairs`). A row it cannot repair (a hold settled the wrong
 //! way, an account that refuses) is logged and left for `audit verify` to report.
 //!
+//! It also credits redeemed codes whose credit never came (the request died between the code's
+//! stream and the account): `redeem_codes` rows redeemed `tasks.settlement_after_ms` ago and not
+//! credited are credited from the code's stream (idempotent by the serial's operation id), and
+//! recorded as `code_credited` repairs.
+//!
 //! One leader across processes (`src/leader.rs`); a second reconciler that slipped past the lock
 //! would only repeat idempotent commands.
 
@@ -26,6 +31,7 @@ use uuid::Uuid;
 use zhihui_domain::user::UserId;
 
 use crate::clock::Clock;
+use crate::codes::CodeService;
 use crate::tasks::service::TaskService;
 
 /// Owed settlements handled per pass: bounds one pass's work (the rest come next pass).
@@ -41,6 +47,7 @@ pub enum RepairKind {
     HoldSettled,
     HoldReleased,
     FeeRefunded,
+    CodeCredited,
 }
 
 impl RepairKind {
@@ -49,6 +56,7 @@ impl RepairKind {
             RepairKind::HoldSettled => "hold_settled",
             RepairKind::HoldReleased => "hold_released",
             RepairKind::FeeRefunded => "fee_refunded",
+            RepairKind::CodeCredited => "code_credited",
         }
     }
 
@@ -57,6 +65,7 @@ impl RepairKind {
             RepairKind::HoldSettled,
             RepairKind::HoldReleased,
             RepairKind::FeeRefunded,
+            RepairKind::CodeCredited,
         ]
         .into_iter()
         .find(|kind| kind.as_str() == text)
@@ -68,11 +77,15 @@ impl RepairKind {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Repair {
     pub kind: RepairKind,
-    pub task_id: Uuid,
+    /// The task, for a hold or a fee.
+    pub task_id: Option<Uuid>,
     /// The prioritise, for a refunded fee.
     pub operation_id: Option<Uuid>,
+    /// The code's serial, for a code credit.
+    pub code_serial: Option<u32>,
     pub user_id: Uuid,
-    /// When the settlement became owed (the task's end, the prioritise's abandonment).
+    /// When the settlement became owed (the task's end, the prioritise's abandonment, the
+    /// code's redemption).
     pub due_since: DateTime<Utc>,
     pub repaired_at: DateTime<Utc>,
 }
@@ -90,6 +103,7 @@ pub struct PassReport {
 #[derive(Debug, Clone)]
 pub struct SettlementReconciler {
     tasks: TaskService,
+    codes: CodeService,
     pool: Pool,
     clock: Clock,
     after: Duration,
@@ -99,9 +113,15 @@ pub struct SettlementReconciler {
 }
 
 impl SettlementReconciler {
-    pub fn new(tasks: TaskService, pool: Pool, clock: Clock) -> SettlementReconciler {
+    pub fn new(
+        tasks: TaskService,
+        codes: CodeService,
+        pool: Pool,
+        clock: Clock,
+    ) -> SettlementReconciler {
         let settings = tasks.settings();
         SettlementReconciler {
+            codes,
             after: Duration::from_millis(settings.settlement_after_ms),
             interval: Duration::from_millis(settings.settlement_interval_ms),
             tasks,
@@ -172,10 +192,11 @@ impl SettlementReconciler {
                 }
                 let repair = Repair {
                     kind: repair_kind,
-                    task_id,
+                    task_id: Some(task_id),
                     operation_id: (repair_kind == RepairKind::FeeRefunded)
                         .then_some(operation_id)
                         .flatten(),
+                    code_serial: None,
                     user_id,
                     due_since,
                     repaired_at: self.clock.now(),
@@ -186,7 +207,45 @@ impl SettlementReconciler {
                 report.repairs.push(repair);
             }
         }
+        self.repair_code_credits(&mut report).await?;
         Ok(report)
+    }
+
+    async fn repair_code_credits(&self, report: &mut PassReport) -> anyhow::Result<()> {
+        let metadata = crate::event_store::EventMetadata {
+            correlation_id: Uuid::now_v7(),
+            causation_id: None,
+            actor: RECONCILER_ACTOR.into(),
+        };
+        let after = chrono::Duration::from_std(self.after).context("tasks.settlement_after_ms")?;
+        let credited = match self
+            .codes
+            .repair_credits_once(after, SETTLEMENTS_PER_PASS_MAX, &metadata)
+            .await
+        {
+            Ok(credited) => credited,
+            Err(error) => {
+                tracing::warn!(error = %crate::telemetry::error_chain(&error), "settlement reconciler could not repair code credits");
+                report.failures += 1;
+                return Ok(());
+            }
+        };
+        for (serial, user_id, redeemed_at) in credited {
+            let repair = Repair {
+                kind: RepairKind::CodeCredited,
+                task_id: None,
+                operation_id: Some(zhihui_domain::redeem::credit_operation_id(serial)),
+                code_serial: Some(serial),
+                user_id,
+                due_since: redeemed_at,
+                repaired_at: self.clock.now(),
+            };
+            self.record(&repair).await?;
+            self.repairs_total.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(serial, %user_id, %redeemed_at, "settlement reconciler credited a redeemed code");
+            report.repairs.push(repair);
+        }
+        Ok(())
     }
 
     async fn record(&self, repair: &Repair) -> anyhow::Result<()> {
@@ -194,8 +253,9 @@ impl SettlementReconciler {
         client
             .execute(
                 "INSERT INTO settlement_repairs
-                    (repair_id, kind, task_id, operation_id, user_id, due_since, repaired_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                    (repair_id, kind, task_id, operation_id, user_id, due_since, repaired_at,
+                     code_serial)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
                 &[
                     &Uuid::now_v7(),
                     &repair.kind.as_str(),
@@ -204,6 +264,7 @@ impl SettlementReconciler {
                     &repair.user_id,
                     &repair.due_since,
                     &repair.repaired_at,
+                    &repair.code_serial.map(i32::try_from).transpose()?,
                 ],
             )
             .await
@@ -230,7 +291,7 @@ impl SettlementReconciler {
         }
     }
 
-    async fn lead(&self, lock: &deadpool_postgres::Object) -> anyhow::Result<()> {
+    async fn lead(&self, lock: &crate::leader::LeaderLock) -> anyhow::Result<()> {
         loop {
             crate::leader::still_leading(lock).await?;
             match self.reconcile_once().await {
@@ -256,7 +317,7 @@ pub async fn repairs(pool: &Pool, since: Option<DateTime<Utc>>) -> anyhow::Resul
     let since = since.unwrap_or(DateTime::<Utc>::UNIX_EPOCH);
     let rows = client
         .query(
-            "SELECT kind, task_id, operation_id, user_id, due_since, repaired_at
+            "SELECT kind, task_id, operation_id, user_id, due_since, repaired_at, code_serial
                FROM settlement_repairs WHERE repaired_at >= $1 ORDER BY repaired_at, repair_id",
             &[&since],
         )
@@ -271,6 +332,10 @@ pub async fn repairs(pool: &Pool, since: Option<DateTime<Utc>>) -> anyhow::Resul
                 user_id: row.get(3),
                 due_since: row.get(4),
                 repaired_at: row.get(5),
+                code_serial: row
+                    .get::<_, Option<i32>>(6)
+                    .map(u32::try_from)
+                    .transpose()?,
             })
         })
         .collect()

@@ -18,6 +18,7 @@ use crate::auth::password::Passwords;
 use crate::auth::phone_codes::{CodeSender, LogCodeSender, PhoneCodes};
 use crate::auth::sessions::Sessions;
 use crate::clock::Clock;
+use crate::codes::CodeService;
 use crate::command::RetryPolicy;
 use crate::configuration::{AuthSettings, CodeSenderKind, Settings};
 use crate::dispatch::Dispatcher;
@@ -59,6 +60,8 @@ pub struct AppState {
     pub images: ImageStore,
     /// The dispatcher of this process (runs only while it holds the leader lease).
     pub dispatcher: Dispatcher,
+    /// Redeem codes: batches and redemption.
+    pub codes: CodeService,
 }
 
 /// What tests (and only tests) replace: the clock and the code sender.
@@ -110,7 +113,16 @@ impl AppState {
             clock.clone(),
             settings.dispatch.clone(),
         )?;
+        let codes = CodeService::new(
+            event_store.clone(),
+            accounts.clone(),
+            pg_pool.clone(),
+            redis.clone(),
+            clock.clone(),
+            settings.codes.clone(),
+        )?;
         Ok(AppState {
+            codes,
             notifier,
             hub: NotificationHub::new(redis.clone()),
             images,
@@ -209,10 +221,13 @@ impl Application {
             }));
             let reconciler = crate::settlements::SettlementReconciler::new(
                 state.tasks.clone(),
+                state.codes.clone(),
                 state.pg_pool.clone(),
                 state.clock.clone(),
             );
             background.push(tokio::spawn(reconciler.run()));
+            let issuer = crate::codes::issuer::CodeIssuer::new(state.codes.clone());
+            background.push(tokio::spawn(issuer.run()));
             // The queue is derived: put it back from the events at start (Redis may have been
             // flushed or restarted), retrying until Redis answers; then sweep crashed requests.
             let tasks = state.tasks.clone();

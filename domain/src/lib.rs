@@ -12,6 +12,7 @@ pub mod claim;
 pub mod decider;
 pub mod event;
 pub mod points;
+pub mod redeem;
 pub mod revenue;
 pub mod task;
 pub mod user;

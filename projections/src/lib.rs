@@ -10,6 +10,7 @@
 //! The dependency direction is fixed: `zhihui` -> `zhihui-projections` -> `zhihui-domain`.
 
 pub mod accounts;
+pub mod codes;
 pub mod settlements;
 pub mod tasks;
 pub mod users;
@@ -44,14 +45,25 @@ pub enum ProjectionName {
     Tasks,
     /// `open_settlements` (what the settlement reconciler looks at).
     Settlements,
+    /// `code_batches` and `redeem_codes`.
+    Codes,
+}
+
+/// Which events a projection reads: by stream prefix, or (when it needs a few events of streams
+/// it otherwise ignores) by event type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reads {
+    StreamPrefixes(Vec<String>),
+    EventTypes(Vec<String>),
 }
 
 impl ProjectionName {
-    pub const ALL: [ProjectionName; 4] = [
+    pub const ALL: [ProjectionName; 5] = [
         ProjectionName::Ledger,
         ProjectionName::Users,
         ProjectionName::Tasks,
         ProjectionName::Settlements,
+        ProjectionName::Codes,
     ];
 
     pub fn as_str(&self) -> &'static str {
@@ -60,6 +72,7 @@ impl ProjectionName {
             ProjectionName::Users => "users",
             ProjectionName::Tasks => "tasks",
             ProjectionName::Settlements => "settlements",
+            ProjectionName::Codes => "codes",
         }
     }
 
@@ -76,16 +89,23 @@ impl ProjectionName {
             ProjectionName::Users => &["users"],
             ProjectionName::Tasks => &["tasks"],
             ProjectionName::Settlements => &["open_settlements"],
+            ProjectionName::Codes => &["code_batches", "redeem_codes"],
         }
     }
 
-    /// Stream prefixes of the events it reads.
-    pub fn stream_prefixes(&self) -> Vec<String> {
+    /// The events it reads.
+    pub fn reads(&self) -> Reads {
+        let prefixes = |prefixes: &[&str]| {
+            Reads::StreamPrefixes(prefixes.iter().map(|p| (*p).to_owned()).collect())
+        };
         match self {
-            ProjectionName::Ledger => vec!["account-".into()],
-            ProjectionName::Users => vec!["user-".into()],
-            ProjectionName::Tasks => vec!["task-".into()],
-            ProjectionName::Settlements => vec!["account-".into(), "task-".into()],
+            ProjectionName::Ledger => prefixes(&["account-"]),
+            ProjectionName::Users => prefixes(&["user-"]),
+            ProjectionName::Tasks => prefixes(&["task-"]),
+            ProjectionName::Settlements => prefixes(&["account-", "task-"]),
+            ProjectionName::Codes => {
+                Reads::EventTypes(codes::EVENT_TYPES.iter().map(|t| (*t).to_owned()).collect())
+            }
         }
     }
 
@@ -101,6 +121,7 @@ impl ProjectionName {
             ProjectionName::Users => users::apply(transaction, tables, events).await,
             ProjectionName::Tasks => tasks::apply(transaction, tables, events).await,
             ProjectionName::Settlements => settlements::apply(transaction, tables, events).await,
+            ProjectionName::Codes => codes::apply(transaction, tables, events).await,
         }
     }
 }

@@ -369,6 +369,16 @@ pub fn selects_kurrentdb(url: &str) -> bool {
     ) && url.contains("://")
 }
 
+/// The filter that reads what a projection needs.
+pub fn filter_of(projection: zhihui_projections::ProjectionName) -> EventFilter {
+    match projection.reads() {
+        zhihui_projections::Reads::StreamPrefixes(prefixes) => {
+            EventFilter::StreamPrefixes(prefixes)
+        }
+        zhihui_projections::Reads::EventTypes(types) => EventFilter::EventTypes(types),
+    }
+}
+
 /// Build the configured store. PostgreSQL uses the given pool (the read models' database).
 pub fn from_settings(
     settings: &crate::configuration::Settings,

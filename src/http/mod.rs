@@ -3,6 +3,7 @@
 
 pub mod accounts;
 mod auth;
+mod codes;
 pub mod extract;
 mod health;
 mod live;
@@ -62,6 +63,17 @@ pub fn routes(config: &mut web::ServiceConfig) {
                 .route("/tasks/{id}/cancel", web::post().to(tasks::cancel))
                 .route("/ws", web::get().to(live::socket))
                 .route("/images/{id}", web::get().to(live::image))
+                .route("/codes/redeem", web::post().to(codes::redeem))
+                .route("/admin/code-batches", web::post().to(codes::create_batch))
+                .route("/admin/code-batches/{id}", web::get().to(codes::batch))
+                .route(
+                    "/admin/code-batches/{id}/revoke",
+                    web::post().to(codes::revoke),
+                )
+                .route(
+                    "/admin/code-batches/{id}/codes.csv",
+                    web::get().to(codes::export),
+                )
                 .route("/admin/queue", web::get().to(tasks::queue))
                 .route("/admin/queue/rebuild", web::post().to(tasks::rebuild_queue)),
         );

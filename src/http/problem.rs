@@ -36,6 +36,15 @@ pub enum ApiError {
         retry_at: DateTime<Utc>,
         retry_after_s: u64,
     },
+    /// A named rule refused the request with a status of its own (e.g. 422 `invalid-code`,
+    /// 409 `code-not-valid-now` with the code's window).
+    #[error("{detail}")]
+    Refused {
+        status: StatusCode,
+        rule: &'static str,
+        detail: String,
+        window: Option<(DateTime<Utc>, DateTime<Utc>)>,
+    },
     #[error("not ready: {} unavailable", .dependencies.join(", "))]
     Unavailable { dependencies: Vec<String> },
     #[error(transparent)]
@@ -95,6 +104,11 @@ pub struct Problem {
     /// For 429: when the limit or lock ends.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_at: Option<DateTime<Utc>>,
+    /// For `code-not-valid-now`: when the code can be redeemed (from included, until excluded).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub valid_from: Option<DateTime<Utc>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub valid_until: Option<DateTime<Utc>>,
 }
 
 /// One wrong field.
@@ -116,6 +130,7 @@ impl ApiError {
             ApiError::NotFound(_) => ("not-found", "Not found"),
             ApiError::Conflict { rule, .. } => (*rule, "Conflict"),
             ApiError::TooManyRequests { rule, .. } => (*rule, "Too many requests"),
+            ApiError::Refused { rule, .. } => (*rule, "Refused"),
             ApiError::Unavailable { .. } => ("unavailable", "Dependency unavailable"),
             ApiError::Unexpected(_) => ("internal", "Internal error"),
         };
@@ -154,6 +169,20 @@ impl ApiError {
                 ApiError::TooManyRequests { retry_at, .. } => Some(*retry_at),
                 _ => None,
             },
+            valid_from: match self {
+                ApiError::Refused {
+                    window: Some((from, _)),
+                    ..
+                } => Some(*from),
+                _ => None,
+            },
+            valid_until: match self {
+                ApiError::Refused {
+                    window: Some((_, until)),
+                    ..
+                } => Some(*until),
+                _ => None,
+            },
         }
     }
 }
@@ -169,6 +198,7 @@ impl ResponseError for ApiError {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict { .. } => StatusCode::CONFLICT,
             ApiError::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Refused { status, .. } => *status,
             ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Unexpected(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }

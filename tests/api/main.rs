@@ -12,6 +12,7 @@ mod instances;
 mod ledger;
 mod migrations;
 mod processes;
+mod redeem;
 mod replay;
 mod revenue;
 mod settlements;

@@ -170,7 +170,8 @@ async fn replay_produces_read_models_equal_to_the_live_ones_and_keeps_index_name
         )
         .await
         .unwrap();
-        assert!(report.events > 0);
+        // This test makes no redeem codes: that projection has nothing to rebuild.
+        assert!(report.events > 0 || projection == ProjectionName::Codes);
     }
     assert_eq!(snapshot(&app).await, live);
     assert_eq!(

@@ -142,6 +142,7 @@ async fn the_reconciler_repairs_every_unsettled_end_once_it_is_owed_and_lists_ea
     let reconciler_process = app.services_on_app_clock();
     let reconciler = SettlementReconciler::new(
         reconciler_process.tasks.clone(),
+        reconciler_process.codes.clone(),
         reconciler_process.pg_pool.clone(),
         reconciler_process.clock.clone(),
     );
@@ -156,7 +157,7 @@ async fn the_reconciler_repairs_every_unsettled_end_once_it_is_owed_and_lists_ea
     let repaired: HashSet<(RepairKind, Uuid)> = pass
         .repairs
         .iter()
-        .map(|repair| (repair.kind, repair.task_id))
+        .filter_map(|repair| Some((repair.kind, repair.task_id?)))
         .collect();
     assert_eq!(
         repaired,

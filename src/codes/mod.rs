@@ -1,0 +1,924 @@
+//! Redeem codes: batches (create, issue in pages, revoke, export) and redemption.
+//!
+//! Redemption, fast path: the code's signature is checked in memory (a forged or mistyped code
+//! never reaches PostgreSQL or Redis; such failures are counted in this process's memory); then
+//! one Lua step in Redis (`lua/code_redeem.lua`) checks the user's failure limit and the cached
+//! batch (issued, not revoked, inside its window) and sets the code's redeemed marker. Redis is
+//! a cache: when it does not hold the batch (flushed, evicted, never loaded) the batch is loaded
+//! from its stream and the step runs again, and whatever the marker says, the code's own stream
+//! decides: the first `CodeRedeemed` append (expected version: no stream) wins, another user is
+//! refused, the same user again is a repeat. The batch's latest event is read before that append,
+//! so a revocation counts even if Redis never heard of it. Then the account is credited with an
+//! operation id derived from the serial (idempotent); if the process dies between the two
+//! appends, the user's retry or the settlement reconciler ([`CodeService::repair_credits_once`])
+//! credits it.
+
+pub mod cli;
+pub mod issuer;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use actix_web::web::Bytes;
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use deadpool_postgres::Pool;
+use futures::Stream;
+use uuid::Uuid;
+use zhihui_domain::account::{Account, AccountCommand, AccountState, CreditKind, account_stream};
+use zhihui_domain::redeem::{
+    Batch, BatchCommand, BatchError, BatchId, BatchSpec, CodeBatch, CodeKeys, CodeRedeemed,
+    CodeRedemption, RedemptionCommand, RedemptionError, SERIALS_STREAM, SerialAllocator,
+    SerialsCommand, SerialsError, batch_stream, code_stream, credit_operation_id, credit_reference,
+};
+use zhihui_domain::user::UserId;
+
+use crate::aggregate::AggregateService;
+use crate::clock::Clock;
+use crate::command::{self, CommandError, Loaded, RetryPolicy};
+use crate::configuration::CodeSettings;
+use crate::event_store::{AnyEventStore, EventMetadata};
+use crate::redis_store::RedisStore;
+
+/// Users whose forged attempts this process remembers, at most (a bound on memory; the oldest
+/// windows are dropped first).
+const FORGED_USERS_MAX: usize = 100_000;
+
+/// Why a redemption was refused (each maps to a named problem).
+#[derive(Debug, thiserror::Error)]
+pub enum RedeemError {
+    #[error("this is not a valid code")]
+    Invalid,
+    #[error("too many failed redemptions; try again later")]
+    Limited { retry_at: DateTime<Utc> },
+    #[error("no such code")]
+    Unknown,
+    #[error("the code can be redeemed from {valid_from} until {valid_until}")]
+    NotValidNow {
+        valid_from: DateTime<Utc>,
+        valid_until: DateTime<Utc>,
+    },
+    #[error("the code's batch was revoked")]
+    Revoked,
+    #[error("the code was redeemed by another user")]
+    RedeemedByAnother,
+    #[error("the code's stream stayed contended")]
+    Contended,
+    #[error(transparent)]
+    Store(#[from] anyhow::Error),
+}
+
+impl RedeemError {
+    /// Failures that count towards the user's limit (guesses, not our own troubles).
+    fn counts(&self) -> bool {
+        matches!(
+            self,
+            RedeemError::Unknown
+                | RedeemError::NotValidNow { .. }
+                | RedeemError::Revoked
+                | RedeemError::RedeemedByAnother
+        )
+    }
+}
+
+/// A successful redemption (also a repeat by the same user).
+#[derive(Debug, Clone)]
+pub struct Redemption {
+    pub serial: u32,
+    pub batch_id: BatchId,
+    pub points: zhihui_domain::points::Amount,
+    /// False when the caller had redeemed it before.
+    pub redeemed_now: bool,
+    pub account: AccountState,
+}
+
+/// Why a batch command was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum BatchCommandError {
+    #[error(transparent)]
+    Batch(#[from] BatchError),
+    #[error(transparent)]
+    Serials(#[from] SerialsError),
+    #[error("stream {0} stayed contended")]
+    Contended(String),
+    #[error(transparent)]
+    Store(#[from] anyhow::Error),
+}
+
+impl<E> From<CommandError<E>> for BatchCommandError
+where
+    BatchCommandError: From<E>,
+{
+    fn from(error: CommandError<E>) -> Self {
+        match error {
+            CommandError::Rejected(error) => error.into(),
+            CommandError::Contended { stream, .. } => BatchCommandError::Contended(stream),
+            CommandError::Store(error) => BatchCommandError::Store(error),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Forged {
+    started: DateTime<Utc>,
+    count: u32,
+    unshared: u32,
+}
+
+/// What the Lua step answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum FastPath {
+    Limited {
+        retry_after_ms: i64,
+    },
+    Miss,
+    Revoked,
+    Window {
+        from_ms: i64,
+        until_ms: i64,
+    },
+    /// Passed: the marker was set now (`first`), was already ours (`mine`) or another user's.
+    Passed {
+        batch_id: BatchId,
+        marker: Marker,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Marker {
+    First,
+    Mine,
+    Taken,
+}
+
+#[derive(Debug, Clone)]
+pub struct CodeService {
+    store: AnyEventStore,
+    accounts: AggregateService<Account>,
+    pool: Pool,
+    redis: RedisStore,
+    clock: Clock,
+    keys: Arc<CodeKeys>,
+    settings: CodeSettings,
+    /// Forged or malformed attempts per user in this process, counted without IO: (window
+    /// start, attempts in the window, attempts not yet added to the user's counter in Redis).
+    forged: Arc<Mutex<HashMap<UserId, Forged>>>,
+    /// Batches created by this process, for its generator to start at once.
+    pub(crate) created: issuer::Wake,
+}
+
+impl CodeService {
+    pub fn new(
+        store: AnyEventStore,
+        accounts: AggregateService<Account>,
+        pool: Pool,
+        redis: RedisStore,
+        clock: Clock,
+        settings: CodeSettings,
+    ) -> anyhow::Result<CodeService> {
+        Ok(CodeService {
+            keys: Arc::new(settings.code_keys()?),
+            store,
+            accounts,
+            pool,
+            redis,
+            clock,
+            settings,
+            forged: Arc::default(),
+            created: issuer::Wake::default(),
+        })
+    }
+
+    pub fn keys(&self) -> &CodeKeys {
+        &self.keys
+    }
+
+    pub fn settings(&self) -> &CodeSettings {
+        &self.settings
+    }
+
+    pub fn store(&self) -> &AnyEventStore {
+        &self.store
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Batches.
+
+    /// Create a batch: reserve its serials, record it, cache it; its codes are issued in the
+    /// background. Idempotent by `batch_id` (same spec: the same batch back).
+    pub async fn create_batch(
+        &self,
+        batch_id: BatchId,
+        spec: BatchSpec,
+        metadata: &EventMetadata,
+    ) -> Result<Batch, BatchCommandError> {
+        spec.check().map_err(BatchError::from)?;
+        let reserved = command::execute::<SerialAllocator>(
+            &self.store,
+            SERIALS_STREAM,
+            &SerialsCommand::Reserve {
+                batch_id,
+                count: spec.count,
+                at: self.clock.now(),
+            },
+            metadata,
+            RetryPolicy::default(),
+        )
+        .await?;
+        let (first_serial, _) = *reserved
+            .state
+            .reserved
+            .get(&batch_id)
+            .context("the reservation is in the allocator's state")?;
+        let created = command::execute::<CodeBatch>(
+            &self.store,
+            &batch_stream(batch_id),
+            &BatchCommand::Create {
+                batch_id,
+                spec,
+                key_slot: self.keys.active_slot(),
+                first_serial,
+                at: self.clock.now(),
+            },
+            metadata,
+            RetryPolicy::default(),
+        )
+        .await?;
+        let batch = created.state.context("a created batch has state")?;
+        self.created.push(batch_id);
+        Ok(batch)
+    }
+
+    /// A batch on its latest version, with its stream version.
+    pub async fn batch(&self, batch_id: BatchId) -> anyhow::Result<Option<(Batch, u64)>> {
+        let loaded = command::load::<CodeBatch>(&self.store, &batch_stream(batch_id)).await?;
+        Ok(loaded.state.zip(loaded.version))
+    }
+
+    /// Revoke a batch: its unredeemed codes stop working.
+    pub async fn revoke(
+        &self,
+        batch_id: BatchId,
+        reason: String,
+        metadata: &EventMetadata,
+    ) -> Result<Batch, BatchCommandError> {
+        let revoked = command::execute::<CodeBatch>(
+            &self.store,
+            &batch_stream(batch_id),
+            &BatchCommand::Revoke {
+                reason,
+                at: self.clock.now(),
+            },
+            metadata,
+            RetryPolicy::default(),
+        )
+        .await?;
+        let batch = revoked.state.ok_or(BatchError::NotFound)?;
+        // The cache learns it at once; were this lost, redemptions still read the batch's latest
+        // event before they append.
+        if let Err(error) = self.cache_batch(batch_id).await {
+            tracing::warn!(%batch_id, error = %crate::telemetry::error_chain(&error), "could not cache a revoked batch");
+        }
+        Ok(batch)
+    }
+
+    /// Redeemed codes of a batch, from the read model.
+    pub async fn redeemed_count(&self, batch_id: BatchId) -> anyhow::Result<i64> {
+        let client = self.pool.get().await.context("getting a connection")?;
+        Ok(client
+            .query_one(
+                "SELECT count(*) FROM redeem_codes WHERE batch_id = $1 AND redeemed_by IS NOT NULL",
+                &[&batch_id],
+            )
+            .await
+            .context("counting redeemed codes")?
+            .get(0))
+    }
+
+    /// Put a batch (latest version) into Redis.
+    pub async fn cache_batch(&self, batch_id: BatchId) -> anyhow::Result<Option<Batch>> {
+        let Some((batch, version)) = self.batch(batch_id).await? else {
+            return Ok(None);
+        };
+        self.cache(&batch, version).await?;
+        Ok(Some(batch))
+    }
+
+    async fn cache(&self, batch: &Batch, version: u64) -> anyhow::Result<()> {
+        let packed = format!(
+            "{} {} {} {} {} {} {} {}",
+            batch.first_serial,
+            batch.spec.count,
+            batch.issued,
+            batch.spec.points,
+            batch.spec.valid_from.timestamp_millis(),
+            batch.spec.valid_until.timestamp_millis(),
+            u8::from(batch.revoked_at.is_some()),
+            version
+        );
+        let mut connection = self.redis.connection().await?;
+        let _loaded: i64 = crate::lua::CODE_BATCH_LOAD
+            .key(self.redis.key("codes:ranges"))
+            .key(self.redis.key("codes:batches"))
+            .arg(batch.batch_id.to_string())
+            .arg(batch.first_serial)
+            .arg(packed)
+            .arg(version)
+            .invoke_async(&mut connection)
+            .await
+            .context("caching a batch in Redis")?;
+        Ok(())
+    }
+
+    /// Issue the next page of a batch (at most `page_size` codes), continuing where the last page
+    /// ended. `Ok(None)` when nothing is left to issue (complete, revoked or unknown).
+    pub async fn issue_page(
+        &self,
+        batch_id: BatchId,
+        metadata: &EventMetadata,
+    ) -> anyhow::Result<Option<Batch>> {
+        let stream = batch_stream(batch_id);
+        for _ in 0..RetryPolicy::default().attempts_max {
+            let loaded = command::load::<CodeBatch>(&self.store, &stream).await?;
+            let Some(batch) = loaded.state.clone() else {
+                return Ok(None);
+            };
+            if batch.revoked_at.is_some() || batch.is_complete() {
+                return Ok(None);
+            }
+            let page = BatchCommand::IssuePage {
+                from_serial: batch.first_serial + batch.issued,
+                page_max: self.settings.page_size,
+                at: self.clock.now(),
+            };
+            match command::execute_on::<CodeBatch>(
+                &self.store,
+                &stream,
+                loaded,
+                &page,
+                metadata,
+                RetryPolicy {
+                    attempts_max: 1,
+                    ..RetryPolicy::default()
+                },
+            )
+            .await
+            {
+                Ok(done) => {
+                    let batch = done.state.context("an issued batch has state")?;
+                    let version = self
+                        .batch(batch_id)
+                        .await?
+                        .map(|(_, version)| version)
+                        .unwrap_or_default();
+                    if let Err(error) = self.cache(&batch, version).await {
+                        tracing::warn!(%batch_id, error = %crate::telemetry::error_chain(&error), "could not cache an issued page");
+                    }
+                    return Ok(Some(batch));
+                }
+                // Another generator issued this page first (or revoked it): look again.
+                Err(CommandError::Rejected(BatchError::PageOutOfOrder { .. }))
+                | Err(CommandError::Contended { .. }) => continue,
+                Err(CommandError::Rejected(BatchError::Revoked)) => return Ok(None),
+                Err(CommandError::Rejected(error)) => {
+                    return Err(anyhow::Error::new(error).context("issuing a page"));
+                }
+                Err(CommandError::Store(error)) => return Err(error),
+            }
+        }
+        anyhow::bail!("batch {batch_id} stayed contended while issuing a page")
+    }
+
+    /// The batch a serial belongs to, from the store: the read model finds it by range, and the
+    /// allocator's stream (the truth) when the read model has not seen it yet.
+    async fn batch_of_serial(&self, serial: u32) -> anyhow::Result<Option<(Batch, u64)>> {
+        let candidate: Option<Uuid> = {
+            let client = self.pool.get().await.context("getting a connection")?;
+            client
+                .query_opt(
+                    "SELECT batch_id FROM code_batches WHERE first_serial <= $1
+                      ORDER BY first_serial DESC LIMIT 1",
+                    &[&i32::try_from(serial)?],
+                )
+                .await
+                .context("finding a serial's batch")?
+                .map(|row| row.get(0))
+        };
+        if let Some(batch_id) = candidate
+            && let Some((batch, version)) = self.batch(batch_id).await?
+            && batch.contains(serial)
+        {
+            return Ok(Some((batch, version)));
+        }
+        let serials = command::load::<SerialAllocator>(&self.store, SERIALS_STREAM).await?;
+        let owner = serials
+            .state
+            .reserved
+            .iter()
+            .find(|(_, (first, count))| serial >= *first && serial - first < *count)
+            .map(|(batch_id, _)| *batch_id);
+        match owner {
+            Some(batch_id) => self.batch(batch_id).await,
+            None => Ok(None),
+        }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Redemption.
+
+    /// Redeem `text` for `user_id` (see the module comment).
+    pub async fn redeem(
+        &self,
+        user_id: UserId,
+        text: &str,
+        metadata: &EventMetadata,
+    ) -> Result<Redemption, RedeemError> {
+        let now = self.clock.now();
+        if let Some(retry_at) = self.forged_limited(user_id, now) {
+            return Err(RedeemError::Limited { retry_at });
+        }
+        let Ok(code) = self.keys.decode(text) else {
+            self.count_forged(user_id, now);
+            return Err(RedeemError::Invalid);
+        };
+        let outcome = self
+            .redeem_serial(user_id, code.serial(), now, metadata)
+            .await;
+        if let Err(error) = &outcome
+            && error.counts()
+            && let Err(count_error) = self.count_failure(user_id).await
+        {
+            tracing::warn!(error = %crate::telemetry::error_chain(&count_error), "could not count a failed redemption");
+        }
+        outcome
+    }
+
+    async fn redeem_serial(
+        &self,
+        user_id: UserId,
+        serial: u32,
+        now: DateTime<Utc>,
+        metadata: &EventMetadata,
+    ) -> Result<Redemption, RedeemError> {
+        let mut from_store: Option<Batch> = None;
+        let mut fast = self.fast_path(user_id, serial, now).await;
+        if matches!(fast, Ok(FastPath::Miss) | Err(_)) {
+            if let Err(error) = &fast {
+                // Redis is a cache: without it, the store decides alone.
+                tracing::warn!(error = %crate::telemetry::error_chain(error), "redeem fast path failed; deciding from the store");
+            }
+            let Some((batch, version)) = self.batch_of_serial(serial).await? else {
+                return Err(RedeemError::Unknown);
+            };
+            if !batch.has_issued(serial) {
+                return Err(RedeemError::Unknown);
+            }
+            if fast.is_ok() {
+                match self.cache(&batch, version).await {
+                    Ok(()) => fast = self.fast_path(user_id, serial, now).await,
+                    Err(error) => fast = Err(error),
+                }
+            }
+            from_store = Some(batch);
+        }
+        let (batch_id, marker) = match fast {
+            Ok(FastPath::Limited { retry_after_ms }) => {
+                return Err(RedeemError::Limited {
+                    retry_at: now + chrono::Duration::milliseconds(retry_after_ms.max(1)),
+                });
+            }
+            Ok(FastPath::Revoked) => return Err(RedeemError::Revoked),
+            Ok(FastPath::Window { from_ms, until_ms }) => {
+                return Err(RedeemError::NotValidNow {
+                    valid_from: crate::clock::from_unix_ms(from_ms),
+                    valid_until: crate::clock::from_unix_ms(until_ms),
+                });
+            }
+            Ok(FastPath::Passed { batch_id, marker }) => (batch_id, marker),
+            // Flushed again in between, or Redis is down: the batch as the store has it.
+            Ok(FastPath::Miss) | Err(_) => {
+                let batch = from_store.as_ref().ok_or(RedeemError::Unknown)?;
+                if batch.revoked_at.is_some() {
+                    return Err(RedeemError::Revoked);
+                }
+                if !batch.spec.valid_at(now) {
+                    return Err(RedeemError::NotValidNow {
+                        valid_from: batch.spec.valid_from,
+                        valid_until: batch.spec.valid_until,
+                    });
+                }
+                (batch.batch_id, Marker::Taken)
+            }
+        };
+        // The batch on its latest version: a revocation the cache missed still counts.
+        let batch = match from_store {
+            Some(batch) if batch.batch_id == batch_id => batch,
+            _ => self
+                .batch(batch_id)
+                .await?
+                .map(|(batch, _)| batch)
+                .filter(|batch| batch.has_issued(serial))
+                .ok_or(RedeemError::Unknown)?,
+        };
+        if batch.revoked_at.is_some() {
+            return Err(RedeemError::Revoked);
+        }
+        let command = RedemptionCommand::Redeem {
+            serial,
+            batch_id,
+            user_id,
+            points: batch.spec.points,
+            at: now,
+        };
+        let stream = code_stream(serial);
+        let redeemed = match marker {
+            // Nobody passed the gate before us: append without reading (one round trip).
+            Marker::First => {
+                command::execute_on::<CodeRedemption>(
+                    &self.store,
+                    &stream,
+                    Loaded {
+                        state: None,
+                        version: None,
+                    },
+                    &command,
+                    metadata,
+                    RetryPolicy::default(),
+                )
+                .await
+            }
+            // The stream decides, whatever the marker says (its holder may have died before
+            // appending).
+            Marker::Mine | Marker::Taken => {
+                command::execute::<CodeRedemption>(
+                    &self.store,
+                    &stream,
+                    &command,
+                    metadata,
+                    RetryPolicy::default(),
+                )
+                .await
+            }
+        };
+        let (redemption, redeemed_now) = match redeemed {
+            Ok(done) => {
+                let redeemed_now = !done.new_events.is_empty();
+                (
+                    done.state.context("a redeemed code has state")?,
+                    redeemed_now,
+                )
+            }
+            Err(CommandError::Rejected(RedemptionError::RedeemedByAnother { .. })) => {
+                return Err(RedeemError::RedeemedByAnother);
+            }
+            Err(CommandError::Contended { .. }) => return Err(RedeemError::Contended),
+            Err(CommandError::Store(error)) => return Err(RedeemError::Store(error)),
+        };
+        let account = self.credit(&redemption, metadata).await?;
+        Ok(Redemption {
+            serial,
+            batch_id,
+            points: redemption.points,
+            redeemed_now,
+            account,
+        })
+    }
+
+    /// Credit a redemption to its redeemer (idempotent by the serial's operation id).
+    /// Returns the account state and whether this call credited it.
+    async fn credit_reporting(
+        &self,
+        redemption: &CodeRedeemed,
+        metadata: &EventMetadata,
+    ) -> anyhow::Result<(AccountState, bool)> {
+        let handled = self
+            .accounts
+            .execute(
+                &account_stream(redemption.user_id),
+                AccountCommand::Credit {
+                    operation_id: credit_operation_id(redemption.serial),
+                    kind: CreditKind::RedeemCode,
+                    amount: redemption.points,
+                    reference: credit_reference(redemption.batch_id, redemption.serial),
+                    at: redemption.at,
+                },
+                metadata.clone(),
+            )
+            .await
+            .map_err(|error| anyhow::anyhow!("crediting code {}: {error}", redemption.serial))?;
+        Ok((handled.state_after, !handled.new_events.is_empty()))
+    }
+
+    async fn credit(
+        &self,
+        redemption: &CodeRedeemed,
+        metadata: &EventMetadata,
+    ) -> anyhow::Result<AccountState> {
+        Ok(self.credit_reporting(redemption, metadata).await?.0)
+    }
+
+    async fn fast_path(
+        &self,
+        user_id: UserId,
+        serial: u32,
+        now: DateTime<Utc>,
+    ) -> anyhow::Result<FastPath> {
+        let mut connection = self.redis.connection().await?;
+        let forged = self.take_unshared_forged(user_id);
+        let answer: Vec<String> = crate::lua::CODE_REDEEM
+            .key(self.redis.key("codes:ranges"))
+            .key(self.redis.key("codes:batches"))
+            .key(self.redis.key(&format!("codes:failures:{user_id}")))
+            .key(self.redis.key(&format!("codes:redeemed:{serial}")))
+            .arg(serial)
+            .arg(user_id.to_string())
+            .arg(now.timestamp_millis())
+            .arg(self.settings.failures_max)
+            .arg(self.settings.redis_keep_after_window_ms)
+            .arg(forged)
+            .arg(self.settings.failures_window_ms)
+            .invoke_async(&mut connection)
+            .await
+            .context("running the redeem script")?;
+        let field = |index: usize| {
+            answer
+                .get(index)
+                .with_context(|| format!("the redeem script answered {answer:?}"))
+        };
+        let number = |index: usize| -> anyhow::Result<i64> {
+            field(index)?
+                .parse()
+                .context("a number from the redeem script")
+        };
+        let batch = |index: usize| -> anyhow::Result<BatchId> {
+            Uuid::parse_str(field(index)?).context("a batch id from the redeem script")
+        };
+        Ok(match field(0)?.as_str() {
+            "limited" => FastPath::Limited {
+                retry_after_ms: number(1)?,
+            },
+            "miss" => FastPath::Miss,
+            "revoked" => FastPath::Revoked,
+            "window" => FastPath::Window {
+                from_ms: number(2)?,
+                until_ms: number(3)?,
+            },
+            "first" => FastPath::Passed {
+                batch_id: batch(1)?,
+                marker: Marker::First,
+            },
+            "mine" => FastPath::Passed {
+                batch_id: batch(1)?,
+                marker: Marker::Mine,
+            },
+            "taken" => FastPath::Passed {
+                batch_id: batch(1)?,
+                marker: Marker::Taken,
+            },
+            other => anyhow::bail!("the redeem script answered {other:?}"),
+        })
+    }
+
+    async fn count_failure(&self, user_id: UserId) -> anyhow::Result<()> {
+        let mut connection = self.redis.connection().await?;
+        let _failures: i64 = crate::lua::CODE_FAILURE
+            .key(self.redis.key(&format!("codes:failures:{user_id}")))
+            .arg(self.clock.now_ms())
+            .arg(self.settings.failures_window_ms)
+            .invoke_async(&mut connection)
+            .await
+            .context("counting a failed redemption")?;
+        Ok(())
+    }
+
+    fn window(&self) -> chrono::Duration {
+        chrono::Duration::milliseconds(
+            i64::try_from(self.settings.failures_window_ms).unwrap_or(i64::MAX),
+        )
+    }
+
+    /// When this user's forged attempts in this process reached the limit: the end of the window.
+    fn forged_limited(&self, user_id: UserId, now: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        let forged = self.forged.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = forged.get(&user_id)?;
+        let ends = entry.started + self.window();
+        (now < ends && entry.count >= self.settings.failures_max).then_some(ends)
+    }
+
+    /// Forged attempts not yet added to the user's counter in Redis: the next lookup adds them,
+    /// so guesses count everywhere once the user makes a real attempt, at no extra round trip.
+    fn take_unshared_forged(&self, user_id: UserId) -> u32 {
+        let mut forged = self.forged.lock().unwrap_or_else(|p| p.into_inner());
+        forged
+            .get_mut(&user_id)
+            .map(|entry| std::mem::take(&mut entry.unshared))
+            .unwrap_or(0)
+    }
+
+    fn count_forged(&self, user_id: UserId, now: DateTime<Utc>) {
+        let window = self.window();
+        let mut forged = self.forged.lock().unwrap_or_else(|p| p.into_inner());
+        if forged.len() >= FORGED_USERS_MAX {
+            forged.retain(|_, entry| now < entry.started + window);
+        }
+        if forged.len() >= FORGED_USERS_MAX {
+            // Still full of live windows: forget the oldest to stay bounded.
+            if let Some(oldest) = forged
+                .iter()
+                .min_by_key(|(_, entry)| entry.started)
+                .map(|(user, _)| *user)
+            {
+                forged.remove(&oldest);
+            }
+        }
+        let entry = forged.entry(user_id).or_insert(Forged {
+            started: now,
+            count: 0,
+            unshared: 0,
+        });
+        if now >= entry.started + window {
+            *entry = Forged {
+                started: now,
+                count: 0,
+                unshared: 0,
+            };
+        }
+        entry.count += 1;
+        entry.unshared += 1;
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Repairs, export, inspection.
+
+    /// Credit every code redeemed more than `after` ago whose credit the `codes` read model has
+    /// not seen (the request died between the code's stream and the account). Returns the
+    /// repairs made (serial, user, redeemed at).
+    pub async fn repair_credits_once(
+        &self,
+        after: chrono::Duration,
+        limit: i64,
+        metadata: &EventMetadata,
+    ) -> anyhow::Result<Vec<(u32, Uuid, DateTime<Utc>)>> {
+        let cutoff = self.clock.now() - after;
+        let rows = {
+            let client = self.pool.get().await.context("getting a connection")?;
+            client
+                .query(
+                    "SELECT serial FROM redeem_codes
+                      WHERE redeemed_by IS NOT NULL AND credited_at IS NULL AND redeemed_at <= $1
+                      ORDER BY redeemed_at LIMIT $2",
+                    &[&cutoff, &limit],
+                )
+                .await
+                .context("reading uncredited codes")?
+        };
+        let mut repairs = Vec::new();
+        for row in rows {
+            let serial = u32::try_from(row.get::<_, i32>(0))?;
+            let loaded = command::load::<CodeRedemption>(&self.store, &code_stream(serial)).await?;
+            let Some(redemption) = loaded.state else {
+                continue;
+            };
+            let (_, credited_now) = self.credit_reporting(&redemption, metadata).await?;
+            if credited_now {
+                repairs.push((serial, redemption.user_id.as_uuid(), redemption.at));
+            }
+        }
+        Ok(repairs)
+    }
+
+    /// The codes of a batch as CSV, a page at a time (never the whole batch in memory): the
+    /// header, then `serial,code,points,valid_from,valid_until,redeemed_by,redeemed_at` per
+    /// issued code.
+    pub fn export(
+        &self,
+        batch: Batch,
+    ) -> impl Stream<Item = anyhow::Result<Bytes>> + Send + 'static + use<> {
+        /// Codes per chunk: one query and about 1 MB of text per 10,000.
+        const EXPORT_PAGE: u32 = 10_000;
+        let service = self.clone();
+        let header = Bytes::from_static(
+            b"serial,code,points,valid_from,valid_until,redeemed_by,redeemed_at\n",
+        );
+        let first = batch.first_serial;
+        let end = batch.first_serial + batch.issued;
+        let pages = futures::stream::unfold(first, move |from| {
+            let service = service.clone();
+            let batch = batch.clone();
+            async move {
+                if from >= end {
+                    return None;
+                }
+                let to = end.min(from.saturating_add(EXPORT_PAGE));
+                Some((service.export_page(&batch, from, to).await, to))
+            }
+        });
+        futures::StreamExt::chain(futures::stream::once(async { Ok(header) }), pages)
+    }
+
+    async fn export_page(&self, batch: &Batch, from: u32, to: u32) -> anyhow::Result<Bytes> {
+        use std::fmt::Write;
+        let redeemed: HashMap<u32, (Uuid, DateTime<Utc>)> = {
+            let client = self.pool.get().await.context("getting a connection")?;
+            client
+                .query(
+                    "SELECT serial, redeemed_by, redeemed_at FROM redeem_codes
+                      WHERE serial >= $1 AND serial < $2 AND redeemed_by IS NOT NULL",
+                    &[&i32::try_from(from)?, &i32::try_from(to)?],
+                )
+                .await
+                .context("reading redeemed codes")?
+                .iter()
+                .map(|row| {
+                    Ok((
+                        u32::try_from(row.get::<_, i32>(0))?,
+                        (row.get(1), row.get(2)),
+                    ))
+                })
+                .collect::<anyhow::Result<_>>()?
+        };
+        let valid_from = batch
+            .spec
+            .valid_from
+            .to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let valid_until = batch
+            .spec
+            .valid_until
+            .to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let mut text = String::with_capacity(((to - from) as usize) * 90);
+        for serial in from..to {
+            let code = self
+                .keys
+                .encode(batch.key_slot, serial)
+                .with_context(|| format!("the key of slot {} is not configured", batch.key_slot))?;
+            let (by, at) = match redeemed.get(&serial) {
+                Some((by, at)) => (
+                    by.to_string(),
+                    at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+                ),
+                None => (String::new(), String::new()),
+            };
+            writeln!(
+                text,
+                "{serial},{code},{},{valid_from},{valid_until},{by},{at}",
+                batch.spec.points
+            )
+            .context("formatting a CSV line")?;
+        }
+        Ok(Bytes::from(text))
+    }
+
+    /// A code's life (`zhihui audit code`): its batch, its redemption and its credit, each from
+    /// its stream.
+    pub async fn life(&self, text: &str) -> anyhow::Result<CodeLife> {
+        let code = self
+            .keys
+            .decode(text)
+            .map_err(|_| anyhow::anyhow!("{text:?} is not a valid code (malformed or forged)"))?;
+        let serial = code.serial();
+        let batch = self.batch_of_serial(serial).await?.map(|(batch, _)| batch);
+        let redemption = command::load::<CodeRedemption>(&self.store, &code_stream(serial))
+            .await?
+            .state;
+        let mut credit = None;
+        if let Some(redemption) = &redemption {
+            let operation_id = credit_operation_id(serial);
+            command::load_inspecting::<Account>(
+                &self.store,
+                &account_stream(redemption.user_id),
+                |event| {
+                    if let zhihui_domain::account::AccountEvent::Credited(e) = event
+                        && e.operation_id == operation_id
+                    {
+                        credit = Some(e.clone());
+                    }
+                },
+            )
+            .await
+            .context("reading the redeemer's account")?;
+        }
+        Ok(CodeLife {
+            code: code.to_string(),
+            serial,
+            key_slot: code.slot(),
+            batch,
+            redemption,
+            credit,
+        })
+    }
+}
+
+/// What `zhihui audit code` shows.
+#[derive(Debug)]
+pub struct CodeLife {
+    pub code: String,
+    pub serial: u32,
+    pub key_slot: u8,
+    pub batch: Option<Batch>,
+    pub redemption: Option<CodeRedeemed>,
+    pub credit: Option<zhihui_domain::account::PointsCredited>,
+}
