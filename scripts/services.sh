@@ -93,8 +93,9 @@ start_postgres() {
         fi
         log "starting PostgreSQL on 127.0.0.1:$PG_PORT"
         # Development settings: listen on loopback only; fsync stays ON so benchmarks are honest.
+        # pg_stat_statements lets a benchmark count the statements a code path sends.
         as_pg_user "$bin/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -w -t 60 start -o \
-            "-p $PG_PORT -c listen_addresses=127.0.0.1 -k $PG_RUN -c max_connections=300 -c shared_buffers=256MB" >&2
+            "-p $PG_PORT -c listen_addresses=127.0.0.1 -k $PG_RUN -c max_connections=300 -c shared_buffers=256MB -c shared_preload_libraries=pg_stat_statements" >&2
     fi
     local tries=0
     until postgres_answers; do

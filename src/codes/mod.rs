@@ -132,7 +132,9 @@ enum FastPath {
         retry_after_ms: i64,
     },
     Miss,
-    Revoked,
+    Revoked {
+        batch_id: BatchId,
+    },
     Window {
         from_ms: i64,
         until_ms: i64,
@@ -141,6 +143,8 @@ enum FastPath {
     Passed {
         batch_id: BatchId,
         marker: Marker,
+        /// The batch's points per code.
+        points: zhihui_domain::points::Amount,
     },
 }
 
@@ -259,31 +263,61 @@ impl CodeService {
         Ok(loaded.state.zip(loaded.version))
     }
 
-    /// Revoke a batch: its unredeemed codes stop working.
+    /// Revoke a batch: its unredeemed codes stop working. Redis is marked first, so that its
+    /// cache is never behind the store about a revocation (redemptions trust its "not revoked";
+    /// a refusal for "revoked" is confirmed on the store): without Redis, nothing is revoked.
     pub async fn revoke(
         &self,
         batch_id: BatchId,
         reason: String,
         metadata: &EventMetadata,
     ) -> Result<Batch, BatchCommandError> {
-        let revoked = command::execute::<CodeBatch>(
-            &self.store,
-            &batch_stream(batch_id),
-            &BatchCommand::Revoke {
-                reason,
-                at: self.clock.now(),
-            },
-            metadata,
-            RetryPolicy::default(),
-        )
-        .await?;
-        let batch = revoked.state.ok_or(BatchError::NotFound)?;
-        // The cache learns it at once; were this lost, redemptions still read the batch's latest
-        // event before they append.
-        if let Err(error) = self.cache_batch(batch_id).await {
-            tracing::warn!(%batch_id, error = %crate::telemetry::error_chain(&error), "could not cache a revoked batch");
+        let stream = batch_stream(batch_id);
+        let command = BatchCommand::Revoke {
+            reason,
+            at: self.clock.now(),
+        };
+        let policy = RetryPolicy::default();
+        for attempt in 1..=policy.attempts_max {
+            let loaded = command::load::<CodeBatch>(&self.store, &stream).await?;
+            let (Some(batch), Some(version)) = (loaded.state.clone(), loaded.version) else {
+                return Err(BatchError::NotFound.into());
+            };
+            if batch.revoked_at.is_none() {
+                let mut marked = batch.clone();
+                marked.revoked_at = Some(self.clock.now());
+                // The version the revocation will have: a loader of the state before it cannot
+                // overwrite the mark.
+                self.cache(&marked, version + 1)
+                    .await
+                    .context("marking the batch revoked in Redis")?;
+            }
+            match command::execute_on::<CodeBatch>(
+                &self.store,
+                &stream,
+                loaded,
+                &command,
+                metadata,
+                RetryPolicy {
+                    attempts_max: 1,
+                    ..policy
+                },
+            )
+            .await
+            {
+                Ok(done) => {
+                    let batch = done.state.ok_or(BatchError::NotFound)?;
+                    if let Err(error) = self.cache_batch(batch_id).await {
+                        tracing::warn!(%batch_id, error = %crate::telemetry::error_chain(&error), "could not cache a revoked batch");
+                    }
+                    return Ok(batch);
+                }
+                // A page was issued meanwhile: mark again on the new version.
+                Err(CommandError::Contended { .. }) if attempt < policy.attempts_max => continue,
+                Err(error) => return Err(error.into()),
+            }
         }
-        Ok(batch)
+        Err(BatchCommandError::Contended(stream))
     }
 
     /// Redeemed codes of a batch, from the read model.
@@ -464,6 +498,7 @@ impl CodeService {
         now: DateTime<Utc>,
         metadata: &EventMetadata,
     ) -> Result<Redemption, RedeemError> {
+        // The batch as the store has it, once this request had to read it.
         let mut from_store: Option<Batch> = None;
         let mut fast = self.fast_path(user_id, serial, now).await;
         if matches!(fast, Ok(FastPath::Miss) | Err(_)) {
@@ -485,22 +520,42 @@ impl CodeService {
             }
             from_store = Some(batch);
         }
-        let (batch_id, marker) = match fast {
+        if let Ok(FastPath::Revoked { batch_id }) = fast {
+            // A refusal stands only on the batch's latest version (the cache is marked revoked
+            // before the revocation is appended; an append that then failed left it wrong).
+            let (batch, version) = self.batch(batch_id).await?.ok_or(RedeemError::Unknown)?;
+            if batch.revoked_at.is_some() {
+                return Err(RedeemError::Revoked);
+            }
+            if let Err(error) = self.cache(&batch, version).await {
+                tracing::warn!(%batch_id, error = %crate::telemetry::error_chain(&error), "could not correct a cached revocation");
+            }
+            from_store = Some(batch);
+            fast = Ok(FastPath::Miss);
+        }
+        let (batch_id, marker, points) = match fast {
             Ok(FastPath::Limited { retry_after_ms }) => {
                 return Err(RedeemError::Limited {
                     retry_at: now + chrono::Duration::milliseconds(retry_after_ms.max(1)),
                 });
             }
-            Ok(FastPath::Revoked) => return Err(RedeemError::Revoked),
             Ok(FastPath::Window { from_ms, until_ms }) => {
+                // The window never changes: the cached one is the batch's.
                 return Err(RedeemError::NotValidNow {
                     valid_from: crate::clock::from_unix_ms(from_ms),
                     valid_until: crate::clock::from_unix_ms(until_ms),
                 });
             }
-            Ok(FastPath::Passed { batch_id, marker }) => (batch_id, marker),
-            // Flushed again in between, or Redis is down: the batch as the store has it.
-            Ok(FastPath::Miss) | Err(_) => {
+            // Revocations are in the cache before they are in the store (see `revoke`); the
+            // points never change: the cached ones are the batch's.
+            Ok(FastPath::Passed {
+                batch_id,
+                marker,
+                points,
+            }) => (batch_id, marker, points),
+            // Flushed again in between, Redis down, or a stale revocation: the batch as the
+            // store has it.
+            Ok(FastPath::Miss | FastPath::Revoked { .. }) | Err(_) => {
                 let batch = from_store.as_ref().ok_or(RedeemError::Unknown)?;
                 if batch.revoked_at.is_some() {
                     return Err(RedeemError::Revoked);
@@ -511,27 +566,14 @@ impl CodeService {
                         valid_until: batch.spec.valid_until,
                     });
                 }
-                (batch.batch_id, Marker::Taken)
+                (batch.batch_id, Marker::Taken, batch.spec.points)
             }
         };
-        // The batch on its latest version: a revocation the cache missed still counts.
-        let batch = match from_store {
-            Some(batch) if batch.batch_id == batch_id => batch,
-            _ => self
-                .batch(batch_id)
-                .await?
-                .map(|(batch, _)| batch)
-                .filter(|batch| batch.has_issued(serial))
-                .ok_or(RedeemError::Unknown)?,
-        };
-        if batch.revoked_at.is_some() {
-            return Err(RedeemError::Revoked);
-        }
         let command = RedemptionCommand::Redeem {
             serial,
             batch_id,
             user_id,
-            points: batch.spec.points,
+            points,
             at: now,
         };
         let stream = code_stream(serial);
@@ -657,12 +699,20 @@ impl CodeService {
         let batch = |index: usize| -> anyhow::Result<BatchId> {
             Uuid::parse_str(field(index)?).context("a batch id from the redeem script")
         };
+        let points = || -> anyhow::Result<zhihui_domain::points::Amount> {
+            let decimal: rust_decimal::Decimal =
+                field(2)?.parse().context("points from the redeem script")?;
+            zhihui_domain::points::Amount::parse(decimal)
+                .map_err(|error| anyhow::anyhow!("points from the redeem script: {error}"))
+        };
         Ok(match field(0)?.as_str() {
             "limited" => FastPath::Limited {
                 retry_after_ms: number(1)?,
             },
             "miss" => FastPath::Miss,
-            "revoked" => FastPath::Revoked,
+            "revoked" => FastPath::Revoked {
+                batch_id: batch(1)?,
+            },
             "window" => FastPath::Window {
                 from_ms: number(2)?,
                 until_ms: number(3)?,
@@ -670,14 +720,17 @@ impl CodeService {
             "first" => FastPath::Passed {
                 batch_id: batch(1)?,
                 marker: Marker::First,
+                points: points()?,
             },
             "mine" => FastPath::Passed {
                 batch_id: batch(1)?,
                 marker: Marker::Mine,
+                points: points()?,
             },
             "taken" => FastPath::Passed {
                 batch_id: batch(1)?,
                 marker: Marker::Taken,
+                points: points()?,
             },
             other => anyhow::bail!("the redeem script answered {other:?}"),
         })

@@ -473,27 +473,36 @@ async fn every_refusal_is_named_and_guessing_is_limited() {
     assert_eq!(revoke.status(), 200);
     let (status, rule, _) = problem_type(redeem(&app, &token, &revoked_codes[0].1).await).await;
     assert_eq!((status, rule.as_str()), (409, "/problems/code-revoked"));
+    // Redis flushed: the batch comes back from the store, revoked.
+    flush_redis(&app).await;
+    let (status, rule, _) = problem_type(redeem(&app, &token, &revoked_codes[1].1).await).await;
+    assert_eq!((status, rule.as_str()), (409, "/problems/code-revoked"));
 
-    // A revocation Redis never heard of (the process died between the event and the cache):
-    // the batch's latest event still refuses.
+    // A revocation marked in Redis whose event never made it (the process died between the
+    // two): a refusal needs the batch's latest version, so the code still redeems.
     let (stale, stale_codes) =
         issued_batch(&app, &admin, 2, "5", (now - hours(1), now + hours(3))).await;
     let (_, dan) = user(&app, "dan").await;
     assert_eq!(redeem(&app, &dan, &stale_codes[0].1).await.status(), 200);
-    zhihui::command::execute::<zhihui_domain::redeem::CodeBatch>(
-        &app.services().event_store,
-        &batch_stream(stale),
-        &zhihui_domain::redeem::BatchCommand::Revoke {
-            reason: "behind the cache's back".into(),
-            at: now,
-        },
-        &metadata(),
-        zhihui::command::RetryPolicy::default(),
-    )
-    .await
-    .unwrap();
-    let (status, rule, _) = problem_type(redeem(&app, &dan, &stale_codes[1].1).await).await;
-    assert_eq!((status, rule.as_str()), (409, "/problems/code-revoked"));
+    let services = app.services();
+    let mut connection = services.redis.connection().await.unwrap();
+    let cached: String = redis::cmd("HGET")
+        .arg(services.redis.key("codes:batches"))
+        .arg(stale.to_string())
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let mut fields: Vec<String> = cached.split(' ').map(str::to_owned).collect();
+    fields[6] = "1".into();
+    fields[7] = (fields[7].parse::<u64>().unwrap() + 1).to_string();
+    let _: i64 = redis::cmd("HSET")
+        .arg(services.redis.key("codes:batches"))
+        .arg(stale.to_string())
+        .arg(fields.join(" "))
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(redeem(&app, &dan, &stale_codes[1].1).await.status(), 200);
 
     // A genuine signature on a serial no batch holds.
     let keys = app.services().codes.keys().clone();
@@ -504,9 +513,9 @@ async fn every_refusal_is_named_and_guessing_is_limited() {
     let (status, _, _) = problem_type(redeem(&app, &token, &unknown).await).await;
     assert_eq!(status, 404);
 
-    // Failures so far: 2 invalid (in memory), window, revoked, unknown (in Redis). Five more
-    // lookups fail; the next is limited, whatever the code.
-    for _ in 0..5 {
+    // Failures counted since the flush: the revoked code, the unknown serial. Eight more
+    // lookups fail; the next attempt is limited, whatever the code.
+    for _ in 0..8 {
         assert_eq!(redeem(&app, &token, &unknown).await.status(), 404);
     }
     let limited = redeem(&app, &token, &later_codes[1].1).await;
@@ -521,6 +530,21 @@ async fn every_refusal_is_named_and_guessing_is_limited() {
     assert_eq!(
         (status, rule.as_str()),
         (409, "/problems/code-not-valid-now")
+    );
+
+    // Forged attempts are counted in the process's memory (no IO) and join the user's shared
+    // counter on their next lookup: nine forgeries here, one unknown serial, and the other
+    // process limits them.
+    let other = app.another_instance().await;
+    let (_, eve) = user(&app, "eve").await;
+    for _ in 0..9 {
+        assert_eq!(redeem(&app, &eve, "ZZZZZZZZZZ").await.status(), 422);
+    }
+    assert_eq!(redeem(&app, &eve, &unknown).await.status(), 404);
+    let (status, rule, _) = problem_type(redeem(&other, &eve, &later_codes[1].1).await).await;
+    assert_eq!(
+        (status, rule.as_str()),
+        (429, "/problems/too-many-failed-redemptions")
     );
 }
 
