@@ -207,6 +207,8 @@ impl TestApp {
                 self.settings.database.url.expose_secret(),
             )
             .env("ZHIHUI_DATABASE__MIGRATE_ON_START", "false")
+            .env("ZHIHUI_REDIS__URL", self.settings.redis.url.expose_secret())
+            .env("ZHIHUI_REDIS__KEY_PREFIX", &self.settings.redis.key_prefix)
             .env("ZHIHUI_LOG__FILTER", "warn")
             .output()
             .expect("running the zhihui binary")

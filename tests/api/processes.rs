@@ -36,6 +36,16 @@ struct Serve {
 }
 
 async fn serve(app: &TestApp, backends: &str, images: &std::path::Path) -> Serve {
+    serve_with(app, backends, images, &[]).await
+}
+
+/// `serve` with more settings (`ZHIHUI_...` variables) for this process.
+async fn serve_with(
+    app: &TestApp,
+    backends: &str,
+    images: &std::path::Path,
+    extra: &[(&str, &str)],
+) -> Serve {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -62,6 +72,7 @@ async fn serve(app: &TestApp, backends: &str, images: &std::path::Path) -> Serve
         .env("ZHIHUI_DISPATCH__RECONCILE_INTERVAL_MS", "1000")
         .env("ZHIHUI_DISPATCH__PROGRESS_NOTIFY_INTERVAL_MS", "0")
         .env("ZHIHUI_LOG__FILTER", "warn")
+        .envs(extra.iter().copied())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
@@ -363,4 +374,206 @@ async fn the_dispatching_process_killed_mid_run_is_replaced_and_the_other_one_te
         sim.stop().await;
     }
     drop(std::fs::remove_dir_all(&directory));
+}
+
+/// Log in through a process; the bearer token.
+async fn login_via(http: &reqwest::Client, address: &str, name: &str, password: &str) -> String {
+    let answer: Value = http
+        .post(format!("{address}/api/v1/auth/login"))
+        .json(&json!({"username": name, "password": password}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    answer["token"].as_str().unwrap().to_owned()
+}
+
+/// A batch's progress through a process: (status, issued).
+async fn batch_progress(
+    http: &reqwest::Client,
+    address: &str,
+    admin: &str,
+    batch: &str,
+) -> (String, u64) {
+    let view: Value = http
+        .get(format!("{address}/api/v1/admin/code-batches/{batch}"))
+        .bearer_auth(admin)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    (
+        view["status"].as_str().unwrap().to_owned(),
+        view["issued"].as_u64().unwrap(),
+    )
+}
+
+/// Ask a process for a batch of `count` codes valid for a day; its id.
+async fn create_batch_via(
+    http: &reqwest::Client,
+    address: &str,
+    admin: &str,
+    count: u32,
+) -> String {
+    let now = chrono::Utc::now();
+    let response = http
+        .post(format!("{address}/api/v1/admin/code-batches"))
+        .bearer_auth(admin)
+        .json(&json!({
+            "count": count, "points": "5", "note": "processes",
+            "valid_from": now - chrono::Duration::hours(1),
+            "valid_until": now + chrono::Duration::days(1),
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 202);
+    let view: Value = response.json().await.unwrap();
+    view["batch_id"].as_str().unwrap().to_owned()
+}
+
+/// The batch's `CodesIssued` pages as (from serial, count), from its stream, and its first serial.
+async fn issued_pages(app: &TestApp, batch: &str) -> (u32, Vec<(u32, u32)>) {
+    use zhihui::event_store::{Direction, EventStore, ReadFrom};
+    use zhihui_domain::redeem::{BatchEvent, batch_stream};
+    let stream = batch_stream(Uuid::parse_str(batch).unwrap());
+    let mut first = None;
+    let mut pages = Vec::new();
+    let mut from = ReadFrom::Start;
+    loop {
+        let records = app
+            .services()
+            .event_store
+            .read_stream(&stream, Direction::Forwards, from, 500)
+            .await
+            .unwrap();
+        let Some(last) = records.last() else { break };
+        from = ReadFrom::Version(last.stream_version + 1);
+        for record in &records {
+            match zhihui_domain::DomainEvent::from_stored(
+                &record.event_type,
+                record.schema_version,
+                &record.payload,
+            )
+            .unwrap()
+            {
+                BatchEvent::Created(created) => first = Some(created.first_serial),
+                BatchEvent::Issued(page) => pages.push((page.from_serial, page.count)),
+                BatchEvent::Revoked(_) => panic!("nobody revoked it"),
+            }
+        }
+    }
+    (first.unwrap(), pages)
+}
+
+/// Issue 22: a process issues a batch of 100,000 codes in seconds from its 202; a generator
+/// killed with SIGKILL mid-batch is resumed by another process, without a serial issued twice or
+/// skipped.
+#[tokio::test]
+async fn a_code_generator_killed_mid_batch_is_resumed_by_another_process() {
+    let app = spawn_app().await;
+    let images = std::env::temp_dir().join(format!("zhihui-processes-{}", Uuid::now_v7()));
+    // No ComfyUI here. Pages of 20: a batch of 100,000 takes 5,000 appends, long enough to be
+    // killed in the middle of it.
+    let small_pages = [
+        ("ZHIHUI_DISPATCH__ENABLED", "false"),
+        ("ZHIHUI_CODES__PAGE_SIZE", "20"),
+        ("ZHIHUI_CODES__ISSUE_SCAN_INTERVAL_MS", "200"),
+    ];
+    let unused = "gpu-0 http://127.0.0.1:9 1";
+    let mut dying = serve_with(&app, unused, &images, &small_pages).await;
+    let http = reqwest::Client::new();
+    app.admin_token("boss").await;
+    let admin = login_via(&http, &dying.address, "boss", "admin password").await;
+    let batch = create_batch_via(&http, &dying.address, &admin, 100_000).await;
+    let started = tokio::time::Instant::now();
+    loop {
+        let (_, issued) = batch_progress(&http, &dying.address, &admin, &batch).await;
+        if issued >= 1_000 {
+            assert!(issued < 100_000, "the batch was issued before the kill");
+            break;
+        }
+        assert!(
+            started.elapsed() < WAIT_LIMIT,
+            "the generator never started"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    dying.child.start_kill().unwrap();
+    dying.child.wait().await.unwrap();
+    let (first, before) = issued_pages(&app, &batch).await;
+    let issued_before: u32 = before.iter().map(|(_, count)| count).sum();
+    assert!(
+        (1_000..100_000).contains(&issued_before),
+        "killed mid-batch: {issued_before} issued"
+    );
+
+    // Another process (the default page size) finds the batch unfinished and finishes it.
+    let other = serve_with(&app, unused, &images, &small_pages[..1]).await;
+    let started = tokio::time::Instant::now();
+    while batch_progress(&http, &other.address, &admin, &batch)
+        .await
+        .0
+        != "issued"
+    {
+        assert!(started.elapsed() < WAIT_LIMIT, "nobody resumed the batch");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (_, pages) = issued_pages(&app, &batch).await;
+    assert_eq!(&pages[..before.len()], &before[..]);
+    let mut next = first;
+    for (from, count) in &pages {
+        assert_eq!(*from, next, "pages are contiguous: {pages:?}");
+        next += count;
+    }
+    assert_eq!(next, first + 100_000);
+
+    // A whole batch of 100,000 at the default page size, from the 202 to the last page.
+    let started = tokio::time::Instant::now();
+    let timed = create_batch_via(&http, &other.address, &admin, 100_000).await;
+    while batch_progress(&http, &other.address, &admin, &timed)
+        .await
+        .0
+        != "issued"
+    {
+        assert!(started.elapsed() < WAIT_LIMIT, "the batch was never issued");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    // The issue asks for this figure (BENCHMARKS.md quotes it); `--no-capture` shows it.
+    #[allow(clippy::print_stdout)]
+    {
+        println!(
+            "100,000 codes issued {seconds:.2} s after the request; killed after {issued_before}, resumed"
+        );
+    }
+    let (timed_first, timed_pages) = issued_pages(&app, &timed).await;
+    assert_eq!(timed_first, first + 100_000, "serials never reused");
+    assert_eq!(timed_pages.iter().map(|(_, c)| c).sum::<u32>(), 100_000);
+
+    // The read model holds every code of both batches once.
+    let client = crate::helpers::connect(&app.settings).await;
+    let started = tokio::time::Instant::now();
+    loop {
+        let row = client
+            .query_one(
+                "SELECT count(*), count(DISTINCT serial) FROM redeem_codes",
+                &[],
+            )
+            .await
+            .unwrap();
+        let (rows, distinct) = (row.get::<_, i64>(0), row.get::<_, i64>(1));
+        assert_eq!(rows, distinct);
+        if rows == 200_000 {
+            break;
+        }
+        assert!(started.elapsed() < WAIT_LIMIT, "{rows} codes projected");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(other);
+    let _ = std::fs::remove_dir_all(&images);
 }

@@ -769,3 +769,71 @@ async fn audit_verify_finds_a_code_credited_twice_or_without_redemption() {
         "{found:?}"
     );
 }
+
+#[tokio::test]
+async fn the_cli_issues_shows_exports_and_revokes_a_batch_and_tells_a_codes_life() {
+    let app = spawn_codes_app().await;
+    let until = (test_epoch() + hours(24)).to_rfc3339();
+    let from = (test_epoch() - hours(1)).to_rfc3339();
+    let issued = app.cli(&[
+        "codes",
+        "issue",
+        "--count",
+        "12",
+        "--points",
+        "7.5",
+        "--valid-from",
+        &from,
+        "--valid-until",
+        &until,
+        "--note",
+        "support",
+    ]);
+    let text = String::from_utf8_lossy(&issued.stdout).to_string();
+    assert!(
+        issued.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&issued.stderr)
+    );
+    assert!(
+        text.contains("12 issued of 12") && text.contains("7.5"),
+        "{text}"
+    );
+    let batch = text
+        .lines()
+        .find_map(|line| line.strip_prefix("batch"))
+        .unwrap()
+        .trim()
+        .to_owned();
+
+    let export = app.cli(&["codes", "export", &batch]);
+    let csv = String::from_utf8_lossy(&export.stdout).to_string();
+    assert!(export.status.success());
+    let codes: Vec<&str> = csv
+        .lines()
+        .skip(1)
+        .map(|line| line.split(',').nth(1).unwrap())
+        .collect();
+    assert_eq!(codes.len(), 12);
+
+    let (_, token) = user(&app, "cli_user").await;
+    let redeemed: Value = redeem(&app, &token, codes[0]).await.json().await.unwrap();
+    assert_eq!(redeemed["available"], "7.50");
+    app.project().await;
+    let show = app.cli(&["codes", "show", &batch]);
+    assert!(String::from_utf8_lossy(&show.stdout).contains("1 redeemed"));
+    let revoke = app.cli(&["codes", "revoke", &batch, "--reason", "campaign over"]);
+    assert!(String::from_utf8_lossy(&revoke.stdout).contains("revoked"));
+    let (status, rule, _) = problem_type(redeem(&app, &token, codes[1]).await).await;
+    assert_eq!((status, rule.as_str()), (409, "/problems/code-revoked"));
+
+    let life = app.cli(&["audit", "code", codes[0]]);
+    let text = String::from_utf8_lossy(&life.stdout).to_string();
+    assert!(
+        text.contains("redeemed     by") && text.contains("credited     7.5"),
+        "{text}"
+    );
+    let forged = app.cli(&["audit", "code", "ZZZZZZZZZZ"]);
+    assert!(!forged.status.success());
+    project_and_verify(&app).await;
+}
