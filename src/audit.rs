@@ -6,6 +6,7 @@
 //! `EventStore` trait, so it works on either store. The task streams are checked against the
 //! `tasks` read model and against the holds and fees on their owners' accounts (`tasks.rs`).
 
+mod checkins;
 mod codes;
 mod tasks;
 
@@ -210,6 +211,7 @@ pub async fn verify(
     let mut revenue = RevenueFold::default();
     let mut task_fold = tasks::TaskFold::default();
     let mut code_fold = codes::CodeFold::default();
+    let mut checkin_fold = checkins::CheckInFold::default();
     let filter = EventFilter::StreamPrefixes(vec![
         "account-".into(),
         "user-".into(),
@@ -217,6 +219,7 @@ pub async fn verify(
         REVENUE_STREAM.into(),
         "codebatch-".into(),
         "code-".into(),
+        "checkin-".into(),
     ]);
     let mut after = None;
     let mut events_read = 0u64;
@@ -237,6 +240,7 @@ pub async fn verify(
                 revenue.account_event(recorded, &event);
                 task_fold.account_event(user_id, recorded, &event);
                 code_fold.account_event(user_id, &event);
+                checkin_fold.account_event(user_id, &event);
                 let folded = accounts.entry(user_id).or_default();
                 let state = std::mem::take(&mut folded.state);
                 folded.state = Account::evolve(state, &event);
@@ -260,6 +264,12 @@ pub async fn verify(
             } else if zhihui_domain::redeem::serial_of_stream(&recorded.stream).is_some() {
                 code_fold
                     .code_event(recorded)
+                    .with_context(|| format!("decoding event {}", recorded.id))?;
+            } else if let Some(user_id) =
+                zhihui_domain::checkin::user_of_checkin_stream(&recorded.stream)
+            {
+                checkin_fold
+                    .checkin_event(user_id.as_uuid(), recorded)
                     .with_context(|| format!("decoding event {}", recorded.id))?;
             } else if recorded.stream == REVENUE_STREAM {
                 let event = RevenueEvent::from_stored(
@@ -447,7 +457,11 @@ pub async fn verify(
     let pending_credits = code_fold
         .compare(client, now, settle_within, &mut differences)
         .await?;
+    let pending_bonuses = checkin_fold
+        .compare(client, now, settle_within, &mut differences)
+        .await?;
     let pending_settlements = pending_credits
+        + pending_bonuses
         + task_fold.compare(
             &task_rows,
             accounts

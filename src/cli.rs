@@ -1,5 +1,6 @@
 //! The `zhihui` command line: one closed enum of subcommands, each a thin call into the library.
 
+use std::io::Write;
 use std::path::PathBuf;
 
 use anyhow::Context;
@@ -68,6 +69,44 @@ pub enum Command {
     Codes {
         #[command(subcommand)]
         command: CodesCommand,
+    },
+    /// Daily check-in.
+    Checkins {
+        #[command(subcommand)]
+        command: CheckinsCommand,
+    },
+    /// Statistics for admins.
+    Stats {
+        #[command(subcommand)]
+        command: StatsCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum CheckinsCommand {
+    /// Write the Redis month bitmaps back from the check-in streams (after Redis lost them;
+    /// reads also rebuild them lazily). Bits are only ever set: nothing is lost by running it
+    /// while users check in.
+    Rebuild {
+        /// One user (id); every user the `checkins` read model knows when absent.
+        #[arg(long)]
+        user: Option<uuid::Uuid>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum StatsCommand {
+    /// Daily active users: each day's count and the distinct users over the range
+    /// (HyperLogLog estimates).
+    ActiveUsers {
+        /// First day (YYYY-MM-DD); six days before --to when absent.
+        #[arg(long)]
+        from: Option<chrono::NaiveDate>,
+        /// Last day (YYYY-MM-DD, included); today when absent.
+        #[arg(long)]
+        to: Option<chrono::NaiveDate>,
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -245,6 +284,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             command: AuditCommand::Code { code },
         } => crate::codes::cli::audit_code(&settings, &code).await,
         Command::Codes { command } => crate::codes::cli::run(&settings, command).await,
+        Command::Checkins {
+            command: CheckinsCommand::Rebuild { user },
+        } => checkins_rebuild(&settings, user).await,
+        Command::Stats {
+            command: StatsCommand::ActiveUsers { from, to, json },
+        } => stats_active_users(&settings, from, to, json).await,
         Command::Replay {
             projection,
             batch_size,
@@ -390,6 +435,7 @@ async fn audit_repairs(
                 .task_id
                 .map(|id| id.to_string())
                 .or_else(|| repair.code_serial.map(|serial| format!("code {serial}")))
+                .or_else(|| repair.checkin_day.map(|day| format!("check-in {day}")))
                 .unwrap_or_default(),
             repair.user_id,
             repair
@@ -437,5 +483,66 @@ async fn audit_verify(settings: &Settings) -> anyhow::Result<()> {
         "{} read-model row(s) disagree with the events",
         differences.len()
     );
+    Ok(())
+}
+
+fn app_state(settings: &Settings) -> anyhow::Result<crate::startup::AppState> {
+    let pool = crate::postgres::build_pool(&settings.database)?;
+    crate::startup::AppState::build(settings, pool, crate::startup::Overrides::default())
+}
+
+async fn checkins_rebuild(settings: &Settings, user: Option<uuid::Uuid>) -> anyhow::Result<()> {
+    let state = app_state(settings)?;
+    let (users, months) = match user {
+        Some(user) => (
+            1,
+            state
+                .checkins
+                .rebuild_user(zhihui_domain::user::UserId::from_uuid(user))
+                .await?,
+        ),
+        None => state.checkins.rebuild_all().await?,
+    };
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "rebuilt {months} month(s) of check-ins for {users} user(s)"
+    )?;
+    Ok(())
+}
+
+async fn stats_active_users(
+    settings: &Settings,
+    from: Option<chrono::NaiveDate>,
+    to: Option<chrono::NaiveDate>,
+    json: bool,
+) -> anyhow::Result<()> {
+    let state = app_state(settings)?;
+    let to = to.unwrap_or_else(|| state.active_users.today());
+    let from = from.unwrap_or(to - chrono::Duration::days(6));
+    crate::stats::check_range(from, to)
+        .map_err(|(field, message)| anyhow::anyhow!("--{field}: {message}"))?;
+    let report = state.active_users.report(from, to).await?;
+    let mut out = std::io::stdout().lock();
+    if json {
+        let days: Vec<serde_json::Value> = report
+            .days
+            .iter()
+            .map(|(day, count)| serde_json::json!({"day": day, "active_users": count}))
+            .collect();
+        serde_json::to_writer_pretty(
+            &mut out,
+            &serde_json::json!({
+                "from": from, "to": to, "days": days, "distinct_users": report.distinct,
+            }),
+        )?;
+        writeln!(out)?;
+    } else {
+        writeln!(out, "{:<12} {:>14}", "day", "active users")?;
+        for (day, count) in &report.days {
+            writeln!(out, "{:<12} {:>14}", day.to_string(), count)?;
+        }
+        writeln!(out, "{:<12} {:>14}", "distinct", report.distinct)?;
+    }
     Ok(())
 }

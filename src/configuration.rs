@@ -30,6 +30,8 @@ pub struct Settings {
     pub translation: TranslationSettings,
     pub dispatch: DispatchSettings,
     pub codes: CodeSettings,
+    pub checkins: CheckInSettings,
+    pub stats: StatsSettings,
     pub log: LogSettings,
 }
 
@@ -38,6 +40,68 @@ pub struct Settings {
 pub enum Environment {
     Development,
     Production,
+}
+
+/// Daily check-in (PRODUCT.md section 4). The day is `auth.day_utc_offset_minutes`'s.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CheckInSettings {
+    /// Points credited for a check-in (decimal, two places at most).
+    pub bonus: rust_decimal::Decimal,
+    /// Larger bonuses on every `every_days`-th consecutive day (the largest that falls applies).
+    #[serde(default)]
+    pub streak_rewards: Vec<StreakRewardSettings>,
+    /// Redis keeps a month's bitmap this long after its last write (rebuilt from the events
+    /// when read after that).
+    pub redis_keep_days: u32,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct StreakRewardSettings {
+    pub every_days: u32,
+    pub bonus: rust_decimal::Decimal,
+}
+
+impl CheckInSettings {
+    /// The rule as the domain uses it.
+    pub fn rule(&self) -> anyhow::Result<zhihui_domain::checkin::BonusRule> {
+        use zhihui_domain::checkin::{BonusRule, StreakReward};
+        use zhihui_domain::points::Amount;
+        let base = Amount::parse(self.bonus)
+            .map_err(|error| anyhow::anyhow!("checkins.bonus: {error}"))?;
+        let rewards = self
+            .streak_rewards
+            .iter()
+            .enumerate()
+            .map(|(index, reward)| {
+                anyhow::ensure!(
+                    reward.every_days >= 2,
+                    "checkins.streak_rewards[{index}].every_days must be at least 2"
+                );
+                Ok(StreakReward {
+                    every_days: reward.every_days,
+                    bonus: Amount::parse(reward.bonus).map_err(|error| {
+                        anyhow::anyhow!("checkins.streak_rewards[{index}].bonus: {error}")
+                    })?,
+                })
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        Ok(BonusRule { base, rewards })
+    }
+}
+
+/// Statistics for admins: daily active users.
+#[derive(Debug, Clone, Deserialize)]
+pub struct StatsSettings {
+    /// Count every authenticated request's user in the day's HyperLogLog.
+    pub active_users_enabled: bool,
+    /// A day's key is kept this long.
+    pub active_users_retention_days: u32,
+    /// Keys per day, each counting the users whose id falls in it: the count's error shrinks
+    /// with the square root (1: one HyperLogLog, 0.81 %; 16: about 0.2 %, 16 x 12 KB).
+    pub active_users_shards: u32,
+    /// Users one process remembers as counted today, at most (beyond it, it forgets them all
+    /// and counts again: more PFADDs, never a wrong count).
+    pub active_users_remembered_max: usize,
 }
 
 /// The development signing key of `default_settings.toml`: refused outside development.
@@ -496,6 +560,17 @@ impl Settings {
         self.validate_tasks()?;
         self.validate_dispatch()?;
         self.validate_codes()?;
+        self.checkins.rule()?;
+        anyhow::ensure!(
+            self.checkins.redis_keep_days >= 62,
+            "checkins.redis_keep_days must be at least 62 (a streak reads this month and the last)"
+        );
+        anyhow::ensure!(
+            self.stats.active_users_retention_days >= 1
+                && self.stats.active_users_remembered_max >= 1
+                && (1..=256).contains(&self.stats.active_users_shards),
+            "stats: active_users_retention_days and active_users_remembered_max must be at least 1, active_users_shards 1 to 256"
+        );
         Ok(())
     }
 

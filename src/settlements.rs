@@ -14,7 +14,9 @@
 //! It also credits redeemed codes whose credit never came (the request died between the code's
 //! stream and the account): `redeem_codes` rows redeemed `tasks.settlement_after_ms` ago and not
 //! credited are credited from the code's stream (idempotent by the serial's operation id), and
-//! recorded as `code_credited` repairs.
+//! recorded as `code_credited` repairs. Likewise check-in bonuses: `checkins` rows not credited
+//! that long after the check-in are credited from the check-in stream (idempotent by the user and
+//! day), as `bonus_credited` repairs.
 //!
 //! One leader across processes (`src/leader.rs`); a second reconciler that slipped past the lock
 //! would only repeat idempotent commands.
@@ -30,6 +32,7 @@ use serde::Serialize;
 use uuid::Uuid;
 use zhihui_domain::user::UserId;
 
+use crate::checkins::CheckInService;
 use crate::clock::Clock;
 use crate::codes::CodeService;
 use crate::tasks::service::TaskService;
@@ -48,6 +51,7 @@ pub enum RepairKind {
     HoldReleased,
     FeeRefunded,
     CodeCredited,
+    BonusCredited,
 }
 
 impl RepairKind {
@@ -57,6 +61,7 @@ impl RepairKind {
             RepairKind::HoldReleased => "hold_released",
             RepairKind::FeeRefunded => "fee_refunded",
             RepairKind::CodeCredited => "code_credited",
+            RepairKind::BonusCredited => "bonus_credited",
         }
     }
 
@@ -66,6 +71,7 @@ impl RepairKind {
             RepairKind::HoldReleased,
             RepairKind::FeeRefunded,
             RepairKind::CodeCredited,
+            RepairKind::BonusCredited,
         ]
         .into_iter()
         .find(|kind| kind.as_str() == text)
@@ -83,6 +89,8 @@ pub struct Repair {
     pub operation_id: Option<Uuid>,
     /// The code's serial, for a code credit.
     pub code_serial: Option<u32>,
+    /// The day checked in, for a check-in bonus.
+    pub checkin_day: Option<chrono::NaiveDate>,
     pub user_id: Uuid,
     /// When the settlement became owed (the task's end, the prioritise's abandonment, the
     /// code's redemption).
@@ -104,6 +112,7 @@ pub struct PassReport {
 pub struct SettlementReconciler {
     tasks: TaskService,
     codes: CodeService,
+    checkins: CheckInService,
     pool: Pool,
     clock: Clock,
     after: Duration,
@@ -116,12 +125,14 @@ impl SettlementReconciler {
     pub fn new(
         tasks: TaskService,
         codes: CodeService,
+        checkins: CheckInService,
         pool: Pool,
         clock: Clock,
     ) -> SettlementReconciler {
         let settings = tasks.settings();
         SettlementReconciler {
             codes,
+            checkins,
             after: Duration::from_millis(settings.settlement_after_ms),
             interval: Duration::from_millis(settings.settlement_interval_ms),
             tasks,
@@ -197,6 +208,7 @@ impl SettlementReconciler {
                         .then_some(operation_id)
                         .flatten(),
                     code_serial: None,
+                    checkin_day: None,
                     user_id,
                     due_since,
                     repaired_at: self.clock.now(),
@@ -207,43 +219,76 @@ impl SettlementReconciler {
                 report.repairs.push(repair);
             }
         }
-        self.repair_code_credits(&mut report).await?;
+        self.repair_credits(&mut report).await?;
         Ok(report)
     }
 
-    async fn repair_code_credits(&self, report: &mut PassReport) -> anyhow::Result<()> {
+    /// Credits that a request died before making: redeemed codes, then check-in bonuses. Each
+    /// source's failure is counted and left for the next pass; the other still runs.
+    async fn repair_credits(&self, report: &mut PassReport) -> anyhow::Result<()> {
         let metadata = crate::event_store::EventMetadata {
             correlation_id: Uuid::now_v7(),
             causation_id: None,
             actor: RECONCILER_ACTOR.into(),
         };
         let after = chrono::Duration::from_std(self.after).context("tasks.settlement_after_ms")?;
-        let credited = match self
+        let now = self.clock.now();
+        let codes = self
             .codes
             .repair_credits_once(after, SETTLEMENTS_PER_PASS_MAX, &metadata)
             .await
-        {
-            Ok(credited) => credited,
-            Err(error) => {
-                tracing::warn!(error = %crate::telemetry::error_chain(&error), "settlement reconciler could not repair code credits");
-                report.failures += 1;
-                return Ok(());
-            }
-        };
-        for (serial, user_id, redeemed_at) in credited {
-            let repair = Repair {
-                kind: RepairKind::CodeCredited,
-                task_id: None,
-                operation_id: Some(zhihui_domain::redeem::credit_operation_id(serial)),
-                code_serial: Some(serial),
-                user_id,
-                due_since: redeemed_at,
-                repaired_at: self.clock.now(),
+            .map(|credited| {
+                credited
+                    .into_iter()
+                    .map(|(serial, user_id, redeemed_at)| Repair {
+                        kind: RepairKind::CodeCredited,
+                        task_id: None,
+                        operation_id: Some(zhihui_domain::redeem::credit_operation_id(serial)),
+                        code_serial: Some(serial),
+                        checkin_day: None,
+                        user_id,
+                        due_since: redeemed_at,
+                        repaired_at: now,
+                    })
+                    .collect::<Vec<_>>()
+            });
+        let bonuses = self
+            .checkins
+            .repair_credits_once(after, SETTLEMENTS_PER_PASS_MAX, &metadata)
+            .await
+            .map(|credited| {
+                credited
+                    .into_iter()
+                    .map(|(user_id, day, checked_in_at)| Repair {
+                        kind: RepairKind::BonusCredited,
+                        task_id: None,
+                        operation_id: Some(zhihui_domain::checkin::bonus_operation_id(
+                            UserId::from_uuid(user_id),
+                            day,
+                        )),
+                        code_serial: None,
+                        checkin_day: Some(day),
+                        user_id,
+                        due_since: checked_in_at,
+                        repaired_at: now,
+                    })
+                    .collect::<Vec<_>>()
+            });
+        for made in [codes, bonuses] {
+            let repairs = match made {
+                Ok(repairs) => repairs,
+                Err(error) => {
+                    tracing::warn!(error = %crate::telemetry::error_chain(&error), "settlement reconciler could not repair credits");
+                    report.failures += 1;
+                    continue;
+                }
             };
-            self.record(&repair).await?;
-            self.repairs_total.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(serial, %user_id, %redeemed_at, "settlement reconciler credited a redeemed code");
-            report.repairs.push(repair);
+            for repair in repairs {
+                self.record(&repair).await?;
+                self.repairs_total.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(kind = repair.kind.as_str(), user_id = %repair.user_id, due_since = %repair.due_since, code_serial = ?repair.code_serial, checkin_day = ?repair.checkin_day, "settlement reconciler made a lost credit");
+                report.repairs.push(repair);
+            }
         }
         Ok(())
     }
@@ -254,8 +299,8 @@ impl SettlementReconciler {
             .execute(
                 "INSERT INTO settlement_repairs
                     (repair_id, kind, task_id, operation_id, user_id, due_since, repaired_at,
-                     code_serial)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+                     code_serial, checkin_day)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
                 &[
                     &Uuid::now_v7(),
                     &repair.kind.as_str(),
@@ -265,6 +310,7 @@ impl SettlementReconciler {
                     &repair.due_since,
                     &repair.repaired_at,
                     &repair.code_serial.map(i32::try_from).transpose()?,
+                    &repair.checkin_day,
                 ],
             )
             .await
@@ -317,7 +363,8 @@ pub async fn repairs(pool: &Pool, since: Option<DateTime<Utc>>) -> anyhow::Resul
     let since = since.unwrap_or(DateTime::<Utc>::UNIX_EPOCH);
     let rows = client
         .query(
-            "SELECT kind, task_id, operation_id, user_id, due_since, repaired_at, code_serial
+            "SELECT kind, task_id, operation_id, user_id, due_since, repaired_at, code_serial,
+                    checkin_day
                FROM settlement_repairs WHERE repaired_at >= $1 ORDER BY repaired_at, repair_id",
             &[&since],
         )
@@ -336,6 +383,7 @@ pub async fn repairs(pool: &Pool, since: Option<DateTime<Utc>>) -> anyhow::Resul
                     .get::<_, Option<i32>>(6)
                     .map(u32::try_from)
                     .transpose()?,
+                checkin_day: row.get(7),
             })
         })
         .collect()

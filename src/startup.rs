@@ -62,6 +62,10 @@ pub struct AppState {
     pub dispatcher: Dispatcher,
     /// Redeem codes: batches and redemption.
     pub codes: CodeService,
+    /// Daily check-in: bonus, month view, streak.
+    pub checkins: crate::checkins::CheckInService,
+    /// Daily active users (counted by the authentication extractors).
+    pub active_users: crate::stats::ActiveUsers,
 }
 
 /// What tests (and only tests) replace: the clock and the code sender.
@@ -121,8 +125,25 @@ impl AppState {
             clock.clone(),
             settings.codes.clone(),
         )?;
+        let checkins = crate::checkins::CheckInService::new(
+            event_store.clone(),
+            accounts.clone(),
+            pg_pool.clone(),
+            redis.clone(),
+            clock.clone(),
+            &settings.checkins,
+            auth.day_utc_offset_minutes,
+        )?;
+        let active_users = crate::stats::ActiveUsers::new(
+            redis.clone(),
+            clock.clone(),
+            settings.stats.clone(),
+            auth.day_utc_offset_minutes,
+        );
         Ok(AppState {
             codes,
+            checkins,
+            active_users,
             notifier,
             hub: NotificationHub::new(redis.clone()),
             images,
@@ -222,6 +243,7 @@ impl Application {
             let reconciler = crate::settlements::SettlementReconciler::new(
                 state.tasks.clone(),
                 state.codes.clone(),
+                state.checkins.clone(),
                 state.pg_pool.clone(),
                 state.clock.clone(),
             );

@@ -8,6 +8,7 @@
 //! The crate depends on no IO crate; `ARCHITECTURE.md` lists that as an invariant.
 
 pub mod account;
+pub mod checkin;
 pub mod claim;
 pub mod decider;
 pub mod event;

@@ -10,6 +10,7 @@
 //! The dependency direction is fixed: `zhihui` -> `zhihui-projections` -> `zhihui-domain`.
 
 pub mod accounts;
+pub mod checkins;
 pub mod codes;
 pub mod settlements;
 pub mod tasks;
@@ -47,6 +48,8 @@ pub enum ProjectionName {
     Settlements,
     /// `code_batches` and `redeem_codes`.
     Codes,
+    /// `checkins`.
+    Checkins,
 }
 
 /// Which events a projection reads: by stream prefix, or (when it needs a few events of streams
@@ -58,12 +61,13 @@ pub enum Reads {
 }
 
 impl ProjectionName {
-    pub const ALL: [ProjectionName; 5] = [
+    pub const ALL: [ProjectionName; 6] = [
         ProjectionName::Ledger,
         ProjectionName::Users,
         ProjectionName::Tasks,
         ProjectionName::Settlements,
         ProjectionName::Codes,
+        ProjectionName::Checkins,
     ];
 
     pub fn as_str(&self) -> &'static str {
@@ -73,6 +77,7 @@ impl ProjectionName {
             ProjectionName::Tasks => "tasks",
             ProjectionName::Settlements => "settlements",
             ProjectionName::Codes => "codes",
+            ProjectionName::Checkins => "checkins",
         }
     }
 
@@ -90,6 +95,7 @@ impl ProjectionName {
             ProjectionName::Tasks => &["tasks"],
             ProjectionName::Settlements => &["open_settlements"],
             ProjectionName::Codes => &["code_batches", "redeem_codes"],
+            ProjectionName::Checkins => &["checkins"],
         }
     }
 
@@ -106,6 +112,12 @@ impl ProjectionName {
             ProjectionName::Codes => {
                 Reads::EventTypes(codes::EVENT_TYPES.iter().map(|t| (*t).to_owned()).collect())
             }
+            ProjectionName::Checkins => Reads::EventTypes(
+                checkins::EVENT_TYPES
+                    .iter()
+                    .map(|t| (*t).to_owned())
+                    .collect(),
+            ),
         }
     }
 
@@ -122,6 +134,7 @@ impl ProjectionName {
             ProjectionName::Tasks => tasks::apply(transaction, tables, events).await,
             ProjectionName::Settlements => settlements::apply(transaction, tables, events).await,
             ProjectionName::Codes => codes::apply(transaction, tables, events).await,
+            ProjectionName::Checkins => checkins::apply(transaction, tables, events).await,
         }
     }
 }

@@ -77,14 +77,17 @@ async fn authenticate(request: HttpRequest) -> Result<Session, ApiError> {
 
 /// The session of a token from elsewhere than the header (a browser's WebSocket cannot set one).
 pub async fn session_of(state: &AppState, token: &str) -> Result<Session, ApiError> {
-    state
+    let session = state
         .sessions
         .touch(token)
         .await?
         .ok_or_else(|| ApiError::Unauthorized {
             rule: "invalid-token",
             detail: "the token is unknown, expired or revoked; log in again".into(),
-        })
+        })?;
+    // Daily active users: at most one Redis call per user per day in this process.
+    state.active_users.seen(session.user_id.as_uuid()).await;
+    Ok(session)
 }
 
 impl FromRequest for Authenticated {

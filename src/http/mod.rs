@@ -3,6 +3,7 @@
 
 pub mod accounts;
 mod auth;
+mod checkins;
 mod codes;
 pub mod extract;
 mod health;
@@ -73,6 +74,12 @@ pub fn routes(config: &mut web::ServiceConfig) {
                 .route(
                     "/admin/code-batches/{id}/codes.csv",
                     web::get().to(codes::export),
+                )
+                .route("/checkins", web::post().to(checkins::check_in))
+                .route("/checkins", web::get().to(checkins::month))
+                .route(
+                    "/admin/stats/active-users",
+                    web::get().to(checkins::active_users),
                 )
                 .route("/admin/queue", web::get().to(tasks::queue))
                 .route("/admin/queue/rebuild", web::post().to(tasks::rebuild_queue)),

@@ -390,3 +390,22 @@ fn url_with_database_replaces_only_the_path() {
     );
     assert_eq!(url_with_database("postgres://h:1", "x"), "postgres://h:1/x");
 }
+
+/// Delete every Redis key of this app but its sessions (as a flush would, without logging the
+/// test's users out; other tests share the server).
+pub async fn flush_redis(app: &TestApp) {
+    let services = app.services();
+    let mut connection = services.redis.connection().await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{}*", services.redis.key_prefix()))
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    for key in keys.iter().filter(|key| !key.contains("session")) {
+        let _: i64 = redis::cmd("DEL")
+            .arg(key)
+            .query_async(&mut connection)
+            .await
+            .unwrap();
+    }
+}

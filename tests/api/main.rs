@@ -3,6 +3,7 @@
 
 mod audit;
 mod auth;
+mod checkins;
 mod dispatch;
 mod event_store;
 mod fake_ollama;

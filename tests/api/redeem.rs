@@ -19,7 +19,7 @@ use zhihui_domain::redeem::{
 };
 use zhihui_domain::user::UserId;
 
-use crate::helpers::{TestApp, spawn_app_with, test_epoch};
+use crate::helpers::{TestApp, flush_redis, spawn_app_with, test_epoch};
 use crate::tasks::project_and_verify;
 
 /// Cheap password hashing (many users per test) and small pages (several per batch).
@@ -139,25 +139,6 @@ async fn user(app: &TestApp, name: &str) -> (UserId, String) {
     let id = app.register(name, "a long password").await;
     let token = app.login(name, "a long password").await;
     (UserId::from_uuid(Uuid::parse_str(&id).unwrap()), token)
-}
-
-/// Delete every Redis key of this app but its sessions (as a flush would, without logging the
-/// test's users out; other tests share the server).
-async fn flush_redis(app: &TestApp) {
-    let services = app.services();
-    let mut connection = services.redis.connection().await.unwrap();
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{}*", services.redis.key_prefix()))
-        .query_async(&mut connection)
-        .await
-        .unwrap();
-    for key in keys.iter().filter(|key| !key.contains("session")) {
-        let _: i64 = redis::cmd("DEL")
-            .arg(key)
-            .query_async(&mut connection)
-            .await
-            .unwrap();
-    }
 }
 
 #[tokio::test]
@@ -666,6 +647,7 @@ async fn a_redemption_whose_credit_was_lost_is_credited_by_the_retry_or_the_reco
     let reconciler = zhihui::settlements::SettlementReconciler::new(
         services.tasks.clone(),
         services.codes.clone(),
+        services.checkins.clone(),
         services.pg_pool.clone(),
         services.clock.clone(),
     );
