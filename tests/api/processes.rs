@@ -6,7 +6,8 @@
 //! settled once, no slot stays leased and `zhihui audit verify` passes.
 //!
 //! Nothing here is stepped: these are separate processes. The test waits on what they say
-//! (socket frames, the leader key), each wait bounded.
+//! (socket frames, the leader key), each wait bounded. Also: a code generator SIGKILLed mid-batch
+//! and resumed by another process; 50 check-ins of one user through both processes.
 
 #![allow(clippy::unwrap_used)]
 
@@ -576,4 +577,90 @@ async fn a_code_generator_killed_mid_batch_is_resumed_by_another_process() {
     }
     drop(other);
     let _ = std::fs::remove_dir_all(&images);
+}
+
+/// Issue 24: 50 check-ins of one user at once, alternating between two `zhihui serve` processes:
+/// one bonus, one check-in event.
+#[tokio::test]
+async fn fifty_check_ins_of_one_user_through_two_processes_credit_one_bonus() {
+    let app = spawn_app().await;
+    let images = std::env::temp_dir().join(format!("zhihui-processes-{}", Uuid::now_v7()));
+    let settings = [("ZHIHUI_DISPATCH__ENABLED", "false")];
+    let unused = "gpu-0 http://127.0.0.1:9 1";
+    let first = serve_with(&app, unused, &images, &settings).await;
+    let second = serve_with(&app, unused, &images, &settings).await;
+    let http = reqwest::Client::new();
+    let registered: Value = http
+        .post(format!("{}/api/v1/auth/register", first.address))
+        .json(&json!({"username": "daily", "password": "correct horse battery"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let user_id = Uuid::parse_str(registered["id"].as_str().unwrap()).unwrap();
+    let token = login_via(&http, &second.address, "daily", "correct horse battery").await;
+    let answers = futures::future::join_all((0..50).map(|index| {
+        let address = if index % 2 == 0 {
+            &first.address
+        } else {
+            &second.address
+        };
+        let request = http
+            .post(format!("{address}/api/v1/checkins"))
+            .bearer_auth(&token)
+            .send();
+        async move {
+            let response = request.await.unwrap();
+            assert_eq!(response.status(), 200);
+            response.json::<Value>().await.unwrap()
+        }
+    }))
+    .await;
+    let now = answers
+        .iter()
+        .filter(|answer| answer["checked_in_now"] == true)
+        .count();
+    assert_eq!(now, 1, "{answers:?}");
+    assert!(answers.iter().all(|answer| answer["streak"] == 1));
+    let user = zhihui_domain::user::UserId::from_uuid(user_id);
+    let credits = account_events(&app, user)
+        .await
+        .into_iter()
+        .filter(|event| {
+            matches!(event, zhihui_domain::account::AccountEvent::Credited(credit)
+                if credit.kind == zhihui_domain::account::CreditKind::CheckInBonus)
+        })
+        .count();
+    assert_eq!(credits, 1);
+    drop((first, second));
+    let _ = std::fs::remove_dir_all(&images);
+}
+
+async fn account_events(
+    app: &TestApp,
+    user: zhihui_domain::user::UserId,
+) -> Vec<zhihui_domain::account::AccountEvent> {
+    use zhihui::event_store::{Direction, EventStore, ReadFrom};
+    app.services()
+        .event_store
+        .read_stream(
+            &zhihui_domain::account::account_stream(user),
+            Direction::Forwards,
+            ReadFrom::Start,
+            1_000,
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|record| {
+            zhihui_domain::DomainEvent::from_stored(
+                &record.event_type,
+                record.schema_version,
+                &record.payload,
+            )
+            .unwrap()
+        })
+        .collect()
 }
