@@ -130,9 +130,10 @@ start_redis() {
         log "Redis already answers on port $REDIS_PORT"
     else
         log "starting Redis on 127.0.0.1:$REDIS_PORT"
-        redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --daemonize yes \
-            --dir "$REDIS_DIR" --pidfile "$REDIS_DIR/redis.pid" --logfile "$REDIS_DIR/redis.log" \
-            --save "" --appendonly no >&2
+        # scripts/redis.conf: append-only file (sessions survive a restart), no eviction.
+        redis-server "$ROOT/scripts/redis.conf" --port "$REDIS_PORT" --bind 127.0.0.1 \
+            --daemonize yes --dir "$REDIS_DIR" --pidfile "$REDIS_DIR/redis.pid" \
+            --logfile "$REDIS_DIR/redis.log" >&2
     fi
     local tries=0
     until redis_answers; do

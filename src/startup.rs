@@ -290,7 +290,20 @@ impl Application {
 
         let mut server = HttpServer::new(move || {
             App::new()
-                .wrap(actix_web::middleware::Logger::new("%r %s %Dms").log_target("zhihui::http"))
+                .wrap(
+                    // The request line with secrets in its query redacted (a browser's socket
+                    // sends its bearer token as `?token=`).
+                    actix_web::middleware::Logger::new("%{request}xi %s %Dms")
+                        .custom_request_replace("request", |request| {
+                            crate::http::redacted_request_line(
+                                request.method().as_str(),
+                                request.path(),
+                                request.query_string(),
+                                request.version(),
+                            )
+                        })
+                        .log_target("zhihui::http"),
+                )
                 .app_data(state.clone())
                 .configure(crate::http::routes)
         })

@@ -86,11 +86,77 @@ pub fn routes(config: &mut web::ServiceConfig) {
         );
 }
 
+/// Query parameters whose values never reach a log line: bearer tokens (a browser's WebSocket
+/// sends its token as `?token=`), one-time codes, tickets, cursors, passwords.
+const SECRET_QUERY_PARAMETERS: &[&str] = &["token", "code", "ticket", "cursor", "password"];
+
+/// `METHOD /path?query HTTP/x` for the access log, each secret parameter's value replaced by
+/// `REDACTED` (names compared case-insensitively, percent-encoded names decoded first).
+pub fn redacted_request_line(
+    method: &str,
+    path: &str,
+    query: &str,
+    version: actix_web::http::Version,
+) -> String {
+    let query = query
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            let decoded = percent_decoded_lowercase(name);
+            if SECRET_QUERY_PARAMETERS.contains(&decoded.as_str()) && !value.is_empty() {
+                format!("{name}=REDACTED")
+            } else {
+                pair.to_owned()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("&");
+    let separator = if query.is_empty() { "" } else { "?" };
+    format!("{method} {path}{separator}{query} {version:?}")
+}
+
+fn percent_decoded_lowercase(name: &str) -> String {
+    let bytes = name.as_bytes();
+    let mut decoded = Vec::with_capacity(bytes.len());
+    let mut index = 0;
+    while index < bytes.len() {
+        let hex = |byte: u8| char::from(byte).to_digit(16);
+        match (bytes[index], bytes.get(index + 1), bytes.get(index + 2)) {
+            (b'%', Some(high), Some(low)) if hex(*high).is_some() && hex(*low).is_some() => {
+                let value = hex(*high).unwrap_or(0) * 16 + hex(*low).unwrap_or(0);
+                decoded.push(u8::try_from(value).unwrap_or(b'?'));
+                index += 3;
+            }
+            (b'+', _, _) => {
+                decoded.push(b' ');
+                index += 1;
+            }
+            (byte, _, _) => {
+                decoded.push(byte);
+                index += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&decoded).to_lowercase()
+}
+
 /// Malformed JSON answers a problem+json naming what was wrong, not actix's plain-text 400.
 fn json_config() -> web::JsonConfig {
     web::JsonConfig::default()
         .limit(JSON_BODY_BYTES_MAX)
         .error_handler(|error, _request| {
+            if let actix_web::error::JsonPayloadError::Overflow { limit }
+            | actix_web::error::JsonPayloadError::OverflowKnownLength { limit, .. } = &error
+            {
+                return ApiError::Refused {
+                    status: actix_web::http::StatusCode::PAYLOAD_TOO_LARGE,
+                    rule: "body-too-large",
+                    detail: format!("the body must be at most {limit} bytes"),
+                    window: None,
+                }
+                .into();
+            }
             let (field, message) = match &error {
                 actix_web::error::JsonPayloadError::Deserialize(inner) => {
                     // serde names the missing or mistyped field in its message.
@@ -141,4 +207,31 @@ pub fn event_metadata(request: &HttpRequest, actor: String) -> EventMetadata {
 pub fn retry_after(clock: &Clock, at: DateTime<Utc>) -> u64 {
     let millis = (at - clock.now()).num_milliseconds().max(0);
     u64::try_from(millis).unwrap_or(0).div_ceil(1000).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::redacted_request_line;
+    use actix_web::http::Version;
+
+    #[test]
+    fn secret_query_values_never_reach_the_log_line() {
+        assert_eq!(
+            redacted_request_line("GET", "/api/v1/ws", "token=abc.def&x=1", Version::HTTP_11),
+            "GET /api/v1/ws?token=REDACTED&x=1 HTTP/1.1"
+        );
+        assert_eq!(
+            redacted_request_line(
+                "GET",
+                "/api/v1/tasks",
+                "limit=5&CURSOR=1_2&%74oken=s3cret&code=123456&empty=",
+                Version::HTTP_11
+            ),
+            "GET /api/v1/tasks?limit=5&CURSOR=REDACTED&%74oken=REDACTED&code=REDACTED&empty= HTTP/1.1"
+        );
+        assert_eq!(
+            redacted_request_line("POST", "/api/v1/checkins", "", Version::HTTP_2),
+            "POST /api/v1/checkins HTTP/2.0"
+        );
+    }
 }

@@ -466,6 +466,8 @@ pub async fn tasks(
             message: format!("must be 1 to {TASK_PAGE_MAX}"),
         });
     }
+    /// 9999-12-31T23:59:59.999999Z in microseconds since the epoch.
+    const CURSOR_MICROS_MAX: i64 = 253_402_300_799_999_999;
     // The cursor is `<submitted_at in µs>_<task id>` of the last task shown.
     let bad_cursor = || ApiError::Validation {
         field: "cursor".into(),
@@ -476,6 +478,11 @@ pub async fn tasks(
         Some(cursor) => {
             let (micros, id) = cursor.split_once('_').ok_or_else(bad_cursor)?;
             let micros: i64 = micros.parse().map_err(|_| bad_cursor())?;
+            // Our cursors are times this API recorded; anything outside 1970..=9999 is not one
+            // (and PostgreSQL refuses timestamps far enough out: that was a 500).
+            if !(0..=CURSOR_MICROS_MAX).contains(&micros) {
+                return Err(bad_cursor());
+            }
             (
                 DateTime::from_timestamp_micros(micros).ok_or_else(bad_cursor)?,
                 Uuid::parse_str(id).map_err(|_| bad_cursor())?,

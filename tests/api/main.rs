@@ -5,6 +5,7 @@ mod audit;
 mod auth;
 mod checkins;
 mod dispatch;
+mod edges;
 mod event_store;
 mod fake_ollama;
 mod health;

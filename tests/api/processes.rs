@@ -47,6 +47,24 @@ async fn serve_with(
     images: &std::path::Path,
     extra: &[(&str, &str)],
 ) -> Serve {
+    serve_capturing(app, backends, images, extra, false).await
+}
+
+/// `serve_with`, its standard output and error piped to the test when `capture` is set.
+async fn serve_capturing(
+    app: &TestApp,
+    backends: &str,
+    images: &std::path::Path,
+    extra: &[(&str, &str)],
+    capture: bool,
+) -> Serve {
+    let output = || {
+        if capture {
+            std::process::Stdio::piped()
+        } else {
+            std::process::Stdio::inherit()
+        }
+    };
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -74,6 +92,8 @@ async fn serve_with(
         .env("ZHIHUI_DISPATCH__PROGRESS_NOTIFY_INTERVAL_MS", "0")
         .env("ZHIHUI_LOG__FILTER", "warn")
         .envs(extra.iter().copied())
+        .stdout(output())
+        .stderr(output())
         .kill_on_drop(true)
         .spawn()
         .unwrap();
@@ -663,4 +683,63 @@ async fn account_events(
             .unwrap()
         })
         .collect()
+}
+
+/// Issue 25: the access log writes request lines with the secrets of their query redacted: a
+/// bearer token sent as `?token=` (as a browser's socket does), a cursor, a one-time code.
+#[tokio::test]
+async fn the_access_log_never_shows_a_token_sent_in_the_query() {
+    use tokio::io::AsyncReadExt;
+    let app = spawn_app().await;
+    let images = std::env::temp_dir().join(format!("zhihui-processes-{}", Uuid::now_v7()));
+    let settings = [
+        ("ZHIHUI_DISPATCH__ENABLED", "false"),
+        ("ZHIHUI_LOG__FILTER", "warn,zhihui::http=info"),
+        ("ZHIHUI_LOG__FORMAT", "json"),
+    ];
+    let mut logged =
+        serve_capturing(&app, "gpu-0 http://127.0.0.1:9 1", &images, &settings, true).await;
+    let http = reqwest::Client::new();
+    app.admin_token("boss").await;
+    let token = login_via(&http, &logged.address, "boss", "admin password").await;
+    let secret_cursor = "1234567_00000000-0000-0000-0000-00000000beef";
+    for path in [
+        format!("/api/v1/ws?token={token}"),
+        format!("/api/v1/tasks?limit=2&cursor={secret_cursor}"),
+        "/api/v1/ws?Token=wrong-but-secret&code=987654".to_owned(),
+    ] {
+        http.get(format!("{}{path}", logged.address))
+            .bearer_auth(&token)
+            .send()
+            .await
+            .unwrap();
+    }
+    logged.child.start_kill().unwrap();
+    logged.child.wait().await.unwrap();
+    let mut output = String::new();
+    logged
+        .child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_string(&mut output)
+        .await
+        .unwrap();
+    logged
+        .child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut output)
+        .await
+        .unwrap();
+    assert!(
+        output.contains("GET /api/v1/ws?token=REDACTED"),
+        "the request is logged: {output}"
+    );
+    assert!(output.contains("limit=2&cursor=REDACTED"), "{output}");
+    for secret in [token.as_str(), secret_cursor, "wrong-but-secret", "987654"] {
+        assert!(!output.contains(secret), "{secret} in the log: {output}");
+    }
+    let _ = std::fs::remove_dir_all(&images);
 }
