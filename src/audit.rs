@@ -8,6 +8,7 @@
 
 mod checkins;
 mod codes;
+mod promotions;
 mod tasks;
 
 use std::collections::{BTreeMap, HashMap};
@@ -212,6 +213,7 @@ pub async fn verify(
     let mut task_fold = tasks::TaskFold::default();
     let mut code_fold = codes::CodeFold::default();
     let mut checkin_fold = checkins::CheckInFold::default();
+    let mut promotion_fold = promotions::PromotionFold::default();
     let filter = EventFilter::StreamPrefixes(vec![
         "account-".into(),
         "user-".into(),
@@ -220,6 +222,7 @@ pub async fn verify(
         "codebatch-".into(),
         "code-".into(),
         "checkin-".into(),
+        "promotion-".into(),
     ]);
     let mut after = None;
     let mut events_read = 0u64;
@@ -241,6 +244,7 @@ pub async fn verify(
                 task_fold.account_event(user_id, recorded, &event);
                 code_fold.account_event(user_id, &event);
                 checkin_fold.account_event(user_id, &event);
+                promotion_fold.account_event(user_id, &event);
                 let folded = accounts.entry(user_id).or_default();
                 let state = std::mem::take(&mut folded.state);
                 folded.state = Account::evolve(state, &event);
@@ -270,6 +274,12 @@ pub async fn verify(
             {
                 checkin_fold
                     .checkin_event(user_id.as_uuid(), recorded)
+                    .with_context(|| format!("decoding event {}", recorded.id))?;
+            } else if let Some(promotion_id) =
+                zhihui_domain::promotion::promotion_of_stream(&recorded.stream)
+            {
+                promotion_fold
+                    .promotion_event(promotion_id, recorded)
                     .with_context(|| format!("decoding event {}", recorded.id))?;
             } else if recorded.stream == REVENUE_STREAM {
                 let event = RevenueEvent::from_stored(
@@ -460,8 +470,12 @@ pub async fn verify(
     let pending_bonuses = checkin_fold
         .compare(client, now, settle_within, &mut differences)
         .await?;
+    let pending_claims = promotion_fold
+        .compare(client, now, settle_within, &mut differences)
+        .await?;
     let pending_settlements = pending_credits
         + pending_bonuses
+        + pending_claims
         + task_fold.compare(
             &task_rows,
             accounts

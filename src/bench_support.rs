@@ -120,3 +120,65 @@ pub fn freeze_release_pair() -> [zhihui_domain::account::AccountCommand; 2] {
         },
     ]
 }
+
+/// Every projection and the revenue recorder caught up, then `audit verify` over everything;
+/// prints the first differences and the summary line.
+pub async fn project_and_audit(
+    state: &crate::startup::AppState,
+    settings: &Settings,
+) -> anyhow::Result<crate::audit::Verified> {
+    use secrecy::ExposeSecret;
+    for projection in zhihui_projections::ProjectionName::ALL {
+        crate::projector::Projector::live(
+            projection,
+            state.pg_pool.clone(),
+            state.event_store.clone(),
+            settings.projections.clone(),
+        )
+        .catch_up()
+        .await?;
+    }
+    crate::revenue::RevenueRecorder::new(
+        state.event_store.clone(),
+        state.pg_pool.clone(),
+        settings.projections.clone(),
+    )
+    .catch_up()
+    .await?;
+    let (client, connection) =
+        tokio_postgres::connect(settings.database.url.expose_secret(), tokio_postgres::NoTls)
+            .await?;
+    tokio::spawn(connection);
+    let verified = crate::audit::verify(
+        &state.event_store,
+        &client,
+        crate::audit::settlement_bound(&settings.tasks),
+    )
+    .await?;
+    for difference in verified.differences.iter().take(10) {
+        println!("DIFFERENCE {difference}");
+    }
+    println!(
+        "audit verify: {} events, {} difference(s), {} pending",
+        verified.events_read,
+        verified.differences.len(),
+        verified.pending_settlements
+    );
+    Ok(verified)
+}
+
+/// Delete every Redis key under the run's prefix.
+pub async fn clean_redis(state: &crate::startup::AppState) -> anyhow::Result<()> {
+    let mut connection = state.redis.connection().await?;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{}*", state.redis.key_prefix()))
+        .query_async(&mut connection)
+        .await?;
+    for chunk in keys.chunks(1_000) {
+        let _: i64 = redis::cmd("DEL")
+            .arg(chunk)
+            .query_async(&mut connection)
+            .await?;
+    }
+    Ok(())
+}

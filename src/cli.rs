@@ -75,6 +75,11 @@ pub enum Command {
         #[command(subcommand)]
         command: CheckinsCommand,
     },
+    /// Flash-sale promotions.
+    Promotions {
+        #[command(subcommand)]
+        command: PromotionsCommand,
+    },
     /// Statistics for admins.
     Stats {
         #[command(subcommand)]
@@ -91,6 +96,16 @@ pub enum CheckinsCommand {
         /// One user (id); every user the `checkins` read model knows when absent.
         #[arg(long)]
         user: Option<uuid::Uuid>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum PromotionsCommand {
+    /// A promotion from its stream, with its claims (from the read model) and the claims parked.
+    Show {
+        promotion: uuid::Uuid,
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -287,6 +302,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Checkins {
             command: CheckinsCommand::Rebuild { user },
         } => checkins_rebuild(&settings, user).await,
+        Command::Promotions {
+            command: PromotionsCommand::Show { promotion, json },
+        } => promotions_show(&settings, promotion, json).await,
         Command::Stats {
             command: StatsCommand::ActiveUsers { from, to, json },
         } => stats_active_users(&settings, from, to, json).await,
@@ -543,6 +561,128 @@ async fn stats_active_users(
             writeln!(out, "{:<12} {:>14}", day.to_string(), count)?;
         }
         writeln!(out, "{:<12} {:>14}", "distinct", report.distinct)?;
+    }
+    Ok(())
+}
+
+async fn promotions_show(
+    settings: &Settings,
+    promotion_id: uuid::Uuid,
+    json: bool,
+) -> anyhow::Result<()> {
+    let state = app_state(settings)?;
+    let promotion = state
+        .promotions
+        .load(promotion_id)
+        .await?
+        .with_context(|| format!("no promotion {promotion_id}"))?;
+    let left = state
+        .promotions
+        .left_in_redis(promotion_id)
+        .await
+        .ok()
+        .flatten();
+    let claims = {
+        let client = state.pg_pool.get().await.context("getting a connection")?;
+        client
+            .query(
+                "SELECT claim_id, user_id, status, reason, accepted_at, credited_at IS NOT NULL
+                   FROM promotion_claims WHERE promotion_id = $1 ORDER BY accepted_at, claim_id",
+                &[&promotion_id],
+            )
+            .await
+            .context("reading claims")?
+    };
+    let parked = state.promotions.parked(Some(promotion_id)).await?;
+    let mut out = std::io::stdout().lock();
+    if json {
+        let claims: Vec<serde_json::Value> = claims
+            .iter()
+            .map(|row| {
+                serde_json::json!({
+                    "claim_id": row.get::<_, uuid::Uuid>(0),
+                    "user_id": row.get::<_, uuid::Uuid>(1),
+                    "status": row.get::<_, String>(2),
+                    "reason": row.get::<_, Option<String>>(3),
+                    "accepted_at": row.get::<_, chrono::DateTime<chrono::Utc>>(4),
+                    "credited": row.get::<_, bool>(5),
+                })
+            })
+            .collect();
+        serde_json::to_writer_pretty(
+            &mut out,
+            &serde_json::json!({
+                "promotion_id": promotion_id,
+                "title": promotion.spec.title,
+                "points": promotion.spec.points.as_decimal(),
+                "price": promotion.spec.price.map(|p| p.as_decimal()),
+                "stock": promotion.spec.stock,
+                "taken": promotion.taken,
+                "granted": promotion.granted,
+                "left_at_gate": left,
+                "starts_at": promotion.spec.starts_at,
+                "ends_at": promotion.spec.ends_at,
+                "ended_at": promotion.ended_at,
+                "claims": claims,
+                "parked": parked,
+            }),
+        )?;
+        writeln!(out)?;
+        return Ok(());
+    }
+    writeln!(out, "promotion    {promotion_id}")?;
+    writeln!(out, "title        {}", promotion.spec.title)?;
+    writeln!(
+        out,
+        "points       {} each, price {}",
+        promotion.spec.points,
+        promotion
+            .spec
+            .price
+            .map_or_else(|| "free".to_owned(), |p| p.to_string())
+    )?;
+    writeln!(
+        out,
+        "stock        {}: {} taken, {} granted, {} left at the gate",
+        promotion.spec.stock,
+        promotion.taken,
+        promotion.granted,
+        left.map_or_else(|| "? (not in Redis)".to_owned(), |left| left.to_string())
+    )?;
+    writeln!(
+        out,
+        "window       {} .. {}{}",
+        promotion.spec.starts_at,
+        promotion.spec.ends_at,
+        promotion
+            .ended_at
+            .map_or_else(String::new, |at| format!(" (ended {at})"))
+    )?;
+    writeln!(out, "claims       {} persisted (read model)", claims.len())?;
+    for row in &claims {
+        writeln!(
+            out,
+            "  {}  {}  {:<8} {}{}",
+            row.get::<_, uuid::Uuid>(0),
+            row.get::<_, uuid::Uuid>(1),
+            row.get::<_, String>(2),
+            row.get::<_, Option<String>>(3).unwrap_or_default(),
+            if row.get::<_, bool>(5) {
+                " credited"
+            } else {
+                ""
+            }
+        )?;
+    }
+    writeln!(out, "parked       {}", parked.len())?;
+    for claim in &parked {
+        writeln!(
+            out,
+            "  {}  {} deliveries: {}",
+            claim.get("claim_id").map_or("", String::as_str),
+            claim.get("deliveries").map_or("", String::as_str),
+            claim.get("reason").map_or("", String::as_str)
+        )?;
     }
     Ok(())
 }

@@ -32,6 +32,7 @@ pub struct Settings {
     pub codes: CodeSettings,
     pub checkins: CheckInSettings,
     pub stats: StatsSettings,
+    pub promotions: PromotionSettings,
     pub log: LogSettings,
 }
 
@@ -87,6 +88,27 @@ impl CheckInSettings {
             .collect::<anyhow::Result<Vec<_>>>()?;
         Ok(BonusRule { base, rewards })
     }
+}
+
+/// Flash-sale promotions: the gate in Redis, the claims persisted through a Redis Stream.
+#[derive(Debug, Clone, Deserialize)]
+pub struct PromotionSettings {
+    /// Run a claims consumer in `serve` (every process runs one, in one consumer group).
+    pub consumer_enabled: bool,
+    /// Entries a consumer reads (and persists concurrently) at a time.
+    pub consumer_batch: usize,
+    /// How long a consumer's read waits for new entries.
+    pub consumer_block_ms: u64,
+    /// An entry read by a consumer that has not acknowledged it this long is taken over by
+    /// another (the first died).
+    pub takeover_idle_ms: u64,
+    /// Deliveries of one entry before it is parked (kept with its reason for admins, never
+    /// dropped).
+    pub deliveries_max: u64,
+    /// Entries the claims stream keeps, about (acknowledged ones are trimmed first).
+    pub stream_length_max: u64,
+    /// Redis keeps a promotion this long after its end.
+    pub redis_keep_after_end_ms: u64,
 }
 
 /// Statistics for admins: daily active users.

@@ -19,6 +19,7 @@ pub mod lua;
 pub mod notify;
 pub mod postgres;
 pub mod projector;
+pub mod promotions;
 pub mod redis_store;
 pub mod replay;
 pub mod revenue;

@@ -35,3 +35,6 @@ script!(TASK_PROGRESS, "task_progress.lua");
 script!(CODE_REDEEM, "code_redeem.lua");
 script!(CODE_BATCH_LOAD, "code_batch_load.lua");
 script!(CODE_FAILURE, "code_failure.lua");
+script!(PROMO_CLAIM, "promo_claim.lua");
+script!(PROMO_LOAD, "promo_load.lua");
+script!(PROMO_ADJUST, "promo_adjust.lua");

@@ -61,6 +61,14 @@ pub enum Envelope {
     /// The queue's order changed (a claim, a cancel, a prioritise): sockets re-read the places
     /// of their users' queued tasks.
     QueueMoved,
+    /// A promotion claim was persisted: granted, or refused with its reason.
+    Claim {
+        user_id: Uuid,
+        promotion_id: Uuid,
+        claim_id: Uuid,
+        granted: bool,
+        reason: Option<String>,
+    },
 }
 
 /// Publishes notifications (cheap to clone).

@@ -35,6 +35,7 @@ use zhihui_domain::user::UserId;
 use crate::checkins::CheckInService;
 use crate::clock::Clock;
 use crate::codes::CodeService;
+use crate::promotions::PromotionService;
 use crate::tasks::service::TaskService;
 
 /// Owed settlements handled per pass: bounds one pass's work (the rest come next pass).
@@ -52,6 +53,7 @@ pub enum RepairKind {
     FeeRefunded,
     CodeCredited,
     BonusCredited,
+    ClaimSettled,
 }
 
 impl RepairKind {
@@ -62,6 +64,7 @@ impl RepairKind {
             RepairKind::FeeRefunded => "fee_refunded",
             RepairKind::CodeCredited => "code_credited",
             RepairKind::BonusCredited => "bonus_credited",
+            RepairKind::ClaimSettled => "claim_settled",
         }
     }
 
@@ -72,6 +75,7 @@ impl RepairKind {
             RepairKind::FeeRefunded,
             RepairKind::CodeCredited,
             RepairKind::BonusCredited,
+            RepairKind::ClaimSettled,
         ]
         .into_iter()
         .find(|kind| kind.as_str() == text)
@@ -91,6 +95,8 @@ pub struct Repair {
     pub code_serial: Option<u32>,
     /// The day checked in, for a check-in bonus.
     pub checkin_day: Option<chrono::NaiveDate>,
+    /// The claim, for a promotion claim finished.
+    pub claim_id: Option<Uuid>,
     pub user_id: Uuid,
     /// When the settlement became owed (the task's end, the prioritise's abandonment, the
     /// code's redemption).
@@ -113,6 +119,7 @@ pub struct SettlementReconciler {
     tasks: TaskService,
     codes: CodeService,
     checkins: CheckInService,
+    promotions: PromotionService,
     pool: Pool,
     clock: Clock,
     after: Duration,
@@ -126,6 +133,7 @@ impl SettlementReconciler {
         tasks: TaskService,
         codes: CodeService,
         checkins: CheckInService,
+        promotions: PromotionService,
         pool: Pool,
         clock: Clock,
     ) -> SettlementReconciler {
@@ -133,6 +141,7 @@ impl SettlementReconciler {
         SettlementReconciler {
             codes,
             checkins,
+            promotions,
             after: Duration::from_millis(settings.settlement_after_ms),
             interval: Duration::from_millis(settings.settlement_interval_ms),
             tasks,
@@ -209,6 +218,7 @@ impl SettlementReconciler {
                         .flatten(),
                     code_serial: None,
                     checkin_day: None,
+                    claim_id: None,
                     user_id,
                     due_since,
                     repaired_at: self.clock.now(),
@@ -246,6 +256,7 @@ impl SettlementReconciler {
                         operation_id: Some(zhihui_domain::redeem::credit_operation_id(serial)),
                         code_serial: Some(serial),
                         checkin_day: None,
+                        claim_id: None,
                         user_id,
                         due_since: redeemed_at,
                         repaired_at: now,
@@ -268,13 +279,34 @@ impl SettlementReconciler {
                         )),
                         code_serial: None,
                         checkin_day: Some(day),
+                        claim_id: None,
                         user_id,
                         due_since: checked_in_at,
                         repaired_at: now,
                     })
                     .collect::<Vec<_>>()
             });
-        for made in [codes, bonuses] {
+        let claims = self
+            .promotions
+            .repair_once(after, SETTLEMENTS_PER_PASS_MAX)
+            .await
+            .map(|finished| {
+                finished
+                    .into_iter()
+                    .map(|(claim_id, user_id, accepted_at)| Repair {
+                        kind: RepairKind::ClaimSettled,
+                        task_id: None,
+                        operation_id: None,
+                        code_serial: None,
+                        checkin_day: None,
+                        claim_id: Some(claim_id),
+                        user_id,
+                        due_since: accepted_at,
+                        repaired_at: now,
+                    })
+                    .collect::<Vec<_>>()
+            });
+        for made in [codes, bonuses, claims] {
             let repairs = match made {
                 Ok(repairs) => repairs,
                 Err(error) => {
@@ -299,8 +331,8 @@ impl SettlementReconciler {
             .execute(
                 "INSERT INTO settlement_repairs
                     (repair_id, kind, task_id, operation_id, user_id, due_since, repaired_at,
-                     code_serial, checkin_day)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                     code_serial, checkin_day, claim_id)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
                 &[
                     &Uuid::now_v7(),
                     &repair.kind.as_str(),
@@ -311,6 +343,7 @@ impl SettlementReconciler {
                     &repair.repaired_at,
                     &repair.code_serial.map(i32::try_from).transpose()?,
                     &repair.checkin_day,
+                    &repair.claim_id,
                 ],
             )
             .await
@@ -364,7 +397,7 @@ pub async fn repairs(pool: &Pool, since: Option<DateTime<Utc>>) -> anyhow::Resul
     let rows = client
         .query(
             "SELECT kind, task_id, operation_id, user_id, due_since, repaired_at, code_serial,
-                    checkin_day
+                    checkin_day, claim_id
                FROM settlement_repairs WHERE repaired_at >= $1 ORDER BY repaired_at, repair_id",
             &[&since],
         )
@@ -384,6 +417,7 @@ pub async fn repairs(pool: &Pool, since: Option<DateTime<Utc>>) -> anyhow::Resul
                     .map(u32::try_from)
                     .transpose()?,
                 checkin_day: row.get(7),
+                claim_id: row.get(8),
             })
         })
         .collect()

@@ -66,6 +66,8 @@ pub struct AppState {
     pub checkins: crate::checkins::CheckInService,
     /// Daily active users (counted by the authentication extractors).
     pub active_users: crate::stats::ActiveUsers,
+    /// Flash-sale promotions: the gate and the claims consumer.
+    pub promotions: crate::promotions::PromotionService,
 }
 
 /// What tests (and only tests) replace: the clock and the code sender.
@@ -140,10 +142,25 @@ impl AppState {
             settings.stats.clone(),
             auth.day_utc_offset_minutes,
         );
+        let promotions = crate::promotions::PromotionService::new(
+            event_store.clone(),
+            AggregateService::new(
+                event_store.clone(),
+                RetryPolicy::default(),
+                Duration::from_millis(settings.accounts.actor_idle_ms),
+            ),
+            accounts.clone(),
+            pg_pool.clone(),
+            redis.clone(),
+            clock.clone(),
+            notifier.clone(),
+            settings.promotions.clone(),
+        );
         Ok(AppState {
             codes,
             checkins,
             active_users,
+            promotions,
             notifier,
             hub: NotificationHub::new(redis.clone()),
             images,
@@ -244,10 +261,19 @@ impl Application {
                 state.tasks.clone(),
                 state.codes.clone(),
                 state.checkins.clone(),
+                state.promotions.clone(),
                 state.pg_pool.clone(),
                 state.clock.clone(),
             );
             background.push(tokio::spawn(reconciler.run()));
+            if settings.promotions.consumer_enabled {
+                // Every process consumes claims, under a name of its own (a restarted process is
+                // a new consumer; its predecessor's pending claims are taken over).
+                let consumer = format!("zhihui-{}", uuid::Uuid::now_v7());
+                background.push(tokio::spawn(
+                    state.promotions.clone().run_consumer(consumer),
+                ));
+            }
             let issuer = crate::codes::issuer::CodeIssuer::new(state.codes.clone());
             background.push(tokio::spawn(issuer.run()));
             // The queue is derived: put it back from the events at start (Redis may have been

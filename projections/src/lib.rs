@@ -12,6 +12,7 @@
 pub mod accounts;
 pub mod checkins;
 pub mod codes;
+pub mod promotions;
 pub mod settlements;
 pub mod tasks;
 pub mod users;
@@ -50,6 +51,8 @@ pub enum ProjectionName {
     Codes,
     /// `checkins`.
     Checkins,
+    /// `promotions` and `promotion_claims`.
+    Promotions,
 }
 
 /// Which events a projection reads: by stream prefix, or (when it needs a few events of streams
@@ -61,13 +64,14 @@ pub enum Reads {
 }
 
 impl ProjectionName {
-    pub const ALL: [ProjectionName; 6] = [
+    pub const ALL: [ProjectionName; 7] = [
         ProjectionName::Ledger,
         ProjectionName::Users,
         ProjectionName::Tasks,
         ProjectionName::Settlements,
         ProjectionName::Codes,
         ProjectionName::Checkins,
+        ProjectionName::Promotions,
     ];
 
     pub fn as_str(&self) -> &'static str {
@@ -78,6 +82,7 @@ impl ProjectionName {
             ProjectionName::Settlements => "settlements",
             ProjectionName::Codes => "codes",
             ProjectionName::Checkins => "checkins",
+            ProjectionName::Promotions => "promotions",
         }
     }
 
@@ -96,6 +101,7 @@ impl ProjectionName {
             ProjectionName::Settlements => &["open_settlements"],
             ProjectionName::Codes => &["code_batches", "redeem_codes"],
             ProjectionName::Checkins => &["checkins"],
+            ProjectionName::Promotions => &["promotions", "promotion_claims"],
         }
     }
 
@@ -118,6 +124,7 @@ impl ProjectionName {
                     .map(|t| (*t).to_owned())
                     .collect(),
             ),
+            ProjectionName::Promotions => Reads::EventTypes(promotions::event_types()),
         }
     }
 
@@ -135,6 +142,7 @@ impl ProjectionName {
             ProjectionName::Settlements => settlements::apply(transaction, tables, events).await,
             ProjectionName::Codes => codes::apply(transaction, tables, events).await,
             ProjectionName::Checkins => checkins::apply(transaction, tables, events).await,
+            ProjectionName::Promotions => promotions::apply(transaction, tables, events).await,
         }
     }
 }

@@ -156,6 +156,16 @@ async fn follow(
                     notice_json(task_id, &notice)
                 }
                 Ok(Envelope::Task { .. }) => continue,
+                Ok(Envelope::Claim { user_id: owner, promotion_id, claim_id, granted, reason })
+                    if owner == user_id.as_uuid() =>
+                {
+                    if granted {
+                        serde_json::json!({"type": "claim_granted", "promotion_id": promotion_id, "claim_id": claim_id})
+                    } else {
+                        serde_json::json!({"type": "claim_refused", "promotion_id": promotion_id, "claim_id": claim_id, "reason": reason})
+                    }
+                }
+                Ok(Envelope::Claim { .. }) => continue,
                 Ok(Envelope::QueueMoved) => {
                     send_positions = true;
                     continue;

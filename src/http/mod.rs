@@ -10,6 +10,7 @@ mod health;
 mod live;
 mod openapi;
 pub mod problem;
+mod promotions;
 mod tasks;
 mod users;
 
@@ -80,6 +81,22 @@ pub fn routes(config: &mut web::ServiceConfig) {
                 .route(
                     "/admin/stats/active-users",
                     web::get().to(checkins::active_users),
+                )
+                .route("/promotions", web::get().to(promotions::open))
+                .route("/promotions/{id}/claims", web::post().to(promotions::claim))
+                .route(
+                    "/promotions/{id}/claims/me",
+                    web::get().to(promotions::my_claim),
+                )
+                .route("/admin/promotions", web::post().to(promotions::create))
+                .route("/admin/promotions/{id}", web::get().to(promotions::show))
+                .route(
+                    "/admin/promotions/{id}/end",
+                    web::post().to(promotions::end),
+                )
+                .route(
+                    "/admin/promotions/{id}/stock",
+                    web::post().to(promotions::raise),
                 )
                 .route("/admin/queue", web::get().to(tasks::queue))
                 .route("/admin/queue/rebuild", web::post().to(tasks::rebuild_queue)),

@@ -43,6 +43,13 @@ use utoipa::{Modify, OpenApi};
         super::checkins::check_in,
         super::checkins::month,
         super::checkins::active_users,
+        super::promotions::create,
+        super::promotions::show,
+        super::promotions::end,
+        super::promotions::raise,
+        super::promotions::open,
+        super::promotions::claim,
+        super::promotions::my_claim,
     ),
     components(schemas(super::problem::Problem)),
     modifiers(&BearerToken),
@@ -51,6 +58,7 @@ use utoipa::{Modify, OpenApi};
         (name = "users", description = "one's own account"),
         (name = "account", description = "one's points: balance and ledger"),
         (name = "tasks", description = "text-to-image tasks: submit, query, prioritise, cancel"),
+        (name = "promotions", description = "flash-sale promotions: list, claim, one's claim"),
         (name = "admin", description = "admin-only endpoints"),
     )
 )]

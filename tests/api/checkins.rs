@@ -361,6 +361,7 @@ async fn a_bonus_lost_between_the_streams_is_credited_by_the_retry_or_the_reconc
         services.tasks.clone(),
         services.codes.clone(),
         services.checkins.clone(),
+        services.promotions.clone(),
         services.pg_pool.clone(),
         services.clock.clone(),
     );

@@ -14,6 +14,7 @@ mod instances;
 mod ledger;
 mod migrations;
 mod processes;
+mod promotions;
 mod redeem;
 mod replay;
 mod revenue;

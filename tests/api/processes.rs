@@ -743,3 +743,134 @@ async fn the_access_log_never_shows_a_token_sent_in_the_query() {
     }
     let _ = std::fs::remove_dir_all(&images);
 }
+
+/// Issue 23: the process consuming the claims stream is SIGKILLed while it holds an entry it has
+/// not acknowledged; another process takes it over after `promotions.takeover_idle_ms` and every
+/// accepted claim is granted exactly once.
+#[tokio::test]
+async fn a_claims_consumer_killed_mid_stream_is_taken_over_and_no_claim_is_lost() {
+    const CLAIMS: usize = 500;
+    let app = spawn_app().await;
+    let images = std::env::temp_dir().join(format!("zhihui-processes-{}", Uuid::now_v7()));
+    let unused = "gpu-0 http://127.0.0.1:9 1";
+    let services = app.services();
+    let admin = app.admin_token("boss").await;
+    let now = app.clock.now();
+    let created: Value = app
+        .post(
+            "/api/v1/admin/promotions",
+            Some(&admin),
+            &json!({
+                "title": "Pack", "points": "10", "price": "0", "stock": CLAIMS,
+                "starts_at": chrono::Utc::now() - chrono::Duration::hours(1),
+                "ends_at": std::cmp::max(now, chrono::Utc::now()) + chrono::Duration::days(400),
+            }),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    let promotion = Uuid::parse_str(created["promotion_id"].as_str().unwrap()).unwrap();
+
+    // One process consumes, one claim at a time, so it always holds the entry it works on.
+    let mut dying = serve_with(
+        &app,
+        unused,
+        &images,
+        &[
+            ("ZHIHUI_DISPATCH__ENABLED", "false"),
+            ("ZHIHUI_PROMOTIONS__CONSUMER_BATCH", "1"),
+            ("ZHIHUI_PROMOTIONS__TAKEOVER_IDLE_MS", "1000"),
+        ],
+    )
+    .await;
+    // The gate (here in the test's process, as a third instance would) accepts every claim.
+    for _ in 0..CLAIMS {
+        let user = zhihui_domain::user::UserId::from_uuid(Uuid::now_v7());
+        services.promotions.claim(user, promotion).await.unwrap();
+    }
+    let mut redis = services.redis.connection().await.unwrap();
+    let stream = services.promotions.stream_key();
+    let pid = dying.child.id().unwrap().to_string();
+    let signal = |name: &str| {
+        let status = std::process::Command::new("kill")
+            .args([name, &pid])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    };
+    let started = tokio::time::Instant::now();
+    // Freeze the consumer; kill it only while it holds an entry it has not acknowledged.
+    loop {
+        signal("-STOP");
+        let pending: redis::streams::StreamPendingReply = redis::cmd("XPENDING")
+            .arg(&stream)
+            .arg("persist")
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        if pending.count() > 0 {
+            break;
+        }
+        signal("-CONT");
+        assert!(
+            started.elapsed() < WAIT_LIMIT,
+            "the consumer never held a claim"
+        );
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    dying.child.start_kill().unwrap();
+    dying.child.wait().await.unwrap();
+    let killed_at = tokio::time::Instant::now();
+
+    let _taking_over = serve_with(
+        &app,
+        unused,
+        &images,
+        &[
+            ("ZHIHUI_DISPATCH__ENABLED", "false"),
+            ("ZHIHUI_PROMOTIONS__TAKEOVER_IDLE_MS", "1000"),
+        ],
+    )
+    .await;
+    let client = crate::helpers::connect(&app.settings).await;
+    loop {
+        let granted: i64 = client
+            .query_one(
+                "SELECT count(*) FROM promotion_claims
+                  WHERE promotion_id = $1 AND status = 'granted' AND credited_at IS NOT NULL",
+                &[&promotion],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        // Every claim granted and credited, and every entry acknowledged (the dead consumer's
+        // too, once taken over).
+        let pending: redis::streams::StreamPendingReply = redis::cmd("XPENDING")
+            .arg(&stream)
+            .arg("persist")
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        if granted == i64::try_from(CLAIMS).unwrap() && pending.count() == 0 {
+            break;
+        }
+        assert!(
+            killed_at.elapsed() < WAIT_LIMIT,
+            "{granted} of {CLAIMS} granted, {} pending",
+            pending.count()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let distinct: i64 = client
+        .query_one(
+            "SELECT count(DISTINCT user_id) FROM promotion_claims WHERE promotion_id = $1",
+            &[&promotion],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(distinct, i64::try_from(CLAIMS).unwrap());
+    crate::tasks::project_and_verify(&app).await;
+    let _ = std::fs::remove_dir_all(&images);
+}

@@ -648,6 +648,7 @@ async fn a_redemption_whose_credit_was_lost_is_credited_by_the_retry_or_the_reco
         services.tasks.clone(),
         services.codes.clone(),
         services.checkins.clone(),
+        services.promotions.clone(),
         services.pg_pool.clone(),
         services.clock.clone(),
     );

@@ -144,6 +144,7 @@ async fn the_reconciler_repairs_every_unsettled_end_once_it_is_owed_and_lists_ea
         reconciler_process.tasks.clone(),
         reconciler_process.codes.clone(),
         reconciler_process.checkins.clone(),
+        reconciler_process.promotions.clone(),
         reconciler_process.pg_pool.clone(),
         reconciler_process.clock.clone(),
     );

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use rand::{Rng, SeedableRng};
-use secrecy::{ExposeSecret, SecretString};
+use secrecy::SecretString;
 use uuid::Uuid;
 use zhihui::bench_support::{Figure, metadata};
 use zhihui::codes::issuer::CodeIssuer;
@@ -302,48 +302,13 @@ async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
     ));
 
     // Everything projected, then audited.
-    for projection in zhihui_projections::ProjectionName::ALL {
-        zhihui::projector::Projector::live(
-            projection,
-            a.pg_pool.clone(),
-            a.event_store.clone(),
-            settings.projections.clone(),
-        )
-        .catch_up()
-        .await?;
-    }
-    zhihui::revenue::RevenueRecorder::new(
-        a.event_store.clone(),
-        a.pg_pool.clone(),
-        settings.projections.clone(),
-    )
-    .catch_up()
-    .await?;
-    let (client, connection) =
-        tokio_postgres::connect(settings.database.url.expose_secret(), tokio_postgres::NoTls)
-            .await?;
-    tokio::spawn(connection);
-    let verified = zhihui::audit::verify(
-        &a.event_store,
-        &client,
-        zhihui::audit::settlement_bound(&settings.tasks),
-    )
-    .await?;
-    for difference in verified.differences.iter().take(10) {
-        println!("DIFFERENCE {difference}");
-    }
-    println!(
-        "audit verify: {} events, {} difference(s), {} pending",
-        verified.events_read,
-        verified.differences.len(),
-        verified.pending_settlements
-    );
+    let verified = zhihui::bench_support::project_and_audit(&a, settings).await?;
     figures.push((
         "codes_audit_differences".into(),
         verified.differences.len() as f64,
         "differences",
     ));
-    clean_redis(&a).await?;
+    zhihui::bench_support::clean_redis(&a).await?;
     Ok(figures)
 }
 
@@ -684,20 +649,4 @@ async fn naive_contested(pool: &deadpool_postgres::Pool) -> anyhow::Result<usize
         println!("naive contested: {count} x {error}");
     }
     Ok(won)
-}
-
-/// Remove the run's keys (the database is dropped; Redis is shared).
-async fn clean_redis(state: &AppState) -> anyhow::Result<()> {
-    let mut connection = state.redis.connection().await?;
-    let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{}*", state.redis.key_prefix()))
-        .query_async(&mut connection)
-        .await?;
-    for chunk in keys.chunks(1_000) {
-        let _: i64 = redis::cmd("DEL")
-            .arg(chunk)
-            .query_async(&mut connection)
-            .await?;
-    }
-    Ok(())
 }

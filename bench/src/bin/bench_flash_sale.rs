@@ -1,0 +1,414 @@
+//! Benchmark of flash-sale claims, on one PostgreSQL and one Redis, in one run:
+//!
+//! 1. **Ours**: CLAIMS claims from CLAIMS distinct users on a stock of CLAIMS, CLIENTS clients
+//!    split over two instances (each its own pools and caches, as two `zhihui serve` processes),
+//!    while both instances' claims consumers run. Accepted claims/s at the gate and the gate's
+//!    p50/p99; claims persisted/s end to end (reserved, granted, credited: from the first claim
+//!    to the last `claim_granted` notification) and the p50/p99 of each claim's gate-to-granted
+//!    time.
+//! 2. **The seed's approach**, same run and database: one transaction per claim that inserts the
+//!    (promotion, user) row (unique: one per user), decrements `stock` with `WHERE stock > 0` on
+//!    the promotion's row and credits the account row. Claims/s, p50/p99.
+//! 3. **2,000 claims on a stock of 100**, both designs: exactly 100 granted, no user twice.
+//!
+//! Then every projection catches up and `audit verify` runs over everything: it must be clean.
+//!
+//!     DATABASE_URL=postgres://zhihui@127.0.0.1:55432/zhihui REDIS_URL=redis://127.0.0.1:56379/0 \
+//!         cargo run --release -p zhihui-bench --bin bench_flash_sale [-- CLAIMS]
+
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use futures::StreamExt;
+use secrecy::SecretString;
+use uuid::Uuid;
+use zhihui::bench_support::{Figure, metadata, ms, percentile};
+use zhihui::configuration::Settings;
+use zhihui::notify::Envelope;
+use zhihui::promotions::ClaimError;
+use zhihui::startup::AppState;
+use zhihui_domain::points::Amount;
+use zhihui_domain::promotion::PromotionSpec;
+use zhihui_domain::user::UserId;
+
+const CLIENTS: usize = 64;
+/// Connections of each side's pool (ours: half per instance).
+const POOL_SIZE: usize = 32;
+/// How long the persistence may take before the run gives up.
+const PERSIST_LIMIT: Duration = Duration::from_secs(300);
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let claims: usize = match std::env::args().nth(1) {
+        Some(text) => text.parse().context("CLAIMS must be a number")?,
+        None => 20_000,
+    };
+    let redis_url =
+        std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into());
+    Box::pin(zhihui::bench_support::with_fresh_database(
+        |settings| {
+            settings.database.pool_max_size = POOL_SIZE / 2;
+            settings.redis.url = SecretString::from(redis_url);
+            settings.redis.key_prefix = format!("bench:{}", Uuid::now_v7().simple());
+        },
+        |settings| async move { Box::pin(run(&settings, claims)).await },
+    ))
+    .await
+}
+
+fn instance(settings: &Settings) -> anyhow::Result<AppState> {
+    let pool = zhihui::postgres::build_pool(&settings.database)?;
+    AppState::build(settings, pool, Default::default())
+}
+
+fn spec(stock: u32) -> PromotionSpec {
+    let now = chrono::Utc::now();
+    PromotionSpec {
+        title: "bench pack".into(),
+        points: Amount::whole(10),
+        price: None,
+        stock,
+        starts_at: now - chrono::Duration::hours(1),
+        ends_at: now + chrono::Duration::hours(1),
+    }
+}
+
+struct Latencies {
+    per_second: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+}
+
+impl Latencies {
+    fn of(count: usize, elapsed: Duration, mut latencies: Vec<Duration>) -> Latencies {
+        latencies.sort();
+        Latencies {
+            per_second: count as f64 / elapsed.as_secs_f64(),
+            p50_ms: percentile(&latencies, 0.50).map_or(0.0, ms),
+            p99_ms: percentile(&latencies, 0.99).map_or(0.0, ms),
+        }
+    }
+
+    fn print(&self, what: &str) {
+        println!(
+            "  {what:<34} {:>8.0}/s  p50 {:>7.2} ms  p99 {:>7.2} ms",
+            self.per_second, self.p50_ms, self.p99_ms
+        );
+    }
+}
+
+async fn run(settings: &Settings, claims: usize) -> anyhow::Result<Vec<Figure>> {
+    let a = instance(settings)?;
+    let b = instance(settings)?;
+    zhihui::postgres::migrate(&a.pg_pool).await?;
+    let mut figures: Vec<Figure> = Vec::new();
+    let stock = u32::try_from(claims)?;
+
+    // 1. Ours: the gate on two instances, both consumers running.
+    let promotion = Uuid::now_v7();
+    a.promotions
+        .create(promotion, spec(stock), metadata())
+        .await
+        .map_err(|error| anyhow::anyhow!("{error}"))?;
+    let granted_at: Arc<Mutex<HashMap<Uuid, Instant>>> = Arc::default();
+    let mut notifications = a.hub.subscribe().await?;
+    let listener = {
+        let granted_at = granted_at.clone();
+        tokio::spawn(async move {
+            while let Ok(envelope) = notifications.recv().await {
+                if let Envelope::Claim {
+                    claim_id,
+                    granted: true,
+                    ..
+                } = envelope
+                {
+                    granted_at
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .insert(claim_id, Instant::now());
+                }
+            }
+        })
+    };
+    let consumers = [
+        tokio::spawn(a.promotions.clone().run_consumer("bench-a".into())),
+        tokio::spawn(b.promotions.clone().run_consumer("bench-b".into())),
+    ];
+    let started = Instant::now();
+    let gate: Vec<(Uuid, Instant, Duration)> = futures::stream::iter(0..claims)
+        .map(|index| {
+            let promotions = if index % 2 == 0 {
+                a.promotions.clone()
+            } else {
+                b.promotions.clone()
+            };
+            async move {
+                let user = UserId::from_uuid(Uuid::now_v7());
+                let sent = Instant::now();
+                let claim_id = promotions.claim(user, promotion).await?;
+                anyhow::Ok((claim_id, sent, sent.elapsed()))
+            }
+        })
+        .buffer_unordered(CLIENTS)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<anyhow::Result<_>>()?;
+    let gate_elapsed = started.elapsed();
+    let accepted = Latencies::of(
+        gate.len(),
+        gate_elapsed,
+        gate.iter().map(|(_, _, latency)| *latency).collect(),
+    );
+    // Wait for every claim to be persisted (granted and credited: the notification follows the
+    // credit).
+    loop {
+        let done = granted_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len();
+        if done >= claims {
+            break;
+        }
+        anyhow::ensure!(
+            started.elapsed() < PERSIST_LIMIT,
+            "{done} of {claims} claims persisted"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let persisted_elapsed = started.elapsed();
+    let end_to_end: Vec<Duration> = {
+        let granted_at = granted_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        gate.iter()
+            .filter_map(|(claim_id, sent, _)| granted_at.get(claim_id).map(|at| *at - *sent))
+            .collect()
+    };
+    let persisted = Latencies::of(claims, persisted_elapsed, end_to_end);
+    println!(
+        "{claims} claims from {claims} users on a stock of {stock}, {CLIENTS} clients on two instances:"
+    );
+    accepted.print("ours: accepted at the gate");
+    persisted.print("ours: persisted end to end");
+
+    // 2. The seed's approach.
+    let naive_pool = {
+        let mut naive = settings.clone();
+        naive.database.pool_max_size = POOL_SIZE;
+        zhihui::postgres::build_pool(&naive.database)?
+    };
+    setup_naive(&naive_pool).await?;
+    let naive_promotion = create_naive(&naive_pool, stock).await?;
+    let started = Instant::now();
+    let outcomes: Vec<(bool, Duration)> = futures::stream::iter(0..claims)
+        .map(|_| {
+            let pool = naive_pool.clone();
+            async move {
+                let sent = Instant::now();
+                let won = naive_claim(&pool, naive_promotion, Uuid::now_v7()).await?;
+                anyhow::Ok((won, sent.elapsed()))
+            }
+        })
+        .buffer_unordered(CLIENTS)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<anyhow::Result<_>>()?;
+    let naive_elapsed = started.elapsed();
+    anyhow::ensure!(
+        outcomes.iter().all(|(won, _)| *won),
+        "the naive design sold out early"
+    );
+    let naive = Latencies::of(
+        claims,
+        naive_elapsed,
+        outcomes.iter().map(|(_, latency)| *latency).collect(),
+    );
+    naive.print("seed: transaction per claim");
+    println!(
+        "  ratios: gate / seed {:.2} x, persisted / seed {:.2} x",
+        accepted.per_second / naive.per_second,
+        persisted.per_second / naive.per_second
+    );
+    figures.push((
+        "flash_gate_accepted_per_second".into(),
+        accepted.per_second,
+        "claims/s",
+    ));
+    figures.push(("flash_gate_p50".into(), accepted.p50_ms, "ms"));
+    figures.push(("flash_gate_p99".into(), accepted.p99_ms, "ms"));
+    figures.push((
+        "flash_persisted_per_second".into(),
+        persisted.per_second,
+        "claims/s",
+    ));
+    figures.push(("flash_persisted_p50".into(), persisted.p50_ms, "ms"));
+    figures.push(("flash_persisted_p99".into(), persisted.p99_ms, "ms"));
+    figures.push((
+        "seed_claims_per_second".into(),
+        naive.per_second,
+        "claims/s",
+    ));
+    figures.push(("seed_claim_p50".into(), naive.p50_ms, "ms"));
+    figures.push(("seed_claim_p99".into(), naive.p99_ms, "ms"));
+    figures.push((
+        "flash_gate_ratio_vs_seed".into(),
+        accepted.per_second / naive.per_second,
+        "x",
+    ));
+
+    // 3. 2,000 claims on a stock of 100, both designs.
+    let small = Uuid::now_v7();
+    a.promotions
+        .create(small, spec(100), metadata())
+        .await
+        .map_err(|error| anyhow::anyhow!("{error}"))?;
+    let rush: Vec<Result<Uuid, ClaimError>> = futures::stream::iter(0..2_000)
+        .map(|index| {
+            let promotions = if index % 2 == 0 {
+                a.promotions.clone()
+            } else {
+                b.promotions.clone()
+            };
+            async move {
+                promotions
+                    .claim(UserId::from_uuid(Uuid::now_v7()), small)
+                    .await
+            }
+        })
+        .buffer_unordered(CLIENTS)
+        .collect()
+        .await;
+    let won = rush.iter().filter(|outcome| outcome.is_ok()).count();
+    let sold_out = rush
+        .iter()
+        .filter(|outcome| matches!(outcome, Err(ClaimError::SoldOut)))
+        .count();
+    let naive_small = create_naive(&naive_pool, 100).await?;
+    let naive_rush: Vec<bool> = futures::stream::iter(0..2_000)
+        .map(|_| {
+            let pool = naive_pool.clone();
+            async move { naive_claim(&pool, naive_small, Uuid::now_v7()).await }
+        })
+        .buffer_unordered(CLIENTS)
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<anyhow::Result<_>>()?;
+    let naive_won = naive_rush.iter().filter(|won| **won).count();
+    println!(
+        "2000 claims on a stock of 100: ours {won} accepted, {sold_out} sold-out; seed {naive_won} granted"
+    );
+    anyhow::ensure!(
+        won == 100 && sold_out == 1_900,
+        "the gate must accept exactly the stock"
+    );
+    let started = Instant::now();
+    loop {
+        let state = a.promotions.load(small).await?.context("the promotion")?;
+        if state.granted == 100 {
+            break;
+        }
+        anyhow::ensure!(
+            started.elapsed() < PERSIST_LIMIT,
+            "{} of 100 granted",
+            state.granted
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    figures.push(("flash_2000_on_100_granted".into(), won as f64, "claims"));
+    figures.push((
+        "seed_2000_on_100_granted".into(),
+        naive_won as f64,
+        "claims",
+    ));
+    for consumer in consumers {
+        consumer.abort();
+    }
+    listener.abort();
+
+    // Everything projected, then audited.
+    let verified = zhihui::bench_support::project_and_audit(&a, settings).await?;
+    figures.push((
+        "flash_audit_differences".into(),
+        verified.differences.len() as f64,
+        "differences",
+    ));
+    zhihui::bench_support::clean_redis(&a).await?;
+    Ok(figures)
+}
+
+async fn setup_naive(pool: &deadpool_postgres::Pool) -> anyhow::Result<()> {
+    let client = pool.get().await?;
+    client
+        .batch_execute(
+            "CREATE SCHEMA naive;
+             CREATE TABLE naive.promotions (id uuid PRIMARY KEY, points numeric(20,2) NOT NULL,
+                 stock integer NOT NULL);
+             CREATE TABLE naive.claims (promotion_id uuid NOT NULL, user_id uuid NOT NULL,
+                 at timestamptz NOT NULL, PRIMARY KEY (promotion_id, user_id));
+             CREATE TABLE naive.accounts (user_id uuid PRIMARY KEY, available numeric(20,2) NOT NULL);",
+        )
+        .await
+        .context("creating the seed design's tables")?;
+    Ok(())
+}
+
+async fn create_naive(pool: &deadpool_postgres::Pool, stock: u32) -> anyhow::Result<Uuid> {
+    let id = Uuid::now_v7();
+    pool.get()
+        .await?
+        .execute(
+            "INSERT INTO naive.promotions (id, points, stock) VALUES ($1, 10, $2)",
+            &[&id, &i32::try_from(stock)?],
+        )
+        .await?;
+    Ok(id)
+}
+
+/// One claim the seed's way: one per user (the primary key), the stock decremented only while
+/// above zero, the account credited; all in one transaction. False when sold out or claimed.
+async fn naive_claim(
+    pool: &deadpool_postgres::Pool,
+    promotion: Uuid,
+    user: Uuid,
+) -> anyhow::Result<bool> {
+    let mut client = pool.get().await?;
+    let transaction = client.transaction().await?;
+    let inserted = transaction
+        .execute(
+            "INSERT INTO naive.claims (promotion_id, user_id, at) VALUES ($1, $2, now())
+             ON CONFLICT DO NOTHING",
+            &[&promotion, &user],
+        )
+        .await?;
+    if inserted == 0 {
+        return Ok(false);
+    }
+    let decremented = transaction
+        .query_opt(
+            "UPDATE naive.promotions SET stock = stock - 1 WHERE id = $1 AND stock > 0
+             RETURNING points",
+            &[&promotion],
+        )
+        .await?;
+    let Some(row) = decremented else {
+        transaction.rollback().await?;
+        return Ok(false);
+    };
+    let points: rust_decimal::Decimal = row.get(0);
+    transaction
+        .execute(
+            "INSERT INTO naive.accounts (user_id, available) VALUES ($1, $2)
+             ON CONFLICT (user_id) DO UPDATE SET available = naive.accounts.available + EXCLUDED.available",
+            &[&user, &points],
+        )
+        .await?;
+    transaction.commit().await?;
+    Ok(true)
+}
