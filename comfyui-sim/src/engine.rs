@@ -1075,7 +1075,16 @@ async fn run_node(
                 )
             };
             let prompt_text = crate::ojson::to_string(&OValue::Object(run.prompt.clone()));
-            let results = save_images(&images, &prefix, &base, kind, &prompt_text, fast)?;
+            let mut results = save_images(&images, &prefix, &base, kind, &prompt_text, fast)?;
+            if def.name == "SaveImage" && run.inst.shared.faults().hostile_outputs {
+                // A compromised or buggy server: one output more than asked for, outside the
+                // prompt's own prefix.
+                results.push(obj![
+                    ("filename", "passwd"),
+                    ("subfolder", "../../../etc"),
+                    ("type", "output")
+                ]);
+            }
             Ok((vec![], Some(obj![("images", OValue::Array(results))])))
         }
         other => Err(runtime_error(

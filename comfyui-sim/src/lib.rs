@@ -49,6 +49,9 @@ pub struct Faults {
     /// SaveImage encodes with the fastest deflate instead of ComfyUI's level 4 (same pixels,
     /// bigger files): a benchmark's simulated GPU should not eat the CPU of what it measures.
     pub fast_png: bool,
+    /// SaveImage reports one output more than it saved, outside the prefix it was given
+    /// (`../../../etc/passwd`): what a compromised server could answer.
+    pub hostile_outputs: bool,
 }
 
 /// One process lifetime of the simulated server.

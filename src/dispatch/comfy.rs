@@ -366,9 +366,15 @@ impl ComfyClient {
             .to_owned())
     }
 
-    /// Download one output file.
-    pub async fn view(&self, image: &OutputImage) -> anyhow::Result<(Vec<u8>, String)> {
-        let response = self
+    /// Download one output file, at most `limit` bytes (counted while reading: a server that
+    /// sends more is cut off, not buffered). The content type is the file's own (magic bytes),
+    /// never the server's header: PNG, JPEG or WebP, anything else is refused.
+    pub async fn view(
+        &self,
+        image: &OutputImage,
+        limit: usize,
+    ) -> anyhow::Result<(Vec<u8>, &'static str)> {
+        let mut response = self
             .http
             .get(self.url("/view"))
             .query(&[
@@ -385,21 +391,80 @@ impl ComfyClient {
             "GET /view of {} answered {status}",
             image.filename
         );
-        let content_type = response
-            .headers()
-            .get(reqwest::header::CONTENT_TYPE)
-            .and_then(|value| value.to_str().ok())
-            .unwrap_or("image/png")
-            .to_owned();
-        let bytes = response.bytes().await.context("reading an image")?;
-        anyhow::ensure!(
-            bytes.len() <= IMAGE_BYTES_MAX,
-            "image {} is {} bytes, over {IMAGE_BYTES_MAX}",
-            image.filename,
-            bytes.len()
-        );
-        Ok((bytes.to_vec(), content_type))
+        if let Some(length) = response.content_length() {
+            anyhow::ensure!(
+                length <= limit as u64,
+                "image {} is {length} bytes, over {limit}",
+                image.filename
+            );
+        }
+        let mut bytes = Vec::new();
+        while let Some(chunk) = response.chunk().await.context("reading an image")? {
+            anyhow::ensure!(
+                bytes.len() + chunk.len() <= limit,
+                "image {} is over {limit} bytes",
+                image.filename
+            );
+            bytes.extend_from_slice(&chunk);
+        }
+        let content_type = image_content_type(&bytes)
+            .with_context(|| format!("image {} is not a PNG, JPEG or WebP file", image.filename))?;
+        Ok((bytes, content_type))
     }
+}
+
+/// The type of an image file from its first bytes: PNG, JPEG or WebP; `None` for anything else.
+pub fn image_content_type(head: &[u8]) -> Option<&'static str> {
+    if head.starts_with(b"\x89PNG\r\n\x1a\n") {
+        Some("image/png")
+    } else if head.starts_with(&[0xFF, 0xD8, 0xFF]) {
+        Some("image/jpeg")
+    } else if head.len() >= 12 && &head[..4] == b"RIFF" && &head[8..12] == b"WEBP" {
+        Some("image/webp")
+    } else {
+        None
+    }
+}
+
+/// Check a finished prompt's outputs before anything is downloaded: at most the images the task
+/// asked for (`expected`, when the workflow says), each under the task's own prefix (the folder
+/// `zhihui`, a file name starting with the task id, no path separators): a server that names
+/// other files is refused, never followed.
+pub fn check_outputs(
+    task_id: zhihui_domain::task::TaskId,
+    outputs: &[OutputImage],
+    expected: Option<usize>,
+) -> Result<(), String> {
+    if let Some(expected) = expected
+        && outputs.len() > expected
+    {
+        return Err(format!(
+            "the image server returned {} images where {expected} were asked for",
+            outputs.len()
+        ));
+    }
+    let prefix = crate::tasks::workflow::filename_prefix(task_id);
+    let (folder, stem) = prefix.rsplit_once('/').unwrap_or(("", prefix.as_str()));
+    for output in outputs {
+        let plain =
+            |text: &str| !text.contains('/') && !text.contains('\\') && !text.contains("..");
+        if output.subfolder != folder
+            || !output.filename.starts_with(&format!("{stem}_"))
+            || !plain(&output.filename)
+        {
+            return Err("the image server named an output outside the task's own files".into());
+        }
+    }
+    Ok(())
+}
+
+/// The images a rendered workflow asks for (its `batch_size`), when it says.
+pub fn expected_images(workflow: &Value) -> Option<usize> {
+    workflow
+        .as_object()?
+        .values()
+        .find_map(|node| node["inputs"]["batch_size"].as_u64())
+        .and_then(|count| usize::try_from(count).ok())
 }
 
 /// A history entry's outcome: interrupts and errors are both `status_str: "error"`; the messages
@@ -456,6 +521,54 @@ mod tests {
     use super::*;
 
     const PROMPT: &str = "9db1a8ee-86a3-4418-9128-426012dd7b9f";
+
+    #[test]
+    fn the_content_type_comes_from_the_files_own_bytes() {
+        assert_eq!(
+            image_content_type(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR"),
+            Some("image/png")
+        );
+        assert_eq!(
+            image_content_type(&[0xFF, 0xD8, 0xFF, 0xE0]),
+            Some("image/jpeg")
+        );
+        assert_eq!(
+            image_content_type(b"RIFF\x10\0\0\0WEBPVP8 "),
+            Some("image/webp")
+        );
+        assert_eq!(image_content_type(b"<html><script>"), None);
+        assert_eq!(image_content_type(b"GIF89a"), None);
+        assert_eq!(image_content_type(b""), None);
+    }
+
+    #[test]
+    fn outputs_must_be_the_tasks_own_and_no_more_than_asked() {
+        let task = Uuid::parse_str(PROMPT).unwrap();
+        let output = |subfolder: &str, filename: &str| OutputImage {
+            filename: filename.into(),
+            subfolder: subfolder.into(),
+            kind: "output".into(),
+        };
+        let own = output("zhihui", &format!("{task}_00001_.png"));
+        assert_eq!(
+            check_outputs(task, std::slice::from_ref(&own), Some(1)),
+            Ok(())
+        );
+        assert!(check_outputs(task, &[own.clone(), own.clone()], Some(1)).is_err());
+        for hostile in [
+            output("", &format!("{task}_00001_.png")),
+            output("zhihui", "other_00001_.png"),
+            output("zhihui/../../etc", &format!("{task}_00001_.png")),
+            output("zhihui", &format!("{task}_/../../passwd")),
+            output("zhihui", &format!("{task}_..\\x.png")),
+        ] {
+            let refused = check_outputs(task, std::slice::from_ref(&hostile), Some(4)).unwrap_err();
+            assert!(!refused.contains("etc"), "{refused}");
+        }
+        let workflow = serde_json::json!({"5": {"class_type": "EmptyLatentImage", "inputs": {"batch_size": 3}}});
+        assert_eq!(expected_images(&workflow), Some(3));
+        assert_eq!(expected_images(&serde_json::json!({})), None);
+    }
 
     #[test]
     fn recorded_frames_parse() {

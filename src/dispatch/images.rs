@@ -83,6 +83,24 @@ impl ImageStore {
         Ok(record)
     }
 
+    /// An image's record and its file opened for reading (to stream it), `None` when there is no
+    /// such image.
+    pub async fn open(
+        &self,
+        image_id: Uuid,
+    ) -> anyhow::Result<Option<(ImageRecord, tokio::fs::File)>> {
+        let record = match tokio::fs::read(self.record_path(image_id)).await {
+            Ok(json) => serde_json::from_slice::<ImageRecord>(&json)
+                .with_context(|| format!("image record {image_id} is damaged"))?,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(error) => return Err(error).context("reading an image record"),
+        };
+        let file = tokio::fs::File::open(self.blob_path(&record.sha256))
+            .await
+            .with_context(|| format!("opening the bytes of image {image_id}"))?;
+        Ok(Some((record, file)))
+    }
+
     /// An image's record and bytes, `None` when there is no such image.
     pub async fn get(&self, image_id: Uuid) -> anyhow::Result<Option<(ImageRecord, Vec<u8>)>> {
         let record = match tokio::fs::read(self.record_path(image_id)).await {

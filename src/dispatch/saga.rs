@@ -1534,6 +1534,7 @@ impl Saga {
         let images = self.dispatcher.images.clone();
         let owner = flight.owner;
         let prompt_id = flight.prompt_id;
+        let expected = crate::dispatch::comfy::expected_images(&flight.workflow);
         let settings = self.dispatcher.settings.clone();
         let sender = self.inputs_sender.clone();
         self.dispatcher.work.spawn(async move {
@@ -1566,16 +1567,23 @@ impl Saga {
                                 "the image server finished without producing an image".into(),
                             ));
                         }
+                        // A server is not trusted: more images than asked for, or files
+                        // outside the task's own, fail the task (nothing is downloaded).
+                        if let Err(reason) =
+                            crate::dispatch::comfy::check_outputs(task_id, &outputs, expected)
+                        {
+                            return Ok(Completion::Failed(reason));
+                        }
                         let mut stored = Vec::with_capacity(outputs.len());
                         for (index, output) in outputs.iter().enumerate() {
-                            let (bytes, content_type) = client.view(output).await?;
-                            let id = image_id(task_id, index);
-                            images
-                                .put(id, owner, task_id, &bytes, &content_type)
+                            let (bytes, content_type) = client
+                                .view(output, crate::dispatch::comfy::IMAGE_BYTES_MAX)
                                 .await?;
+                            let id = image_id(task_id, index);
+                            images.put(id, owner, task_id, &bytes, content_type).await?;
                             stored.push(TaskImage {
                                 image_id: id.to_string(),
-                                content_type,
+                                content_type: content_type.to_owned(),
                             });
                         }
                         Completion::Succeeded(stored)
@@ -2115,7 +2123,21 @@ fn failed(
 /// A runtime error, said to a user: what failed, without tracebacks or server paths.
 fn failure_reason(node_type: &str, message: &str) -> String {
     let first_line = message.lines().next().unwrap_or("").trim();
-    let short: String = first_line.chars().take(200).collect();
+    // The server's own paths (its files, its Python) are not the user's business.
+    let without_paths = first_line
+        .split(' ')
+        .map(|word| {
+            if word.contains('/') || word.contains('\\') {
+                "<path>"
+            } else {
+                word
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ");
+    let short: String = without_paths.chars().take(200).collect();
+    let node_type: String = node_type.chars().take(60).collect();
+    let node_type = node_type.as_str();
     match (node_type.is_empty(), short.is_empty()) {
         (true, true) => "generation failed on the image server".into(),
         (true, false) => format!("generation failed on the image server: {short}"),
@@ -2127,6 +2149,20 @@ fn failure_reason(node_type: &str, message: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_servers_error_text_is_cut_and_never_shows_its_paths() {
+        let reason = failure_reason(
+            "CheckpointLoaderSimple",
+            "FileNotFoundError: /opt/ComfyUI/models/checkpoints/x.safetensors not found in C:\\models\nTraceback (most recent call last): ...",
+        );
+        assert_eq!(
+            reason,
+            "generation failed on the image server at CheckpointLoaderSimple: FileNotFoundError: <path> not found in <path>"
+        );
+        let long = failure_reason(&"N".repeat(500), &"word ".repeat(500));
+        assert!(long.chars().count() < 320, "{}", long.len());
+    }
 
     fn at(seconds: i64) -> chrono::DateTime<chrono::Utc> {
         chrono::DateTime::UNIX_EPOCH + chrono::Duration::seconds(seconds)

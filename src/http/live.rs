@@ -219,26 +219,59 @@ async fn tell_positions(
     get, path = "/api/v1/images/{id}", tag = "tasks", security(("bearer" = [])),
     params(("id" = Uuid, Path, description = "image id, from a task's `images`")),
     responses(
-        (status = 200, description = "the image bytes", content_type = "image/png"),
+        (status = 200, description = "the image bytes (PNG, JPEG or WebP, from the file's own bytes), with a strong `ETag`, `Cache-Control: private, immutable` and `X-Content-Type-Options: nosniff`", content_type = "image/png"),
+        (status = 304, description = "`If-None-Match` names the image's `ETag`"),
+        (status = 401, body = crate::http::problem::Problem),
         (status = 404, body = crate::http::problem::Problem),
     )
 )]
 pub async fn image(
     state: web::Data<AppState>,
+    request: actix_web::HttpRequest,
     caller: Authenticated,
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let not_found = || ApiError::NotFound("no such image".into());
     let image_id = Uuid::parse_str(&path).map_err(|_| not_found())?;
-    let Some((record, bytes)) = state.images.get(image_id).await? else {
+    let Some((record, file)) = state.images.open(image_id).await? else {
         return Err(not_found());
     };
     if record.owner != caller.user_id().as_uuid() {
         return Err(not_found());
     }
-    Ok(HttpResponse::Ok()
-        .content_type(record.content_type)
+    // Content-addressed: the digest is a strong validator.
+    let etag = format!("\"{}\"", record.sha256);
+    let matches = request
+        .headers()
+        .get(actix_web::http::header::IF_NONE_MATCH)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.trim() == "*" || value.split(',').any(|tag| tag.trim() == etag));
+    let mut response = if matches {
+        HttpResponse::NotModified()
+    } else {
+        HttpResponse::Ok()
+    };
+    response
+        .insert_header((actix_web::http::header::ETAG, etag))
         // Private: the URL is the same for everyone, the answer depends on the token.
         .insert_header(("Cache-Control", "private, max-age=31536000, immutable"))
-        .body(bytes))
+        .insert_header(("X-Content-Type-Options", "nosniff"));
+    if matches {
+        return Ok(response.finish());
+    }
+    // Streamed from disk, 64 KiB at a time: a large image never sits whole in memory.
+    let chunks = futures::stream::try_unfold(file, |mut file| async move {
+        use tokio::io::AsyncReadExt;
+        let mut buffer = vec![0u8; 64 * 1024];
+        let read = file.read(&mut buffer).await?;
+        if read == 0 {
+            return Ok::<_, std::io::Error>(None);
+        }
+        buffer.truncate(read);
+        Ok(Some((actix_web::web::Bytes::from(buffer), file)))
+    });
+    Ok(response
+        .content_type(record.content_type)
+        .no_chunking(record.bytes)
+        .streaming(chunks))
 }

@@ -295,8 +295,53 @@ async fn tasks_become_images_the_points_are_settled_and_the_owner_is_told() {
     assert!(url.starts_with("/api/v1/images/"), "{url}");
     let image = app.get_as(&token, url).await;
     assert_eq!(image.status(), 200);
+    let headers = image.headers().clone();
+    assert_eq!(headers["content-type"], "image/png");
+    assert_eq!(headers["x-content-type-options"], "nosniff");
+    assert!(
+        headers["cache-control"]
+            .to_str()
+            .unwrap()
+            .contains("private")
+    );
+    let etag = headers["etag"].to_str().unwrap().to_owned();
+    assert!(
+        etag.starts_with('"') && !etag.starts_with("W/"),
+        "strong: {etag}"
+    );
     let bytes = image.bytes().await.unwrap();
     assert_eq!(&bytes[..4], b"\x89PNG");
+    assert_eq!(
+        headers["content-length"].to_str().unwrap(),
+        bytes.len().to_string()
+    );
+    // Asked again with its ETag: 304, no body; another ETag: the image.
+    let again = reqwest::Client::new()
+        .get(format!("{}{url}", app.address))
+        .bearer_auth(&token)
+        .header("If-None-Match", &etag)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 304);
+    assert!(again.bytes().await.unwrap().is_empty());
+    let changed = reqwest::Client::new()
+        .get(format!("{}{url}", app.address))
+        .bearer_auth(&token)
+        .header("If-None-Match", "\"something else\"")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(changed.status(), 200);
+    // Another user with the right ETag still learns nothing.
+    let probing = reqwest::Client::new()
+        .get(format!("{}{url}", app.address))
+        .bearer_auth(&other_token)
+        .header("If-None-Match", &etag)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(probing.status(), 404);
     // Nobody else sees it; no ComfyUI address anywhere in the view.
     assert_eq!(app.get_as(&other_token, url).await.status(), 404);
     assert!(!view.to_string().contains("127.0.0.1"));
@@ -384,6 +429,45 @@ async fn a_runtime_error_or_a_rejected_workflow_fails_the_task_and_returns_its_p
     let reason = failure_reason(app, &task).await;
     assert!(reason.contains("KSampler"), "{reason}");
     assert!(!reason.contains("Traceback"), "{reason}");
+    assert_settled(&harness, &process, &user, 10).await;
+    saga.resign().await;
+}
+
+#[tokio::test]
+async fn a_server_naming_more_or_foreign_outputs_fails_the_task_and_nothing_is_downloaded() {
+    let faults = Faults {
+        hostile_outputs: true,
+        ..Faults::default()
+    };
+    let harness = harness(1, faults).await;
+    let app = &harness.app;
+    let (user, token) = funded_user(app, "wary", "10").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 1).await;
+    let task = submit_task(app, &token, 1, 2).await;
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&task),
+        &[TaskStatus::Failed],
+    )
+    .await;
+    drive_until_idle(&mut saga).await;
+    let reason = failure_reason(app, &task).await;
+    assert!(
+        reason.contains("images where 1 were asked for") || reason.contains("outside"),
+        "{reason}"
+    );
+    assert!(!reason.contains("etc"), "{reason}");
+    // Nothing of the task was stored; its points came back.
+    let view: Value = app
+        .get_as(&token, &format!("/api/v1/tasks/{task}"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(view["images"].as_array().map_or(0, Vec::len), 0, "{view}");
     assert_settled(&harness, &process, &user, 10).await;
     saga.resign().await;
 }

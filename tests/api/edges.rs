@@ -152,3 +152,74 @@ async fn a_redis_restarted_with_the_repositorys_configuration_keeps_every_sessio
     }
     let _ = std::fs::remove_dir_all(&directory);
 }
+
+/// A hostile image server's `/view`: an endless body, HTML sent as a PNG, a JPEG sent as HTML, a
+/// declared length over the cap.
+async fn hostile_view_server() -> String {
+    use actix_web::{App, HttpRequest, HttpResponse, HttpServer, web};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = HttpServer::new(|| {
+        App::new().route(
+            "/view",
+            web::get().to(|request: HttpRequest| async move {
+                let query = request.query_string().to_owned();
+                if query.contains("endless") {
+                    let chunks = futures::stream::repeat_with(|| {
+                        Ok::<_, std::io::Error>(web::Bytes::from(vec![0u8; 64 * 1024]))
+                    });
+                    HttpResponse::Ok()
+                        .content_type("image/png")
+                        .streaming(chunks)
+                } else if query.contains("html") {
+                    HttpResponse::Ok()
+                        .content_type("image/png")
+                        .body("<html><script>alert(1)</script></html>")
+                } else if query.contains("jpeg") {
+                    HttpResponse::Ok()
+                        .content_type("text/html")
+                        .body(vec![0xFF, 0xD8, 0xFF, 0xE0, 0, 16, b'J', b'F', b'I', b'F'])
+                } else {
+                    HttpResponse::Ok()
+                        .content_type("image/png")
+                        .body(vec![0u8; 2 * 1024 * 1024])
+                }
+            }),
+        )
+    })
+    .workers(1)
+    .listen(listener)
+    .unwrap()
+    .run();
+    tokio::spawn(server);
+    format!("http://127.0.0.1:{port}")
+}
+
+#[tokio::test]
+async fn a_download_is_capped_while_reading_and_typed_by_its_own_bytes() {
+    use zhihui::dispatch::comfy::{ComfyClient, OutputImage};
+    let url = hostile_view_server().await;
+    let client = ComfyClient::new(&url, Duration::from_secs(20)).unwrap();
+    let file = |name: &str| OutputImage {
+        filename: name.into(),
+        subfolder: "zhihui".into(),
+        kind: "output".into(),
+    };
+    let limit = 1024 * 1024;
+    // Endless: refused once past the cap, long before the client's timeout.
+    let started = std::time::Instant::now();
+    let endless = client.view(&file("endless"), limit).await.unwrap_err();
+    assert!(format!("{endless:#}").contains("over"), "{endless:#}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    // Declared over the cap: refused before reading.
+    let declared = client.view(&file("big"), limit).await.unwrap_err();
+    assert!(format!("{declared:#}").contains("over"), "{declared:#}");
+    // The server's content type is not believed.
+    let html = client.view(&file("html"), limit).await.unwrap_err();
+    assert!(
+        format!("{html:#}").contains("not a PNG, JPEG or WebP"),
+        "{html:#}"
+    );
+    let (bytes, content_type) = client.view(&file("jpeg"), limit).await.unwrap();
+    assert_eq!((bytes.len(), content_type), (10, "image/jpeg"));
+}
