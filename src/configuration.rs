@@ -427,6 +427,10 @@ pub struct AuthSettings {
     pub argon2_memory_kib: u32,
     pub argon2_iterations: u32,
     pub argon2_parallelism: u32,
+    /// Password checks waiting for one of the hashing permits, at most; beyond, a login or
+    /// registration is answered 429 with `Retry-After` at once instead of queueing (a flood of
+    /// logins to random names must not delay every real one without bound).
+    pub password_queue_max: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]

@@ -2,7 +2,10 @@
 //!
 //! Hashing is deliberately slow and memory-hungry (that is its point), so it runs on the blocking
 //! pool and at most `HASHES_IN_FLIGHT_MAX` at once: a flood of logins queues instead of
-//! allocating gigabytes. A login for an unknown user verifies against a dummy hash, so the answer
+//! allocating gigabytes. The queue is bounded too (`auth.password_queue_max` waiting): beyond
+//! it a check fails at once with [`HasherBusy`] (429 with `Retry-After`), so a flood of logins to
+//! random names costs its senders refusals instead of making every real login wait behind it.
+//! A login for an unknown user verifies against a dummy hash, so the answer
 //! takes as long as for a known user and does not reveal which names exist.
 //!
 //! The argon2 memory (19 MiB per hash by default) is ours and reused: letting the crate allocate
@@ -57,13 +60,30 @@ impl PlainPassword {
     }
 }
 
+/// Every hashing permit is taken and the queue is full: try again in a moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("too many password checks are waiting")]
+pub struct HasherBusy;
+
 #[derive(Debug, Clone)]
 pub struct Passwords {
     argon2_params: Params,
     /// Verified against when the user does not exist (see the module comment).
     dummy_hash: Arc<str>,
     in_flight: Arc<Semaphore>,
+    /// Checks waiting for a permit, and the most that may.
+    waiting: Arc<std::sync::atomic::AtomicUsize>,
+    queue_max: usize,
     memory: ArgonMemory,
+}
+
+/// A place in the hashing queue, given back when dropped.
+struct Waiting(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// Argon2 memory blocks, reused across hashes (see the module comment).
@@ -167,16 +187,33 @@ impl Passwords {
             argon2_params,
             dummy_hash: dummy_hash.into(),
             in_flight: Arc::new(Semaphore::new(HASHES_IN_FLIGHT_MAX)),
+            waiting: Arc::default(),
+            queue_max: settings.password_queue_max,
             memory,
         })
     }
 
-    pub async fn hash(&self, password: &PlainPassword) -> anyhow::Result<PasswordHash> {
-        let _permit = self
-            .in_flight
+    /// A hashing permit: at once when one is free, after a wait when fewer than `queue_max`
+    /// wait already, else [`HasherBusy`].
+    async fn permit(&self) -> anyhow::Result<tokio::sync::SemaphorePermit<'_>> {
+        if let Ok(permit) = self.in_flight.try_acquire() {
+            return Ok(permit);
+        }
+        let place = self
+            .waiting
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let _waiting = Waiting(self.waiting.clone());
+        if place >= self.queue_max {
+            return Err(HasherBusy.into());
+        }
+        self.in_flight
             .acquire()
             .await
-            .context("password hasher closed")?;
+            .context("password hasher closed")
+    }
+
+    pub async fn hash(&self, password: &PlainPassword) -> anyhow::Result<PasswordHash> {
+        let _permit = self.permit().await?;
         let params = self.argon2_params.clone();
         let secret = password.0.clone();
         let memory = self.memory.clone();
@@ -194,11 +231,7 @@ impl Passwords {
         password: &str,
         hash: Option<&PasswordHash>,
     ) -> anyhow::Result<bool> {
-        let _permit = self
-            .in_flight
-            .acquire()
-            .await
-            .context("password hasher closed")?;
+        let _permit = self.permit().await?;
         let known = hash.is_some();
         let phc: String = match hash {
             Some(hash) => hash.expose_phc().to_owned(),
@@ -234,6 +267,50 @@ mod tests {
         );
         assert!(PlainPassword::parse("         ").is_err());
         assert!(PlainPassword::parse("correct horse").is_ok());
+    }
+
+    #[tokio::test]
+    async fn past_the_queue_bound_a_check_is_refused_at_once_not_queued() {
+        let mut settings = crate::configuration::Settings::load(None).unwrap().auth;
+        settings.argon2_memory_kib = 1024;
+        settings.argon2_iterations = 1;
+        settings.password_queue_max = 1;
+        let passwords = Passwords::new(&settings).unwrap();
+        // Both permits busy (as two long hashes would hold them).
+        let held = passwords
+            .in_flight
+            .acquire_many(u32::try_from(HASHES_IN_FLIGHT_MAX).unwrap())
+            .await
+            .unwrap();
+        let waiter = {
+            let passwords = passwords.clone();
+            tokio::spawn(async move { passwords.verify("correct horse", None).await })
+        };
+        while passwords.waiting.load(std::sync::atomic::Ordering::SeqCst) < 1 {
+            tokio::task::yield_now().await;
+        }
+        // The queue holds one: the next is refused without waiting.
+        let refused = passwords.verify("correct horse", None).await.unwrap_err();
+        assert!(
+            refused.downcast_ref::<HasherBusy>().is_some(),
+            "{refused:#}"
+        );
+        assert_eq!(
+            passwords.waiting.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "a refused check leaves no place taken"
+        );
+        drop(held);
+        assert!(
+            !waiter.await.unwrap().unwrap(),
+            "the waiting one ran once a permit came back"
+        );
+        assert_eq!(
+            passwords.waiting.load(std::sync::atomic::Ordering::SeqCst),
+            0
+        );
+        // Free permits: no queue at all.
+        assert!(!passwords.verify("correct horse", None).await.unwrap());
     }
 
     #[tokio::test]

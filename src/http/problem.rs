@@ -55,6 +55,18 @@ pub enum ApiError {
 /// our bug (500).
 impl From<anyhow::Error> for ApiError {
     fn from(error: anyhow::Error) -> ApiError {
+        if error.chain().any(|cause| {
+            cause
+                .downcast_ref::<crate::auth::password::HasherBusy>()
+                .is_some()
+        }) {
+            return ApiError::TooManyRequests {
+                rule: "password-checks-busy",
+                detail: "too many password checks are waiting; try again in a second".into(),
+                retry_at: Utc::now() + chrono::Duration::seconds(1),
+                retry_after_s: 1,
+            };
+        }
         let redis_down = error.chain().any(|cause| {
             cause
                 .downcast_ref::<redis::RedisError>()
@@ -227,5 +239,25 @@ impl ResponseError for ApiError {
             _ => {}
         }
         response.json(self.problem())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_busy_hasher_is_a_429_with_retry_after_not_a_500() {
+        let error = anyhow::Error::new(crate::auth::password::HasherBusy).context("logging in");
+        let api = ApiError::from(error);
+        assert_eq!(api.status_code(), StatusCode::TOO_MANY_REQUESTS);
+        let response = api.error_response();
+        assert_eq!(
+            response
+                .headers()
+                .get(actix_web::http::header::RETRY_AFTER)
+                .and_then(|value| value.to_str().ok()),
+            Some("1")
+        );
     }
 }
