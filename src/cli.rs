@@ -85,6 +85,24 @@ pub enum Command {
         #[command(subcommand)]
         command: StatsCommand,
     },
+    /// Stored images.
+    Images {
+        #[command(subcommand)]
+        command: ImagesCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ImagesCommand {
+    /// Print an image's AI-generated labels (the PNG `AIGC` text and the XMP) and whether each
+    /// one's ReservedCode1 checks out under `labels.signing_key`. Exits non-zero when the label
+    /// the format needs is missing or does not check out.
+    Inspect {
+        /// A file, or the id of a stored image (read from `dispatch.images_directory`).
+        target: String,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -308,6 +326,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Stats {
             command: StatsCommand::ActiveUsers { from, to, json },
         } => stats_active_users(&settings, from, to, json).await,
+        Command::Images {
+            command: ImagesCommand::Inspect { target, json },
+        } => images_inspect(&settings, &target, json).await,
         Command::Replay {
             projection,
             batch_size,
@@ -526,6 +547,89 @@ async fn checkins_rebuild(settings: &Settings, user: Option<uuid::Uuid>) -> anyh
         out,
         "rebuilt {months} month(s) of check-ins for {users} user(s)"
     )?;
+    Ok(())
+}
+
+async fn images_inspect(settings: &Settings, target: &str, json: bool) -> anyhow::Result<()> {
+    let path = std::path::Path::new(target);
+    let bytes = match uuid::Uuid::parse_str(target) {
+        Ok(image_id) if !path.exists() => {
+            crate::dispatch::images::ImageStore::new(&settings.dispatch.images_directory)
+                .get(image_id)
+                .await?
+                .with_context(|| format!("no stored image {image_id}"))?
+                .1
+        }
+        _ => std::fs::read(path).with_context(|| format!("reading {target}"))?,
+    };
+    let inspection = crate::labels::Labeller::new(&settings.labels)?.inspect(&bytes)?;
+    let verdict = |checks: Option<bool>| match checks {
+        Some(true) => "checks out",
+        Some(false) => "DOES NOT check out",
+        None => "absent",
+    };
+    let mut out = std::io::stdout().lock();
+    if json {
+        let value = serde_json::json!({
+            "content_type": inspection.content_type,
+            "png_text": inspection.labels.png_text,
+            "png_text_checks_out": inspection.png_text_checks_out,
+            "xmp": inspection.labels.xmp,
+            "xmp_checks_out": inspection.xmp_checks_out,
+            "other_text_chunks": inspection.labels.other_text_keywords,
+            "labelled": inspection.is_ours(),
+        });
+        writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+    } else {
+        writeln!(out, "{target} ({})", inspection.content_type)?;
+        let sources = [
+            (
+                "PNG tEXt AIGC",
+                &inspection.labels.png_text,
+                inspection.png_text_checks_out,
+            ),
+            (
+                "XMP TC260:AIGC",
+                &inspection.labels.xmp,
+                inspection.xmp_checks_out,
+            ),
+        ];
+        for (name, label, checks) in sources {
+            if name.starts_with("PNG") && inspection.content_type != "image/png" {
+                continue;
+            }
+            writeln!(out, "{name}: ReservedCode1 {}", verdict(checks))?;
+            if let Some(label) = label {
+                for (field, value) in [
+                    ("Label", &label.label),
+                    ("ContentProducer", &label.content_producer),
+                    ("ProduceID", &label.produce_id),
+                    ("ReservedCode1", &label.reserved_code1),
+                    ("ContentPropagator", &label.content_propagator),
+                    ("PropagateID", &label.propagate_id),
+                    ("ReservedCode2", &label.reserved_code2),
+                ] {
+                    writeln!(out, "  {field:<18} {value}")?;
+                }
+            }
+        }
+        if inspection.content_type == "image/png" {
+            let others = &inspection.labels.other_text_keywords;
+            writeln!(
+                out,
+                "other text chunks: {}",
+                if others.is_empty() {
+                    "none".to_owned()
+                } else {
+                    others.join(", ")
+                }
+            )?;
+        }
+    }
+    anyhow::ensure!(
+        inspection.is_ours(),
+        "{target}: the AI-generated label is missing or does not check out"
+    );
     Ok(())
 }
 

@@ -33,6 +33,7 @@ pub struct Settings {
     pub checkins: CheckInSettings,
     pub stats: StatsSettings,
     pub promotions: PromotionSettings,
+    pub labels: LabelSettings,
     pub log: LogSettings,
 }
 
@@ -129,6 +130,47 @@ pub struct StatsSettings {
 /// The development signing key of `default_settings.toml`: refused outside development.
 pub const DEVELOPMENT_CODE_KEY: &str =
     "development-only code signing key: never use it in production";
+
+/// The development label key of `default_settings.toml`: refused outside development.
+pub const DEVELOPMENT_LABEL_KEY: &str =
+    "development-only AIGC label key: never use it in production";
+
+/// AI-generated content labels (GB 45438-2025): see `src/labels/` and README.md.
+#[derive(Debug, Clone, Deserialize)]
+pub struct LabelSettings {
+    /// `ContentProducer`: the provider's name or code (its filing number, for instance).
+    pub content_producer: String,
+    /// `ContentPropagator`: empty unless zhihui also labels as the propagating platform; when
+    /// set, `PropagateID` is the image's id.
+    pub content_propagator: String,
+    /// `ReservedCode2`, as configured (empty by default).
+    pub reserved_code2: String,
+    /// The key of `ReservedCode1`'s HMAC, at least 32 bytes. Secret.
+    pub signing_key: SecretString,
+    /// The visible mark's text, e.g. "AI生成" or "人工智能生成".
+    pub text: String,
+    pub corner: crate::labels::mark::Corner,
+    /// The text's ink height as a share of the image's shorter side (0.05 at least).
+    pub height_ratio: f32,
+    /// Keep ComfyUI's own PNG text chunks (`prompt`, `workflow`: the whole graph) in what users
+    /// download. Off: they are removed.
+    pub keep_comfy_metadata: bool,
+    /// Keep the image as ComfyUI produced it, readable by admins only.
+    pub keep_original: bool,
+    /// Images labelled at once (each takes a blocking thread).
+    pub workers: usize,
+    /// How hard a labelled PNG is compressed: `fast`, `balanced` or `high` (CPU against bytes;
+    /// BENCHMARKS.md, `bench_labels`, has the figures).
+    pub png_compression: PngCompression,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PngCompression {
+    Fast,
+    Balanced,
+    High,
+}
 
 /// Redeem codes (PRODUCT.md section 4).
 #[derive(Debug, Clone, Deserialize)]
@@ -523,6 +565,21 @@ const DEFAULTS_TOML: &str = include_str!("default_settings.toml");
 
 impl Settings {
     /// Load defaults, then `file` if given, then `ZHIHUI_*` environment variables.
+    /// The built-in defaults alone (no file, no environment): tests and benchmarks.
+    pub fn defaults() -> anyhow::Result<Settings> {
+        let settings: Settings = config::Config::builder()
+            .add_source(config::File::from_str(
+                DEFAULTS_TOML,
+                config::FileFormat::Toml,
+            ))
+            .build()
+            .context("reading the default settings")?
+            .try_deserialize()
+            .context("the default settings do not match the expected shape")?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
     pub fn load(file: Option<&Path>) -> anyhow::Result<Settings> {
         let mut builder = config::Config::builder().add_source(config::File::from_str(
             DEFAULTS_TOML,
@@ -586,6 +643,7 @@ impl Settings {
         self.validate_tasks()?;
         self.validate_dispatch()?;
         self.validate_codes()?;
+        self.validate_labels()?;
         self.checkins.rule()?;
         anyhow::ensure!(
             self.checkins.redis_keep_days >= 62,
@@ -617,6 +675,40 @@ impl Settings {
                 && codes.failures_window_ms >= 1_000
                 && codes.issue_scan_interval_ms >= 1,
             "codes: page_size, failures_max and issue_scan_interval_ms must be at least 1, failures_window_ms at least 1000"
+        );
+        Ok(())
+    }
+
+    fn validate_labels(&self) -> anyhow::Result<()> {
+        let labels = &self.labels;
+        // Builds the mark: the text's glyphs and the height ratio are checked here, at start.
+        crate::labels::mark::Mark::new(&labels.text, labels.corner, labels.height_ratio)?;
+        anyhow::ensure!(
+            labels.signing_key.expose_secret().len() >= 32,
+            "labels.signing_key must have at least 32 bytes"
+        );
+        anyhow::ensure!(
+            self.environment == Environment::Development
+                || labels.signing_key.expose_secret() != DEVELOPMENT_LABEL_KEY,
+            "labels.signing_key is the development key, refused outside development: set ZHIHUI_LABELS__SIGNING_KEY to a secret of at least 32 bytes"
+        );
+        for (name, value) in [
+            ("labels.content_producer", &labels.content_producer),
+            ("labels.content_propagator", &labels.content_propagator),
+            ("labels.reserved_code2", &labels.reserved_code2),
+        ] {
+            anyhow::ensure!(
+                value.chars().count() <= 256 && !value.chars().any(char::is_control),
+                "{name} must have at most 256 characters and no control characters"
+            );
+        }
+        anyhow::ensure!(
+            !labels.content_producer.trim().is_empty(),
+            "labels.content_producer must name the provider (its name or code)"
+        );
+        anyhow::ensure!(
+            (1..=64).contains(&labels.workers),
+            "labels.workers must be 1 to 64"
         );
         Ok(())
     }
@@ -748,8 +840,16 @@ mod tests {
             "0".into(),
             SecretString::from("a production secret of at least thirty-two bytes"),
         );
-        settings.validate().expect("a real key is accepted");
+        // The development label key is refused too, naming its setting.
+        let refused = settings
+            .validate()
+            .expect_err("the development label key is refused");
+        assert!(refused.to_string().contains("labels.signing_key"), "{refused}");
+        settings.labels.signing_key =
+            SecretString::from("a production label key of at least thirty-two bytes");
+        settings.validate().expect("real keys are accepted");
         assert!(!format!("{:?}", settings.codes).contains("production secret"));
+        assert!(!format!("{:?}", settings.labels).contains("production label key"));
         settings
             .codes
             .keys

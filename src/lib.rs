@@ -14,6 +14,7 @@ pub mod dispatch;
 pub mod event_store;
 pub mod http;
 pub mod inspect;
+pub mod labels;
 pub mod leader;
 pub mod lua;
 pub mod notify;

@@ -116,6 +116,7 @@ impl AppState {
             Leases::new(redis.clone(), pg_pool.clone()),
             notifier.clone(),
             images.clone(),
+            crate::labels::Labeller::new(&settings.labels)?,
             clock.clone(),
             settings.dispatch.clone(),
         )?;

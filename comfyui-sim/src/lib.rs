@@ -52,6 +52,9 @@ pub struct Faults {
     /// SaveImage reports one output more than it saved, outside the prefix it was given
     /// (`../../../etc/passwd`): what a compromised server could answer.
     pub hostile_outputs: bool,
+    /// `/view` answers a damaged file: the PNG signature and the first quarter of the bytes
+    /// (a download cut short on the server, a disk error): what a client cannot decode.
+    pub corrupt_images: bool,
 }
 
 /// One process lifetime of the simulated server.

@@ -388,7 +388,10 @@ async fn view(
         .await
         .unwrap_or_else(|e| Err(std::io::Error::other(e.to_string())))
     {
-        Ok(bytes) => {
+        Ok(mut bytes) => {
+            if inst.shared.faults().corrupt_images {
+                bytes.truncate(bytes.len() / 4);
+            }
             let content_type = match path
                 .extension()
                 .and_then(|e| e.to_str())

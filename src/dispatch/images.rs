@@ -1,6 +1,8 @@
-//! The image store: images downloaded from ComfyUI, kept on local disk, content-addressed
+//! The image store: images downloaded from ComfyUI and labelled (`crate::labels`: `put` takes
+//! only a [`LabelledImage`]), kept on local disk, content-addressed
 //! (`blobs/<sha256[0..2]>/<sha256>`), with one small record per image id naming its owner
-//! (`images/<image id>.json`). Users fetch images from zhihui by id, owner only; a ComfyUI
+//! (`images/<image id>.json`). The unlabelled original is kept only when `labels.keep_original`
+//! says so, and only the admin route reads it. Users fetch images from zhihui by id, owner only; a ComfyUI
 //! address never reaches them.
 //!
 //! The record is written, and made durable, before the task's `TaskSucceeded` event names the
@@ -18,6 +20,8 @@ use uuid::Uuid;
 use zhihui_domain::task::TaskId;
 use zhihui_domain::user::UserId;
 
+use crate::labels::LabelledImage;
+
 const IMAGE_NAMESPACE: Uuid = Uuid::from_u128(0x7a68_6968_7569_4000_8000_696d_6167_6573);
 
 /// The id of the `index`-th output image of a task.
@@ -33,6 +37,9 @@ pub struct ImageRecord {
     pub sha256: String,
     pub content_type: String,
     pub bytes: u64,
+    /// The image as ComfyUI produced it (admins only), when kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub original_sha256: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -53,15 +60,8 @@ impl ImageStore {
         self.root.join("images").join(format!("{image_id}.json"))
     }
 
-    /// Store an image's bytes (once per content) and its record.
-    pub async fn put(
-        &self,
-        image_id: Uuid,
-        owner: UserId,
-        task_id: TaskId,
-        bytes: &[u8],
-        content_type: &str,
-    ) -> anyhow::Result<ImageRecord> {
+    /// Store a blob once per content; its sha256.
+    async fn put_blob(&self, bytes: &[u8]) -> anyhow::Result<String> {
         let sha256: String = Sha256::digest(bytes)
             .iter()
             .map(|byte| format!("{byte:02x}"))
@@ -70,30 +70,55 @@ impl ImageStore {
         if tokio::fs::metadata(&blob).await.is_err() {
             write_atomically(&blob, bytes).await?;
         }
+        Ok(sha256)
+    }
+
+    /// Store a labelled image's bytes (once per content), its original when kept, and its record.
+    pub async fn put(
+        &self,
+        image_id: Uuid,
+        owner: UserId,
+        task_id: TaskId,
+        image: &LabelledImage,
+    ) -> anyhow::Result<ImageRecord> {
+        let sha256 = self.put_blob(image.bytes()).await?;
+        let original_sha256 = match image.original() {
+            Some(original) => Some(self.put_blob(original).await?),
+            None => None,
+        };
         let record = ImageRecord {
             image_id,
             owner: owner.as_uuid(),
             task_id,
             sha256,
-            content_type: content_type.to_owned(),
-            bytes: bytes.len() as u64,
+            content_type: image.content_type().to_owned(),
+            bytes: image.bytes().len() as u64,
+            original_sha256,
         };
         let json = serde_json::to_vec(&record).context("encoding an image record")?;
         write_atomically(&self.record_path(image_id), &json).await?;
         Ok(record)
     }
 
-    /// An image's record and its file opened for reading (to stream it), `None` when there is no
-    /// such image.
+    /// An image's record, `None` when there is no such image.
+    pub async fn record(&self, image_id: Uuid) -> anyhow::Result<Option<ImageRecord>> {
+        match tokio::fs::read(self.record_path(image_id)).await {
+            Ok(json) => serde_json::from_slice::<ImageRecord>(&json)
+                .map(Some)
+                .with_context(|| format!("image record {image_id} is damaged")),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(error) => Err(error).context("reading an image record"),
+        }
+    }
+
+    /// An image's record and its (labelled) file opened for reading (to stream it), `None` when
+    /// there is no such image.
     pub async fn open(
         &self,
         image_id: Uuid,
     ) -> anyhow::Result<Option<(ImageRecord, tokio::fs::File)>> {
-        let record = match tokio::fs::read(self.record_path(image_id)).await {
-            Ok(json) => serde_json::from_slice::<ImageRecord>(&json)
-                .with_context(|| format!("image record {image_id} is damaged"))?,
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(error) => return Err(error).context("reading an image record"),
+        let Some(record) = self.record(image_id).await? else {
+            return Ok(None);
         };
         let file = tokio::fs::File::open(self.blob_path(&record.sha256))
             .await
@@ -101,13 +126,25 @@ impl ImageStore {
         Ok(Some((record, file)))
     }
 
-    /// An image's record and bytes, `None` when there is no such image.
+    /// An image's original as ComfyUI produced it, when kept (admins only: it has no label).
+    pub async fn original(&self, image_id: Uuid) -> anyhow::Result<Option<Vec<u8>>> {
+        let Some(sha256) = self
+            .record(image_id)
+            .await?
+            .and_then(|record| record.original_sha256)
+        else {
+            return Ok(None);
+        };
+        tokio::fs::read(self.blob_path(&sha256))
+            .await
+            .map(Some)
+            .with_context(|| format!("reading the original of image {image_id}"))
+    }
+
+    /// An image's record and (labelled) bytes, `None` when there is no such image.
     pub async fn get(&self, image_id: Uuid) -> anyhow::Result<Option<(ImageRecord, Vec<u8>)>> {
-        let record = match tokio::fs::read(self.record_path(image_id)).await {
-            Ok(json) => serde_json::from_slice::<ImageRecord>(&json)
-                .with_context(|| format!("image record {image_id} is damaged"))?,
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(error) => return Err(error).context("reading an image record"),
+        let Some(record) = self.record(image_id).await? else {
+            return Ok(None);
         };
         let bytes = tokio::fs::read(self.blob_path(&record.sha256))
             .await
@@ -154,6 +191,24 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+    use crate::labels::Labeller;
+
+    /// A plain PNG of one colour, as a server would send it.
+    fn png(colour: [u8; 3]) -> Vec<u8> {
+        let image = image::RgbImage::from_pixel(64, 64, image::Rgb(colour));
+        let mut out = std::io::Cursor::new(Vec::new());
+        image.write_to(&mut out, image::ImageFormat::Png).unwrap();
+        out.into_inner()
+    }
+
+    fn labelled(keep_original: bool, bytes: &[u8], task: TaskId, index: usize) -> LabelledImage {
+        let mut settings = crate::configuration::Settings::defaults().unwrap().labels;
+        settings.keep_original = keep_original;
+        Labeller::new(&settings)
+            .unwrap()
+            .label_now(bytes, task, index, image_id(task, index))
+            .unwrap()
+    }
 
     #[tokio::test]
     async fn images_are_stored_once_per_content_and_found_by_id() {
@@ -161,20 +216,51 @@ mod tests {
         let store = ImageStore::new(&root);
         let task = Uuid::now_v7();
         let owner = UserId::from_uuid(Uuid::now_v7());
+        let image = labelled(false, &png([10, 20, 30]), task, 0);
         let first = store
-            .put(image_id(task, 0), owner, task, b"png bytes", "image/png")
+            .put(image_id(task, 0), owner, task, &image)
             .await
             .unwrap();
         let second = store
-            .put(image_id(task, 1), owner, task, b"png bytes", "image/png")
+            .put(image_id(task, 1), owner, task, &image)
             .await
             .unwrap();
         assert_eq!(first.sha256, second.sha256);
         let (record, bytes) = store.get(image_id(task, 1)).await.unwrap().unwrap();
         assert_eq!(record.owner, owner.as_uuid());
-        assert_eq!(bytes, b"png bytes");
+        assert_eq!(bytes, image.bytes());
         assert!(store.get(Uuid::now_v7()).await.unwrap().is_none());
         assert_ne!(image_id(task, 0), image_id(task, 1));
+        // No original unless asked for.
+        assert!(record.original_sha256.is_none());
+        assert!(store.original(image_id(task, 1)).await.unwrap().is_none());
+        tokio::fs::remove_dir_all(root).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_original_is_kept_beside_the_labelled_image_only_when_configured() {
+        let root = std::env::temp_dir().join(format!("zhihui-images-{}", Uuid::new_v4()));
+        let store = ImageStore::new(&root);
+        let task = Uuid::now_v7();
+        let owner = UserId::from_uuid(Uuid::now_v7());
+        let original = png([200, 100, 0]);
+        let image = labelled(true, &original, task, 0);
+        store
+            .put(image_id(task, 0), owner, task, &image)
+            .await
+            .unwrap();
+        assert_eq!(
+            store.original(image_id(task, 0)).await.unwrap().unwrap(),
+            original
+        );
+        let (_, served) = store.get(image_id(task, 0)).await.unwrap().unwrap();
+        assert_ne!(served, original);
+        assert!(
+            crate::labels::metadata::read(&served)
+                .unwrap()
+                .png_text
+                .is_some()
+        );
         tokio::fs::remove_dir_all(root).await.unwrap();
     }
 
@@ -185,18 +271,14 @@ mod tests {
         let task = Uuid::now_v7();
         let owner = UserId::from_uuid(Uuid::now_v7());
         let id = image_id(task, 0);
-        store
-            .put(id, owner, task, b"first", "image/png")
-            .await
-            .unwrap();
+        let first = labelled(false, &png([1, 1, 1]), task, 0);
+        store.put(id, owner, task, &first).await.unwrap();
         // A retried completion stores the same id again (here with other bytes).
-        store
-            .put(id, owner, task, b"second", "image/png")
-            .await
-            .unwrap();
+        let second = labelled(false, &png([2, 2, 2]), task, 0);
+        store.put(id, owner, task, &second).await.unwrap();
         let (record, bytes) = store.get(id).await.unwrap().unwrap();
-        assert_eq!(bytes, b"second");
-        assert_eq!(record.bytes, 6);
+        assert_eq!(bytes, second.bytes());
+        assert_eq!(record.bytes, second.bytes().len() as u64);
         let mut pending = vec![root.clone()];
         while let Some(directory) = pending.pop() {
             let mut entries = tokio::fs::read_dir(&directory).await.unwrap();

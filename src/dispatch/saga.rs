@@ -60,6 +60,7 @@ use crate::dispatch::socket::{self, SocketEvent, SocketTimings};
 use crate::event_store::{
     AnyEventStore, EventFilter, EventMetadata, EventStore, SubscriptionMessage,
 };
+use crate::labels::{LabelError, Labeller};
 use crate::notify::{Notifier, TaskNotice};
 use crate::tasks::service::{IntentKind, TaskService};
 
@@ -99,6 +100,7 @@ pub struct Dispatcher {
     leases: Leases,
     notifier: Notifier,
     images: ImageStore,
+    labeller: Labeller,
     clock: Clock,
     settings: DispatchSettings,
     backends: Arc<Vec<Backend>>,
@@ -165,6 +167,7 @@ impl Dispatcher {
         leases: Leases,
         notifier: Notifier,
         images: ImageStore,
+        labeller: Labeller,
         clock: Clock,
         settings: DispatchSettings,
     ) -> anyhow::Result<Dispatcher> {
@@ -186,6 +189,7 @@ impl Dispatcher {
             leases,
             notifier,
             images,
+            labeller,
             clock,
             settings,
             backends: Arc::new(backends),
@@ -1532,6 +1536,7 @@ impl Saga {
         };
         let client = self.dispatcher.backends[flight.backend].client.clone();
         let images = self.dispatcher.images.clone();
+        let labeller = self.dispatcher.labeller.clone();
         let owner = flight.owner;
         let prompt_id = flight.prompt_id;
         let expected = crate::dispatch::comfy::expected_images(&flight.workflow);
@@ -1576,14 +1581,27 @@ impl Saga {
                         }
                         let mut stored = Vec::with_capacity(outputs.len());
                         for (index, output) in outputs.iter().enumerate() {
-                            let (bytes, content_type) = client
+                            let (bytes, _) = client
                                 .view(output, crate::dispatch::comfy::IMAGE_BYTES_MAX)
                                 .await?;
                             let id = image_id(task_id, index);
-                            images.put(id, owner, task_id, &bytes, content_type).await?;
+                            // Both labels before the store: no unlabelled image ever has a URL.
+                            let image = match labeller.label(bytes, task_id, index, id).await {
+                                Ok(image) => image,
+                                // The same bytes would come back: fail now, points released.
+                                Err(error @ LabelError::Unreadable(_)) => {
+                                    tracing::warn!(%task_id, %error, "an output could not be labelled");
+                                    return Ok(Completion::Failed(
+                                        "the image server returned an image that cannot be read"
+                                            .into(),
+                                    ));
+                                }
+                                Err(LabelError::Internal(error)) => return Err(error),
+                            };
+                            images.put(id, owner, task_id, &image).await?;
                             stored.push(TaskImage {
                                 image_id: id.to_string(),
-                                content_type: content_type.to_owned(),
+                                content_type: image.content_type().to_owned(),
                             });
                         }
                         Completion::Succeeded(stored)

@@ -219,7 +219,7 @@ async fn tell_positions(
     get, path = "/api/v1/images/{id}", tag = "tasks", security(("bearer" = [])),
     params(("id" = Uuid, Path, description = "image id, from a task's `images`")),
     responses(
-        (status = 200, description = "the image bytes (PNG, JPEG or WebP, from the file's own bytes), with a strong `ETag`, `Cache-Control: private, immutable` and `X-Content-Type-Options: nosniff`", content_type = "image/png"),
+        (status = 200, description = "the image bytes (PNG, JPEG or WebP, from the file's own bytes), labelled as AI-generated (a visible mark and the AIGC metadata; `X-AIGC-Label: 1`), with a strong `ETag`, `Cache-Control: private, immutable` and `X-Content-Type-Options: nosniff`", content_type = "image/png"),
         (status = 304, description = "`If-None-Match` names the image's `ETag`"),
         (status = 401, body = crate::http::problem::Problem),
         (status = 404, body = crate::http::problem::Problem),
@@ -255,7 +255,9 @@ pub async fn image(
         .insert_header((actix_web::http::header::ETAG, etag))
         // Private: the URL is the same for everyone, the answer depends on the token.
         .insert_header(("Cache-Control", "private, max-age=31536000, immutable"))
-        .insert_header(("X-Content-Type-Options", "nosniff"));
+        .insert_header(("X-Content-Type-Options", "nosniff"))
+        // Every stored image carries both labels (`crate::labels`); this says so beside it.
+        .insert_header(("X-AIGC-Label", "1"));
     if matches {
         return Ok(response.finish());
     }
@@ -274,4 +276,35 @@ pub async fn image(
         .content_type(record.content_type)
         .no_chunking(record.bytes)
         .streaming(chunks))
+}
+
+/// An image as the image server produced it, before its labels: admins only, and only when
+/// `labels.keep_original` kept it (404 otherwise).
+#[utoipa::path(
+    get, path = "/api/v1/admin/images/{id}/original", tag = "admin", security(("bearer" = [])),
+    params(("id" = Uuid, Path, description = "image id")),
+    responses(
+        (status = 200, description = "the unlabelled original (kept only with `labels.keep_original`)", content_type = "image/png"),
+        (status = 401, body = crate::http::problem::Problem),
+        (status = 403, body = crate::http::problem::Problem),
+        (status = 404, body = crate::http::problem::Problem),
+    )
+)]
+pub async fn original_image(
+    state: web::Data<AppState>,
+    _admin: crate::http::extract::Admin,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let not_found = || ApiError::NotFound("no original kept for this image".into());
+    let image_id = Uuid::parse_str(&path).map_err(|_| not_found())?;
+    let Some(bytes) = state.images.original(image_id).await? else {
+        return Err(not_found());
+    };
+    let content_type =
+        crate::dispatch::comfy::image_content_type(&bytes).unwrap_or("application/octet-stream");
+    Ok(HttpResponse::Ok()
+        .content_type(content_type)
+        .insert_header(("X-Content-Type-Options", "nosniff"))
+        .insert_header(("Cache-Control", "private, no-store"))
+        .body(bytes))
 }

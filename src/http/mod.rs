@@ -65,6 +65,10 @@ pub fn routes(config: &mut web::ServiceConfig) {
                 .route("/tasks/{id}/cancel", web::post().to(tasks::cancel))
                 .route("/ws", web::get().to(live::socket))
                 .route("/images/{id}", web::get().to(live::image))
+                .route(
+                    "/admin/images/{id}/original",
+                    web::get().to(live::original_image),
+                )
                 .route("/codes/redeem", web::post().to(codes::redeem))
                 .route("/admin/code-batches", web::post().to(codes::create_batch))
                 .route("/admin/code-batches/{id}", web::get().to(codes::batch))

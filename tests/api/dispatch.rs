@@ -31,11 +31,11 @@ const DRIVE_LIMIT: Duration = Duration::from_secs(60);
 pub(crate) struct Harness {
     pub(crate) app: TestApp,
     pub(crate) sims: Vec<Simulator>,
-    _directory: TempDirectory,
+    pub(crate) directory: TempDirectory,
 }
 
 /// A directory removed at the end of the test.
-struct TempDirectory(std::path::PathBuf);
+pub(crate) struct TempDirectory(pub(crate) std::path::PathBuf);
 
 impl Drop for TempDirectory {
     fn drop(&mut self) {
@@ -69,6 +69,18 @@ pub(crate) async fn harness_with(
     faults: Faults,
     customise: impl FnOnce(&mut zhihui::configuration::DispatchSettings) + Send + 'static,
 ) -> Harness {
+    harness_configured(backends, faults, |settings| {
+        customise(&mut settings.dispatch)
+    })
+    .await
+}
+
+/// [`harness`] with any further settings.
+pub(crate) async fn harness_configured(
+    backends: usize,
+    faults: Faults,
+    customise: impl FnOnce(&mut zhihui::configuration::Settings) + Send + 'static,
+) -> Harness {
     let directory = std::env::temp_dir().join(format!("zhihui-dispatch-{}", Uuid::now_v7()));
     let mut sims = Vec::new();
     for index in 0..backends {
@@ -100,13 +112,13 @@ pub(crate) async fn harness_with(
         dispatch.orphan_scan_interval_ms = 300;
         dispatch.history_retry_ms = 20;
         dispatch.progress_notify_interval_ms = 0;
-        customise(dispatch);
+        customise(settings);
     })
     .await;
     Harness {
         app,
         sims,
-        _directory: TempDirectory(directory),
+        directory: TempDirectory(directory),
     }
 }
 
@@ -201,7 +213,7 @@ pub(crate) async fn submit_task(app: &TestApp, token: &str, images: u32, steps: 
 }
 
 /// The invariants every case ends with.
-async fn assert_settled(
+pub(crate) async fn assert_settled(
     harness: &Harness,
     process: &AppState,
     user: &str,
@@ -222,7 +234,7 @@ async fn assert_settled(
 }
 
 /// The reason recorded in a task's `TaskFailed`.
-async fn failure_reason(app: &TestApp, task_id: &str) -> String {
+pub(crate) async fn failure_reason(app: &TestApp, task_id: &str) -> String {
     task_events(app, task_id)
         .await
         .iter()

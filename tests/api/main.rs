@@ -11,6 +11,7 @@ mod fake_ollama;
 mod health;
 mod helpers;
 mod instances;
+mod labels;
 mod ledger;
 mod migrations;
 mod processes;
