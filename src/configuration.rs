@@ -844,7 +844,10 @@ mod tests {
         let refused = settings
             .validate()
             .expect_err("the development label key is refused");
-        assert!(refused.to_string().contains("labels.signing_key"), "{refused}");
+        assert!(
+            refused.to_string().contains("labels.signing_key"),
+            "{refused}"
+        );
         settings.labels.signing_key =
             SecretString::from("a production label key of at least thirty-two bytes");
         settings.validate().expect("real keys are accepted");

@@ -6,7 +6,7 @@
 //!   PNG compression and both label chunks);
 //! - `label balanced`: the same with `labels.png_compression = "balanced"`;
 //! - the peer, `re-encode only`: decode and encode again (fast) with no mark and no label, the
-//!   floor any pixel-level label pays.
+//!   floor any pixel-level label pays; and `decode only`, its first half.
 //!
 //! Each prints the median and p90 wall time per image, the process CPU time per image
 //! (`/proc/self/stat`) and the output's size beside the input's.
@@ -60,7 +60,7 @@ fn main() -> anyhow::Result<()> {
     for side in [512u32, 1024] {
         let input = server_png(side, side);
         let task = Uuid::now_v7();
-        let rows: [(&str, Case); 3] = [
+        let rows: [(&str, Case); 4] = [
             (
                 "label fast",
                 Box::new(|| {
@@ -80,6 +80,14 @@ fn main() -> anyhow::Result<()> {
                 }),
             ),
             ("re-encode only", Box::new(|| reencode(&input))),
+            (
+                "decode only",
+                Box::new(|| {
+                    let decoded =
+                        image::load_from_memory_with_format(&input, image::ImageFormat::Png)?;
+                    Ok(decoded.as_bytes().len())
+                }),
+            ),
         ];
         for (name, run) in rows {
             let mut times = Vec::with_capacity(iterations);
