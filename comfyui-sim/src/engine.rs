@@ -27,6 +27,8 @@ pub struct Shared {
     pub catalog: Catalog,
     pub faults: Mutex<Faults>,
     pub prompts_received: AtomicU64,
+    /// `GET /history/{id}` answered (a client looking a prompt up), over all lifetimes.
+    pub history_lookups: AtomicU64,
     pub idle: Mutex<IdleClock>,
 }
 
@@ -67,6 +69,8 @@ pub struct Instance {
     pub interrupt_notify: Notify,
     /// PreviewImage's `"_temp_" + 5 random letters`, new per process like ComfyUI's.
     pub temp_append: String,
+    /// When this process lifetime began (`Faults::socket_start_delay_ms` counts from here).
+    pub started: std::time::Instant,
 }
 
 impl Instance {
@@ -83,6 +87,7 @@ impl Instance {
             interrupt: AtomicBool::new(false),
             interrupt_notify: Notify::new(),
             temp_append: format!("_temp_{letters}"),
+            started: std::time::Instant::now(),
         }
     }
 

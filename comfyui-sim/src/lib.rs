@@ -55,6 +55,12 @@ pub struct Faults {
     /// `/view` answers a damaged file: the PNG signature and the first quarter of the bytes
     /// (a download cut short on the server, a disk error): what a client cannot decode.
     pub corrupt_images: bool,
+    /// The WebSocket endpoint answers 503 instead of upgrading while HTTP answers as usual: a
+    /// ComfyUI starting up (its HTTP routes answer before its socket is served), on demand.
+    pub refuse_sockets: bool,
+    /// After every (re)start, refuse sockets this long (0: none), like `refuse_sockets` but
+    /// timed: the order a restarted ComfyUI shows a client (HTTP first, the socket later).
+    pub socket_start_delay_ms: u64,
 }
 
 /// One process lifetime of the simulated server.
@@ -103,6 +109,7 @@ impl Simulator {
             catalog: nodes::Catalog::new(&config.models),
             faults: Mutex::new(config.faults),
             prompts_received: AtomicU64::new(0),
+            history_lookups: AtomicU64::new(0),
             idle: std::sync::Mutex::new(engine::IdleClock::default()),
         });
         let listener =
@@ -202,6 +209,12 @@ impl Simulator {
     }
 
     /// Accepted `POST /prompt`s (200s) since start, across restarts.
+    pub fn history_lookups(&self) -> u64 {
+        self.shared
+            .history_lookups
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
     pub fn prompts_received(&self) -> u64 {
         self.shared.prompts_received.load(Ordering::SeqCst)
     }

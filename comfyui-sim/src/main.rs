@@ -32,6 +32,10 @@ struct Args {
     /// Save PNGs with the fastest compression (fault `fast_png`; for benchmarks).
     #[arg(long)]
     fast_png: bool,
+    /// Refuse WebSockets (503) this long after start while HTTP answers, as a starting ComfyUI
+    /// does (fault `socket_start_delay_ms`).
+    #[arg(long, default_value_t = 0)]
+    socket_start_delay_ms: u64,
 }
 
 #[tokio::main]
@@ -45,6 +49,7 @@ async fn main() -> anyhow::Result<()> {
         faults: Faults {
             step_delay_ms: args.step_delay_ms,
             fast_png: args.fast_png,
+            socket_start_delay_ms: args.socket_start_delay_ms,
             ..Faults::default()
         },
     })

@@ -305,6 +305,9 @@ async fn get_history(inst: Inst, query: web::Query<Vec<(String, String)>>) -> Ht
 }
 
 async fn get_history_item(inst: Inst, id: web::Path<String>) -> HttpResponse {
+    inst.shared
+        .history_lookups
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let st = inst.lock();
     let mut out = OMap::new();
     if let Some(entry) = st.history.get(id.as_str()) {
@@ -539,6 +542,12 @@ async fn websocket(
     req: HttpRequest,
     body: web::Payload,
 ) -> actix_web::Result<HttpResponse> {
+    let faults = inst.shared.faults();
+    let starting =
+        inst.started.elapsed() < std::time::Duration::from_millis(faults.socket_start_delay_ms);
+    if faults.refuse_sockets || starting {
+        return Ok(HttpResponse::ServiceUnavailable().finish());
+    }
     let (response, mut session, stream) = actix_ws::handle(&req, body)?;
     let query = web::Query::<Vec<(String, String)>>::from_query(req.query_string())
         .map(|q| q.into_inner())

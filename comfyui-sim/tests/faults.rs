@@ -330,3 +330,41 @@ async fn crash_and_restart() {
     assert_eq!(sim.prompts_received(), 3);
     sim.stop().await;
 }
+
+/// A ComfyUI starting up answers HTTP before it serves its socket: with a start delay (or
+/// `refuse_sockets`) `/queue` answers while `/ws` is refused, after a restart too; the socket
+/// opens once the delay is over or the fault is cleared.
+#[tokio::test]
+async fn http_answers_before_the_socket_after_a_start_or_a_restart() {
+    let faults = Faults {
+        socket_start_delay_ms: 60_000,
+        ..Faults::default()
+    };
+    let sim = common::start(faults).await;
+    let (base, http) = (sim.base_url(), common::http());
+    for round in 0..2 {
+        let queue = http.get(format!("{base}/queue")).send().await.unwrap();
+        assert_eq!(queue.status(), 200, "round {round}");
+        assert!(
+            common::Ws::connect(&common::ws_url(&base, Some("c")))
+                .await
+                .is_err(),
+            "round {round}: the socket opened during the start delay"
+        );
+        sim.crash().await;
+        sim.restart().await;
+    }
+    sim.set_faults(Faults {
+        refuse_sockets: true,
+        ..Faults::default()
+    });
+    assert!(
+        common::Ws::connect(&common::ws_url(&base, Some("c")))
+            .await
+            .is_err()
+    );
+    sim.set_faults(Faults::default());
+    common::Ws::connect(&common::ws_url(&base, Some("c")))
+        .await
+        .unwrap();
+}

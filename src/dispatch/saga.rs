@@ -390,6 +390,9 @@ struct InFlight {
     /// A post, locate or stop effect is outstanding: start no second one.
     effect_running: bool,
     resubmitted: bool,
+    /// Posted again after the server lost it, not yet accepted: the resubmission is spent
+    /// (`resubmitted`) only when the server accepts the post.
+    reposting: bool,
     completion_attempts: u32,
     /// A completion that could not be recorded yet (the store was down): retried on ticks.
     unrecorded: Option<Completion>,
@@ -425,6 +428,7 @@ impl InFlight {
             stop_attempts: 0,
             effect_running: false,
             resubmitted: false,
+            reposting: false,
             completion_attempts: 0,
             unrecorded: None,
             last_progress: None,
@@ -1237,6 +1241,10 @@ impl Saga {
         flight.effect_running = false;
         match outcome {
             PostOutcome::Accepted => {
+                if flight.reposting {
+                    flight.reposting = false;
+                    flight.resubmitted = true;
+                }
                 if let Some(gap) = gap
                     && self.gaps.len() < GAP_SAMPLES_MAX
                 {
@@ -1392,9 +1400,14 @@ impl Saga {
                         Ok(())
                     }
                     Phase::Accepted if !resubmitted => {
+                        // Back to posting. A server back from a restart answers HTTP before its
+                        // socket: no post can be made until the socket opens (then its reconcile
+                        // finds the prompt unknown again and posts it), so only a post the
+                        // server accepts spends the one resubmission (`on_posted`).
                         tracing::warn!(%task_id, %prompt_id, "the server lost the prompt; posting it once more");
                         if let Some(flight) = self.in_flight.get_mut(&task_id) {
-                            flight.resubmitted = true;
+                            flight.phase = Phase::Posting;
+                            flight.reposting = true;
                         }
                         self.post(task_id);
                         Ok(())

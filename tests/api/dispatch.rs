@@ -603,6 +603,150 @@ async fn a_server_killed_mid_task_and_restarted_loses_nothing() {
     saga.resign().await;
 }
 
+/// The order a real ComfyUI shows when it comes back after a SIGKILL: its HTTP answers before its
+/// WebSocket does. The saga finds the running prompt unknown over HTTP while it cannot post
+/// (posts need the socket's clientId); the task must wait for the socket, be posted again then,
+/// and succeed, charged once: the one resubmission is spent only by a post the server accepted.
+#[tokio::test]
+async fn a_server_whose_http_answers_before_its_socket_after_a_restart_loses_no_task() {
+    let faults = Faults {
+        step_delay_ms: 20,
+        ..Faults::default()
+    };
+    let harness = harness(1, faults.clone()).await;
+    let app = &harness.app;
+    let (user, token) = funded_user(app, "restart-order", "10").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 1).await;
+    let task = submit_task(app, &token, 1, 20).await;
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&task),
+        &[TaskStatus::Running],
+    )
+    .await;
+    let sim = &harness.sims[0];
+    sim.crash().await;
+    let started = tokio::time::Instant::now();
+    while saga.connected_backends() > 0 {
+        assert!(started.elapsed() < DRIVE_LIMIT);
+        saga.step().await.unwrap();
+    }
+    // Back, HTTP only: the socket is refused until we say.
+    sim.set_faults(Faults {
+        refuse_sockets: true,
+        ..faults.clone()
+    });
+    sim.restart().await;
+    let posted_before = sim.prompts_received();
+    // Two lookups of the lost prompt answered "unknown" over HTTP: the first one's answer was
+    // handled (a task has one lookup out at a time) while no post could be made.
+    let lookups = sim.history_lookups();
+    let started = tokio::time::Instant::now();
+    while sim.history_lookups() < lookups + 2 {
+        assert!(
+            started.elapsed() < DRIVE_LIMIT,
+            "the saga never looked the prompt up"
+        );
+        saga.step().await.unwrap();
+    }
+    assert_eq!(saga.connected_backends(), 0);
+    assert_eq!(status_of(&process, &task).await.status, TaskStatus::Running);
+    // The socket comes back: the prompt is posted again and runs to its end.
+    sim.set_faults(faults);
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&task),
+        &[TaskStatus::Succeeded, TaskStatus::Failed],
+    )
+    .await;
+    drive_until_idle(&mut saga).await;
+    let events = task_events(app, &task).await;
+    assert_eq!(ends(&events), 1, "{events:?}");
+    assert!(
+        events.iter().any(|e| matches!(e, TaskEvent::Succeeded(_))),
+        "the task was lost: {:?}",
+        failure_reason_if_any(&events)
+    );
+    assert_eq!(
+        sim.prompts_received() - posted_before,
+        1,
+        "posted again once"
+    );
+    assert_settled(&harness, &process, &user, 9).await;
+    saga.resign().await;
+}
+
+/// The one resubmission, once accepted, is spent: a server that loses the same prompt again
+/// fails the task (its points return) instead of posting it forever.
+#[tokio::test]
+async fn a_prompt_lost_again_after_its_accepted_resubmission_fails_and_returns_its_points() {
+    let faults = Faults {
+        step_delay_ms: 20,
+        ..Faults::default()
+    };
+    let harness = harness(1, faults).await;
+    let app = &harness.app;
+    let (user, token) = funded_user(app, "lost-twice", "10").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 1).await;
+    let task = submit_task(app, &token, 1, 20).await;
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&task),
+        &[TaskStatus::Running],
+    )
+    .await;
+    let sim = &harness.sims[0];
+    for _loss in 0..2 {
+        let posted_before = sim.prompts_received();
+        sim.crash().await;
+        let started = tokio::time::Instant::now();
+        while saga.connected_backends() > 0 {
+            assert!(started.elapsed() < DRIVE_LIMIT);
+            saga.step().await.unwrap();
+        }
+        sim.restart().await;
+        if status_of(&process, &task).await.status != TaskStatus::Running {
+            break;
+        }
+        // Until the server accepted the prompt again (the first loss), or the task ended.
+        let started = tokio::time::Instant::now();
+        while sim.prompts_received() == posted_before
+            && status_of(&process, &task).await.status == TaskStatus::Running
+        {
+            assert!(started.elapsed() < DRIVE_LIMIT, "never posted again");
+            saga.step().await.unwrap();
+        }
+    }
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&task),
+        &[TaskStatus::Failed],
+    )
+    .await;
+    drive_until_idle(&mut saga).await;
+    assert_eq!(
+        failure_reason(app, &task).await,
+        "the image server lost the task (it restarted or dropped it)"
+    );
+    assert_settled(&harness, &process, &user, 10).await;
+    saga.resign().await;
+}
+
+fn failure_reason_if_any(events: &[TaskEvent]) -> Option<String> {
+    events.iter().find_map(|event| match event {
+        TaskEvent::Failed(failed) => Some(failed.reason.clone()),
+        _ => None,
+    })
+}
+
 #[tokio::test]
 async fn a_silenced_socket_does_not_hang_a_task() {
     let faults = Faults {
