@@ -453,7 +453,9 @@ pub struct AuthSettings {
     pub code_failures_max: u32,
     /// How long such a lock lasts.
     pub code_lockout_ms: u64,
-    /// Who delivers codes: `log` (development: the code goes to the log).
+    /// A socket ticket (`POST /api/v1/ws/ticket`) opens one socket within this long.
+    pub ws_ticket_ttl_ms: u64,
+    /// Who delivers codes: `log` (development only: the code goes to the log) or `disabled`.
     pub code_sender: CodeSenderKind,
     /// Offset from UTC of the calendar day used by daily limits (480 = UTC+8).
     pub day_utc_offset_minutes: i32,
@@ -478,8 +480,11 @@ pub struct AuthSettings {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum CodeSenderKind {
-    /// Write the code to the log (development only).
+    /// Write the code to the log (development only: refused in any other environment).
     Log,
+    /// Send no codes: phone login is off (`POST /auth/code` answers 503
+    /// `phone-login-disabled`), until an SMS sender is configured.
+    Disabled,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -622,6 +627,7 @@ impl Settings {
         );
         anyhow::ensure!(
             self.auth.session_idle_ttl_ms >= 1_000
+                && self.auth.ws_ticket_ttl_ms >= 1_000
                 && self.auth.code_ttl_ms >= 1_000
                 && self.auth.code_failures_max >= 1
                 && self.auth.password_failures_max >= 1
@@ -644,6 +650,11 @@ impl Settings {
         self.validate_dispatch()?;
         self.validate_codes()?;
         self.validate_labels()?;
+        anyhow::ensure!(
+            self.environment == Environment::Development
+                || self.auth.code_sender != CodeSenderKind::Log,
+            "auth.code_sender = \"log\" writes login codes to the log: development only; set ZHIHUI_AUTH__CODE_SENDER=disabled (phone login off) outside development"
+        );
         self.checkins.rule()?;
         anyhow::ensure!(
             self.checkins.redis_keep_days >= 62,
@@ -850,6 +861,15 @@ mod tests {
         );
         settings.labels.signing_key =
             SecretString::from("a production label key of at least thirty-two bytes");
+        // The log code sender is refused outside development, naming its setting.
+        let refused = settings
+            .validate()
+            .expect_err("the log code sender is refused");
+        assert!(
+            refused.to_string().contains("auth.code_sender"),
+            "{refused}"
+        );
+        settings.auth.code_sender = CodeSenderKind::Disabled;
         settings.validate().expect("real keys are accepted");
         assert!(!format!("{:?}", settings.codes).contains("production secret"));
         assert!(!format!("{:?}", settings.labels).contains("production label key"));

@@ -104,7 +104,15 @@ impl Sessions {
         let Some(user_id) = token_user_id(token) else {
             return Ok(None);
         };
-        let digest = token_digest(token);
+        self.touch_digest(user_id, token_digest(token)).await
+    }
+
+    /// The session whose token has `digest`, if it is valid now (sliding its expiry).
+    async fn touch_digest(
+        &self,
+        user_id: UserId,
+        digest: String,
+    ) -> anyhow::Result<Option<Session>> {
         let mut connection = self.redis.connection().await?;
         let touched: Option<(String, String, i64)> = crate::lua::SESSION_TOUCH
             .key(self.session_key(&digest))
@@ -133,6 +141,74 @@ impl Sessions {
             expires_at: from_unix_ms(expires_at_ms),
             token_digest: digest,
         }))
+    }
+
+    fn ticket_key(&self, ticket_digest: &str) -> String {
+        self.redis.key(&format!("ws-ticket:{ticket_digest}"))
+    }
+
+    /// A one-time ticket to open one WebSocket as `session`, valid for `ttl`: a browser cannot
+    /// set a header on a WebSocket, and a token in a URL ends up in logs and histories; a ticket
+    /// there is worthless once used or after `ttl`. Redis keeps only its digest.
+    pub async fn issue_ticket(
+        &self,
+        session: &Session,
+        ttl: Duration,
+    ) -> anyhow::Result<(String, DateTime<Utc>)> {
+        let mut bytes = [0u8; TOKEN_BYTES];
+        rand::rng().fill_bytes(&mut bytes);
+        let ticket = URL_SAFE_NO_PAD.encode(bytes);
+        let expires_at_ms = self.clock.now_ms() + millis(ttl) as i64;
+        let value = format!(
+            "{} {} {expires_at_ms}",
+            session.user_id, session.token_digest
+        );
+        let mut connection = self.redis.connection().await?;
+        redis::cmd("SET")
+            .arg(self.ticket_key(&token_digest(&ticket)))
+            .arg(value)
+            .arg("PX")
+            .arg(millis(ttl) + SESSION_SAFETY_SLACK_MS)
+            .query_async::<()>(&mut connection)
+            .await
+            .context("storing a socket ticket")?;
+        Ok((ticket, from_unix_ms(expires_at_ms)))
+    }
+
+    /// The session a ticket was issued for, once: the ticket is deleted in the same step it is
+    /// read (GETDEL), so two sockets racing with one ticket get one session. Expired, used,
+    /// unknown, or its session ended since: `None`.
+    pub async fn redeem_ticket(&self, ticket: &str) -> anyhow::Result<Option<Session>> {
+        if URL_SAFE_NO_PAD
+            .decode(ticket)
+            .map_or(true, |bytes| bytes.len() != TOKEN_BYTES)
+        {
+            return Ok(None);
+        }
+        let mut connection = self.redis.connection().await?;
+        let value: Option<String> = redis::cmd("GETDEL")
+            .arg(self.ticket_key(&token_digest(ticket)))
+            .query_async(&mut connection)
+            .await
+            .context("redeeming a socket ticket")?;
+        let Some(value) = value else {
+            return Ok(None);
+        };
+        let mut parts = value.split(' ');
+        let (Some(user_id), Some(digest), Some(expires_at_ms)) =
+            (parts.next(), parts.next(), parts.next())
+        else {
+            anyhow::bail!("a socket ticket is damaged");
+        };
+        let user_id =
+            UserId::from_uuid(Uuid::parse_str(user_id).context("a socket ticket names no user")?);
+        let expires_at_ms: i64 = expires_at_ms
+            .parse()
+            .context("a socket ticket has no expiry")?;
+        if self.clock.now_ms() >= expires_at_ms {
+            return Ok(None);
+        }
+        self.touch_digest(user_id, digest.to_owned()).await
     }
 
     /// Revoke one session (logout). True when it existed.

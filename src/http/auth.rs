@@ -263,6 +263,7 @@ pub(crate) async fn verify_code(
         (status = 202, description = "a code is on its way", body = CodeSent),
         (status = 422, description = "the phone number breaks its rule", body = crate::http::problem::Problem),
         (status = 429, description = "`too-many-sends` (one per interval), `daily-send-limit`, or `phone-locked`, until `retry_at`", body = crate::http::problem::Problem),
+        (status = 503, description = "`phone-login-disabled`: this server sends no codes (`auth.code_sender`)", body = crate::http::problem::Problem),
     )
 )]
 pub async fn send_code(
@@ -270,6 +271,14 @@ pub async fn send_code(
     body: web::Json<CodeRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let phone = parse_phone(&body.phone)?;
+    if state.auth_settings.code_sender == crate::configuration::CodeSenderKind::Disabled {
+        return Err(ApiError::Refused {
+            status: actix_web::http::StatusCode::SERVICE_UNAVAILABLE,
+            rule: "phone-login-disabled",
+            detail: "this server sends no login codes (auth.code_sender is disabled); log in with a password".into(),
+            window: None,
+        });
+    }
     match state.phone_codes.send(&phone).await? {
         SendOutcome::Sent {
             expires_at,

@@ -28,25 +28,63 @@ pub const WATCHED_TASKS_MAX: usize = 256;
 
 #[derive(Debug, Deserialize)]
 pub struct SocketQuery {
-    /// The bearer token, for clients that cannot set a header on a WebSocket (browsers).
+    /// A one-time ticket from `POST /api/v1/ws/ticket`: how a browser should open the socket.
+    pub ticket: Option<String>,
+    /// The bearer token: a fallback for clients that can neither set a header nor get a ticket
+    /// (a token in a URL can end up in proxies' logs and histories).
     pub token: Option<String>,
 }
 
-/// Notifications about the caller's tasks. Authenticate with `Authorization: Bearer <token>` or
-/// `?token=<token>`. Messages are JSON: `{"type": "position" | "dispatched" | "progress" |
-/// "succeeded" | "failed" | "cancelled", "task_id", ...}`; `succeeded` carries image URLs.
+/// A one-time ticket to open one socket (`GET /api/v1/ws?ticket=`), so that a browser, which
+/// cannot set headers on a WebSocket, never puts its bearer token in a URL.
+#[utoipa::path(
+    post, path = "/api/v1/ws/ticket", tag = "tasks", security(("bearer" = [])),
+    responses(
+        (status = 201, description = "`{ticket, expires_at}`: opens one socket of this session, once, within `auth.ws_ticket_ttl_ms` (30 s)"),
+        (status = 401, description = "`missing-token` or `invalid-token`", body = crate::http::problem::Problem),
+    )
+)]
+pub async fn ticket(
+    state: web::Data<AppState>,
+    caller: Authenticated,
+) -> Result<HttpResponse, ApiError> {
+    let ttl = Duration::from_millis(state.auth_settings.ws_ticket_ttl_ms);
+    let (ticket, expires_at) = state.sessions.issue_ticket(&caller.0, ttl).await?;
+    Ok(HttpResponse::Created()
+        .insert_header(("Cache-Control", "no-store"))
+        .json(json!({"ticket": ticket, "expires_at": expires_at})))
+}
+
+/// Notifications about the caller's tasks. Authenticate with `?ticket=<one-time ticket>` (from
+/// `POST /api/v1/ws/ticket`), `Authorization: Bearer <token>`, or, as a fallback, `?token=`.
+/// Messages are JSON: `{"type": "position" | "dispatched" | "progress" | "succeeded" | "failed" |
+/// "cancelled", "task_id", ...}`; `succeeded` carries image URLs.
 pub async fn socket(
     state: web::Data<AppState>,
     request: HttpRequest,
     query: web::Query<SocketQuery>,
     body: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let token = match (&query.token, bearer_token(&request)) {
-        (_, Ok(token)) => token,
-        (Some(token), Err(_)) => token.clone(),
-        (None, Err(error)) => return Err(error),
-    };
-    let session = session_of(&state, &token).await?;
+    let session =
+        if let Some(ticket) = &query.ticket {
+            let session = state.sessions.redeem_ticket(ticket).await?.ok_or_else(|| {
+                ApiError::Unauthorized {
+                    rule: "invalid-ticket",
+                    detail:
+                        "the ticket is unknown, used, expired, or its session ended; get a new one"
+                            .into(),
+                }
+            })?;
+            state.active_users.seen(session.user_id.as_uuid()).await;
+            session
+        } else {
+            let token = match (&query.token, bearer_token(&request)) {
+                (_, Ok(token)) => token,
+                (Some(token), Err(_)) => token.clone(),
+                (None, Err(error)) => return Err(error),
+            };
+            session_of(&state, &token).await?
+        };
     // Subscribed before answering: nothing published after the upgrade is missed.
     let notifications = state.hub.subscribe().await?;
     let watched = queued_tasks(&state, session.user_id).await?;

@@ -64,6 +64,7 @@ pub fn routes(config: &mut web::ServiceConfig) {
                 .route("/tasks/{id}/prioritise", web::post().to(tasks::prioritise))
                 .route("/tasks/{id}/cancel", web::post().to(tasks::cancel))
                 .route("/ws", web::get().to(live::socket))
+                .route("/ws/ticket", web::post().to(live::ticket))
                 .route("/images/{id}", web::get().to(live::image))
                 .route(
                     "/admin/images/{id}/original",

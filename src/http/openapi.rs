@@ -35,6 +35,7 @@ use utoipa::{Modify, OpenApi};
         super::tasks::queue,
         super::tasks::rebuild_queue,
         super::live::image,
+        super::live::ticket,
         super::live::original_image,
         super::codes::redeem,
         super::codes::create_batch,

@@ -223,3 +223,97 @@ async fn a_download_is_capped_while_reading_and_typed_by_its_own_bytes() {
     let (bytes, content_type) = client.view(&file("jpeg"), limit).await.unwrap();
     assert_eq!((bytes.len(), content_type), (10, "image/jpeg"));
 }
+
+/// A browser opens its socket with a one-time ticket instead of putting its bearer token in the
+/// URL: the ticket opens one socket, once; a used, expired (30 s, on the app's clock) or
+/// logged-out ticket is refused with 401 `invalid-ticket` before any upgrade.
+#[tokio::test]
+async fn a_socket_ticket_opens_one_socket_once_and_never_when_used_expired_or_logged_out() {
+    let app = spawn_app_with(|_| {}).await;
+    app.register("ticketed", "a long password").await;
+    let token = app.login("ticketed", "a long password").await;
+    let ticket = |token: String| {
+        let app = &app;
+        async move {
+            let response = app
+                .post("/api/v1/ws/ticket", Some(&token), &json!({}))
+                .await;
+            assert_eq!(response.status(), 201);
+            assert_eq!(response.headers()["cache-control"], "no-store");
+            let body: Value = response.json().await.unwrap();
+            body["ticket"].as_str().unwrap().to_owned()
+        }
+    };
+    let socket_url = |query: &str| {
+        format!(
+            "{}/api/v1/ws?{query}",
+            app.address.replace("http://", "ws://")
+        )
+    };
+    let status_of = |query: String| {
+        let url = socket_url(&query);
+        async move {
+            // Refused before the upgrade: the HTTP answer's status.
+            let response = reqwest::Client::new()
+                .get(url.replace("ws://", "http://"))
+                .send()
+                .await
+                .unwrap();
+            let status = response.status().as_u16();
+            let body: Value = response.json().await.unwrap_or(Value::Null);
+            (status, body["type"].as_str().unwrap_or_default().to_owned())
+        }
+    };
+
+    // One ticket, one socket.
+    let first = ticket(token.clone()).await;
+    let (socket, _) =
+        async_tungstenite::tokio::connect_async(socket_url(&format!("ticket={first}")))
+            .await
+            .expect("the ticket opens a socket");
+    drop(socket);
+    assert_eq!(
+        status_of(format!("ticket={first}")).await,
+        (401, "/problems/invalid-ticket".to_owned()),
+        "a ticket opens one socket only"
+    );
+    // Expired after 30 s on the app's clock.
+    let late = ticket(token.clone()).await;
+    app.clock.advance(Duration::from_secs(30));
+    assert_eq!(status_of(format!("ticket={late}")).await.0, 401);
+    // Its session ended (logout): refused though unused and young.
+    let orphan = ticket(token.clone()).await;
+    let logout = app
+        .post("/api/v1/auth/logout", Some(&token), &json!({}))
+        .await;
+    assert_eq!(logout.status(), 204);
+    assert_eq!(status_of(format!("ticket={orphan}")).await.0, 401);
+    // Garbage, and no ticket at all without a token, are refused too.
+    assert_eq!(status_of("ticket=not-a-ticket".into()).await.0, 401);
+    assert_eq!(status_of(String::new()).await.0, 401);
+    // A ticket needs a session.
+    let response = app.post("/api/v1/ws/ticket", None, &json!({})).await;
+    assert_eq!(response.status(), 401);
+}
+
+/// With the code sender disabled (what production runs until an SMS sender exists: the log
+/// sender is refused outside development), asking for a login code is a 503 naming the rule,
+/// and no code is made.
+#[tokio::test]
+async fn with_the_code_sender_disabled_a_code_request_is_a_503_naming_it() {
+    let app = spawn_app_with(|settings| {
+        settings.auth.code_sender = zhihui::configuration::CodeSenderKind::Disabled;
+    })
+    .await;
+    let response = app
+        .post(
+            "/api/v1/auth/code",
+            None,
+            &json!({"phone": "+8613800138000"}),
+        )
+        .await;
+    assert_eq!(response.status(), 503);
+    let problem: Value = response.json().await.unwrap();
+    assert_eq!(problem["type"], "/problems/phone-login-disabled");
+    assert_eq!(app.codes.count("+8613800138000"), 0);
+}
