@@ -521,6 +521,11 @@ pub struct HttpSettings {
     pub workers: Option<usize>,
     /// How long in-flight requests may run after SIGINT/SIGTERM before being dropped.
     pub shutdown_timeout_ms: u64,
+    /// A user socket is pinged this often, and its session checked (expired or revoked: the
+    /// socket closes); a peer silent for two intervals is dropped.
+    pub socket_ping_interval_ms: u64,
+    /// Open sockets per user in one process, at most; beyond, 429 `too-many-sockets`.
+    pub sockets_per_user_max: usize,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -645,6 +650,10 @@ impl Settings {
         anyhow::ensure!(
             !self.redis.key_prefix.is_empty(),
             "redis.key_prefix must not be empty: every key needs a namespace"
+        );
+        anyhow::ensure!(
+            self.http.socket_ping_interval_ms >= 10 && self.http.sockets_per_user_max >= 1,
+            "http.socket_ping_interval_ms must be at least 10 and http.sockets_per_user_max at least 1"
         );
         self.validate_tasks()?;
         self.validate_dispatch()?;

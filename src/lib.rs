@@ -18,6 +18,7 @@ pub mod labels;
 pub mod leader;
 pub mod lua;
 pub mod notify;
+pub mod positions;
 pub mod postgres;
 pub mod projector;
 pub mod promotions;

@@ -61,6 +61,12 @@ pub enum Envelope {
     /// The queue's order changed (a claim, a cancel, a prioritise): sockets re-read the places
     /// of their users' queued tasks.
     QueueMoved,
+    /// A user's sessions ended (logout: the one of `token_digest`; a password or role change:
+    /// all, `None`): their sockets close.
+    SessionsEnded {
+        user_id: Uuid,
+        token_digest: Option<String>,
+    },
     /// A promotion claim was persisted: granted, or refused with its reason.
     Claim {
         user_id: Uuid,

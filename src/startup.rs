@@ -68,6 +68,11 @@ pub struct AppState {
     pub active_users: crate::stats::ActiveUsers,
     /// Flash-sale promotions: the gate and the claims consumer.
     pub promotions: crate::promotions::PromotionService,
+    pub http_settings: crate::configuration::HttpSettings,
+    /// The user sockets open in this process, per user (capped).
+    pub user_sockets: crate::http::UserSockets,
+    /// Queue positions for this process's sockets: one Redis read per queue change.
+    pub positions: crate::positions::PositionBoard,
 }
 
 /// What tests (and only tests) replace: the clock and the code sender.
@@ -78,6 +83,39 @@ pub struct Overrides {
 }
 
 impl AppState {
+    /// End one session (logout) and close its sockets, in every process.
+    pub async fn end_session(
+        &self,
+        session: &crate::auth::sessions::Session,
+    ) -> anyhow::Result<()> {
+        self.sessions.revoke(session).await?;
+        self.announce_sessions_ended(session.user_id, Some(session.token_digest.clone()))
+            .await;
+        Ok(())
+    }
+
+    /// End every session of a user (a password or role change) and close their sockets.
+    pub async fn end_sessions(&self, user_id: zhihui_domain::user::UserId) -> anyhow::Result<u64> {
+        let ended = self.sessions.revoke_all(user_id).await?;
+        self.announce_sessions_ended(user_id, None).await;
+        Ok(ended)
+    }
+
+    /// A hint: a socket that misses it finds its session gone at its next ping.
+    async fn announce_sessions_ended(
+        &self,
+        user_id: zhihui_domain::user::UserId,
+        token_digest: Option<String>,
+    ) {
+        let envelope = crate::notify::Envelope::SessionsEnded {
+            user_id: user_id.as_uuid(),
+            token_digest,
+        };
+        if let Err(error) = self.notifier.publish(&envelope).await {
+            tracing::warn!(error = %crate::telemetry::error_chain(&error), "session end not announced");
+        }
+    }
+
     /// Build every service from the settings. Connects lazily: nothing here needs the network.
     pub fn build(
         settings: &Settings,
@@ -159,7 +197,9 @@ impl AppState {
             notifier.clone(),
             settings.promotions.clone(),
         );
+        let positions = crate::positions::PositionBoard::new(tasks.queue.clone());
         Ok(AppState {
+            positions,
             codes,
             checkins,
             active_users,
@@ -188,6 +228,8 @@ impl AppState {
             ),
             phone_codes: PhoneCodes::new(redis.clone(), clock.clone(), code_sender, auth),
             auth_settings: auth.clone(),
+            http_settings: settings.http.clone(),
+            user_sockets: crate::http::UserSockets::new(settings.http.sockets_per_user_max),
             accounts,
             tasks,
             projection_statuses: Statuses::default(),

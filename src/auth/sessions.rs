@@ -143,6 +143,19 @@ impl Sessions {
         }))
     }
 
+    /// Whether `session` is still valid now, without sliding its expiry (an open socket checks
+    /// this on every ping: a socket alone does not keep a session alive).
+    pub async fn is_valid(&self, session: &Session) -> anyhow::Result<bool> {
+        let mut connection = self.redis.connection().await?;
+        let expires_at_ms: Option<i64> = redis::cmd("HGET")
+            .arg(self.session_key(&session.token_digest))
+            .arg("expires_at_ms")
+            .query_async(&mut connection)
+            .await
+            .context("reading a session's expiry")?;
+        Ok(expires_at_ms.is_some_and(|expires_at_ms| self.clock.now_ms() < expires_at_ms))
+    }
+
     fn ticket_key(&self, ticket_digest: &str) -> String {
         self.redis.key(&format!("ws-ticket:{ticket_digest}"))
     }

@@ -321,6 +321,6 @@ pub async fn logout(
     state: web::Data<AppState>,
     caller: Authenticated,
 ) -> Result<HttpResponse, ApiError> {
-    state.sessions.revoke(&caller.0).await?;
+    state.end_session(&caller.0).await?;
     Ok(HttpResponse::NoContent().finish())
 }

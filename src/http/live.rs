@@ -2,8 +2,8 @@
 //! `GET /api/v1/images/{id}` (their images, served by zhihui; never a ComfyUI address).
 //!
 //! The socket listens to this process's [`crate::notify::NotificationHub`], so it hears what any
-//! process publishes, and passes on only what concerns its user. Queue positions are read from
-//! Redis when the queue moves, for the user's queued tasks only.
+//! process publishes, and passes on only what concerns its user. Queue positions come from the
+//! process's [`crate::positions::PositionBoard`]: one Redis read per queue change for all sockets.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -21,8 +21,61 @@ use crate::http::extract::{Authenticated, bearer_token, session_of};
 use crate::notify::{Envelope, TaskNotice};
 use crate::startup::AppState;
 
-/// The server pings each user socket this often (proxies drop idle connections).
-pub const USER_SOCKET_PING_MS: u64 = 20_000;
+/// The user sockets open in this process, counted per user: a user opens at most
+/// `http.sockets_per_user_max` (each costs a task, a subscription and Redis reads).
+#[derive(Debug, Clone)]
+pub struct UserSockets {
+    open: std::sync::Arc<std::sync::Mutex<HashMap<UserId, usize>>>,
+    per_user_max: usize,
+}
+
+/// One open socket's place in [`UserSockets`], given back when dropped.
+#[derive(Debug)]
+pub struct SocketPlace {
+    open: std::sync::Arc<std::sync::Mutex<HashMap<UserId, usize>>>,
+    user_id: UserId,
+}
+
+impl UserSockets {
+    pub fn new(per_user_max: usize) -> UserSockets {
+        UserSockets {
+            open: std::sync::Arc::new(std::sync::Mutex::new(HashMap::new())),
+            per_user_max,
+        }
+    }
+
+    /// A place for one more socket of `user_id`, `None` when the user has the most already.
+    pub fn take(&self, user_id: UserId) -> Option<SocketPlace> {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let count = open.entry(user_id).or_insert(0);
+        if *count >= self.per_user_max {
+            return None;
+        }
+        *count += 1;
+        Some(SocketPlace {
+            open: self.open.clone(),
+            user_id,
+        })
+    }
+
+    /// Sockets of `user_id` open in this process.
+    pub fn count(&self, user_id: UserId) -> usize {
+        let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        open.get(&user_id).copied().unwrap_or(0)
+    }
+}
+
+impl Drop for SocketPlace {
+    fn drop(&mut self) {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = open.get_mut(&self.user_id) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                open.remove(&self.user_id);
+            }
+        }
+    }
+}
 /// Queued tasks followed per socket, at most (the per-user queue limit is far below).
 pub const WATCHED_TASKS_MAX: usize = 256;
 
@@ -85,17 +138,32 @@ pub async fn socket(
             };
             session_of(&state, &token).await?
         };
+    let place = state
+        .user_sockets
+        .take(session.user_id)
+        .ok_or_else(|| ApiError::Refused {
+            status: actix_web::http::StatusCode::TOO_MANY_REQUESTS,
+            rule: "too-many-sockets",
+            detail: format!(
+                "this user has {} sockets open here already, the most allowed; close one",
+                state.http_settings.sockets_per_user_max
+            ),
+            window: None,
+        })?;
     // Subscribed before answering: nothing published after the upgrade is missed.
     let notifications = state.hub.subscribe().await?;
+    let snapshots = state.positions.subscribe(&state.hub).await?;
     let watched = queued_tasks(&state, session.user_id).await?;
     let (response, user_socket, messages) = actix_ws::handle(&request, body)
         .map_err(|error| anyhow::anyhow!("WebSocket upgrade failed: {error}"))?;
     actix_web::rt::spawn(follow(
         state.into_inner(),
-        session.user_id,
+        session,
+        place,
         user_socket,
         messages,
         notifications,
+        snapshots,
         watched,
     ));
     Ok(response)
@@ -136,59 +204,125 @@ fn notice_json(task_id: TaskId, notice: &TaskNotice) -> Value {
     }
 }
 
+/// Why the server closes a user socket (the close frame's reason).
+fn closing(description: &str) -> Option<actix_ws::CloseReason> {
+    Some(actix_ws::CloseReason {
+        code: actix_ws::CloseCode::Policy,
+        description: Some(description.to_owned()),
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
 async fn follow(
     state: std::sync::Arc<AppState>,
-    user_id: UserId,
+    session: crate::auth::sessions::Session,
+    _place: SocketPlace,
     mut user_socket: actix_ws::Session,
     mut messages: actix_ws::MessageStream,
     mut notifications: broadcast::Receiver<Envelope>,
+    mut snapshots: broadcast::Receiver<std::sync::Arc<crate::positions::Snapshot>>,
     watched: Vec<TaskId>,
 ) {
-    // Last position told per queued task.
-    let mut positions: HashMap<TaskId, Option<u64>> =
-        watched.into_iter().map(|task_id| (task_id, None)).collect();
-    let mut pings = tokio::time::interval(Duration::from_millis(USER_SOCKET_PING_MS));
+    let user_id = session.user_id;
+    // The queued tasks followed, with the place last told of each.
+    let mut following = crate::positions::Following::new(state.positions.clone());
+    for task_id in watched {
+        following.add(task_id);
+    }
+    let ping_interval = Duration::from_millis(state.http_settings.socket_ping_interval_ms);
+    let mut pings = tokio::time::interval(ping_interval);
+    pings.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Anything from the peer (a pong above all) proves it is there.
+    let mut heard_at = tokio::time::Instant::now();
     let mut send_positions = true;
-    loop {
+    let close_reason = loop {
         if send_positions {
+            // The first places: read for this socket alone, once.
             send_positions = false;
-            if tell_positions(&state, &mut user_socket, &mut positions)
-                .await
-                .is_err()
-            {
-                return;
+            match state.positions.read(&following.tasks()).await {
+                Ok(snapshot) => {
+                    if tell_positions(&mut user_socket, &mut following, &snapshot)
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+                Err(error) => {
+                    tracing::debug!(error = %crate::telemetry::error_chain(&error), "queue positions unavailable");
+                }
             }
         }
         let outgoing = tokio::select! {
-            message = messages.recv() => match message {
-                Some(Ok(actix_ws::Message::Ping(bytes))) => {
-                    if user_socket.pong(&bytes).await.is_err() {
+            snapshot = snapshots.recv() => match snapshot {
+                Ok(snapshot) => {
+                    if tell_positions(&mut user_socket, &mut following, &snapshot)
+                        .await
+                        .is_err()
+                    {
                         return;
                     }
                     continue;
                 }
-                Some(Ok(actix_ws::Message::Close(_))) | Some(Err(_)) | None => break,
-                // Clients have nothing to say; anything else is ignored.
-                Some(Ok(_)) => continue,
+                Err(broadcast::error::RecvError::Lagged(_)) => {
+                    state.positions.refresh();
+                    continue;
+                }
+                Err(broadcast::error::RecvError::Closed) => break None,
             },
+            message = messages.recv() => {
+                heard_at = tokio::time::Instant::now();
+                match message {
+                    Some(Ok(actix_ws::Message::Ping(bytes))) => {
+                        if user_socket.pong(&bytes).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    Some(Ok(actix_ws::Message::Close(_))) | Some(Err(_)) | None => break None,
+                    // Clients have nothing to say; anything else (pongs) is ignored.
+                    Some(Ok(_)) => continue,
+                }
+            }
             _ = pings.tick() => {
+                if heard_at.elapsed() > 2 * ping_interval {
+                    break closing("no answer to pings");
+                }
+                // The session may have expired or been revoked (a missed announcement): a
+                // socket does not outlive its session. Checked without sliding its expiry.
+                match state.sessions.is_valid(&session).await {
+                    Ok(false) => break closing("session ended"),
+                    Ok(true) => {}
+                    Err(error) => {
+                        tracing::debug!(error = %crate::telemetry::error_chain(&error), "session check failed; checked again at the next ping");
+                    }
+                }
                 if user_socket.ping(b"").await.is_err() {
                     return;
                 }
                 continue;
             }
             envelope = notifications.recv() => match envelope {
+                Ok(Envelope::SessionsEnded { user_id: owner, token_digest })
+                    if owner == user_id.as_uuid()
+                        && token_digest.as_ref().is_none_or(|digest| *digest == session.token_digest) =>
+                {
+                    break closing("session ended");
+                }
+                Ok(Envelope::SessionsEnded { .. }) => continue,
                 Ok(Envelope::Task { user_id: owner, task_id, notice }) if owner == user_id.as_uuid() => {
                     match &notice {
                         TaskNotice::Position { .. } => {
-                            if positions.len() < WATCHED_TASKS_MAX {
-                                positions.entry(task_id).or_insert(None);
+                            // A new queued task (or a prioritised one): the board reads its
+                            // place with everyone else's.
+                            if following.len() < WATCHED_TASKS_MAX {
+                                following.add(task_id);
                             }
-                            send_positions = true;
+                            state.positions.refresh();
                             continue;
                         }
                         _ => {
-                            positions.remove(&task_id);
+                            following.remove(task_id);
                         }
                     }
                     notice_json(task_id, &notice)
@@ -204,50 +338,33 @@ async fn follow(
                     }
                 }
                 Ok(Envelope::Claim { .. }) => continue,
-                Ok(Envelope::QueueMoved) => {
-                    send_positions = true;
-                    continue;
-                }
-                // Fell behind: positions are re-read; other notices of the gap are lost (the
+                // The board reads the places after a queue change, once for every socket.
+                Ok(Envelope::QueueMoved) => continue,
+                // Fell behind: positions are read again; other notices of the gap are lost (the
                 // tasks' states say the rest).
                 Err(broadcast::error::RecvError::Lagged(_)) => {
-                    send_positions = true;
+                    state.positions.refresh();
                     continue;
                 }
-                Err(broadcast::error::RecvError::Closed) => break,
+                Err(broadcast::error::RecvError::Closed) => break None,
             },
         };
         if user_socket.text(outgoing.to_string()).await.is_err() {
             return;
         }
-    }
-    drop(user_socket.close(None).await);
+    };
+    drop(user_socket.close(close_reason).await);
 }
 
-/// Tell the positions that changed; forget tasks that left the queue.
+/// Tell the places that changed; tasks that left the queue are forgotten.
 async fn tell_positions(
-    state: &AppState,
     user_socket: &mut actix_ws::Session,
-    positions: &mut HashMap<TaskId, Option<u64>>,
+    following: &mut crate::positions::Following,
+    snapshot: &crate::positions::Snapshot,
 ) -> Result<(), actix_ws::Closed> {
-    let tasks: Vec<TaskId> = positions.keys().copied().collect();
-    for task_id in tasks {
-        let rank = match state.tasks.queue.rank(task_id).await {
-            Ok(rank) => rank,
-            Err(error) => {
-                tracing::debug!(%task_id, error = %crate::telemetry::error_chain(&error), "queue position unavailable");
-                continue;
-            }
-        };
-        let Some(rank) = rank else {
-            positions.remove(&task_id);
-            continue;
-        };
-        let position = rank + 1;
-        if positions.insert(task_id, Some(position)) != Some(Some(position)) {
-            let message = notice_json(task_id, &TaskNotice::Position { position });
-            user_socket.text(message.to_string()).await?;
-        }
+    for (task_id, position) in following.changes(snapshot) {
+        let message = notice_json(task_id, &TaskNotice::Position { position });
+        user_socket.text(message.to_string()).await?;
     }
     Ok(())
 }

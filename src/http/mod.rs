@@ -8,6 +8,7 @@ mod codes;
 pub mod extract;
 mod health;
 mod live;
+pub use live::{SocketPlace, UserSockets};
 mod openapi;
 pub mod problem;
 mod promotions;

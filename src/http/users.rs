@@ -174,7 +174,7 @@ pub async fn change_password(
         .update(caller.user_id(), command, &metadata)
         .await
         .map_err(register_error)?;
-    state.sessions.revoke_all(caller.user_id()).await?;
+    state.end_sessions(caller.user_id()).await?;
     Ok(HttpResponse::NoContent().finish())
 }
 
@@ -256,7 +256,7 @@ pub async fn change_role(
         .await
         .map_err(register_error)?;
     if before.role != user.role {
-        state.sessions.revoke_all(user_id).await?;
+        state.end_sessions(user_id).await?;
     }
     Ok(HttpResponse::Ok().json(UserView::from(&user)))
 }

@@ -163,6 +163,26 @@ impl TaskQueue {
         Ok(rank)
     }
 
+    /// The 0-based places of many tasks in one call (`None`: not in the queue), in order.
+    pub async fn ranks(&self, task_ids: &[TaskId]) -> anyhow::Result<Vec<Option<u64>>> {
+        if task_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut script = crate::lua::QUEUE_RANKS.key(self.queue_key());
+        for task_id in task_ids {
+            script.arg(task_id.to_string());
+        }
+        let mut connection = self.redis.connection().await?;
+        let ranks: Vec<i64> = script
+            .invoke_async(&mut connection)
+            .await
+            .context("reading queue positions")?;
+        Ok(ranks
+            .into_iter()
+            .map(|rank| u64::try_from(rank).ok())
+            .collect())
+    }
+
     pub async fn len(&self) -> anyhow::Result<u64> {
         let mut connection = self.redis.connection().await?;
         let length: u64 = connection

@@ -20,4 +20,5 @@ mod redeem;
 mod replay;
 mod revenue;
 mod settlements;
+mod sockets;
 mod tasks;

@@ -15,13 +15,15 @@
 
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
-use std::path::PathBuf;
+#[path = "../serve/mod.rs"]
+mod serve;
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use secrecy::{ExposeSecret, SecretString};
+use secrecy::SecretString;
 use serde_json::{Value, json};
 use uuid::Uuid;
 use zhihui::bench_support::metadata;
@@ -60,68 +62,6 @@ where
         .map(|value| value.parse::<T>())
         .transpose()
         .with_context(|| format!("argument {index} is the number of {what}"))
-}
-
-/// The server under test, killed when dropped.
-struct Server {
-    child: tokio::process::Child,
-    pid: u32,
-    base: String,
-}
-
-async fn start_server(settings: &Settings) -> anyhow::Result<Server> {
-    let binary = match std::env::var_os("ZHIHUI_BIN") {
-        Some(path) => PathBuf::from(path),
-        None => std::env::current_exe()?
-            .parent()
-            .context("this program has no directory")?
-            .join("zhihui"),
-    };
-    anyhow::ensure!(
-        binary.exists(),
-        "{} not found: build it first (cargo build --release -p zhihui) or set ZHIHUI_BIN",
-        binary.display()
-    );
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let child = tokio::process::Command::new(&binary)
-        .arg("serve")
-        .env(
-            "ZHIHUI_DATABASE__URL",
-            settings.database.url.expose_secret(),
-        )
-        .env("ZHIHUI_REDIS__URL", settings.redis.url.expose_secret())
-        .env("ZHIHUI_REDIS__KEY_PREFIX", &settings.redis.key_prefix)
-        .env("ZHIHUI_HTTP__PORT", port.to_string())
-        .env("ZHIHUI_DISPATCH__ENABLED", "false")
-        .env("ZHIHUI_TRANSLATION__ENABLED", "false")
-        .env("ZHIHUI_TASKS__QUEUED_PER_USER_MAX", "100000000")
-        .env("ZHIHUI_LOG__FILTER", "warn")
-        .stdout(std::process::Stdio::null())
-        .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("starting {}", binary.display()))?;
-    let pid = child.id().context("the server exited at once")?;
-    let server = Server {
-        child,
-        pid,
-        base: format!("http://127.0.0.1:{port}"),
-    };
-    let http = reqwest::Client::new();
-    let started = Instant::now();
-    loop {
-        if let Ok(response) = http.get(format!("{}/ready", server.base)).send().await
-            && response.status().is_success()
-        {
-            return Ok(server);
-        }
-        anyhow::ensure!(
-            started.elapsed() < Duration::from_secs(60),
-            "the server was not ready within 60 s"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// `VmRSS` or `VmHWM` of a process, in MB.
@@ -175,7 +115,14 @@ async fn run(
     clients: usize,
 ) -> anyhow::Result<Vec<(String, f64, &'static str)>> {
     zhihui::telemetry::init(&settings.log)?;
-    let mut server = start_server(&settings).await?;
+    let mut server = serve::start_server(
+        &settings,
+        &[
+            ("ZHIHUI_TRANSLATION__ENABLED", "false"),
+            ("ZHIHUI_TASKS__QUEUED_PER_USER_MAX", "100000000"),
+        ],
+    )
+    .await?;
     let base = server.base.clone();
     let pool = zhihui::postgres::build_pool(&settings.database)?;
     let state = AppState::build(&settings, pool, Overrides::default())?;
