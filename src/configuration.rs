@@ -455,6 +455,15 @@ pub struct AuthSettings {
     pub code_lockout_ms: u64,
     /// A socket ticket (`POST /api/v1/ws/ticket`) opens one socket within this long.
     pub ws_ticket_ttl_ms: u64,
+    /// Logins from one client (IP address) per minute, at most (429 `too-many-logins`): a flood
+    /// of logins to random names from one client is refused before any password is hashed.
+    pub logins_per_client_per_minute: u32,
+    /// Login-code requests from one client per hour, at most (429 `too-many-code-requests`):
+    /// one client cannot send codes to any number of phones.
+    pub code_requests_per_client_per_hour: u32,
+    /// Login codes sent per minute overall, at most (429 `code-requests-busy`): a ceiling on
+    /// what the SMS sender is asked to do, whoever asks.
+    pub code_requests_per_minute_max: u32,
     /// Who delivers codes: `log` (development only: the code goes to the log) or `disabled`.
     pub code_sender: CodeSenderKind,
     /// Offset from UTC of the calendar day used by daily limits (480 = UTC+8).
@@ -526,6 +535,9 @@ pub struct HttpSettings {
     pub socket_ping_interval_ms: u64,
     /// Open sockets per user in one process, at most; beyond, 429 `too-many-sockets`.
     pub sockets_per_user_max: usize,
+    /// Take the client's address from the first `X-Forwarded-For` entry (only behind a proxy
+    /// that sets it: otherwise a client names any address and escapes the per-client limits).
+    pub client_ip_from_forwarded: bool,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -633,6 +645,9 @@ impl Settings {
         anyhow::ensure!(
             self.auth.session_idle_ttl_ms >= 1_000
                 && self.auth.ws_ticket_ttl_ms >= 1_000
+                && self.auth.logins_per_client_per_minute >= 1
+                && self.auth.code_requests_per_client_per_hour >= 1
+                && self.auth.code_requests_per_minute_max >= 1
                 && self.auth.code_ttl_ms >= 1_000
                 && self.auth.code_failures_max >= 1
                 && self.auth.password_failures_max >= 1

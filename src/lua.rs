@@ -27,6 +27,7 @@ script!(QUEUE_CLAIM, "queue_claim.lua");
 script!(QUEUE_REQUEUE, "queue_requeue.lua");
 script!(QUEUE_SCORES_AFTER, "queue_scores_after.lua");
 script!(QUEUE_RANKS, "queue_ranks.lua");
+script!(RATE_WINDOW, "rate_window.lua");
 script!(DISPATCH_LEADER_ACQUIRE, "dispatch_leader_acquire.lua");
 script!(DISPATCH_LEADER_RENEW, "dispatch_leader_renew.lua");
 script!(DISPATCH_LEADER_RESIGN, "dispatch_leader_resign.lua");

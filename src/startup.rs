@@ -73,6 +73,8 @@ pub struct AppState {
     pub user_sockets: crate::http::UserSockets,
     /// Queue positions for this process's sockets: one Redis read per queue change.
     pub positions: crate::positions::PositionBoard,
+    /// Admission limits per client and overall (logins, code requests).
+    pub limits: crate::auth::admission::Limits,
 }
 
 /// What tests (and only tests) replace: the clock and the code sender.
@@ -200,6 +202,7 @@ impl AppState {
         let positions = crate::positions::PositionBoard::new(tasks.queue.clone());
         Ok(AppState {
             positions,
+            limits: crate::auth::admission::Limits::new(redis.clone(), clock.clone()),
             codes,
             checkins,
             active_users,

@@ -2,6 +2,7 @@
 //! phone codes, and the brute-force limits on both login paths. Authorization (who may call which
 //! endpoint) is the HTTP extractors' job, in `crate::http::extract`.
 
+pub mod admission;
 pub mod password;
 pub mod phone_codes;
 pub mod sessions;

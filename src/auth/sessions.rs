@@ -30,6 +30,10 @@ pub const TOKEN_BYTES: usize = 32;
 /// application and Redis, and a margin so the logical check always runs first).
 pub const SESSION_SAFETY_SLACK_MS: u64 = 10 * 60 * 1000;
 
+/// The credentials epoch a login began at ([`Sessions::login_epoch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoginEpoch(i64);
+
 /// Who is calling, as a valid token says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Session {
@@ -72,12 +76,36 @@ impl Sessions {
         millis(self.idle_ttl)
     }
 
-    /// Open a session and return its token (shown to the client once, never stored).
+    fn epoch_key(&self) -> String {
+        self.redis.key("credentials-epoch")
+    }
+
+    fn revoked_epoch_key(&self, user_id: UserId) -> String {
+        self.redis.key(&format!("user-revoked-epoch:{user_id}"))
+    }
+
+    /// Read when a login begins, before the user's credentials are loaded: a password or role
+    /// change that revokes the user's sessions after this point also refuses the login's
+    /// session ([`Sessions::create`]), so no session checked against an old password survives
+    /// the change. Ordered by Redis, not by clocks.
+    pub async fn login_epoch(&self) -> anyhow::Result<LoginEpoch> {
+        let mut connection = self.redis.connection().await?;
+        let epoch: Option<i64> = redis::cmd("GET")
+            .arg(self.epoch_key())
+            .query_async(&mut connection)
+            .await
+            .context("reading the credentials epoch")?;
+        Ok(LoginEpoch(epoch.unwrap_or(0)))
+    }
+
+    /// Open a session and return its token (shown to the client once, never stored); `None`
+    /// when the user's sessions were revoked (a password or role change) after `since`.
     pub async fn create(
         &self,
         user_id: UserId,
         role: Role,
-    ) -> anyhow::Result<(String, DateTime<Utc>)> {
+        since: LoginEpoch,
+    ) -> anyhow::Result<Option<(String, DateTime<Utc>)>> {
         let mut bytes = [0u8; 16 + TOKEN_BYTES];
         bytes[..16].copy_from_slice(user_id.as_uuid().as_bytes());
         rand::rng().fill_bytes(&mut bytes[16..]);
@@ -87,15 +115,20 @@ impl Sessions {
         let expires_at_ms: i64 = crate::lua::SESSION_CREATE
             .key(self.session_key(&digest))
             .key(self.user_sessions_key(user_id))
+            .key(self.revoked_epoch_key(user_id))
             .arg(user_id.to_string())
             .arg(role.as_str())
             .arg(self.clock.now_ms())
             .arg(self.idle_ttl_ms())
             .arg(self.idle_ttl_ms() + SESSION_SAFETY_SLACK_MS)
+            .arg(since.0)
             .invoke_async(&mut connection)
             .await
             .context("creating a session in Redis")?;
-        Ok((token, from_unix_ms(expires_at_ms)))
+        if expires_at_ms < 0 {
+            return Ok(None);
+        }
+        Ok(Some((token, from_unix_ms(expires_at_ms))))
     }
 
     /// The session of `token` if it is valid now; using it slides its expiry.
@@ -241,6 +274,10 @@ impl Sessions {
         let mut connection = self.redis.connection().await?;
         let revoked: u64 = crate::lua::SESSIONS_REVOKE_USER
             .key(self.user_sessions_key(user_id))
+            .key(self.epoch_key())
+            .key(self.revoked_epoch_key(user_id))
+            // Longer than any login can take (one ends with its request).
+            .arg(millis(self.idle_ttl) + SESSION_SAFETY_SLACK_MS)
             .invoke_async(&mut connection)
             .await
             .context("revoking a user's sessions")?;

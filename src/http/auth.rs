@@ -1,5 +1,7 @@
 //! `/api/v1/auth/*`: register, log in (password or phone code), ask for a code, log out.
 
+use std::time::Duration;
+
 use actix_web::{HttpRequest, HttpResponse, web};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -119,8 +121,9 @@ pub async fn register(
     responses(
         (status = 200, description = "a fresh bearer token", body = LoginResponse),
         (status = 401, description = "`wrong-credentials`, `wrong-code` or `code-expired`", body = crate::http::problem::Problem),
+        (status = 409, description = "`credentials-changed`: the password or role changed during this login (log in again)", body = crate::http::problem::Problem),
         (status = 422, description = "a field breaks its rule", body = crate::http::problem::Problem),
-        (status = 429, description = "`username-locked` or `phone-locked` until `retry_at`", body = crate::http::problem::Problem),
+        (status = 429, description = "`username-locked` or `phone-locked` until `retry_at`; `too-many-logins` from this client this minute (`Retry-After`)", body = crate::http::problem::Problem),
     )
 )]
 pub async fn login(
@@ -129,6 +132,19 @@ pub async fn login(
     body: web::Json<LoginRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let body = body.into_inner();
+    let client = client_scope(&state, &request);
+    admit(
+        &state,
+        &format!("login:{client}"),
+        state.auth_settings.logins_per_client_per_minute,
+        Duration::from_secs(60),
+        "too-many-logins",
+        "this client has tried to log in too often this minute",
+    )
+    .await?;
+    // Before the credentials are read: a password or role change from here on refuses this
+    // login's session.
+    let since = state.sessions.login_epoch().await?;
     let user = match (body.username, body.password, body.phone, body.code) {
         (Some(username), Some(password), None, None) => {
             password_login(&state, &username, &password).await?
@@ -154,7 +170,17 @@ pub async fn login(
             });
         }
     };
-    let (token, expires_at) = state.sessions.create(user.user_id, user.role).await?;
+    let Some((token, expires_at)) = state
+        .sessions
+        .create(user.user_id, user.role, since)
+        .await?
+    else {
+        return Err(ApiError::Conflict {
+            rule: "credentials-changed",
+            detail: "the password or role of this user changed while logging in; log in again"
+                .into(),
+        });
+    };
     Ok(HttpResponse::Ok().json(LoginResponse {
         token,
         token_type: "Bearer",
@@ -262,12 +288,13 @@ pub(crate) async fn verify_code(
     responses(
         (status = 202, description = "a code is on its way", body = CodeSent),
         (status = 422, description = "the phone number breaks its rule", body = crate::http::problem::Problem),
-        (status = 429, description = "`too-many-sends` (one per interval), `daily-send-limit`, or `phone-locked`, until `retry_at`", body = crate::http::problem::Problem),
+        (status = 429, description = "`too-many-sends` (one per interval), `daily-send-limit`, or `phone-locked`, until `retry_at`; `too-many-code-requests` from this client this hour, `code-requests-busy` (the overall ceiling this minute), with `Retry-After`", body = crate::http::problem::Problem),
         (status = 503, description = "`phone-login-disabled`: this server sends no codes (`auth.code_sender`)", body = crate::http::problem::Problem),
     )
 )]
 pub async fn send_code(
     state: web::Data<AppState>,
+    request: HttpRequest,
     body: web::Json<CodeRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let phone = parse_phone(&body.phone)?;
@@ -279,6 +306,25 @@ pub async fn send_code(
             window: None,
         });
     }
+    let client = client_scope(&state, &request);
+    admit(
+        &state,
+        &format!("code:{client}"),
+        state.auth_settings.code_requests_per_client_per_hour,
+        Duration::from_secs(3600),
+        "too-many-code-requests",
+        "this client has asked for too many login codes this hour",
+    )
+    .await?;
+    admit(
+        &state,
+        "code:all",
+        state.auth_settings.code_requests_per_minute_max,
+        Duration::from_secs(60),
+        "code-requests-busy",
+        "the server sends the most login codes it may this minute",
+    )
+    .await?;
     match state.phone_codes.send(&phone).await? {
         SendOutcome::Sent {
             expires_at,
@@ -323,4 +369,30 @@ pub async fn logout(
 ) -> Result<HttpResponse, ApiError> {
     state.end_session(&caller.0).await?;
     Ok(HttpResponse::NoContent().finish())
+}
+
+/// The limit scope of a request's client: its address (see `http.client_ip_from_forwarded`).
+fn client_scope(state: &AppState, request: &HttpRequest) -> String {
+    crate::auth::admission::client_ip(request, state.http_settings.client_ip_from_forwarded)
+        .map_or_else(|| "client:unknown".to_owned(), |ip| format!("client:{ip}"))
+}
+
+/// Count one request against a limit; 429 naming `rule` with `Retry-After` when it is full.
+async fn admit(
+    state: &AppState,
+    scope: &str,
+    max: u32,
+    window: Duration,
+    rule: &'static str,
+    detail: &str,
+) -> Result<(), ApiError> {
+    match state.limits.admit(scope, max, window).await? {
+        crate::auth::admission::Admission::Admitted => Ok(()),
+        crate::auth::admission::Admission::Full { retry_at } => Err(ApiError::TooManyRequests {
+            rule,
+            detail: format!("{detail} (at most {max}); again at {retry_at}"),
+            retry_at,
+            retry_after_s: retry_after(&state.clock, retry_at),
+        }),
+    }
 }

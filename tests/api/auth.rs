@@ -746,3 +746,58 @@ async fn the_users_read_model_follows_registrations_roles_and_phones() {
         ]
     );
 }
+
+/// A login racing a password change: it began (read the credentials epoch) and checked the old
+/// password, then the password changed and every session was revoked; its session is refused
+/// (the login answers 409 `credentials-changed`), so nothing checked against the old password
+/// survives the change. Another user's logins are not disturbed; a login begun after works.
+#[tokio::test]
+async fn a_login_that_began_before_a_password_change_gets_no_session() {
+    use zhihui_domain::user::Role;
+    let app = spawn_app().await;
+    let racer = app.register("racer", "correct horse battery").await;
+    let other = app.register("bystander", "correct horse battery").await;
+    let token = app.login("racer", "correct horse battery").await;
+    let services = app.services_on_app_clock();
+    let racer = UserId::from_uuid(uuid::Uuid::parse_str(&racer).unwrap());
+    let other = UserId::from_uuid(uuid::Uuid::parse_str(&other).unwrap());
+    // The racing logins begin (and, say, have checked the old password)...
+    let begun = services.sessions.login_epoch().await.unwrap();
+    // ...then the password changes.
+    let changed = app
+        .put(
+            "/api/v1/me/password",
+            Some(&token),
+            &json!({"current_password": "correct horse battery", "new_password": "new horse battery"}),
+        )
+        .await;
+    assert_eq!(changed.status(), 204);
+    assert!(
+        services
+            .sessions
+            .create(racer, Role::User, begun)
+            .await
+            .unwrap()
+            .is_none(),
+        "a session checked against the old password survived the change"
+    );
+    assert!(
+        services
+            .sessions
+            .create(other, Role::User, begun)
+            .await
+            .unwrap()
+            .is_some(),
+        "another user's login was refused"
+    );
+    let after = services.sessions.login_epoch().await.unwrap();
+    assert!(
+        services
+            .sessions
+            .create(racer, Role::User, after)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    app.login("racer", "new horse battery").await;
+}

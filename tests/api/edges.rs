@@ -317,3 +317,92 @@ async fn with_the_code_sender_disabled_a_code_request_is_a_503_naming_it() {
     assert_eq!(problem["type"], "/problems/phone-login-disabled");
     assert_eq!(app.codes.count("+8613800138000"), 0);
 }
+
+/// Admission limits by client: logins per minute, code requests per hour, and a ceiling on codes
+/// per minute overall, each a 429 naming its rule with `Retry-After`, refused before any
+/// password is hashed or code sent. The client is the connection's address; `X-Forwarded-For` is
+/// believed only when configured (else anyone names any address and escapes the limit).
+#[tokio::test]
+async fn logins_and_code_requests_are_limited_per_client_and_codes_overall() {
+    let app = spawn_app_with(|settings| {
+        settings.auth.logins_per_client_per_minute = 3;
+        settings.auth.code_requests_per_client_per_hour = 2;
+        settings.auth.code_requests_per_minute_max = 3;
+        settings.http.client_ip_from_forwarded = true;
+    })
+    .await;
+    let login = |client: &'static str| {
+        let app = &app;
+        async move {
+            reqwest::Client::new()
+                .post(format!("{}/api/v1/auth/login", app.address))
+                .header("x-forwarded-for", client)
+                .json(&json!({"username": "nobody-here", "password": "a wrong password"}))
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    for _ in 0..3 {
+        assert_eq!(login("203.0.113.7").await.status(), 401);
+    }
+    let refused = login("203.0.113.7").await;
+    assert_eq!(refused.status(), 429);
+    assert!(refused.headers().contains_key("retry-after"));
+    let problem: Value = refused.json().await.unwrap();
+    assert_eq!(problem["type"], "/problems/too-many-logins");
+    // Another client is not held back; the next minute the first may try again.
+    assert_eq!(login("198.51.100.1").await.status(), 401);
+    app.clock.advance(Duration::from_secs(60));
+    assert_eq!(login("203.0.113.7").await.status(), 401);
+
+    let code = |client: &'static str, phone: &'static str| {
+        let app = &app;
+        async move {
+            reqwest::Client::new()
+                .post(format!("{}/api/v1/auth/code", app.address))
+                .header("x-forwarded-for", client)
+                .json(&json!({"phone": phone}))
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    // One client, many phones: two codes an hour, then refused, nothing sent.
+    assert_eq!(code("203.0.113.7", "+8613800000001").await.status(), 202);
+    assert_eq!(code("203.0.113.7", "+8613800000002").await.status(), 202);
+    let refused = code("203.0.113.7", "+8613800000003").await;
+    assert_eq!(refused.status(), 429);
+    let problem: Value = refused.json().await.unwrap();
+    assert_eq!(problem["type"], "/problems/too-many-code-requests");
+    assert_eq!(app.codes.count("+8613800000003"), 0);
+    // Many clients: the overall ceiling (3 a minute) holds.
+    assert_eq!(code("198.51.100.1", "+8613800000004").await.status(), 202);
+    let refused = code("198.51.100.2", "+8613800000005").await;
+    assert_eq!(refused.status(), 429);
+    let problem: Value = refused.json().await.unwrap();
+    assert_eq!(problem["type"], "/problems/code-requests-busy");
+    assert_eq!(app.codes.count("+8613800000005"), 0);
+}
+
+/// Without `http.client_ip_from_forwarded`, `X-Forwarded-For` names nobody: every address a
+/// client makes up is the same client.
+#[tokio::test]
+async fn a_forwarded_address_is_not_believed_unless_configured() {
+    let app = spawn_app_with(|settings| {
+        settings.auth.logins_per_client_per_minute = 2;
+    })
+    .await;
+    let mut statuses = Vec::new();
+    for client in ["203.0.113.1", "203.0.113.2", "203.0.113.3"] {
+        let response = reqwest::Client::new()
+            .post(format!("{}/api/v1/auth/login", app.address))
+            .header("x-forwarded-for", client)
+            .json(&json!({"username": "nobody-here", "password": "a wrong password"}))
+            .send()
+            .await
+            .unwrap();
+        statuses.push(response.status().as_u16());
+    }
+    assert_eq!(statuses, [401, 401, 429]);
+}

@@ -281,6 +281,11 @@ pub fn test_settings(database_name: &str) -> Settings {
         SecretString::from(std::env::var("REDIS_URL").unwrap_or_else(|_| DEFAULT_REDIS_URL.into()));
     settings.redis.key_prefix = format!("test:{database_name}");
     settings.http.port = 0;
+    // Every test comes from 127.0.0.1 on a clock that rarely moves: the per-client limits are
+    // tested where they are switched back on (edges.rs).
+    settings.auth.logins_per_client_per_minute = 1_000_000;
+    settings.auth.code_requests_per_client_per_hour = 1_000_000;
+    settings.auth.code_requests_per_minute_max = 1_000_000;
     settings.http.workers = Some(1);
     // Tests drive projections step by step (`TestApp::project`); a test may switch them on.
     settings.projections.enabled = false;

@@ -82,6 +82,7 @@ async fn serve_capturing(
         .env("ZHIHUI_REDIS__KEY_PREFIX", &settings.redis.key_prefix)
         .env("ZHIHUI_HTTP__PORT", port.to_string())
         .env("ZHIHUI_HTTP__WORKERS", "1")
+        .env("ZHIHUI_AUTH__LOGINS_PER_CLIENT_PER_MINUTE", "1000000")
         .env("ZHIHUI_TRANSLATION__ENABLED", "false")
         .env("ZHIHUI_DISPATCH__BACKENDS", backends)
         // Shared by both processes, as a shared volume would be: either serves any image.

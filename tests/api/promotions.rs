@@ -34,7 +34,13 @@ async fn users(app: &TestApp, count: usize) -> Vec<(UserId, String)> {
     let mut made = Vec::new();
     for _ in 0..count {
         let user_id = UserId::from_uuid(Uuid::now_v7());
-        let (token, _) = services.sessions.create(user_id, Role::User).await.unwrap();
+        let since = services.sessions.login_epoch().await.unwrap();
+        let (token, _) = services
+            .sessions
+            .create(user_id, Role::User, since)
+            .await
+            .unwrap()
+            .unwrap();
         made.push((user_id, token));
     }
     made

@@ -120,6 +120,7 @@ async fn run(
         &[
             ("ZHIHUI_TRANSLATION__ENABLED", "false"),
             ("ZHIHUI_TASKS__QUEUED_PER_USER_MAX", "100000000"),
+            ("ZHIHUI_AUTH__LOGINS_PER_CLIENT_PER_MINUTE", "1000000"),
         ],
     )
     .await?;

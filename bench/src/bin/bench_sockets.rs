@@ -109,7 +109,12 @@ async fn run(
     let mut users = Vec::with_capacity(sockets);
     for _ in 0..sockets {
         let user_id = UserId::from_uuid(Uuid::now_v7());
-        let (token, _) = state.sessions.create(user_id, Role::User).await?;
+        let since = state.sessions.login_epoch().await?;
+        let (token, _) = state
+            .sessions
+            .create(user_id, Role::User, since)
+            .await?
+            .context("a session")?;
         let url = format!(
             "{}/api/v1/ws?token={token}",
             server.base.replace("http://", "ws://")
