@@ -1,7 +1,7 @@
 //! Dispatch to a pool of ComfyUI servers: `comfy.rs` (the HTTP client and the WebSocket message
 //! set), `socket.rs` (one socket per server: fresh clientIds, pings, reconnects), `lease.rs` (the
 //! leader lease with its fencing token, slot leases), `images.rs` (the image store), and
-//! `saga.rs` (the saga that drives every task from the queue to settled points).
+//! `saga/` (the saga that drives every task from the queue to settled points, one file per step).
 
 pub mod comfy;
 pub mod images;

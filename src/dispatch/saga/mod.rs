@@ -1,0 +1,834 @@
+//! The dispatch saga: queued tasks become prompts on ComfyUI servers, finished prompts become
+//! images and settled points, whatever fails on the way.
+//!
+//! One leader at a time runs it ([`Dispatcher::lead`]: a Redis lease with a fencing token; every
+//! task event the saga appends carries the token, and a task refuses tokens older than the last
+//! one it saw). The saga is an actor: [`Saga::step`] takes one input of a closed set (a socket
+//! event, a task event from the log, the result of a side effect, a timer tick) and reacts. It
+//! never waits on Redis, PostgreSQL or a server while reacting: every round trip is a spawned
+//! effect whose result comes back as an input, so a prompt's end is acted on the moment it
+//! arrives, and a slow server never holds up the leader's renewals or the other servers.
+//!
+//! Per task: claimed by the filler (one Lua step: leader check, a free slot of a connected
+//! server, pop the queue, lease the slot) -> `TaskDispatched` with a fresh prompt id (recorded
+//! before the post, so a restart can look for it) -> staged until its server has room: a free
+//! slot, or a place in the server's own queue behind the prompts it runs
+//! (`posted_ahead_per_backend`; ComfyUI then starts it the moment the one before ends, with no
+//! round trip at all) -> post -> `TaskStarted` (when it runs) -> follow the socket by prompt id,
+//! forward progress -> on the first terminal message the next staged task is posted at once (no
+//! polling period, no round trip) and the slot's lease is released by the next filler ->
+//! history, images through `/view` into
+//! the image store -> `dispatch` intent row -> `TaskSucceeded` / `TaskFailed` / `TaskCancelled`
+//! -> settle or release the hold (`TaskService::reconcile`, idempotent) -> end the intent.
+//!
+//! Slot leases are released, renewed and claimed only by the filler, one filler at a time, so a
+//! renewal never puts back a lease that a release just took away.
+//!
+//! Recovery: the socket is a hint, `/queue` + `/history` the truth. After a reconnect and on a
+//! watchdog period every prompt in flight is located; a prompt the server lost goes back to
+//! posting and is posted once more with the same id when the socket is open (only a post the
+//! server accepts spends that one resubmission), then, lost again, failed. A new leader adopts every task in flight (`TaskAdopted`
+//! fences the old leader out) and locates it; the queue is rebuilt from the events. What a dead
+//! dispatcher leaves between two streams (a task whose end is recorded but whose hold is not
+//! settled) is finished by the intent sweeper from the `dispatch` intent.
+//!
+//! Rooms, one step each: this file holds the actor (its inputs, its state, `step`, the reaction to
+//! each input and the ticks); `leader.rs` the dispatcher and leadership; `claim.rs` the filler,
+//! the recording of claims and staging; `submit.rs` posting and the server's answer; `watch.rs`
+//! socket messages and locating prompts; `settle.rs` a prompt's end, its results and the
+//! recorded end; `recover.rs` adopting what a dead leader left.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use deadpool_postgres::Pool;
+use futures::StreamExt;
+use serde_json::Value;
+use tokio::sync::mpsc;
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+use uuid::Uuid;
+use zhihui_domain::task::{
+    Canceller, TaskCommand, TaskError, TaskId, TaskImage, TaskStatus, task_id_of_stream,
+};
+use zhihui_domain::user::UserId;
+
+use crate::clock::Clock;
+use crate::command::CommandError;
+use crate::configuration::{BackendSettings, DispatchSettings};
+use crate::dispatch::comfy::{
+    ComfyClient, ComfyMessage, HistoryOutcome, PostOutcome, PromptWhereabouts,
+};
+use crate::dispatch::images::{ImageStore, image_id};
+use crate::dispatch::lease::{Claimed, Fill, Leases, ServerSlots, Term};
+use crate::dispatch::socket::{self, SocketEvent, SocketTimings};
+use crate::event_store::{
+    AnyEventStore, EventFilter, EventMetadata, EventStore, SubscriptionMessage,
+};
+use crate::labels::{LabelError, Labeller};
+use crate::notify::{Notifier, TaskNotice};
+use crate::tasks::service::{IntentKind, TaskService};
+
+mod claim;
+mod leader;
+mod recover;
+mod settle;
+mod submit;
+mod watch;
+
+use claim::{FillOutcome, Prepared};
+pub use leader::Dispatcher;
+
+/// Orphans adopted per scan: bounds one tick's work (the rest come at the next scan).
+pub const ADOPT_PER_SCAN_MAX: i64 = 256;
+/// Attempts to fetch and store a finished prompt's images before the task fails.
+pub const COMPLETION_ATTEMPTS_MAX: u32 = 3;
+/// Gap samples kept for the benchmark (oldest dropped).
+pub const GAP_SAMPLES_MAX: usize = 100_000;
+
+/// One GPU idle gap as the saga sees it (benchmarks): from a prompt's end message to the next
+/// `POST /prompt` answered on that server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GapSample {
+    pub duration: Duration,
+    /// A staged task was ready when the slot freed (the gap is the saga's reaction); otherwise
+    /// the slot waited for the next dispatch to be recorded.
+    pub staged_ready: bool,
+}
+
+/// The leader lease is gone: the saga stops; the process may try to lead again.
+#[derive(Debug, thiserror::Error)]
+#[error("the dispatcher lost its leadership")]
+pub struct LostLeadership;
+
+/// Inputs of the saga: a closed set.
+#[derive(Debug)]
+enum Input {
+    Socket(usize, SocketEvent),
+    /// A task's `TaskStarted` was recorded (or not).
+    Started(anyhow::Result<()>),
+    /// A task was queued (from the log): fill free slots.
+    Queued,
+    /// A user asked to cancel a task in flight (from the log).
+    CancelRequested(TaskId),
+    Posted {
+        task_id: TaskId,
+        prompt_id: Uuid,
+        outcome: PostOutcome,
+        gap: Option<GapSample>,
+    },
+    /// Where a prompt is (reconcile after a reconnect, the watchdog, after a stop).
+    Located {
+        task_id: TaskId,
+        prompt_id: Uuid,
+        result: anyhow::Result<PromptWhereabouts>,
+    },
+    Completed {
+        task_id: TaskId,
+        prompt_id: Uuid,
+        result: anyhow::Result<Completion>,
+    },
+    /// The filler took a task off the queue for `backend`; its dispatch is being recorded.
+    /// Sent before the recording starts, so it always comes before the task's `Prepared`.
+    Claimed {
+        backend: usize,
+        task_id: TaskId,
+    },
+    /// The filler is done: what it could not release, and how it ended.
+    Filled(FillOutcome),
+    /// The leader lease renewed (`Ok(true)`), gone (`Ok(false)`), or not reachable.
+    Renewed {
+        at: Instant,
+        result: anyhow::Result<bool>,
+    },
+    /// A staged dispatch was recorded (or not).
+    Prepared {
+        backend: usize,
+        task_id: TaskId,
+        result: anyhow::Result<Option<Prepared>>,
+    },
+    /// The end was recorded and the hold settled (or not: then `completion` is retried).
+    Recorded {
+        task_id: TaskId,
+        completion: Completion,
+        result: anyhow::Result<()>,
+    },
+    SubscriptionEnded(String),
+}
+
+/// How a prompt ended, once its results are stored.
+#[derive(Debug, Clone)]
+enum Completion {
+    Succeeded(Vec<TaskImage>),
+    Failed(String),
+    Interrupted,
+    /// The server does not know the prompt (deleted by our cancel, or lost to a restart).
+    Vanished,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Recorded as dispatched to a busy server, not posted yet: the next task for that server,
+    /// posted the moment it has room (no round trip to the store in between).
+    Staged,
+    /// Recorded as dispatched; the server has not (knowingly) accepted it.
+    Posting,
+    /// The server accepted it (`TaskStarted`).
+    Accepted,
+    /// It ended on the server; its slot is free; results are being fetched and recorded.
+    Finishing,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stop {
+    Cancel,
+    Timeout,
+}
+
+#[derive(Debug)]
+struct InFlight {
+    owner: UserId,
+    backend: usize,
+    prompt_id: Uuid,
+    workflow: Value,
+    phase: Phase,
+    deadline: Instant,
+    stop: Option<Stop>,
+    stop_attempts: u32,
+    /// A post, locate or stop effect is outstanding: start no second one.
+    effect_running: bool,
+    resubmitted: bool,
+    /// Posted again after the server lost it, not yet accepted: the resubmission is spent
+    /// (`resubmitted`) only when the server accepts the post.
+    reposting: bool,
+    completion_attempts: u32,
+    /// A completion that could not be recorded yet (the store was down): retried on ticks.
+    unrecorded: Option<Completion>,
+    last_progress: Option<Instant>,
+    /// Claim order of a staged task: staged tasks are posted in the order they were claimed.
+    claim_seq: u64,
+    /// Posted into the server's own queue behind the prompts it runs: it starts when they end,
+    /// without us (its `TaskStarted` waits for its `execution_start`).
+    posted_ahead: bool,
+    /// `TaskStarted` is recorded or being recorded (once per task).
+    start_recorded: bool,
+    /// `TaskStarted` being recorded: the end is recorded after it, so the log keeps the order.
+    starting: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl InFlight {
+    fn new(
+        owner: UserId,
+        backend: usize,
+        prompt_id: Uuid,
+        workflow: Value,
+        phase: Phase,
+        time_left: Duration,
+    ) -> InFlight {
+        InFlight {
+            owner,
+            backend,
+            prompt_id,
+            workflow,
+            phase,
+            deadline: Instant::now() + time_left,
+            stop: None,
+            stop_attempts: 0,
+            effect_running: false,
+            resubmitted: false,
+            reposting: false,
+            completion_attempts: 0,
+            unrecorded: None,
+            last_progress: None,
+            claim_seq: 0,
+            posted_ahead: false,
+            start_recorded: false,
+            starting: None,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct BackendState {
+    /// The open socket's clientId; `None` while disconnected (then nothing new is posted there).
+    client_id: Option<String>,
+    /// When a slot last freed with nothing posted since (the start of a GPU idle gap).
+    freed_at: Option<Instant>,
+    /// A slot of it is being freed right now: a post now is a staged task that was ready.
+    freeing: bool,
+    /// Tasks whose staged dispatch is being recorded in the background, with their claim order.
+    staging: HashMap<TaskId, u64>,
+}
+
+/// A running saga (the leader's). Dropping it closes its sockets and stops its subscription.
+pub struct Saga {
+    dispatcher: Dispatcher,
+    term: Term,
+    inputs: mpsc::UnboundedReceiver<Input>,
+    inputs_sender: mpsc::UnboundedSender<Input>,
+    sockets: mpsc::UnboundedReceiver<(usize, SocketEvent)>,
+    tick: tokio::time::Interval,
+    backends: Vec<BackendState>,
+    in_flight: HashMap<TaskId, InFlight>,
+    by_prompt: HashMap<Uuid, TaskId>,
+    /// Cancel requests for tasks whose dispatch was still being recorded.
+    early_cancels: std::collections::HashSet<TaskId>,
+    background: Vec<AbortHandle>,
+    last_leader_renew: Instant,
+    last_slot_renew: Instant,
+    last_watchdog: Instant,
+    last_orphan_scan: Instant,
+    gaps: Vec<GapSample>,
+    /// Counts claims (orders staged tasks).
+    claims: u64,
+    /// A filler effect is out: it alone releases, renews and claims slot leases, one after the
+    /// other, so a renewal can never put back a lease that a release just took away.
+    filling: bool,
+    /// Something may be claimable (a slot freed, a task queued): run the filler (again).
+    fill_wanted: bool,
+    /// Slot leases to release, in the order their tasks ended (the next filler's first work).
+    releases: Vec<(usize, TaskId)>,
+    /// The slot leases are due for renewal: the next filler renews them.
+    slot_renew_wanted: bool,
+    /// A leader lease renewal is out.
+    renewing: bool,
+    /// After a failed renewal, not before this.
+    renew_retry_at: Instant,
+}
+
+impl std::fmt::Debug for Saga {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Saga")
+            .field("term", &self.term)
+            .field("in_flight", &self.in_flight.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Saga {
+    fn drop(&mut self) {
+        for handle in &self.background {
+            handle.abort();
+        }
+    }
+}
+
+fn is_lost(error: &anyhow::Error) -> bool {
+    error.is::<LostLeadership>()
+}
+
+impl Saga {
+    async fn start(dispatcher: Dispatcher, term: Term) -> anyhow::Result<Saga> {
+        let settings = &dispatcher.settings;
+        let (inputs_sender, inputs) = mpsc::unbounded_channel();
+        let (socket_sender, sockets) = mpsc::unbounded_channel();
+        let mut background = Vec::new();
+        let timings = SocketTimings {
+            ping_interval: Duration::from_millis(settings.socket_ping_interval_ms),
+            silence_max: Duration::from_millis(settings.socket_silence_max_ms),
+            backoff_min: Duration::from_millis(settings.reconnect_backoff_min_ms),
+            backoff_max: Duration::from_millis(settings.reconnect_backoff_max_ms),
+        };
+        for (index, backend) in dispatcher.backends.iter().enumerate() {
+            let client = backend.client.clone();
+            let sender = socket_sender.clone();
+            background.push(
+                dispatcher
+                    .lane
+                    .handle
+                    .spawn(socket::run(index, client, timings, sender))
+                    .abort_handle(),
+            );
+        }
+        // Task events from now on: queued tasks wake the saga at once, cancel requests reach it.
+        let head = dispatcher
+            .store
+            .head()
+            .await
+            .context("reading the log head")?;
+        let mut subscription = dispatcher.store.subscribe_all(
+            head,
+            EventFilter::EventTypes(vec!["TaskQueued".into(), "TaskCancelRequested".into()]),
+        );
+        let sender = inputs_sender.clone();
+        background.push(
+            tokio::spawn(async move {
+                while let Some(message) = subscription.next().await {
+                    let input = match message {
+                        Ok(SubscriptionMessage::Event(recorded)) => {
+                            match (
+                                recorded.event_type.as_str(),
+                                task_id_of_stream(&recorded.stream),
+                            ) {
+                                ("TaskCancelRequested", Some(task_id)) => {
+                                    Input::CancelRequested(task_id)
+                                }
+                                _ => Input::Queued,
+                            }
+                        }
+                        Ok(_) => continue,
+                        Err(error) => Input::SubscriptionEnded(error.to_string()),
+                    };
+                    if sender.send(input).is_err() {
+                        return;
+                    }
+                }
+                drop(sender.send(Input::SubscriptionEnded("ended".into())));
+            })
+            .abort_handle(),
+        );
+        let mut tick = tokio::time::interval(Duration::from_millis(settings.tick_ms));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let now = Instant::now();
+        Ok(Saga {
+            backends: dispatcher
+                .backends
+                .iter()
+                .map(|_| BackendState::default())
+                .collect(),
+            dispatcher,
+            term,
+            inputs,
+            inputs_sender,
+            sockets,
+            tick,
+            in_flight: HashMap::new(),
+            by_prompt: HashMap::new(),
+            early_cancels: std::collections::HashSet::new(),
+            background,
+            last_leader_renew: now,
+            last_slot_renew: now,
+            last_watchdog: now,
+            last_orphan_scan: now,
+            gaps: Vec::new(),
+            claims: 0,
+            filling: false,
+            fill_wanted: false,
+            releases: Vec::new(),
+            slot_renew_wanted: false,
+            renewing: false,
+            renew_retry_at: now,
+        })
+    }
+
+    pub fn fencing_token(&self) -> u64 {
+        self.term.fencing_token
+    }
+
+    /// Tasks this saga follows (dispatched, running, or finishing).
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Servers with an open socket.
+    pub fn connected_backends(&self) -> usize {
+        self.backends
+            .iter()
+            .filter(|b| b.client_id.is_some())
+            .count()
+    }
+
+    /// GPU idle gaps measured so far (slot freed with work waiting -> next prompt accepted), taken.
+    pub fn take_gaps(&mut self) -> Vec<GapSample> {
+        std::mem::take(&mut self.gaps)
+    }
+
+    /// Run until the leadership is lost, then give the lease up.
+    pub async fn run(mut self) {
+        loop {
+            if let Err(error) = self.step().await {
+                if is_lost(&error) {
+                    tracing::warn!(
+                        fencing_token = self.term.fencing_token,
+                        "dispatcher lost its leadership"
+                    );
+                    // A no-op when the lease is gone; when the saga stopped for another reason
+                    // (its subscription ended) the next leader need not wait for the lease.
+                    self.resign().await;
+                    return;
+                }
+                tracing::warn!(error = %crate::telemetry::error_chain(&error), "dispatch step failed");
+            }
+        }
+    }
+
+    /// Give the lease up now (a clean stop), so another process takes over at once.
+    pub async fn resign(self) {
+        if let Err(error) = self.dispatcher.leases.resign(&self.term).await {
+            tracing::warn!(error = %crate::telemetry::error_chain(&error), "could not resign the leader lease");
+        }
+    }
+
+    /// Wait for one input and react to it. `Err(LostLeadership)` ends the saga.
+    pub async fn step(&mut self) -> anyhow::Result<()> {
+        // Under a steady stream of inputs the timer must still get its turn: the lease renewal
+        // cannot wait for a quiet moment.
+        let renew = Duration::from_millis(self.dispatcher.settings.leader_renew_ms);
+        if self.last_leader_renew.elapsed() >= renew
+            && !self.renewing
+            && Instant::now() >= self.renew_retry_at
+        {
+            return self.on_tick().await;
+        }
+        // Not biased: under a burst of socket messages the effects' results (a renewal among
+        // them) must still get their turns.
+        tokio::select! {
+            Some((backend, event)) = self.sockets.recv() => self.handle(Input::Socket(backend, event)).await,
+            Some(input) = self.inputs.recv() => self.handle(input).await,
+            _ = self.tick.tick() => self.on_tick().await,
+        }
+    }
+
+    fn metadata(&self, task_id: TaskId) -> EventMetadata {
+        dispatcher_metadata(self.term.fencing_token, task_id)
+    }
+
+    async fn handle(&mut self, input: Input) -> anyhow::Result<()> {
+        match input {
+            Input::Socket(backend, SocketEvent::Opened { client_id }) => {
+                tracing::info!(backend = %self.dispatcher.backends[backend].settings.name, "server socket open");
+                self.backends[backend].client_id = Some(client_id);
+                // Whatever happened while we were away is only in /queue and /history.
+                let tasks: Vec<TaskId> = self
+                    .in_flight
+                    .iter()
+                    .filter(|(_, f)| f.backend == backend)
+                    .map(|(task_id, _)| *task_id)
+                    .collect();
+                for task_id in tasks {
+                    self.check_on(task_id);
+                }
+                self.fill_all();
+                Ok(())
+            }
+            Input::Socket(backend, SocketEvent::Closed { reason }) => {
+                tracing::warn!(backend = %self.dispatcher.backends[backend].settings.name, %reason, "server socket closed");
+                self.backends[backend].client_id = None;
+                Ok(())
+            }
+            Input::Socket(backend, SocketEvent::Message(message)) => {
+                self.on_message(backend, message)
+            }
+            Input::Queued => {
+                self.fill_all();
+                Ok(())
+            }
+            Input::Claimed { backend, task_id } => {
+                self.claims += 1;
+                self.backends[backend].staging.insert(task_id, self.claims);
+                Ok(())
+            }
+            Input::Filled(outcome) => self.on_filled(outcome),
+            Input::Renewed { at, result } => {
+                self.renewing = false;
+                match result {
+                    Ok(true) => {
+                        self.last_leader_renew = at;
+                        Ok(())
+                    }
+                    Ok(false) => Err(LostLeadership.into()),
+                    Err(error) => {
+                        self.renew_retry_at = Instant::now()
+                            + Duration::from_millis(self.dispatcher.settings.tick_ms);
+                        Err(error)
+                    }
+                }
+            }
+            // A start that could not be recorded is not retried: the end is what matters, and
+            // the end is recorded whatever happened to the start.
+            Input::Started(result) => result,
+            Input::CancelRequested(task_id) => {
+                let Some(flight) = self.in_flight.get_mut(&task_id) else {
+                    // Maybe being staged right now: remembered for `admit`.
+                    if self
+                        .backends
+                        .iter()
+                        .any(|b| b.staging.contains_key(&task_id))
+                    {
+                        self.early_cancels.insert(task_id);
+                    }
+                    return Ok(());
+                };
+                if flight.stop.is_some() {
+                    return Ok(());
+                }
+                flight.stop = Some(Stop::Cancel);
+                if flight.phase == Phase::Staged {
+                    // Never posted: cancelled without asking any server.
+                    self.free_slot(task_id);
+                    return self.record(task_id, Completion::Vanished);
+                }
+                self.check_on(task_id);
+                Ok(())
+            }
+            Input::Prepared {
+                backend,
+                task_id,
+                result,
+            } => {
+                let claim_seq = self.backends[backend].staging.remove(&task_id).unwrap_or(0);
+                let prepared = match result {
+                    Ok(prepared) => prepared,
+                    Err(error) => {
+                        // Tasks claimed after it may have waited for it (`staged_on`).
+                        self.fill_all();
+                        return Err(error);
+                    }
+                };
+                self.admit(backend, task_id, prepared);
+                if let Some(flight) = self.in_flight.get_mut(&task_id)
+                    && flight.phase == Phase::Staged
+                {
+                    flight.claim_seq = claim_seq;
+                }
+                // Cancelled while it was being recorded: never posted, cancelled here.
+                if self
+                    .in_flight
+                    .get(&task_id)
+                    .is_some_and(|f| f.phase == Phase::Staged && f.stop.is_some())
+                {
+                    self.free_slot(task_id);
+                    return self.record(task_id, Completion::Vanished);
+                }
+                // A slot may have freed meanwhile: the staged task goes out now.
+                self.fill_all();
+                Ok(())
+            }
+            Input::Recorded {
+                task_id,
+                completion,
+                result,
+            } => match result {
+                Ok(()) => {
+                    if let Some(flight) = self.in_flight.remove(&task_id) {
+                        self.by_prompt.remove(&flight.prompt_id);
+                    }
+                    Ok(())
+                }
+                Err(error) if is_lost(&error) => Err(error),
+                Err(error) => {
+                    if let Some(flight) = self.in_flight.get_mut(&task_id) {
+                        flight.effect_running = false;
+                        flight.unrecorded = Some(completion);
+                    }
+                    Err(error)
+                }
+            },
+            Input::Posted {
+                task_id,
+                prompt_id,
+                outcome,
+                gap,
+            } => self.on_posted(task_id, prompt_id, outcome, gap),
+            Input::Located {
+                task_id,
+                prompt_id,
+                result,
+            } => self.on_located(task_id, prompt_id, result),
+            Input::Completed {
+                task_id,
+                prompt_id,
+                result,
+            } => {
+                let Some(flight) = self.in_flight.get_mut(&task_id) else {
+                    return Ok(());
+                };
+                if flight.prompt_id != prompt_id {
+                    return Ok(());
+                }
+                flight.effect_running = false;
+                match result {
+                    Ok(completion) => self.record(task_id, completion),
+                    Err(error) => {
+                        flight.completion_attempts += 1;
+                        tracing::warn!(%task_id, attempt = flight.completion_attempts, error = %crate::telemetry::error_chain(&error), "fetching results failed");
+                        if flight.completion_attempts >= COMPLETION_ATTEMPTS_MAX {
+                            let reason =
+                                "the images could not be fetched from the image server".to_owned();
+                            self.record(task_id, Completion::Failed(reason))
+                        } else {
+                            // Retried by the watchdog.
+                            Ok(())
+                        }
+                    }
+                }
+            }
+            Input::SubscriptionEnded(reason) => {
+                // Without it, cancels and new tasks still arrive through the ticks; start over to
+                // get the prompt wake-ups back.
+                tracing::warn!(%reason, "task event subscription ended; the saga restarts");
+                Err(LostLeadership.into())
+            }
+        }
+    }
+
+    async fn on_tick(&mut self) -> anyhow::Result<()> {
+        let settings = self.dispatcher.settings.clone();
+        let now = Instant::now();
+        if now - self.last_leader_renew >= Duration::from_millis(settings.leader_renew_ms)
+            && !self.renewing
+            && now >= self.renew_retry_at
+        {
+            // Off the saga's path: a renewal's round trip must not hold up a freed slot.
+            self.renewing = true;
+            let leases = self.dispatcher.leases.clone();
+            let term = self.term.clone();
+            let sender = self.inputs_sender.clone();
+            self.dispatcher.work.spawn(async move {
+                let result = leases.renew(&term, settings.leader_lease_ms).await;
+                drop(sender.send(Input::Renewed { at: now, result }));
+            });
+        }
+        if now - self.last_slot_renew >= Duration::from_millis(settings.slot_renew_ms) {
+            // The filler renews them, in line with its releases.
+            self.slot_renew_wanted = true;
+            self.last_slot_renew = now;
+        }
+        // Timeouts.
+        let expired: Vec<TaskId> = self
+            .in_flight
+            .iter()
+            .filter(|(_, f)| {
+                f.deadline <= now
+                    && f.stop.is_none()
+                    && matches!(f.phase, Phase::Posting | Phase::Accepted)
+            })
+            .map(|(task_id, _)| *task_id)
+            .collect();
+        for task_id in expired {
+            if let Some(flight) = self.in_flight.get_mut(&task_id) {
+                tracing::warn!(%task_id, "task timed out; interrupting it");
+                flight.stop = Some(Stop::Timeout);
+            }
+            self.check_on(task_id);
+        }
+        // A staged task waits for a slot on its server; if the server is gone past the task's
+        // deadline, it will never be posted: it fails (never having run).
+        let stranded: Vec<TaskId> = self
+            .in_flight
+            .iter()
+            .filter(|(_, f)| {
+                f.phase == Phase::Staged
+                    && f.deadline <= now
+                    && self.backends[f.backend].client_id.is_none()
+            })
+            .map(|(task_id, _)| *task_id)
+            .collect();
+        for task_id in stranded {
+            if let Some(flight) = self.in_flight.get_mut(&task_id) {
+                flight.stop = Some(Stop::Timeout);
+            }
+            self.free_slot(task_id);
+            self.record(task_id, Completion::Vanished)?;
+        }
+        // Completions not recorded yet (the store was down).
+        let unrecorded: Vec<TaskId> = self
+            .in_flight
+            .iter()
+            .filter(|(_, f)| f.unrecorded.is_some())
+            .map(|(task_id, _)| *task_id)
+            .collect();
+        for task_id in unrecorded {
+            if let Some(completion) = self
+                .in_flight
+                .get_mut(&task_id)
+                .and_then(|f| f.unrecorded.take())
+            {
+                self.record(task_id, completion)?;
+            }
+        }
+        if now - self.last_watchdog >= Duration::from_millis(settings.reconcile_interval_ms) {
+            self.last_watchdog = now;
+            let tasks: Vec<TaskId> = self.in_flight.keys().copied().collect();
+            for task_id in tasks {
+                self.check_on(task_id);
+            }
+        }
+        if now - self.last_orphan_scan >= Duration::from_millis(settings.orphan_scan_interval_ms) {
+            self.last_orphan_scan = now;
+            self.adopt_orphans().await?;
+        }
+        self.fill_all();
+        Ok(())
+    }
+}
+
+/// Who the saga's appends are by: the dispatcher of this term, for this task.
+fn dispatcher_metadata(fencing_token: u64, task_id: TaskId) -> EventMetadata {
+    EventMetadata {
+        correlation_id: task_id,
+        causation_id: None,
+        actor: format!("system:dispatcher:{fencing_token}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::recover::adopted_time_left;
+    use super::settle::failure_reason;
+    use super::*;
+
+    #[test]
+    fn a_servers_error_text_is_cut_and_never_shows_its_paths() {
+        let reason = failure_reason(
+            "CheckpointLoaderSimple",
+            "FileNotFoundError: /opt/ComfyUI/models/checkpoints/x.safetensors not found in C:\\models\nTraceback (most recent call last): ...",
+        );
+        assert_eq!(
+            reason,
+            "generation failed on the image server at CheckpointLoaderSimple: FileNotFoundError: <path> not found in <path>"
+        );
+        let long = failure_reason(&"N".repeat(500), &"word ".repeat(500));
+        assert!(long.chars().count() < 320, "{}", long.len());
+    }
+
+    fn at(seconds: i64) -> chrono::DateTime<chrono::Utc> {
+        chrono::DateTime::UNIX_EPOCH + chrono::Duration::seconds(seconds)
+    }
+
+    #[test]
+    fn an_adopted_running_task_has_its_limit_from_its_start() {
+        let state = zhihui_domain::task::TaskState {
+            dispatched_at: Some(at(100)),
+            started_at: Some(at(700)),
+            ..Default::default()
+        };
+        // Dispatched 600 s before it started (it waited behind another prompt): the 600 s limit
+        // counts from the start, so 100 s are left at 1,200.
+        assert_eq!(
+            adopted_time_left(&state, Duration::from_secs(600), 1, at(1_200)),
+            Duration::from_secs(100)
+        );
+        assert_eq!(
+            adopted_time_left(&state, Duration::from_secs(600), 1, at(1_400)),
+            Duration::ZERO
+        );
+    }
+
+    #[test]
+    fn an_adopted_task_not_started_may_wait_behind_the_prompts_posted_before_it() {
+        let state = zhihui_domain::task::TaskState {
+            dispatched_at: Some(at(100)),
+            ..Default::default()
+        };
+        assert_eq!(
+            adopted_time_left(&state, Duration::from_secs(600), 1, at(200)),
+            Duration::from_secs(1_100)
+        );
+        assert_eq!(
+            adopted_time_left(&state, Duration::from_secs(600), 0, at(200)),
+            Duration::from_secs(500)
+        );
+        assert_eq!(
+            adopted_time_left(
+                &zhihui_domain::task::TaskState::default(),
+                Duration::from_secs(600),
+                1,
+                at(200)
+            ),
+            Duration::from_secs(600)
+        );
+    }
+}
