@@ -380,6 +380,7 @@ impl Application {
                 )
                 .app_data(state.clone())
                 .configure(crate::http::routes)
+                .default_service(web::to(crate::http::fallback))
         })
         .shutdown_timeout(Duration::from_millis(settings.http.shutdown_timeout_ms).as_secs())
         .listen(listener)

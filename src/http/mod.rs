@@ -109,6 +109,64 @@ pub fn routes(config: &mut web::ServiceConfig) {
         );
 }
 
+/// What no route answers: 405 with `Allow` when the path is one of ours under another method
+/// (the OpenAPI document's paths, `{param}` matching any one segment), else 404; both
+/// problem+json.
+pub async fn fallback(request: actix_web::HttpRequest) -> actix_web::HttpResponse {
+    use actix_web::ResponseError;
+    let allowed = allowed_methods(request.path());
+    if allowed.is_empty() {
+        return ApiError::NotFound(format!("no such route: {}", request.path())).error_response();
+    }
+    let mut response = ApiError::Refused {
+        status: actix_web::http::StatusCode::METHOD_NOT_ALLOWED,
+        rule: "method-not-allowed",
+        detail: format!("{} takes {}", request.path(), allowed.join(", ")),
+        window: None,
+    }
+    .error_response();
+    if let Ok(value) = actix_web::http::header::HeaderValue::from_str(&allowed.join(", ")) {
+        response
+            .headers_mut()
+            .insert(actix_web::http::header::ALLOW, value);
+    }
+    response
+}
+
+/// The methods the API document lists for a concrete path.
+fn allowed_methods(path: &str) -> Vec<String> {
+    static PATHS: std::sync::OnceLock<Vec<(Vec<String>, Vec<String>)>> = std::sync::OnceLock::new();
+    let paths = PATHS.get_or_init(|| {
+        let document = openapi::document_json();
+        let mut paths = Vec::new();
+        if let Some(items) = document.get("paths").and_then(serde_json::Value::as_object) {
+            for (template, item) in items {
+                let segments = template.split('/').map(str::to_owned).collect();
+                let methods = item
+                    .as_object()
+                    .map(|item| item.keys().map(|method| method.to_uppercase()).collect())
+                    .unwrap_or_default();
+                paths.push((segments, methods));
+            }
+        }
+        paths
+    });
+    let segments: Vec<&str> = path.split('/').collect();
+    let mut allowed: Vec<String> = paths
+        .iter()
+        .filter(|(template, _)| {
+            template.len() == segments.len()
+                && template.iter().zip(&segments).all(|(expected, actual)| {
+                    (expected.starts_with('{') && !actual.is_empty()) || expected == actual
+                })
+        })
+        .flat_map(|(_, methods)| methods.iter().cloned())
+        .collect();
+    allowed.sort();
+    allowed.dedup();
+    allowed
+}
+
 /// Query parameters whose values never reach a log line: bearer tokens (a browser's WebSocket
 /// sends its token as `?token=`), one-time codes, tickets, cursors, passwords.
 const SECRET_QUERY_PARAMETERS: &[&str] = &["token", "code", "ticket", "cursor", "password"];

@@ -406,3 +406,75 @@ async fn a_forwarded_address_is_not_believed_unless_configured() {
     }
     assert_eq!(statuses, [401, 401, 429]);
 }
+
+/// A path of ours under a method it does not take is a 405 naming the ones it takes (`Allow`);
+/// an unknown path a 404; both problem+json (the contract fuzzer's "wrong response to an
+/// undeclared method").
+#[tokio::test]
+async fn a_known_path_under_another_method_is_a_405_and_an_unknown_one_a_404() {
+    let app = spawn_app_with(|_| {}).await;
+    let client = reqwest::Client::new();
+    let response = client
+        .delete(format!("{}/api/v1/account", app.address))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 405);
+    assert_eq!(response.headers()["allow"], "GET");
+    assert_eq!(
+        response.headers()["content-type"],
+        "application/problem+json"
+    );
+    let response = client
+        .put(format!(
+            "{}/api/v1/tasks/0194b2a0-0000-7000-8000-000000000000",
+            app.address
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 405);
+    assert_eq!(response.headers()["allow"], "GET");
+    let response = client
+        .get(format!("{}/api/v1/no/such/route", app.address))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 404);
+    let problem: Value = response.json().await.unwrap();
+    assert_eq!(problem["status"], 404);
+}
+
+/// The document says what the server does: every error answer is problem+json; an operation
+/// that needs a token lists 401, an admin one 403, one that reads input 422.
+#[tokio::test]
+async fn the_openapi_document_lists_problem_answers_where_they_apply() {
+    let app = spawn_app_with(|_| {}).await;
+    let document: Value = app.get("/api/openapi.json").await.json().await.unwrap();
+    let mut checked = 0;
+    for (path, item) in document["paths"].as_object().unwrap() {
+        for (method, operation) in item.as_object().unwrap() {
+            let responses = operation["responses"].as_object().unwrap();
+            for (status, response) in responses {
+                if status.starts_with('4') || status.starts_with('5') {
+                    assert!(
+                        response["content"]["application/problem+json"].is_object(),
+                        "{method} {path} {status}"
+                    );
+                }
+            }
+            if operation["security"].is_array() {
+                assert!(responses.contains_key("401"), "{method} {path}: no 401");
+            }
+            if path.starts_with("/api/v1/admin/") {
+                assert!(responses.contains_key("403"), "{method} {path}: no 403");
+            }
+            if operation.get("requestBody").is_some() {
+                assert!(responses.contains_key("422"), "{method} {path}: no 422");
+                assert!(responses.contains_key("413"), "{method} {path}: no 413");
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked > 30, "{checked} operations");
+}
