@@ -67,8 +67,10 @@ pub struct LedgerPage {
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 pub struct LedgerQuery {
     /// 1 to 100, default 20.
+    #[param(minimum = 1, maximum = 100)]
     pub limit: Option<i64>,
     /// `next_cursor` of the previous page.
+    #[param(pattern = "^[0-9]{1,18}$")]
     pub cursor: Option<String>,
 }
 

@@ -19,8 +19,14 @@ use crate::startup::AppState;
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct RegisterRequest {
     /// 3 to 32 letters, digits, `_`, `-`, `.`; starts with a letter; case-insensitive.
+    #[schema(
+        min_length = 3,
+        max_length = 32,
+        pattern = "^[A-Za-z][A-Za-z0-9_.-]{2,31}$"
+    )]
     pub username: String,
-    /// 8 to 128 characters.
+    /// 8 to 128 characters, not only spaces.
+    #[schema(min_length = 8, max_length = 128, pattern = "\\S")]
     pub password: String,
 }
 

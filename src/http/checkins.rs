@@ -63,6 +63,7 @@ pub async fn check_in(
 #[derive(Debug, Deserialize, utoipa::IntoParams)]
 pub struct MonthQuery {
     /// `YYYY-MM`; this month when absent.
+    #[param(pattern = "^[0-9]{4}-(0[1-9]|1[0-2])$")]
     pub month: Option<String>,
 }
 

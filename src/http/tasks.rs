@@ -117,8 +117,12 @@ pub struct TaskPage {
 #[serde(deny_unknown_fields)]
 pub struct TaskListQuery {
     /// 1 to 100, default 20.
+    #[param(minimum = 1, maximum = 100)]
     pub limit: Option<i64>,
     /// `next_cursor` of the previous page.
+    #[param(
+        pattern = "^[0-9]{1,14}_[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+    )]
     pub cursor: Option<String>,
 }
 

@@ -39,6 +39,8 @@ impl From<&RegisteredUser> for UserView {
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct ChangePasswordRequest {
     pub current_password: String,
+    /// 8 to 128 characters, not only spaces.
+    #[schema(min_length = 8, max_length = 128, pattern = "\\S")]
     pub new_password: String,
 }
 
@@ -51,7 +53,8 @@ pub struct BindPhoneRequest {
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct ChangeRoleRequest {
-    #[schema(value_type = String, example = "admin")]
+    /// `user` or `admin`.
+    #[schema(value_type = String, example = "admin", pattern = "^(user|admin)$")]
     pub role: Role,
 }
 
