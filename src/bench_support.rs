@@ -42,6 +42,15 @@ pub fn seconds_per_case() -> anyhow::Result<u64> {
         .unwrap_or(5))
 }
 
+/// The `index`-th command-line argument as a number, `None` when absent.
+pub fn arg(index: usize) -> anyhow::Result<Option<usize>> {
+    std::env::args()
+        .nth(index)
+        .map(|value| value.parse::<usize>())
+        .transpose()
+        .with_context(|| format!("argument {index} must be a number"))
+}
+
 /// Create `zhihui_bench_<uuid>` next to `DATABASE_URL`'s database, run `body` with settings
 /// pointing at it (adjusted by `customise`), drop it, print the `RESULT` lines.
 pub async fn with_fresh_database<F, Fut>(

@@ -235,14 +235,17 @@ pub(crate) async fn assert_settled(
 
 /// The reason recorded in a task's `TaskFailed`.
 pub(crate) async fn failure_reason(app: &TestApp, task_id: &str) -> String {
-    task_events(app, task_id)
-        .await
-        .iter()
-        .find_map(|event| match event {
-            TaskEvent::Failed(failed) => Some(failed.reason.clone()),
-            _ => None,
-        })
-        .expect("the task failed")
+    failure_reason_if_any(&task_events(app, task_id).await).expect("the task failed")
+}
+
+/// SIGKILL a simulator, then step the saga until it saw its socket go.
+async fn crash_and_wait(saga: &mut Saga, sim: &Simulator) {
+    sim.crash().await;
+    let started = tokio::time::Instant::now();
+    while saga.connected_backends() > 0 {
+        assert!(started.elapsed() < DRIVE_LIMIT);
+        saga.step().await.unwrap();
+    }
 }
 
 fn ends(events: &[TaskEvent]) -> usize {
@@ -574,12 +577,7 @@ async fn a_server_killed_mid_task_and_restarted_loses_nothing() {
     ];
     drive_until(&mut saga, &process, &tasks[..1], &[TaskStatus::Running]).await;
     // SIGKILL: queue, history and sockets gone, connections refused.
-    harness.sims[0].crash().await;
-    let started = tokio::time::Instant::now();
-    while saga.connected_backends() > 0 {
-        assert!(started.elapsed() < DRIVE_LIMIT);
-        saga.step().await.unwrap();
-    }
+    crash_and_wait(&mut saga, &harness.sims[0]).await;
     harness.sims[0].restart().await;
     // After the reconnect the lost prompt is found missing and posted once more, same id.
     drive_until(
@@ -628,12 +626,7 @@ async fn a_server_whose_http_answers_before_its_socket_after_a_restart_loses_no_
     )
     .await;
     let sim = &harness.sims[0];
-    sim.crash().await;
-    let started = tokio::time::Instant::now();
-    while saga.connected_backends() > 0 {
-        assert!(started.elapsed() < DRIVE_LIMIT);
-        saga.step().await.unwrap();
-    }
+    crash_and_wait(&mut saga, sim).await;
     // Back, HTTP only: the socket is refused until we say.
     sim.set_faults(Faults {
         refuse_sockets: true,
@@ -705,12 +698,7 @@ async fn a_prompt_lost_again_after_its_accepted_resubmission_fails_and_returns_i
     let sim = &harness.sims[0];
     for _loss in 0..2 {
         let posted_before = sim.prompts_received();
-        sim.crash().await;
-        let started = tokio::time::Instant::now();
-        while saga.connected_backends() > 0 {
-            assert!(started.elapsed() < DRIVE_LIMIT);
-            saga.step().await.unwrap();
-        }
+        crash_and_wait(&mut saga, sim).await;
         sim.restart().await;
         if status_of(&process, &task).await.status != TaskStatus::Running {
             break;

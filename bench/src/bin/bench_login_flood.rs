@@ -28,7 +28,7 @@ use anyhow::Context;
 use secrecy::SecretString;
 use serde_json::{Value, json};
 use uuid::Uuid;
-use zhihui::bench_support::{Figure, ms, percentile};
+use zhihui::bench_support::{Figure, arg, ms, percentile};
 use zhihui::configuration::Settings;
 
 #[tokio::main]
@@ -44,14 +44,6 @@ async fn main() -> anyhow::Result<()> {
         |settings| run(settings, flood, seconds),
     )
     .await
-}
-
-fn arg(index: usize) -> anyhow::Result<Option<usize>> {
-    std::env::args()
-        .nth(index)
-        .map(|value| value.parse::<usize>())
-        .transpose()
-        .with_context(|| format!("argument {index} must be a number"))
 }
 
 struct Outcome {

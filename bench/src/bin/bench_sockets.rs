@@ -30,7 +30,7 @@ use anyhow::Context;
 use futures::StreamExt;
 use secrecy::SecretString;
 use uuid::Uuid;
-use zhihui::bench_support::{ms, percentile};
+use zhihui::bench_support::{arg, ms, percentile};
 use zhihui::configuration::Settings;
 use zhihui::notify::TaskNotice;
 use zhihui::startup::{AppState, Overrides};
@@ -51,14 +51,6 @@ async fn main() -> anyhow::Result<()> {
         |settings| run(settings, sockets, tasks, changes),
     )
     .await
-}
-
-fn arg(index: usize) -> anyhow::Result<Option<usize>> {
-    std::env::args()
-        .nth(index)
-        .map(|value| value.parse::<usize>())
-        .transpose()
-        .with_context(|| format!("argument {index} must be a number"))
 }
 
 /// `INFO commandstats`: calls per command.
