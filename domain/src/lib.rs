@@ -17,6 +17,7 @@ pub mod promotion;
 pub mod redeem;
 pub mod revenue;
 pub mod task;
+pub mod task_record;
 pub mod user;
 
 pub use decider::Decider;

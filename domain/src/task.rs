@@ -263,6 +263,23 @@ impl TaskStatus {
         }
     }
 
+    /// The status named by [`TaskStatus::as_str`] (as the read model stores it).
+    pub fn parse(name: &str) -> Option<TaskStatus> {
+        [
+            TaskStatus::Unknown,
+            TaskStatus::Submitted,
+            TaskStatus::Queued,
+            TaskStatus::Dispatched,
+            TaskStatus::Running,
+            TaskStatus::Succeeded,
+            TaskStatus::Failed,
+            TaskStatus::Cancelled,
+            TaskStatus::Abandoned,
+        ]
+        .into_iter()
+        .find(|status| status.as_str() == name)
+    }
+
     /// No event can change it any more.
     pub fn is_finished(&self) -> bool {
         matches!(
@@ -833,7 +850,7 @@ impl DomainEvent for TaskEvent {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
@@ -853,7 +870,8 @@ mod tests {
         UserId::from_uuid(Uuid::from_u128(2))
     }
 
-    fn submitted() -> Box<TaskSubmitted> {
+    /// Alice's task 10 (one image, 1 point), submitted at 01:00; other modules' tests use it.
+    pub(crate) fn submitted() -> Box<TaskSubmitted> {
         Box::new(TaskSubmitted {
             task_id: Uuid::from_u128(10),
             user_id: alice(),

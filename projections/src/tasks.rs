@@ -1,12 +1,54 @@
 //! `tasks` (one row per recorded task: status, prompts, parameters, queue score, images, failure
-//! reason) from the task streams. Tasks change a few times each, so one statement per event; the
-//! `stream_version` guard makes each statement apply at most once.
+//! reason) from the task streams. The row is a [`TaskRecord`], folded by the domain's one fold:
+//! a batch reads the rows of the tasks it touches, folds their events in memory and writes each
+//! touched row once. The `stream_version` guard (in the fold and in the upsert) makes each event
+//! apply at most once.
+
+use std::collections::HashMap;
 
 use anyhow::Context;
+use rust_decimal::Decimal;
+use uuid::Uuid;
 use zhihui_domain::DomainEvent;
-use zhihui_domain::task::{TaskEvent, task_id_of_stream};
+use zhihui_domain::points::Amount;
+use zhihui_domain::task::{TaskEvent, TaskId, TaskStatus, task_id_of_stream};
+use zhihui_domain::task_record::TaskRecord;
+use zhihui_domain::user::UserId;
 
 use crate::{ProjectedEvent, Tables};
+
+/// The columns [`record_of_row`] reads.
+pub const RECORD_COLUMNS: &str = "task_id, user_id, status, prompt, negative_prompt, spec, price,
+    queue_score, cancel_requested, prioritised, backend, prompt_id, images, failure_reason,
+    submitted_at, finished_at, stream_version";
+
+/// A `tasks` row (selected with [`RECORD_COLUMNS`]) as the record it stores.
+pub fn record_of_row(row: &tokio_postgres::Row) -> anyhow::Result<TaskRecord> {
+    let status: String = row.get("status");
+    let price: Decimal = row.get("price");
+    let prioritised: i32 = row.get("prioritised");
+    let version: i64 = row.get("stream_version");
+    Ok(TaskRecord {
+        task_id: row.get("task_id"),
+        user_id: UserId::from_uuid(row.get("user_id")),
+        status: TaskStatus::parse(&status)
+            .with_context(|| format!("a stored task status {status:?}"))?,
+        prompt: row.get("prompt"),
+        negative_prompt: row.get("negative_prompt"),
+        spec: serde_json::from_value(row.get("spec")).context("decoding a stored task spec")?,
+        price: Amount::parse(price).context("a stored task price")?,
+        queue_score: row.get("queue_score"),
+        cancel_requested: row.get("cancel_requested"),
+        prioritised: u32::try_from(prioritised).context("a stored prioritise count")?,
+        backend: row.get("backend"),
+        prompt_id: row.get("prompt_id"),
+        images: serde_json::from_value(row.get("images")).context("decoding stored task images")?,
+        failure_reason: row.get("failure_reason"),
+        submitted_at: row.get("submitted_at"),
+        finished_at: row.get("finished_at"),
+        version: u64::try_from(version).context("a stored stream version")?,
+    })
+}
 
 pub async fn apply(
     transaction: &tokio_postgres::Transaction<'_>,
@@ -14,97 +56,115 @@ pub async fn apply(
     events: &[ProjectedEvent],
 ) -> anyhow::Result<()> {
     let table = tables.name("tasks");
+    // The batch's events by task, in order; the task ids in the order first met.
+    let mut order: Vec<TaskId> = Vec::new();
+    let mut by_task: HashMap<TaskId, Vec<&ProjectedEvent>> = HashMap::new();
     for recorded in events {
         let Some(task_id) = task_id_of_stream(&recorded.stream) else {
             continue;
         };
-        let event = TaskEvent::from_stored(
-            &recorded.event_type,
-            recorded.schema_version,
-            &recorded.payload,
+        by_task
+            .entry(task_id)
+            .or_insert_with(|| {
+                order.push(task_id);
+                Vec::new()
+            })
+            .push(recorded);
+    }
+    if order.is_empty() {
+        return Ok(());
+    }
+    let mut records: HashMap<TaskId, TaskRecord> = HashMap::new();
+    for row in transaction
+        .query(
+            &format!("SELECT {RECORD_COLUMNS} FROM {table} WHERE task_id = ANY($1)"),
+            &[&order],
         )
-        .with_context(|| format!("event {} of {}", recorded.id, recorded.stream))?;
-        let version = i64::try_from(recorded.stream_version)?;
-        let at = recorded.recorded_at;
-        if let TaskEvent::Submitted(e) = &event {
-            let spec = serde_json::to_value(&e.spec).context("encoding the task spec")?;
-            transaction
-                .execute(
-                    &format!(
-                        "INSERT INTO {table} (task_id, user_id, status, prompt, negative_prompt,
-                                              spec, price, submitted_at, stream_version, updated_at)
-                         VALUES ($1, $2, 'submitted', $3, $4, $5, $6, $7, $8, $9)
-                         ON CONFLICT (task_id) DO NOTHING"
-                    ),
-                    &[
-                        &task_id,
-                        &e.user_id.as_uuid(),
-                        &e.prompt.as_str(),
-                        &e.negative_prompt.as_str(),
-                        &spec,
-                        &e.price.as_decimal(),
-                        &e.at,
-                        &version,
-                        &at,
-                    ],
-                )
-                .await
-                .context("inserting a task")?;
+        .await
+        .context("reading the batch's tasks")?
+    {
+        let record = record_of_row(&row)?;
+        records.insert(record.task_id, record);
+    }
+    for task_id in order {
+        let before = records.remove(&task_id);
+        let mut record = before.clone();
+        let mut updated_at = None;
+        for recorded in &by_task[&task_id] {
+            let event = TaskEvent::from_stored(
+                &recorded.event_type,
+                recorded.schema_version,
+                &recorded.payload,
+            )
+            .with_context(|| format!("event {} of {}", recorded.id, recorded.stream))?;
+            record = TaskRecord::evolve(record, task_id, &event, recorded.stream_version);
+            updated_at = Some(recorded.recorded_at);
+        }
+        // An abandoned task never had a row; a batch seen before changes nothing.
+        let (Some(record), Some(updated_at)) = (record, updated_at) else {
+            continue;
+        };
+        if before.as_ref() == Some(&record) {
             continue;
         }
-        // Every other event updates the row (an abandoned task never had one: nothing happens).
-        let (assignments, values): (
-            &str,
-            Vec<Box<dyn tokio_postgres::types::ToSql + Sync + Send>>,
-        ) = match &event {
-            TaskEvent::Submitted(_) => unreachable!("handled above"),
-            TaskEvent::Queued(e) => (
-                "status = 'queued', queue_score = $4",
-                vec![Box::new(e.score)],
-            ),
-            TaskEvent::Prioritised(e) => (
-                "queue_score = $4, prioritised = prioritised + 1",
-                vec![Box::new(e.to_score)],
-            ),
-            TaskEvent::PrioritisationAbandoned(_)
-            | TaskEvent::Abandoned(_)
-            | TaskEvent::Adopted(_) => ("", vec![]),
-            TaskEvent::CancelRequested(_) => ("cancel_requested = true", vec![]),
-            TaskEvent::Cancelled(e) => (
-                "status = 'cancelled', queue_score = NULL, finished_at = $4",
-                vec![Box::new(e.at)],
-            ),
-            TaskEvent::Dispatched(e) => (
-                "status = 'dispatched', queue_score = NULL, backend = $4, prompt_id = $5",
-                vec![Box::new(e.backend.clone()), Box::new(e.prompt_id)],
-            ),
-            TaskEvent::Started(_) => ("status = 'running'", vec![]),
-            TaskEvent::Succeeded(e) => (
-                "status = 'succeeded', images = $4, finished_at = $5",
-                vec![
-                    Box::new(serde_json::to_value(&e.images).context("encoding images")?),
-                    Box::new(e.at),
-                ],
-            ),
-            TaskEvent::Failed(e) => (
-                "status = 'failed', failure_reason = $4, finished_at = $5",
-                vec![Box::new(e.reason.clone()), Box::new(e.at)],
-            ),
-        };
-        let separator = if assignments.is_empty() { "" } else { ", " };
-        let statement = format!(
-            "UPDATE {table} SET {assignments}{separator}stream_version = $2, updated_at = $3
-              WHERE task_id = $1 AND stream_version < $2"
-        );
-        let mut params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
-            vec![&task_id, &version, &at];
-        for value in &values {
-            params.push(value.as_ref() as &(dyn tokio_postgres::types::ToSql + Sync));
-        }
-        transaction
-            .execute(&statement, &params)
-            .await
-            .with_context(|| format!("applying {} to a task", recorded.event_type))?;
+        write(transaction, &table, &record, updated_at).await?;
     }
+    Ok(())
+}
+
+async fn write(
+    transaction: &tokio_postgres::Transaction<'_>,
+    table: &str,
+    record: &TaskRecord,
+    updated_at: chrono::DateTime<chrono::Utc>,
+) -> anyhow::Result<()> {
+    let spec = serde_json::to_value(&record.spec).context("encoding the task spec")?;
+    let images = serde_json::to_value(&record.images).context("encoding images")?;
+    let prioritised = i32::try_from(record.prioritised).context("a prioritise count")?;
+    let version = i64::try_from(record.version)?;
+    let prompt_id: Option<Uuid> = record.prompt_id;
+    transaction
+        .execute(
+            &format!(
+                "INSERT INTO {table} AS t (task_id, user_id, status, prompt, negative_prompt,
+                        spec, price, queue_score, cancel_requested, prioritised, backend,
+                        prompt_id, images, failure_reason, submitted_at, finished_at,
+                        stream_version, updated_at)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
+                         $17, $18)
+                 ON CONFLICT (task_id) DO UPDATE SET
+                        status = EXCLUDED.status, queue_score = EXCLUDED.queue_score,
+                        cancel_requested = EXCLUDED.cancel_requested,
+                        prioritised = EXCLUDED.prioritised, backend = EXCLUDED.backend,
+                        prompt_id = EXCLUDED.prompt_id, images = EXCLUDED.images,
+                        failure_reason = EXCLUDED.failure_reason,
+                        finished_at = EXCLUDED.finished_at,
+                        stream_version = EXCLUDED.stream_version,
+                        updated_at = EXCLUDED.updated_at
+                  WHERE t.stream_version < EXCLUDED.stream_version"
+            ),
+            &[
+                &record.task_id,
+                &record.user_id.as_uuid(),
+                &record.status.as_str(),
+                &record.prompt,
+                &record.negative_prompt,
+                &spec,
+                &record.price.as_decimal(),
+                &record.queue_score,
+                &record.cancel_requested,
+                &prioritised,
+                &record.backend,
+                &prompt_id,
+                &images,
+                &record.failure_reason,
+                &record.submitted_at,
+                &record.finished_at,
+                &version,
+                &updated_at,
+            ],
+        )
+        .await
+        .with_context(|| format!("writing task {}", record.task_id))?;
     Ok(())
 }
