@@ -29,6 +29,8 @@ pub type ClaimId = Uuid;
 const STREAM_PREFIX: &str = "promotion-";
 /// Largest stock of one promotion (and of one raise).
 pub const STOCK_MAX: u32 = 1_000_000;
+/// Longest title, in characters (after trimming).
+pub const TITLE_LENGTH_MAX: usize = 100;
 
 const CREDIT_NAMESPACE: Uuid = Uuid::from_u128(0x7a1c_55d0_93e4_4c0e_8f2b_1d6a_40c9_e311);
 const CHARGE_NAMESPACE: Uuid = Uuid::from_u128(0x2b8e_04f7_6c31_4a59_b7d2_9e15_c3a8_0f64);
@@ -233,8 +235,10 @@ impl PromotionState {
 impl PromotionSpec {
     pub fn check(&self) -> Result<(), PromotionError> {
         let title = self.title.trim();
-        if title.is_empty() || title.chars().count() > 100 {
-            return Err(PromotionError::Invalid("title: 1 to 100 characters".into()));
+        if title.is_empty() || title.chars().count() > TITLE_LENGTH_MAX {
+            return Err(PromotionError::Invalid(format!(
+                "title: 1 to {TITLE_LENGTH_MAX} characters"
+            )));
         }
         if !(1..=STOCK_MAX).contains(&self.stock) {
             return Err(PromotionError::Invalid(format!("stock: 1 to {STOCK_MAX}")));

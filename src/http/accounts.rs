@@ -288,8 +288,13 @@ pub fn idempotency_key(request: &HttpRequest) -> Result<Option<String>, ApiError
     let Some(value) = request.headers().get("idempotency-key") else {
         return Ok(None);
     };
+    // Visible ASCII only: no space inside a key (a header's ends are trimmed in transit, so a
+    // key with spaces would not survive every proxy unchanged).
     let key = value.to_str().unwrap_or("");
-    if key.is_empty() || key.len() > IDEMPOTENCY_KEY_LENGTH_MAX {
+    if key.is_empty()
+        || key.len() > IDEMPOTENCY_KEY_LENGTH_MAX
+        || !key.bytes().all(|byte| byte.is_ascii_graphic())
+    {
         return Err(ApiError::Validation {
             field: "Idempotency-Key".into(),
             message: format!("must be 1 to {IDEMPOTENCY_KEY_LENGTH_MAX} visible ASCII characters"),

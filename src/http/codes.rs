@@ -39,6 +39,7 @@ pub struct RedeemResponse {
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct BatchRequest {
     /// 1 to 1,000,000.
+    #[serde(deserialize_with = "crate::http::extract::whole::u32")]
     pub count: u32,
     /// Points per code: positive, at most two decimals.
     #[schema(value_type = String, example = "50")]

@@ -127,3 +127,39 @@ pub fn ensure_owner(caller: &Authenticated, owner: UserId, what: &str) -> Result
         Err(ApiError::NotFound(format!("no such {what}")))
     }
 }
+
+/// Whole JSON numbers as JSON Schema's `integer` counts them: `3` and `3.0` alike (a client
+/// that computes a count in floating point sends `3.0`); `3.5` or a value out of the type's range
+/// is refused, and the body's error names the field. For `#[serde(deserialize_with)]`.
+pub mod whole {
+    use serde::de::Error;
+    use serde::{Deserialize, Deserializer};
+
+    /// The number as a `T`, or why not.
+    pub fn of_number<T: TryFrom<i64> + TryFrom<u64>>(
+        number: &serde_json::Number,
+    ) -> Result<T, String> {
+        let out_of_range = || format!("{number} is out of range");
+        if let Some(value) = number.as_u64() {
+            return T::try_from(value).map_err(|_| out_of_range());
+        }
+        if let Some(value) = number.as_i64() {
+            return T::try_from(value).map_err(|_| out_of_range());
+        }
+        match number.as_f64() {
+            // Within ±2^53 every whole f64 converts exactly.
+            Some(value) if value.fract() == 0.0 && value.abs() < 9_007_199_254_740_992.0 => {
+                T::try_from(value as i64).map_err(|_| out_of_range())
+            }
+            _ => Err(format!("must be a whole number, got {number}")),
+        }
+    }
+
+    fn of<T: TryFrom<i64> + TryFrom<u64>, E: Error>(number: serde_json::Number) -> Result<T, E> {
+        of_number(&number).map_err(E::custom)
+    }
+
+    pub fn u32<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u32, D::Error> {
+        of(serde_json::Number::deserialize(deserializer)?)
+    }
+}

@@ -1,9 +1,14 @@
 //! The OpenAPI document, generated from the handlers' `#[utoipa::path]` attributes and the DTOs'
 //! `ToSchema` derives, served at `/api/openapi.json`.
 
-use actix_web::HttpResponse;
+use actix_web::{HttpResponse, web};
+use rust_decimal::Decimal;
+use serde_json::{Value, json};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
+
+use crate::configuration::TaskSettings;
+use crate::startup::AppState;
 
 #[derive(Debug, OpenApi)]
 #[openapi(
@@ -87,9 +92,222 @@ impl Modify for BearerToken {
     }
 }
 
-pub async fn document() -> HttpResponse {
-    static DOCUMENT: std::sync::OnceLock<serde_json::Value> = std::sync::OnceLock::new();
-    HttpResponse::Ok().json(DOCUMENT.get_or_init(document_json))
+/// The document as this server's configuration makes it true (see [`document_for`]).
+pub async fn document(state: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok().json(document_for(state.tasks.settings()))
+}
+
+/// The document with the task catalog this server runs with: the submit body's models, sizes,
+/// samplers, schedulers, step and image bounds, guidance values and prompt lengths are stated
+/// as the catalog checks them, so a client (or a fuzzer) can build a request the server accepts.
+pub fn document_for(tasks: &TaskSettings) -> Value {
+    let mut document = document_json();
+    let strings = |values: &[String]| json!({"enum": values});
+    let whole = |minimum: u32, maximum: u32| json!({"minimum": minimum, "maximum": maximum});
+    // The guidance values the catalog takes, each with its one decimal place.
+    let mut cfgs = Vec::new();
+    let mut cfg = tasks.cfg_min;
+    while cfg <= tasks.cfg_max {
+        let mut value = cfg;
+        value.rescale(crate::tasks::catalog::CFG_SCALE_MAX);
+        cfgs.push(value.to_string());
+        cfg += Decimal::new(1, crate::tasks::catalog::CFG_SCALE_MAX);
+    }
+    let prompt = |length_max: usize, at_least_one: bool| {
+        let mut rule = json!({"maxLength": length_max, "pattern": PROMPT_PATTERN});
+        if at_least_one {
+            rule["minLength"] = json!(1);
+            rule["pattern"] = json!(PROMPT_PATTERN_NOT_BLANK);
+        }
+        rule
+    };
+    for (property, rule) in [
+        ("prompt", prompt(tasks.prompt_length_max, true)),
+        (
+            "negative_prompt",
+            prompt(tasks.negative_prompt_length_max, false),
+        ),
+        ("images", whole(1, tasks.images_per_task_max)),
+        ("model", strings(&tasks.models)),
+        ("resolution", strings(&tasks.resolution_presets)),
+        ("steps", whole(tasks.steps_min, tasks.steps_max)),
+        ("cfg", json!({"enum": cfgs})),
+        ("sampler", strings(&tasks.samplers)),
+        ("scheduler", strings(&tasks.schedulers)),
+        (
+            "seed",
+            json!({"minimum": 0, "maximum": crate::tasks::catalog::SEED_MAX}),
+        ),
+    ] {
+        constrain(&mut document, "SubmitTaskRequest", property, rule);
+    }
+    document
+}
+
+/// Merges `rule` into the schema of `property` of the component `schema`.
+fn constrain(document: &mut Value, schema: &str, property: &str, rule: Value) {
+    let Some(target) = document
+        .pointer_mut(&format!(
+            "/components/schemas/{schema}/properties/{property}"
+        ))
+        .and_then(Value::as_object_mut)
+    else {
+        unreachable!("the document has no {schema}.{property} to constrain");
+    };
+    if let Value::Object(rule) = rule {
+        for (key, value) in rule {
+            // An enum lists the values of the property's type; `null` (absent) stays allowed.
+            if key == "enum" && target.get("type").is_some_and(Value::is_array) {
+                let mut values = value.as_array().cloned().unwrap_or_default();
+                values.push(Value::Null);
+                target.insert(key, Value::Array(values));
+                continue;
+            }
+            target.insert(key, value);
+        }
+    }
+}
+
+/// A prompt: no control character but tab and line breaks (what `PromptText::parse` refuses).
+const PROMPT_PATTERN: &str = "^[^\\u0000-\\u0008\\u000B\\u000C\\u000E-\\u001F\\u007F-\\u009F]*$";
+/// The same, with something that is not white space.
+const PROMPT_PATTERN_NOT_BLANK: &str = "^[^\\u0000-\\u0008\\u000B\\u000C\\u000E-\\u001F\\u007F-\\u009F]*[^\\s\\u0000-\\u001F\\u007F-\\u009F][^\\u0000-\\u0008\\u000B\\u000C\\u000E-\\u001F\\u007F-\\u009F]*$";
+
+/// What the request bodies and parameters are checked against, stated in the document from the
+/// constants the checks use. Rules that tie two fields together (an end after a start, a day
+/// range) or need the server's secrets (a redeem code's signature) cannot be said in a schema;
+/// `scripts/fuzz-api.toml` names those operations.
+fn constrain_inputs(document: &mut Value) {
+    use zhihui_domain::points::AMOUNT_MAX;
+    let amount_max_digits = AMOUNT_MAX.to_string().len();
+    // Positive, at most two decimal places, at most AMOUNT_MAX (a power of ten).
+    let positive = format!(
+        "[1-9][0-9]{{0,{}}}(\\.[0-9]{{1,2}})?|{AMOUNT_MAX}(\\.00?)?|0\\.(0[1-9]|[1-9][0-9]?)",
+        amount_max_digits - 2
+    );
+    let amount = json!({"pattern": format!("^({positive})$")});
+    let amount_or_zero = json!({"pattern": format!("^(0(\\.00?)?|{positive})$")});
+    let text =
+        |length_max: usize| json!({"minLength": 1, "maxLength": length_max, "pattern": "\\S"});
+    let phone = json!({"pattern": format!(
+        "^(\\+[1-9][0-9]{{{},{}}}|1[0-9]{{10}})$",
+        zhihui_domain::user::PHONE_DIGITS_MIN - 1,
+        zhihui_domain::user::PHONE_DIGITS_MAX - 1
+    )});
+    let phone_code = json!({"pattern": format!(
+        "^[0-9]{{{}}}$",
+        crate::auth::phone_codes::CODE_DIGITS
+    )});
+    let stock = json!({"minimum": 1, "maximum": zhihui_domain::promotion::STOCK_MAX});
+    for (schema, property, rule) in [
+        ("GrantRequest", "amount", amount.clone()),
+        (
+            "GrantRequest",
+            "reason",
+            text(super::accounts::GRANT_REASON_LENGTH_MAX),
+        ),
+        (
+            "RevokeRequest",
+            "reason",
+            text(super::codes::REVOKE_REASON_LENGTH_MAX),
+        ),
+        (
+            "BatchRequest",
+            "count",
+            json!({"minimum": 1, "maximum": zhihui_domain::redeem::BATCH_COUNT_MAX}),
+        ),
+        ("BatchRequest", "points", amount.clone()),
+        (
+            "BatchRequest",
+            "note",
+            json!({"maxLength": zhihui_domain::redeem::BATCH_NOTE_LENGTH_MAX}),
+        ),
+        (
+            "PromotionRequest",
+            "title",
+            text(zhihui_domain::promotion::TITLE_LENGTH_MAX),
+        ),
+        ("PromotionRequest", "points", amount.clone()),
+        ("PromotionRequest", "price", amount_or_zero),
+        ("PromotionRequest", "stock", stock.clone()),
+        ("StockRequest", "add", stock),
+        ("CodeRequest", "phone", phone.clone()),
+        ("BindPhoneRequest", "phone", phone.clone()),
+        ("BindPhoneRequest", "code", phone_code.clone()),
+        (
+            "RedeemRequest",
+            "code",
+            json!({"pattern": zhihui_domain::redeem::format::CODE_PATTERN}),
+        ),
+    ] {
+        constrain(document, schema, property, rule);
+    }
+    // Log in with a name and a password, or with a phone and its code: one or the other.
+    let login = document.pointer_mut("/components/schemas/LoginRequest");
+    if let Some(Value::Object(login)) = login {
+        let string = |rule: Value| {
+            let mut schema = json!({"type": "string"});
+            if let (Value::Object(schema), Value::Object(rule)) = (&mut schema, rule) {
+                schema.extend(rule);
+            }
+            schema
+        };
+        let absent = json!({"type": "null"});
+        login.insert(
+            "oneOf".into(),
+            json!([
+                {
+                    "required": ["username", "password"],
+                    "properties": {
+                        "username": string(json!({})),
+                        "password": string(json!({})),
+                        "phone": absent,
+                        "code": absent,
+                    },
+                },
+                {
+                    "required": ["phone", "code"],
+                    "properties": {
+                        "username": absent,
+                        "password": absent,
+                        "phone": string(phone),
+                        "code": string(phone_code),
+                    },
+                },
+            ]),
+        );
+    }
+    // Every Idempotency-Key header, and the days of the reports.
+    let Some(paths) = document.get_mut("paths").and_then(Value::as_object_mut) else {
+        return;
+    };
+    for operation in paths
+        .values_mut()
+        .filter_map(Value::as_object_mut)
+        .flat_map(|item| item.values_mut())
+    {
+        let Some(parameters) = operation
+            .get_mut("parameters")
+            .and_then(Value::as_array_mut)
+        else {
+            continue;
+        };
+        for parameter in parameters {
+            let rule = match (parameter["in"].as_str(), parameter["name"].as_str()) {
+                (Some("header"), Some("Idempotency-Key")) => json!({"pattern": format!(
+                    "^[\\x21-\\x7E]{{1,{}}}$",
+                    super::accounts::IDEMPOTENCY_KEY_LENGTH_MAX
+                )}),
+                (Some("query"), Some("from" | "to")) => json!({"format": "date"}),
+                _ => continue,
+            };
+            if let (Some(Value::Object(schema)), Value::Object(rule)) =
+                (parameter.get_mut("schema"), rule)
+            {
+                schema.extend(rule);
+            }
+        }
+    }
 }
 
 /// The generated document with what every operation may answer made explicit: error answers
@@ -97,9 +315,9 @@ pub async fn document() -> HttpResponse {
 /// the answers the shared layers give are listed where they apply: 401 where a token is needed,
 /// 403 on admin routes, 422 where parameters or a body are read (a value the extractor refuses),
 /// 413 where a JSON body is read, 503 when PostgreSQL or Redis is down.
-pub fn document_json() -> serde_json::Value {
-    use serde_json::{Value, json};
+pub fn document_json() -> Value {
     let mut document = serde_json::to_value(ApiDoc::openapi()).unwrap_or(Value::Null);
+    constrain_inputs(&mut document);
     let problem =
         json!({"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}});
     let Some(paths) = document.get_mut("paths").and_then(Value::as_object_mut) else {

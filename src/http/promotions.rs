@@ -29,6 +29,7 @@ pub struct PromotionRequest {
     #[schema(value_type = String, example = "0")]
     pub price: Decimal,
     /// 1 to 1,000,000.
+    #[serde(deserialize_with = "crate::http::extract::whole::u32")]
     pub stock: u32,
     pub starts_at: DateTime<Utc>,
     /// After `starts_at`; claims are accepted until just before it.
@@ -233,6 +234,7 @@ pub async fn end(
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct StockRequest {
     /// Units to add (at least 1; the stock stays at most 1,000,000).
+    #[serde(deserialize_with = "crate::http::extract::whole::u32")]
     pub add: u32,
 }
 

@@ -8,7 +8,9 @@ use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 use zhihui_domain::DomainEvent;
-use zhihui_domain::task::{TaskEvent, TaskId, TaskImage, TaskSpec, TaskStatus, task_stream};
+use zhihui_domain::task::{TaskEvent, TaskId, TaskImage, TaskStatus, task_stream};
+use zhihui_domain::task_record::TaskRecord;
+use zhihui_projections::tasks::RECORD_COLUMNS;
 
 use crate::event_store::{Direction, EventStore, ReadFrom};
 use crate::http::accounts::idempotency_key;
@@ -32,19 +34,22 @@ pub struct SubmitTaskRequest {
     pub prompt: String,
     pub negative_prompt: Option<String>,
     /// Images to generate, 1 to `tasks.images_per_task_max` (default 1).
-    pub images: Option<i64>,
+    #[schema(value_type = Option<i64>)]
+    pub images: Option<serde_json::Number>,
     /// A checkpoint of the catalog (default: its first).
     pub model: Option<String>,
     /// `512x512`, `512x768` or `768x512` (default `512x512`).
     pub resolution: Option<String>,
-    pub steps: Option<i64>,
+    #[schema(value_type = Option<i64>)]
+    pub steps: Option<serde_json::Number>,
     /// A number or a decimal string with at most one decimal place.
     #[schema(value_type = Option<String>, example = "7.5")]
     pub cfg: Option<Decimal>,
     pub sampler: Option<String>,
     pub scheduler: Option<String>,
     /// 0 to 2^53 - 1; random when absent.
-    pub seed: Option<i64>,
+    #[schema(value_type = Option<i64>)]
+    pub seed: Option<serde_json::Number>,
 }
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -101,7 +106,7 @@ pub struct TaskView {
     pub failure_reason: Option<String>,
     pub cancel_requested: bool,
     /// Times it was prioritised.
-    pub prioritised: i32,
+    pub prioritised: u32,
     pub submitted_at: DateTime<Utc>,
     pub finished_at: Option<DateTime<Utc>>,
 }
@@ -209,46 +214,45 @@ fn image_views(images: Vec<TaskImage>) -> Vec<ImageView> {
         .collect()
 }
 
-const TASK_COLUMNS: &str = "task_id, user_id, status, prompt, negative_prompt, spec, price,
-    cancel_requested, prioritised, images, failure_reason, submitted_at, finished_at";
-
-fn view_of_row(row: &tokio_postgres::Row) -> Result<TaskView, ApiError> {
-    let spec: TaskSpec =
-        serde_json::from_value(row.get("spec")).context("decoding a stored task spec")?;
-    let images: Vec<TaskImage> =
-        serde_json::from_value(row.get("images")).context("decoding stored task images")?;
-    Ok(TaskView {
-        task_id: row.get("task_id"),
-        status: row.get("status"),
-        prompt: row.get("prompt"),
-        negative_prompt: row.get("negative_prompt"),
-        model: spec.model,
-        width: spec.width,
-        height: spec.height,
-        steps: spec.steps,
-        cfg: spec.cfg,
-        sampler: spec.sampler,
-        scheduler: spec.scheduler,
-        seed: spec.seed,
-        image_count: spec.images,
-        price: row.get("price"),
+/// A task's view (without its live parts) from its record, the read model's row or the stream
+/// folded by the same fold ([`TaskRecord::evolve`]).
+fn view_of(record: TaskRecord) -> TaskView {
+    TaskView {
+        task_id: record.task_id,
+        status: record.status.as_str().into(),
+        prompt: record.prompt,
+        negative_prompt: record.negative_prompt,
+        model: record.spec.model,
+        width: record.spec.width,
+        height: record.spec.height,
+        steps: record.spec.steps,
+        cfg: record.spec.cfg,
+        sampler: record.spec.sampler,
+        scheduler: record.spec.scheduler,
+        seed: record.spec.seed,
+        image_count: record.spec.images,
+        price: record.price.as_decimal(),
         position: None,
         progress: None,
-        images: image_views(images),
-        failure_reason: row.get("failure_reason"),
-        cancel_requested: row.get("cancel_requested"),
-        prioritised: row.get("prioritised"),
-        submitted_at: row.get("submitted_at"),
-        finished_at: row.get("finished_at"),
-    })
+        images: image_views(record.images),
+        failure_reason: record.failure_reason,
+        cancel_requested: record.cancel_requested,
+        prioritised: record.prioritised,
+        submitted_at: record.submitted_at,
+        finished_at: record.finished_at,
+    }
+}
+
+fn record_of_row(row: &tokio_postgres::Row) -> Result<TaskRecord, ApiError> {
+    Ok(zhihui_projections::tasks::record_of_row(row)?)
 }
 
 /// A task the read model does not have yet (just submitted), folded from its stream; `None` if
 /// the stream has no submission.
-async fn view_from_events(
+async fn record_from_events(
     state: &AppState,
     task_id: TaskId,
-) -> Result<Option<(Uuid, TaskView)>, ApiError> {
+) -> Result<Option<TaskRecord>, ApiError> {
     let events = state
         .event_store
         .read_stream(
@@ -259,7 +263,7 @@ async fn view_from_events(
         )
         .await
         .context("reading a task stream")?;
-    let mut view: Option<(Uuid, TaskView)> = None;
+    let mut record = None;
     for recorded in events {
         let event = TaskEvent::from_stored(
             &recorded.event_type,
@@ -267,66 +271,23 @@ async fn view_from_events(
             &recorded.payload,
         )
         .context("decoding a task event")?;
-        if let TaskEvent::Submitted(e) = &event {
-            view = Some((
-                e.user_id.as_uuid(),
-                TaskView {
-                    task_id,
-                    status: TaskStatus::Submitted.as_str().into(),
-                    prompt: e.prompt.as_str().into(),
-                    negative_prompt: e.negative_prompt.as_str().into(),
-                    model: e.spec.model.clone(),
-                    width: e.spec.width,
-                    height: e.spec.height,
-                    steps: e.spec.steps,
-                    cfg: e.spec.cfg,
-                    sampler: e.spec.sampler.clone(),
-                    scheduler: e.spec.scheduler.clone(),
-                    seed: e.spec.seed,
-                    image_count: e.spec.images,
-                    price: e.price.as_decimal(),
-                    position: None,
-                    progress: None,
-                    images: vec![],
-                    failure_reason: None,
-                    cancel_requested: false,
-                    prioritised: 0,
-                    submitted_at: e.at,
-                    finished_at: None,
-                },
-            ));
-            continue;
-        }
-        let Some((_, view)) = view.as_mut() else {
-            continue;
-        };
-        match event {
-            TaskEvent::Submitted(_) => {}
-            TaskEvent::Queued(_) => view.status = "queued".into(),
-            TaskEvent::Prioritised(_) => view.prioritised += 1,
-            TaskEvent::PrioritisationAbandoned(_)
-            | TaskEvent::Abandoned(_)
-            | TaskEvent::Adopted(_) => {}
-            TaskEvent::CancelRequested(_) => view.cancel_requested = true,
-            TaskEvent::Cancelled(e) => {
-                view.status = "cancelled".into();
-                view.finished_at = Some(e.at);
-            }
-            TaskEvent::Dispatched(_) => view.status = "dispatched".into(),
-            TaskEvent::Started(_) => view.status = "running".into(),
-            TaskEvent::Succeeded(e) => {
-                view.status = "succeeded".into();
-                view.images = image_views(e.images);
-                view.finished_at = Some(e.at);
-            }
-            TaskEvent::Failed(e) => {
-                view.status = "failed".into();
-                view.failure_reason = Some(e.reason);
-                view.finished_at = Some(e.at);
-            }
-        }
+        record = TaskRecord::evolve(record, task_id, &event, recorded.stream_version);
     }
-    Ok(view)
+    Ok(record)
+}
+
+/// A whole number as JSON Schema's `integer` counts it (`20` and `20.0` alike): the catalog
+/// checks its range; a fraction is refused here, naming the field.
+fn whole(field: &str, value: Option<serde_json::Number>) -> Result<Option<i64>, ApiError> {
+    let Some(number) = value else {
+        return Ok(None);
+    };
+    crate::http::extract::whole::of_number::<i64>(&number)
+        .map(Some)
+        .map_err(|message| ApiError::Validation {
+            field: field.into(),
+            message,
+        })
 }
 
 /// Live parts of a view: queue position while queued, progress while running.
@@ -377,14 +338,14 @@ pub async fn submit(
     let requested = RequestedTask {
         prompt: body.prompt,
         negative_prompt: body.negative_prompt,
-        images: body.images,
+        images: whole("images", body.images)?,
         model: body.model,
         resolution: body.resolution,
-        steps: body.steps,
+        steps: whole("steps", body.steps)?,
         cfg: body.cfg,
         sampler: body.sampler,
         scheduler: body.scheduler,
-        seed: body.seed,
+        seed: whole("seed", body.seed)?,
     };
     let outcome = state
         .tasks
@@ -431,23 +392,20 @@ pub async fn task(
         let client = state.pg_pool.get().await.context("getting a connection")?;
         client
             .query_opt(
-                &format!("SELECT {TASK_COLUMNS} FROM tasks WHERE task_id = $1"),
+                &format!("SELECT {RECORD_COLUMNS} FROM tasks WHERE task_id = $1"),
                 &[&task_id],
             )
             .await
             .context("reading a task")?
     };
-    let (owner, mut view) = match row {
-        Some(row) => (row.get::<_, Uuid>("user_id"), view_of_row(&row)?),
-        None => view_from_events(&state, task_id)
+    let record = match row {
+        Some(row) => record_of_row(&row)?,
+        None => record_from_events(&state, task_id)
             .await?
             .ok_or_else(|| ApiError::NotFound("no such task".into()))?,
     };
-    crate::http::extract::ensure_owner(
-        &caller,
-        zhihui_domain::user::UserId::from_uuid(owner),
-        "task",
-    )?;
+    crate::http::extract::ensure_owner(&caller, record.user_id, "task")?;
+    let mut view = view_of(record);
     add_live_parts(&state, &mut view).await?;
     Ok(HttpResponse::Ok().json(view))
 }
@@ -498,7 +456,7 @@ pub async fn tasks(
         client
             .query(
                 &format!(
-                    "SELECT {TASK_COLUMNS} FROM tasks
+                    "SELECT {RECORD_COLUMNS} FROM tasks
                       WHERE user_id = $1 AND (submitted_at, task_id) < ($2, $3)
                       ORDER BY submitted_at DESC, task_id DESC LIMIT $4"
                 ),
@@ -516,7 +474,7 @@ pub async fn tasks(
     let shown = &rows[..rows.len().min(usize::try_from(limit).unwrap_or(0))];
     let mut views = Vec::with_capacity(shown.len());
     for row in shown {
-        let mut view = view_of_row(row)?;
+        let mut view = view_of(record_of_row(row)?);
         add_live_parts(&state, &mut view).await?;
         views.push(view);
     }

@@ -478,3 +478,123 @@ async fn the_openapi_document_lists_problem_answers_where_they_apply() {
     }
     assert!(checked > 30, "{checked} operations");
 }
+
+/// The values of an `enum` the document lists, without the `null` of an optional field.
+fn listed(schema: &Value) -> Vec<Value> {
+    schema["enum"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|value| !value.is_null())
+        .cloned()
+        .collect()
+}
+
+#[tokio::test]
+async fn the_openapi_document_states_the_catalog_this_server_runs_and_a_request_built_from_it_is_accepted()
+ {
+    let app = spawn_app_with(|settings| {
+        settings.tasks.steps_max = 30;
+        settings.tasks.images_per_task_max = 2;
+    })
+    .await;
+    let document: Value = app.get("/api/openapi.json").await.json().await.unwrap();
+    let submit = &document["components"]["schemas"]["SubmitTaskRequest"]["properties"];
+    assert_eq!(submit["steps"]["maximum"], 30);
+    assert_eq!(submit["images"]["maximum"], 2);
+    assert_eq!(
+        listed(&submit["model"]),
+        app.settings
+            .tasks
+            .models
+            .iter()
+            .map(|model| json!(model))
+            .collect::<Vec<_>>()
+    );
+    let cfgs = listed(&submit["cfg"]);
+    let number = |value: &Value| value.as_str().unwrap().parse::<f64>().unwrap();
+    let bound = |value: rust_decimal::Decimal| value.to_string().parse::<f64>().unwrap();
+    assert_eq!(number(&cfgs[0]), bound(app.settings.tasks.cfg_min));
+    assert_eq!(
+        number(cfgs.last().unwrap()),
+        bound(app.settings.tasks.cfg_max)
+    );
+
+    let user = app.register("catalogued", "a long password").await;
+    let token = app.login("catalogued", "a long password").await;
+    let admin = app.admin_token("boss").await;
+    let granted = app
+        .post(
+            &format!("/api/v1/admin/accounts/{user}/grants"),
+            Some(&admin),
+            &json!({"amount": "100", "reason": "fuzz"}),
+        )
+        .await;
+    assert_eq!(granted.status(), 201);
+    // The last value of every list and the top of every range, whole numbers written as a
+    // floating-point client writes them (JSON Schema's `integer` counts 2.0 as 2).
+    let last = |field: &str| listed(&submit[field]).last().cloned().unwrap();
+    let request = json!({
+        "prompt": "a lighthouse",
+        "model": last("model"),
+        "resolution": last("resolution"),
+        "sampler": last("sampler"),
+        "scheduler": last("scheduler"),
+        "cfg": cfgs.last().unwrap(),
+        "steps": 30.0,
+        "images": 2.0,
+        "seed": submit["seed"]["maximum"],
+    });
+    let accepted = app.post("/api/v1/tasks", Some(&token), &request).await;
+    assert_eq!(accepted.status(), 201, "{}", accepted.text().await.unwrap());
+
+    let mut half = request.clone();
+    half["steps"] = json!(20.5);
+    let refused = app.post("/api/v1/tasks", Some(&token), &half).await;
+    assert_eq!(refused.status(), 422);
+    let problem: Value = refused.json().await.unwrap();
+    assert!(
+        problem["detail"].as_str().unwrap().contains("steps"),
+        "{problem}"
+    );
+    let mut beyond = request.clone();
+    beyond["steps"] = json!(31);
+    assert_eq!(
+        app.post("/api/v1/tasks", Some(&token), &beyond)
+            .await
+            .status(),
+        422
+    );
+}
+
+#[tokio::test]
+async fn the_openapi_document_says_login_takes_a_password_or_a_phone_code_and_the_amount_shape() {
+    let app = spawn_app_with(|_| {}).await;
+    let document: Value = app.get("/api/openapi.json").await.json().await.unwrap();
+    let schemas = &document["components"]["schemas"];
+    let login = schemas["LoginRequest"]["oneOf"].as_array().unwrap();
+    assert_eq!(login.len(), 2);
+    assert_eq!(login[0]["required"], json!(["username", "password"]));
+    assert_eq!(login[1]["required"], json!(["phone", "code"]));
+    let amount = regex::Regex::new(
+        schemas["GrantRequest"]["properties"]["amount"]["pattern"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    for accepted in ["1", "0.01", "0.5", "999999999.99", "1000000000", "12.30"] {
+        assert!(amount.is_match(accepted), "{accepted}");
+    }
+    for refused in [
+        "0",
+        "0.00",
+        "-1",
+        "1.234",
+        "1000000000.01",
+        "1e3",
+        "abc",
+        "",
+    ] {
+        assert!(!amount.is_match(refused), "{refused}");
+    }
+}

@@ -31,6 +31,10 @@ use sha2::Sha256;
 
 /// Characters of a code.
 pub const CODE_LENGTH: usize = 10;
+/// The shape of a code as [`CodeKeys::decode`] reads it (for the API document): ten symbols of
+/// the alphabet in either case (`O`, `I` and `L` read as `0`, `1`, `1`; no `U`), with hyphens
+/// and spaces anywhere. A code of this shape may still be refused (check symbol, signature).
+pub const CODE_PATTERN: &str = "^[- ]*([0-9A-TV-Za-tv-z][- ]*){10}$";
 /// Bits of the key slot field: 8 signing keys can be configured at once.
 pub const KEY_SLOT_BITS: u32 = 3;
 /// Key slots, 0 to `KEY_SLOTS - 1`.
@@ -298,6 +302,16 @@ mod tests {
 
     fn keys() -> CodeKeys {
         CodeKeys::new(vec![(0, key(1)), (5, key(2))], 5).unwrap()
+    }
+
+    #[test]
+    fn the_documented_code_shape_names_exactly_the_symbols_a_code_is_read_from() {
+        // CODE_PATTERN's class is 0-9, A-T, V-Z in either case.
+        for character in ('0'..='9').chain('A'..='Z').chain('a'..='z') {
+            let in_pattern = !matches!(character, 'U' | 'u');
+            assert_eq!(symbol_value(character).is_some(), in_pattern, "{character}");
+        }
+        assert!(CODE_PATTERN.contains(&format!("{{{CODE_LENGTH}}}")));
     }
 
     #[test]
