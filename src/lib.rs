@@ -17,6 +17,7 @@ pub mod inspect;
 pub mod labels;
 pub mod leader;
 pub mod lua;
+pub mod metrics;
 pub mod notify;
 pub mod positions;
 pub mod postgres;

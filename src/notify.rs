@@ -49,6 +49,20 @@ pub enum TaskNotice {
     Cancelled,
 }
 
+impl TaskNotice {
+    /// Its `kind` as sent (a bounded metrics label).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            TaskNotice::Position { .. } => "position",
+            TaskNotice::Dispatched => "dispatched",
+            TaskNotice::Progress { .. } => "progress",
+            TaskNotice::Succeeded { .. } => "succeeded",
+            TaskNotice::Failed { .. } => "failed",
+            TaskNotice::Cancelled => "cancelled",
+        }
+    }
+}
+
 /// One message on the channel.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -104,13 +118,19 @@ impl Notifier {
 
     /// Publish, logging a failure: a lost hint must never fail the work that produced it.
     pub async fn tell(&self, user_id: UserId, task_id: TaskId, notice: TaskNotice) {
+        let kind = notice.kind();
         let envelope = Envelope::Task {
             user_id: user_id.as_uuid(),
             task_id,
             notice,
         };
-        if let Err(error) = self.publish(&envelope).await {
-            tracing::warn!(%task_id, error = %crate::telemetry::error_chain(&error), "notification not sent");
+        match self.publish(&envelope).await {
+            Ok(()) => {
+                metrics::counter!("zhihui_notifications_sent_total", "kind" => kind).increment(1)
+            }
+            Err(error) => {
+                tracing::warn!(%task_id, error = %crate::telemetry::error_chain(&error), "notification not sent");
+            }
         }
     }
 

@@ -21,7 +21,7 @@ use anyhow::Context;
 use chrono::{DateTime, Utc};
 use deadpool_postgres::Pool;
 use serde::Serialize;
-use zhihui_projections::{ProjectedEvent, ProjectionName, Tables};
+use zhihui_projections::{ProjectedEvent, ProjectionName, Reads, Tables};
 
 use crate::configuration::ProjectionSettings;
 use crate::event_store::{AnyEventStore, EventFilter, EventStore, Position, RecordedEvent};
@@ -641,4 +641,66 @@ pub async fn store_position(
         .await
         .context("storing a checkpoint row")?;
     Ok(())
+}
+
+/// How far a projection is behind the event store (for `/metrics`).
+#[derive(Debug, Clone)]
+pub struct Lag {
+    pub projection: &'static str,
+    /// Events it reads that are committed and not applied yet.
+    pub events: i64,
+    /// Age of the oldest of them (0 when there is none).
+    pub seconds: f64,
+}
+
+/// Every projection's lag. PostgreSQL event store only (the events are in the same database):
+/// with KurrentDB the list is empty, and the projections' own `last_lag_ms` still tells.
+pub async fn lags(state: &crate::startup::AppState) -> anyhow::Result<Vec<Lag>> {
+    if !matches!(
+        state.event_store,
+        crate::event_store::AnyEventStore::Postgres(_)
+    ) {
+        return Ok(Vec::new());
+    }
+    let client = state.pg_pool.get().await.context("getting a connection")?;
+    let mut lags = Vec::new();
+    for projection in ProjectionName::ALL {
+        let position = stored_position(&state.pg_pool, projection.as_str()).await?;
+        let (commit, prepare) = position.map_or((0, -1), |position| {
+            (
+                i64::try_from(position.commit).unwrap_or(i64::MAX),
+                i64::try_from(position.prepare).unwrap_or(i64::MAX),
+            )
+        });
+        let (filter, values): (&str, Vec<String>) = match projection.reads() {
+            Reads::StreamPrefixes(prefixes) => (
+                "stream_id LIKE ANY($3)",
+                prefixes
+                    .into_iter()
+                    .map(|prefix| format!("{prefix}%"))
+                    .collect(),
+            ),
+            Reads::EventTypes(types) => ("event_type = ANY($3)", types),
+        };
+        // Committed rows only (below the snapshot's horizon), as the projection itself reads.
+        let row = client
+            .query_one(
+                &format!(
+                    "SELECT count(*), EXTRACT(EPOCH FROM (now() - min(recorded_at)))::float8
+                       FROM events
+                      WHERE (transaction_id, global_position) > ($1::bigint::text::xid8, $2::bigint)
+                        AND transaction_id < pg_snapshot_xmin(pg_current_snapshot())
+                        AND {filter}"
+                ),
+                &[&commit, &prepare, &values],
+            )
+            .await
+            .with_context(|| format!("measuring the lag of {}", projection.as_str()))?;
+        lags.push(Lag {
+            projection: projection.as_str(),
+            events: row.get(0),
+            seconds: row.get::<_, Option<f64>>(1).unwrap_or(0.0).max(0.0),
+        });
+    }
+    Ok(lags)
 }

@@ -225,6 +225,8 @@ impl SettlementReconciler {
                 };
                 self.record(&repair).await?;
                 self.repairs_total.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("zhihui_settlement_repairs_total", "kind" => repair_kind.as_str())
+                    .increment(1);
                 tracing::warn!(%task_id, kind = repair_kind.as_str(), %user_id, %due_since, "settlement reconciler repaired a settlement");
                 report.repairs.push(repair);
             }
@@ -318,6 +320,8 @@ impl SettlementReconciler {
             for repair in repairs {
                 self.record(&repair).await?;
                 self.repairs_total.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("zhihui_settlement_repairs_total", "kind" => repair.kind.as_str())
+                    .increment(1);
                 tracing::warn!(kind = repair.kind.as_str(), user_id = %repair.user_id, due_since = %repair.due_since, code_serial = ?repair.code_serial, checkin_day = ?repair.checkin_day, "settlement reconciler made a lost credit");
                 report.repairs.push(repair);
             }

@@ -362,8 +362,11 @@ impl Application {
             .context("reading the bound port")?
             .port();
 
+        // Installed before anything records (the first request, the dispatcher's first post).
+        crate::metrics::handle();
         let mut server = HttpServer::new(move || {
             App::new()
+                .wrap(actix_web::middleware::from_fn(crate::metrics::record_http))
                 .wrap(
                     // The request line with secrets in its query redacted (a browser's socket
                     // sends its bearer token as `?token=`).

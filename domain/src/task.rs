@@ -263,21 +263,23 @@ impl TaskStatus {
         }
     }
 
+    /// Every status a recorded task can have (the read model's values).
+    pub const RECORDED: [TaskStatus; 7] = [
+        TaskStatus::Submitted,
+        TaskStatus::Queued,
+        TaskStatus::Dispatched,
+        TaskStatus::Running,
+        TaskStatus::Succeeded,
+        TaskStatus::Failed,
+        TaskStatus::Cancelled,
+    ];
+
     /// The status named by [`TaskStatus::as_str`] (as the read model stores it).
     pub fn parse(name: &str) -> Option<TaskStatus> {
-        [
-            TaskStatus::Unknown,
-            TaskStatus::Submitted,
-            TaskStatus::Queued,
-            TaskStatus::Dispatched,
-            TaskStatus::Running,
-            TaskStatus::Succeeded,
-            TaskStatus::Failed,
-            TaskStatus::Cancelled,
-            TaskStatus::Abandoned,
-        ]
-        .into_iter()
-        .find(|status| status.as_str() == name)
+        [TaskStatus::Unknown, TaskStatus::Abandoned]
+            .into_iter()
+            .chain(TaskStatus::RECORDED)
+            .find(|status| status.as_str() == name)
     }
 
     /// No event can change it any more.

@@ -305,10 +305,27 @@ impl EventStore for AnyEventStore {
         expected: ExpectedVersion,
         events: Vec<NewEvent>,
     ) -> Result<AppendOutcome, EventStoreError> {
-        match self {
-            AnyEventStore::Postgres(store) => store.append(stream, expected, events).await,
-            AnyEventStore::Kurrent(store) => store.append(stream, expected, events).await,
-        }
+        let started = std::time::Instant::now();
+        let (store_kind, outcome) = match self {
+            AnyEventStore::Postgres(store) => {
+                ("postgres", store.append(stream, expected, events).await)
+            }
+            AnyEventStore::Kurrent(store) => {
+                ("kurrentdb", store.append(stream, expected, events).await)
+            }
+        };
+        let result = match &outcome {
+            Ok(_) => "ok",
+            Err(error) if error.is_wrong_expected_version() => "wrong_expected_version",
+            Err(_) => "error",
+        };
+        metrics::histogram!(
+            "zhihui_event_store_append_duration_seconds",
+            "store" => store_kind,
+            "result" => result
+        )
+        .record(started.elapsed().as_secs_f64());
+        outcome
     }
 
     async fn read_stream(

@@ -13,6 +13,7 @@ mod helpers;
 mod instances;
 mod labels;
 mod ledger;
+mod metrics;
 mod migrations;
 mod processes;
 mod promotions;

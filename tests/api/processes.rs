@@ -31,12 +31,12 @@ const WAIT_LIMIT: Duration = Duration::from_secs(60);
 const TAKEOVER_MAX: Duration = Duration::from_secs(5);
 
 /// A `zhihui serve` child process; killed when dropped.
-struct Serve {
+pub(crate) struct Serve {
     child: tokio::process::Child,
-    address: String,
+    pub(crate) address: String,
 }
 
-async fn serve(app: &TestApp, backends: &str, images: &std::path::Path) -> Serve {
+pub(crate) async fn serve(app: &TestApp, backends: &str, images: &std::path::Path) -> Serve {
     serve_with(app, backends, images, &[]).await
 }
 
@@ -186,42 +186,9 @@ async fn the_dispatching_process_killed_mid_run_is_replaced_and_the_other_one_te
         Some(first_leader.clone())
     );
 
-    // A user of the second process, with 10 points.
+    // A user of the second process, with 20 points.
     let http = reqwest::Client::new();
-    let admin_name = "boss";
-    app.admin_token(admin_name).await;
-    let login = |name: &str, password: &str| {
-        let request = http
-            .post(format!("{}/api/v1/auth/login", other.address))
-            .json(&json!({"username": name, "password": password}));
-        async move {
-            let answer: Value = request.send().await.unwrap().json().await.unwrap();
-            answer["token"].as_str().unwrap().to_owned()
-        }
-    };
-    let admin = login(admin_name, "admin password").await;
-    let registered: Value = http
-        .post(format!("{}/api/v1/auth/register", other.address))
-        .json(&json!({"username": "far-away", "password": "correct horse battery"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let user = registered["id"].as_str().unwrap().to_owned();
-    let token = login("far-away", "correct horse battery").await;
-    let granted = http
-        .post(format!(
-            "{}/api/v1/admin/accounts/{user}/grants",
-            other.address
-        ))
-        .bearer_auth(&admin)
-        .json(&json!({"amount": "20", "reason": "test"}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(granted.status(), 201);
+    let (user, token) = funded_user_via(&app, &http, &other.address, "far-away", "20").await;
 
     let (mut socket, _) = async_tungstenite::tokio::connect_async(
         format!(
@@ -396,6 +363,39 @@ async fn the_dispatching_process_killed_mid_run_is_replaced_and_the_other_one_te
         sim.stop().await;
     }
     drop(std::fs::remove_dir_all(&directory));
+}
+
+/// A user registered through a process and granted `points` by an admin (`boss`) logged in
+/// there: the user's id and bearer token.
+pub(crate) async fn funded_user_via(
+    app: &TestApp,
+    http: &reqwest::Client,
+    address: &str,
+    name: &str,
+    points: &str,
+) -> (String, String) {
+    app.admin_token("boss").await;
+    let admin = login_via(http, address, "boss", "admin password").await;
+    let registered: Value = http
+        .post(format!("{address}/api/v1/auth/register"))
+        .json(&json!({"username": name, "password": "correct horse battery"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let user = registered["id"].as_str().unwrap().to_owned();
+    let token = login_via(http, address, name, "correct horse battery").await;
+    let granted = http
+        .post(format!("{address}/api/v1/admin/accounts/{user}/grants"))
+        .bearer_auth(&admin)
+        .json(&json!({"amount": points, "reason": "test"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(granted.status(), 201);
+    (user, token)
 }
 
 /// Log in through a process; the bearer token.

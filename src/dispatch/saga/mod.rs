@@ -216,6 +216,10 @@ struct InFlight {
     start_recorded: bool,
     /// `TaskStarted` being recorded: the end is recorded after it, so the log keeps the order.
     starting: Option<tokio::task::JoinHandle<()>>,
+    /// When its start was recorded here (for `zhihui_task_duration_seconds`).
+    ran_at: Option<Instant>,
+    /// Its end was counted in the metrics (a retried recording counts once).
+    end_counted: bool,
 }
 
 impl InFlight {
@@ -246,6 +250,8 @@ impl InFlight {
             posted_ahead: false,
             start_recorded: false,
             starting: None,
+            ran_at: None,
+            end_counted: false,
         }
     }
 }
@@ -260,6 +266,8 @@ struct BackendState {
     freeing: bool,
     /// Tasks whose staged dispatch is being recorded in the background, with their claim order.
     staging: HashMap<TaskId, u64>,
+    /// Its socket opened once already: the next opening is a reconnect.
+    opened_before: bool,
 }
 
 /// A running saga (the leader's). Dropping it closes its sockets and stops its subscription.
@@ -481,6 +489,34 @@ impl Saga {
         }
     }
 
+    /// Each server's capacity, prompts in flight and socket state, for `/metrics` (each tick:
+    /// cheap, a few servers, and never on a slot's path).
+    fn publish_pool_gauges(&self) {
+        for (index, backend) in self.dispatcher.backends.iter().enumerate() {
+            let name = backend.settings.name.clone();
+            metrics::gauge!("zhihui_backend_capacity", "backend" => name.clone())
+                .set(f64::from(backend.settings.capacity));
+            metrics::gauge!("zhihui_backend_busy", "backend" => name.clone())
+                .set(self.busy(index) as f64);
+            let up = if self.backends[index].client_id.is_some() {
+                1.0
+            } else {
+                0.0
+            };
+            metrics::gauge!("zhihui_backend_up", "backend" => name).set(up);
+        }
+    }
+
+    /// One ComfyUI error of a bounded `kind` on a server.
+    pub(super) fn count_error(&self, backend: usize, kind: &'static str) {
+        metrics::counter!(
+            "zhihui_comfyui_errors_total",
+            "backend" => self.dispatcher.backends[backend].settings.name.clone(),
+            "kind" => kind
+        )
+        .increment(1);
+    }
+
     fn metadata(&self, task_id: TaskId) -> EventMetadata {
         dispatcher_metadata(self.term.fencing_token, task_id)
     }
@@ -490,6 +526,12 @@ impl Saga {
             Input::Socket(backend, SocketEvent::Opened { client_id }) => {
                 tracing::info!(backend = %self.dispatcher.backends[backend].settings.name, "server socket open");
                 self.backends[backend].client_id = Some(client_id);
+                let name = self.dispatcher.backends[backend].settings.name.clone();
+                if std::mem::replace(&mut self.backends[backend].opened_before, true) {
+                    metrics::counter!("zhihui_comfyui_socket_reconnects_total", "backend" => name.clone())
+                        .increment(1);
+                }
+                metrics::gauge!("zhihui_backend_up", "backend" => name).set(1.0);
                 // Whatever happened while we were away is only in /queue and /history.
                 let tasks: Vec<TaskId> = self
                     .in_flight
@@ -506,6 +548,9 @@ impl Saga {
             Input::Socket(backend, SocketEvent::Closed { reason }) => {
                 tracing::warn!(backend = %self.dispatcher.backends[backend].settings.name, %reason, "server socket closed");
                 self.backends[backend].client_id = None;
+                self.count_error(backend, "socket_closed");
+                metrics::gauge!("zhihui_backend_up", "backend" => self.dispatcher.backends[backend].settings.name.clone())
+                    .set(0.0);
                 Ok(())
             }
             Input::Socket(backend, SocketEvent::Message(message)) => {
@@ -665,6 +710,7 @@ impl Saga {
     }
 
     async fn on_tick(&mut self) -> anyhow::Result<()> {
+        self.publish_pool_gauges();
         let settings = self.dispatcher.settings.clone();
         let now = Instant::now();
         if now - self.last_leader_renew >= Duration::from_millis(settings.leader_renew_ms)

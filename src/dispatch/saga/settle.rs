@@ -145,6 +145,35 @@ impl Saga {
     }
 
     /// Record how the task ended, settle or release its hold, tell its owner, forget it.
+    /// A task's end in the metrics: its time on the server by server, model and outcome, and
+    /// the server's part in a failure.
+    fn count_end(&self, flight: &InFlight, completion: &Completion) {
+        let outcome = match (completion, flight.stop) {
+            (Completion::Succeeded(_), _) => "succeeded",
+            (Completion::Failed(_), _) => "failed",
+            (_, Some(Stop::Cancel)) => "cancelled",
+            (_, Some(Stop::Timeout)) => "timed_out",
+            (Completion::Interrupted, None) => "interrupted",
+            (Completion::Vanished, None) => "lost",
+        };
+        match (completion, flight.stop) {
+            (Completion::Failed(_), _) => self.count_error(flight.backend, "execution_error"),
+            (Completion::Interrupted, None) => self.count_error(flight.backend, "interrupted"),
+            (Completion::Vanished, None) => self.count_error(flight.backend, "lost_prompt"),
+            _ => {}
+        }
+        let Some(ran_at) = flight.ran_at else {
+            return;
+        };
+        metrics::histogram!(
+            "zhihui_task_duration_seconds",
+            "backend" => self.dispatcher.backends[flight.backend].settings.name.clone(),
+            "model" => model_of(&flight.workflow),
+            "outcome" => outcome
+        )
+        .record(ran_at.elapsed().as_secs_f64());
+    }
+
     pub(super) fn record(&mut self, task_id: TaskId, completion: Completion) -> anyhow::Result<()> {
         let Some(flight) = self.in_flight.get(&task_id) else {
             return Ok(());
@@ -191,8 +220,12 @@ impl Saga {
             ),
         };
         let owner = flight.owner;
+        if !flight.end_counted {
+            self.count_end(flight, &completion);
+        }
         // Recorded off the saga's path: the next dispatch must not wait for this one's writes.
         let starting = self.in_flight.get_mut(&task_id).and_then(|flight| {
+            flight.end_counted = true;
             flight.effect_running = true;
             flight.starting.take()
         });
@@ -244,6 +277,19 @@ impl Saga {
         });
         Ok(())
     }
+}
+
+/// The checkpoint a workflow loads (`CheckpointLoaderSimple`'s `ckpt_name`): one of the
+/// catalog's models, so a bounded label.
+fn model_of(workflow: &Value) -> String {
+    workflow
+        .as_object()
+        .into_iter()
+        .flat_map(|nodes| nodes.values())
+        .find(|node| node["class_type"] == "CheckpointLoaderSimple")
+        .and_then(|node| node["inputs"]["ckpt_name"].as_str())
+        .unwrap_or("unknown")
+        .to_owned()
 }
 
 pub(super) fn failed(

@@ -79,16 +79,22 @@ impl Saga {
             return Ok(());
         }
         flight.effect_running = false;
+        let backend = flight.backend;
         match outcome {
             PostOutcome::Accepted => {
                 if flight.reposting {
                     flight.reposting = false;
                     flight.resubmitted = true;
                 }
-                if let Some(gap) = gap
-                    && self.gaps.len() < GAP_SAMPLES_MAX
-                {
-                    self.gaps.push(gap);
+                if let Some(gap) = gap {
+                    metrics::histogram!(
+                        "zhihui_dispatch_gap_seconds",
+                        "staged" => if gap.staged_ready { "true" } else { "false" }
+                    )
+                    .record(gap.duration.as_secs_f64());
+                    if self.gaps.len() < GAP_SAMPLES_MAX {
+                        self.gaps.push(gap);
+                    }
                 }
                 self.accepted(task_id);
                 if self
@@ -101,10 +107,12 @@ impl Saga {
                 Ok(())
             }
             PostOutcome::Rejected(reason) => {
+                self.count_error(backend, "prompt_rejected");
                 self.free_slot(task_id);
                 self.record(task_id, Completion::Failed(reason))
             }
             PostOutcome::Unreachable(error) => {
+                self.count_error(backend, "unreachable");
                 // Maybe queued there, maybe not: the next reconcile finds out before posting again.
                 tracing::warn!(%task_id, error = %crate::telemetry::error_chain(&error), "posting failed");
                 Ok(())
@@ -153,6 +161,7 @@ impl Saga {
             return;
         }
         flight.start_recorded = true;
+        flight.ran_at = Some(Instant::now());
         let command = TaskCommand::Start {
             fencing_token: self.term.fencing_token,
             at: self.dispatcher.clock.now(),
