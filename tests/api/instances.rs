@@ -553,3 +553,151 @@ async fn ledger_page(instance: &TestApp, token: &str, query: &str) -> Value {
     assert_eq!(response.status(), 200);
     response.json().await.unwrap()
 }
+
+/// A POST with an `Idempotency-Key` through `instance`.
+async fn post_keyed(
+    instance: &TestApp,
+    path: &str,
+    token: &str,
+    key: &str,
+    body: &Value,
+) -> reqwest::Response {
+    instance
+        .http
+        .post(format!("{}{path}", instance.address))
+        .bearer_auth(token)
+        .header("Idempotency-Key", key)
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// The admin requests whose reading of the request changed (an `Idempotency-Key` must be visible
+/// ASCII; counts and stock may be written `2.0`), consecutive requests alternating between two
+/// instances with their own caches: a retried grant grants once, a refused key moves nothing, a
+/// batch and a promotion created and raised through one are redeemed and claimed through the
+/// other, and the balances and `audit verify` agree.
+#[tokio::test]
+async fn grants_codes_and_promotions_read_at_the_edge_alternate_instances_and_settle_once() {
+    let a = spawn_app().await;
+    let b = a.another_instance().await;
+    let admin = a.admin_token("boss").await;
+    let user = a.register("edge-user", "a long password").await;
+    let token = b.login("edge-user", "a long password").await;
+    let grants = format!("/api/v1/admin/accounts/{user}/grants");
+    let grant = json!({"amount": "100", "reason": "welcome"});
+
+    // One grant, its retry through the other instance, and a key with a space refused there.
+    let first = post_keyed(&a, &grants, &admin, "grant-1", &grant).await;
+    assert_eq!(first.status(), 201);
+    let again = post_keyed(&b, &grants, &admin, "grant-1", &grant).await;
+    let again: Value = again.json().await.unwrap();
+    assert_eq!(again["granted_now"], false, "{again}");
+    let spaced = post_keyed(&b, &grants, &admin, "grant 2", &grant).await;
+    assert_eq!(spaced.status(), 422);
+    let problem: Value = spaced.json().await.unwrap();
+    assert_eq!(problem["field"], "Idempotency-Key");
+    assert_balance(&a, &token, "100.00", "0.00").await;
+    assert_balance(&b, &token, "100.00", "0.00").await;
+
+    // A batch of 2.0 codes of 5 points through B (its retry through A is the same batch),
+    // issued, exported through A, each code redeemed once across both.
+    let now = a.clock.now();
+    let batch = json!({
+        "count": 2.0, "points": "5", "note": "edge",
+        "valid_from": now - chrono::Duration::hours(1),
+        "valid_until": now + chrono::Duration::hours(1),
+    });
+    let created = post_keyed(&b, "/api/v1/admin/code-batches", &admin, "batch-1", &batch).await;
+    assert_eq!(created.status(), 202);
+    let created: Value = created.json().await.unwrap();
+    assert_eq!(created["count"], 2);
+    let retried = post_keyed(&a, "/api/v1/admin/code-batches", &admin, "batch-1", &batch).await;
+    let retried: Value = retried.json().await.unwrap();
+    assert_eq!(retried["batch_id"], created["batch_id"]);
+    let batch_id = Uuid::parse_str(created["batch_id"].as_str().unwrap()).unwrap();
+    zhihui::codes::issuer::CodeIssuer::new(a.services().codes)
+        .issue_batch(batch_id, None)
+        .await
+        .unwrap();
+    let csv = a
+        .get_as(
+            &admin,
+            &format!("/api/v1/admin/code-batches/{batch_id}/codes.csv"),
+        )
+        .await
+        .text()
+        .await
+        .unwrap();
+    let codes: Vec<String> = csv
+        .lines()
+        .skip(1)
+        .map(|line| line.split(',').nth(1).unwrap().to_owned())
+        .collect();
+    assert_eq!(codes.len(), 2);
+    for (instance, code, now_redeemed) in [
+        (&b, &codes[0], true),
+        (&a, &codes[0], false),
+        (&a, &codes[1], true),
+    ] {
+        let redeemed = instance
+            .post("/api/v1/codes/redeem", Some(&token), &json!({"code": code}))
+            .await;
+        assert_eq!(redeemed.status(), 200);
+        let redeemed: Value = redeemed.json().await.unwrap();
+        assert_eq!(redeemed["redeemed_now"], now_redeemed, "{redeemed}");
+    }
+    assert_balance(&b, &token, "110.00", "0.00").await;
+
+    // A promotion of stock 1.0 (10 points for 3) through A, raised by 1.0 through B, claimed
+    // through B, granted by the consumers of both.
+    let promotion = json!({
+        "title": "Edge pack", "points": "10", "price": "3", "stock": 1.0,
+        "starts_at": now - chrono::Duration::hours(1),
+        "ends_at": now + chrono::Duration::hours(1),
+    });
+    let created = post_keyed(
+        &a,
+        "/api/v1/admin/promotions",
+        &admin,
+        "promo-1",
+        &promotion,
+    )
+    .await;
+    assert_eq!(created.status(), 201);
+    let created: Value = created.json().await.unwrap();
+    let promotion_id = created["promotion_id"].as_str().unwrap().to_owned();
+    let raised = b
+        .post(
+            &format!("/api/v1/admin/promotions/{promotion_id}/stock"),
+            Some(&admin),
+            &json!({"add": 1.0}),
+        )
+        .await;
+    assert_eq!(raised.status(), 200);
+    let raised: Value = raised.json().await.unwrap();
+    assert_eq!(raised["stock"], 2);
+    let claimed = b
+        .post(
+            &format!("/api/v1/promotions/{promotion_id}/claims"),
+            Some(&token),
+            &json!({}),
+        )
+        .await;
+    assert_eq!(claimed.status(), 202);
+    for (index, instance) in [&a, &b].into_iter().enumerate() {
+        let report = instance
+            .services()
+            .promotions
+            .consume_once(&format!("consumer-{index}"), None)
+            .await
+            .unwrap();
+        assert_eq!(report.failed, 0, "{report:?}");
+    }
+
+    // 100 granted once + 2 codes of 5 + 10 for 3.
+    assert_balance(&a, &token, "117.00", "0.00").await;
+    assert_balance(&b, &token, "117.00", "0.00").await;
+    project_and_verify(&a).await;
+}
