@@ -8,7 +8,6 @@
 //! Every metric is listed with its meaning in README.md ("Metrics").
 
 use std::sync::OnceLock;
-use std::time::Duration;
 
 use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
@@ -116,9 +115,4 @@ async fn scrape_gauges(state: &AppState) -> Result<(), ApiError> {
 fn decimal_to_f64(value: rust_decimal::Decimal) -> f64 {
     use rust_decimal::prelude::ToPrimitive;
     value.to_f64().unwrap_or(f64::NAN)
-}
-
-/// A duration as Prometheus wants it: seconds.
-pub fn seconds(duration: Duration) -> f64 {
-    duration.as_secs_f64()
 }

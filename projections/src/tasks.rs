@@ -8,7 +8,6 @@ use std::collections::HashMap;
 
 use anyhow::Context;
 use rust_decimal::Decimal;
-use uuid::Uuid;
 use zhihui_domain::DomainEvent;
 use zhihui_domain::points::Amount;
 use zhihui_domain::task::{TaskEvent, TaskId, TaskStatus, task_id_of_stream};
@@ -122,7 +121,6 @@ async fn write(
     let images = serde_json::to_value(&record.images).context("encoding images")?;
     let prioritised = i32::try_from(record.prioritised).context("a prioritise count")?;
     let version = i64::try_from(record.version)?;
-    let prompt_id: Option<Uuid> = record.prompt_id;
     transaction
         .execute(
             &format!(
@@ -155,7 +153,7 @@ async fn write(
                 &record.cancel_requested,
                 &prioritised,
                 &record.backend,
-                &prompt_id,
+                &record.prompt_id,
                 &images,
                 &record.failure_reason,
                 &record.submitted_at,

@@ -10,7 +10,7 @@ use uuid::Uuid;
 use zhihui_domain::DomainEvent;
 use zhihui_domain::task::{TaskEvent, TaskId, TaskImage, TaskStatus, task_stream};
 use zhihui_domain::task_record::TaskRecord;
-use zhihui_projections::tasks::RECORD_COLUMNS;
+use zhihui_projections::tasks::{RECORD_COLUMNS, record_of_row};
 
 use crate::event_store::{Direction, EventStore, ReadFrom};
 use crate::http::accounts::idempotency_key;
@@ -241,10 +241,6 @@ fn view_of(record: TaskRecord) -> TaskView {
         submitted_at: record.submitted_at,
         finished_at: record.finished_at,
     }
-}
-
-fn record_of_row(row: &tokio_postgres::Row) -> Result<TaskRecord, ApiError> {
-    Ok(zhihui_projections::tasks::record_of_row(row)?)
 }
 
 /// A task the read model does not have yet (just submitted), folded from its stream; `None` if

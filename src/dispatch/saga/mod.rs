@@ -526,12 +526,14 @@ impl Saga {
             Input::Socket(backend, SocketEvent::Opened { client_id }) => {
                 tracing::info!(backend = %self.dispatcher.backends[backend].settings.name, "server socket open");
                 self.backends[backend].client_id = Some(client_id);
-                let name = self.dispatcher.backends[backend].settings.name.clone();
+                // `zhihui_backend_up` follows at the next tick (publish_pool_gauges).
                 if std::mem::replace(&mut self.backends[backend].opened_before, true) {
-                    metrics::counter!("zhihui_comfyui_socket_reconnects_total", "backend" => name.clone())
-                        .increment(1);
+                    metrics::counter!(
+                        "zhihui_comfyui_socket_reconnects_total",
+                        "backend" => self.dispatcher.backends[backend].settings.name.clone()
+                    )
+                    .increment(1);
                 }
-                metrics::gauge!("zhihui_backend_up", "backend" => name).set(1.0);
                 // Whatever happened while we were away is only in /queue and /history.
                 let tasks: Vec<TaskId> = self
                     .in_flight
@@ -549,8 +551,6 @@ impl Saga {
                 tracing::warn!(backend = %self.dispatcher.backends[backend].settings.name, %reason, "server socket closed");
                 self.backends[backend].client_id = None;
                 self.count_error(backend, "socket_closed");
-                metrics::gauge!("zhihui_backend_up", "backend" => self.dispatcher.backends[backend].settings.name.clone())
-                    .set(0.0);
                 Ok(())
             }
             Input::Socket(backend, SocketEvent::Message(message)) => {
