@@ -24,6 +24,15 @@ use crate::dispatch::{
 use crate::helpers::{TestApp, spawn_app};
 use crate::tasks::{account_of, act, metadata, project_and_verify, submit, task_events};
 
+/// These tests step the dispatcher only between requests, and on a loaded machine a run of
+/// requests outlasted the dispatch harness's 1 s leases: the leader lost its lease and the test
+/// failed on a step. Takeover is tested elsewhere (dispatch, processes); here leases outlast
+/// any pause.
+fn long_leases(dispatch: &mut zhihui::configuration::DispatchSettings) {
+    dispatch.leader_lease_ms = 30_000;
+    dispatch.slot_lease_ms = 30_000;
+}
+
 /// The balance as `GET /api/v1/account` answers it on `app`: (available, frozen).
 async fn balance_via(app: &TestApp, token: &str) -> (String, String) {
     let response = app.get_as(token, "/api/v1/account").await;
@@ -136,7 +145,11 @@ async fn every_money_path_through_alternating_instances_settles_once() {
         ..Faults::default()
     };
     // 50 steps of 60 ms run past the 2 s limit; 2 steps end in time.
-    let harness = harness_with(1, faults, |dispatch| dispatch.task_timeout_ms = 2_000).await;
+    let harness = harness_with(1, faults, |dispatch| {
+        long_leases(dispatch);
+        dispatch.task_timeout_ms = 2_000;
+    })
+    .await;
     let a = &harness.app;
     let b = a.another_instance().await;
     let user = a.register("commuter", "correct horse battery").await;
@@ -291,7 +304,7 @@ async fn random_commands_over_three_instances_keep_every_account_exact() {
         eprintln!("seed {seed}");
     }
     let mut rng = StdRng::seed_from_u64(seed);
-    let harness = harness_with(2, Faults::default(), |_| {}).await;
+    let harness = harness_with(2, Faults::default(), long_leases).await;
     let first = &harness.app;
     let instances = [
         first,

@@ -102,7 +102,8 @@ async fn metrics_parse_and_follow_tasks_through_a_real_process() {
         let submitted: Value = submitted.json().await.unwrap();
         tasks.push(submitted["task_id"].as_str().unwrap().to_owned());
     }
-    // Until the read model counts all three as succeeded (bounded).
+    // Until the read model counts all three as succeeded and their holds as settled (each
+    // charge is recorded after its task's end, and its projection may trail: bounded).
     let started = tokio::time::Instant::now();
     let samples = loop {
         let response = http.get(url("/metrics")).send().await.unwrap();
@@ -114,10 +115,15 @@ async fn metrics_parse_and_follow_tasks_through_a_real_process() {
                 .starts_with("text/plain; version=0.0.4")
         );
         let samples = parse(&response.text().await.unwrap());
-        if samples.get("zhihui_tasks{status=\"succeeded\"}") == Some(&3.0) {
+        if samples.get("zhihui_tasks{status=\"succeeded\"}") == Some(&3.0)
+            && samples.get("zhihui_points_frozen") == Some(&0.0)
+        {
             break samples;
         }
-        assert!(started.elapsed() < WAIT_LIMIT, "tasks never succeeded");
+        assert!(
+            started.elapsed() < WAIT_LIMIT,
+            "tasks never succeeded and settled"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     // Everything settled: nothing queued, nothing frozen.
