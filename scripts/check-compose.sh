@@ -24,10 +24,27 @@ fi
 
 validate "$FILE"
 services="$(list_services "$FILE" | sort | tr '\n' ' ')"
-for needed in kurrentdb postgres redis zhihui; do
+for needed in grafana kurrentdb postgres prometheus redis zhihui; do
     case " $services" in
         *" $needed "*) ;;
         *) echo "check-compose: service '$needed' missing from $FILE (has: $services)" >&2; exit 1 ;;
     esac
 done
+# The dashboard: valid JSON, and every metric its queries name is one zhihui documents (README's
+# metrics table), so a renamed metric cannot leave a panel silently empty.
+DASHBOARD="$(dirname "$FILE")/grafana/dashboards/zhihui.json"
+python3 - "$DASHBOARD" "$ROOT/README.md" <<'PY'
+import json, re, sys
+dashboard = json.load(open(sys.argv[1]))
+documented = set(re.findall(r"^\| `(zhihui_[a-z_]+)` \|", open(sys.argv[2]).read(), re.M))
+used = set()
+for panel in dashboard["panels"]:
+    for target in panel["targets"]:
+        used |= {re.sub(r"_(bucket|sum|count)$", "", name)
+                 for name in re.findall(r"\b(zhihui_[a-z_]+)", target["expr"])}
+missing = sorted(used - documented)
+if missing:
+    sys.exit(f"check-compose: the dashboard queries undocumented metrics: {missing}")
+print(f"check-compose: dashboard {len(dashboard['panels'])} panels, {len(used)} metrics, all documented")
+PY
 echo "check-compose: $FILE is valid (services: $services)"

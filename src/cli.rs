@@ -90,6 +90,33 @@ pub enum Command {
         #[command(subcommand)]
         command: ImagesCommand,
     },
+    /// The pool of ComfyUI servers, changed at run time (every process follows).
+    Backends {
+        #[command(subcommand)]
+        command: BackendsCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BackendsCommand {
+    /// Every server: state, capacity, prompts in flight, models, version, last error, tasks.
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// Add a server (the leader connects to it and reads its models).
+    Add {
+        name: String,
+        url: String,
+        #[arg(long, default_value_t = 1)]
+        capacity: u32,
+    },
+    /// No new prompt goes to it; what runs there finishes.
+    Drain { name: String },
+    /// Back in service after a drain.
+    Resume { name: String },
+    /// Remove a server nothing runs on.
+    Remove { name: String },
 }
 
 #[derive(Debug, Subcommand)]
@@ -349,6 +376,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Queue {
             command: QueueCommand::Rebuild,
         } => queue_rebuild(&settings).await,
+        Command::Backends { command } => Box::pin(backends(&settings, command)).await,
         Command::Migrate => {
             let pool = crate::postgres::build_pool(&settings.database)?;
             let report = crate::postgres::migrate(&pool).await?;
@@ -437,6 +465,85 @@ async fn queue_rebuild(settings: &Settings) -> anyhow::Result<()> {
         report.removed
     )
     .context("writing to standard output")?;
+    Ok(())
+}
+
+/// `zhihui backends ...`.
+async fn backends(settings: &Settings, command: BackendsCommand) -> anyhow::Result<()> {
+    use std::io::Write;
+
+    let state = app_state(settings)?;
+    let pool = state.dispatcher.backend_pool();
+    let actor = "cli:backends";
+    let changed = match command {
+        BackendsCommand::List { json } => {
+            let views = pool.list().await?;
+            let mut out = std::io::stdout().lock();
+            if json {
+                serde_json::to_writer_pretty(&mut out, &views).context("writing JSON")?;
+                writeln!(out).context("writing to standard output")?;
+                return Ok(());
+            }
+            writeln!(
+                out,
+                "{:<16} {:<9} {:>8} {:>9} {:>9} {:>7} {:<10} {:<28} last error",
+                "name",
+                "state",
+                "capacity",
+                "in flight",
+                "succeeded",
+                "failed",
+                "version",
+                "models"
+            )
+            .context("writing to standard output")?;
+            for view in views {
+                let status = view.status.as_ref();
+                writeln!(
+                    out,
+                    "{:<16} {:<9} {:>8} {:>9} {:>9} {:>7} {:<10} {:<28} {}",
+                    view.backend.name,
+                    view.state,
+                    view.backend.capacity,
+                    status.map_or("-".to_owned(), |s| s.prompts_in_flight.to_string()),
+                    view.tasks_succeeded,
+                    view.tasks_failed,
+                    view.backend.version.as_deref().unwrap_or("-"),
+                    view.backend
+                        .models
+                        .as_ref()
+                        .map_or("-".to_owned(), |models| models.join(",")),
+                    status.and_then(|s| s.last_error.as_deref()).unwrap_or("-"),
+                )
+                .context("writing to standard output")?;
+            }
+            return Ok(());
+        }
+        BackendsCommand::Add {
+            name,
+            url,
+            capacity,
+        } => {
+            let backend = zhihui_domain::pool::NewBackend::parse(&name, &url, capacity)?;
+            pool.add(backend, actor)
+                .await
+                .map(|_| format!("added {name}"))
+        }
+        BackendsCommand::Drain { name } => pool
+            .drain(&name, actor)
+            .await
+            .map(|_| format!("draining {name}: no new prompt goes there")),
+        BackendsCommand::Resume { name } => pool
+            .resume(&name, actor)
+            .await
+            .map(|_| format!("{name} is back in service")),
+        BackendsCommand::Remove { name } => pool
+            .remove(&name, actor)
+            .await
+            .map(|_| format!("removed {name}")),
+    };
+    let message = changed.map_err(|error| anyhow::anyhow!("{error}"))?;
+    writeln!(std::io::stdout().lock(), "{message}").context("writing to standard output")?;
     Ok(())
 }
 

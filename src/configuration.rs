@@ -318,6 +318,10 @@ impl BackendSettings {
     }
 }
 
+/// Queue entries one fill may look at: each costs the filler's script a little, and it runs on
+/// every freed slot.
+pub const QUEUE_SCAN_MAX: usize = 10_000;
+
 /// Staged tasks are committed to one server; more would let a queue jump (prioritise) miss them.
 pub const STAGED_PER_BACKEND_MAX: u32 = 8;
 
@@ -372,6 +376,24 @@ pub struct DispatchSettings {
     /// (the GPU idle gap is then the server's own). A posted task can still be cancelled (it
     /// is deleted from the server's queue) but is committed to that server.
     pub posted_ahead_per_backend: u32,
+    /// How often the leader asks each connected server what it offers (`/object_info`) and
+    /// which version it runs (also at every connect): new checkpoints are routed to within this.
+    pub inspect_interval_ms: u64,
+    /// Among the servers that could take a task, send it to the one that ran its model last (a
+    /// model switch costs a real GPU seconds to minutes of loading).
+    pub prefer_same_model: bool,
+    /// With the preference, a server with room looks this many tasks it could run ahead for one
+    /// of the model it ran last, and takes it first.
+    pub model_affinity_window: u32,
+    /// ... but never passes over a task queued this long: the bound on what the preference may
+    /// add to anyone's wait.
+    pub model_affinity_wait_max_ms: u64,
+    /// How often the leader publishes its view of each server (up, prompts in flight, last error)
+    /// for `GET /admin/backends`; a view older than 10 s reads as unknown.
+    pub status_publish_interval_ms: u64,
+    /// Queue entries the filler looks at per fill, at most: a task further back than this behind
+    /// tasks no free server can take waits for the next fill.
+    pub queue_scan_max: usize,
 }
 
 impl DispatchSettings {
@@ -781,6 +803,26 @@ impl Settings {
             dispatch.posted_ahead_per_backend <= dispatch.staged_per_backend,
             "dispatch.posted_ahead_per_backend must be 0 to staged_per_backend ({}): only staged tasks are posted ahead",
             dispatch.staged_per_backend
+        );
+        anyhow::ensure!(
+            dispatch.model_affinity_window as usize <= dispatch.queue_scan_max,
+            "dispatch.model_affinity_window must be at most queue_scan_max ({})",
+            dispatch.queue_scan_max
+        );
+        anyhow::ensure!(
+            (1..=QUEUE_SCAN_MAX).contains(&dispatch.queue_scan_max),
+            "dispatch.queue_scan_max must be 1 to {QUEUE_SCAN_MAX}"
+        );
+        anyhow::ensure!(
+            (1..=crate::pool::STATUS_STALE_MS as u64 / 2)
+                .contains(&dispatch.status_publish_interval_ms),
+            "dispatch.status_publish_interval_ms must be 1 to {}: a view older than {} ms reads as unknown",
+            crate::pool::STATUS_STALE_MS / 2,
+            crate::pool::STATUS_STALE_MS
+        );
+        anyhow::ensure!(
+            dispatch.inspect_interval_ms >= 1_000,
+            "dispatch.inspect_interval_ms must be at least 1000: every server is asked its models that often"
         );
         Ok(())
     }

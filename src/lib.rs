@@ -19,6 +19,7 @@ pub mod leader;
 pub mod lua;
 pub mod metrics;
 pub mod notify;
+pub mod pool;
 pub mod positions;
 pub mod postgres;
 pub mod projector;

@@ -5,7 +5,7 @@ use clap::Parser;
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = zhihui::cli::Cli::parse();
-    match zhihui::cli::run(cli).await {
+    match Box::pin(zhihui::cli::run(cli)).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {
             // Tracing may not be set up yet (bad settings), so print the whole chain directly.

@@ -26,6 +26,7 @@ use crate::dispatch::images::ImageStore;
 use crate::dispatch::lease::Leases;
 use crate::event_store::AnyEventStore;
 use crate::notify::{NotificationHub, Notifier};
+use crate::pool::PoolService;
 use crate::projector::{Projector, Statuses};
 use crate::redis_store::RedisStore;
 use crate::tasks::queue::TaskQueue;
@@ -140,6 +141,14 @@ impl AppState {
             RetryPolicy::default(),
             Duration::from_millis(settings.accounts.actor_idle_ms),
         );
+        let leases = Leases::new(redis.clone(), pg_pool.clone());
+        let pool = PoolService::new(
+            event_store.clone(),
+            redis.clone(),
+            pg_pool.clone(),
+            leases.clone(),
+            clock.clone(),
+        );
         let tasks = TaskService::new(
             event_store.clone(),
             accounts.clone(),
@@ -148,19 +157,21 @@ impl AppState {
             settings.tasks.clone(),
             Translator::new(settings.translation.clone(), redis.clone())?,
             clock.clone(),
-        )?;
+        )?
+        .with_backend_pool(pool.clone());
         let notifier = Notifier::new(redis.clone());
         let images = ImageStore::new(&settings.dispatch.images_directory);
         let dispatcher = Dispatcher::new(
             tasks.clone(),
             event_store.clone(),
             pg_pool.clone(),
-            Leases::new(redis.clone(), pg_pool.clone()),
+            leases,
             notifier.clone(),
             images.clone(),
             crate::labels::Labeller::new(&settings.labels)?,
             clock.clone(),
             settings.dispatch.clone(),
+            pool.clone(),
         )?;
         let codes = CodeService::new(
             event_store.clone(),

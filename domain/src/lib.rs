@@ -13,6 +13,7 @@ pub mod claim;
 pub mod decider;
 pub mod event;
 pub mod points;
+pub mod pool;
 pub mod promotion;
 pub mod redeem;
 pub mod revenue;

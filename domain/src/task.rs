@@ -323,6 +323,10 @@ pub struct TaskState {
     pub prioritisations: HashMap<OperationId, PrioritisationOutcome>,
     pub backend: Option<String>,
     pub prompt_id: Option<Uuid>,
+    /// The checkpoint it runs on (the queue routes by it).
+    pub model: Option<String>,
+    /// Its sampler steps (one pass for the whole batch): its work, for wait estimates.
+    pub steps: Option<u32>,
     /// The highest dispatcher fencing token recorded on this task (0: none yet).
     pub fencing_token: u64,
     /// When it was dispatched (a prompt posted into a busy server's queue waits from here).
@@ -343,6 +347,8 @@ impl Default for TaskState {
             prioritisations: HashMap::new(),
             backend: None,
             prompt_id: None,
+            model: None,
+            steps: None,
             fencing_token: 0,
             dispatched_at: None,
             started_at: None,
@@ -726,6 +732,8 @@ impl Decider for Task {
                 state.owner = Some(e.user_id);
                 state.price = Some(e.price);
                 state.request_digest = Some(e.request_digest.clone());
+                state.model = Some(e.spec.model.clone());
+                state.steps = Some(e.spec.steps);
             }
             TaskEvent::Queued(e) => {
                 state.status = TaskStatus::Queued;

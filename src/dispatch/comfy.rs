@@ -185,6 +185,24 @@ pub fn rejection_reason(body: &Value) -> String {
     )
 }
 
+/// The `ckpt_name` choices of an `/object_info` answer: `[[names...], {options}]` (ComfyUI up to
+/// 0.3) or `["COMBO", {"options": [names...]}]` (the newer combo form).
+pub fn checkpoints_of(object_info: &Value) -> anyhow::Result<Vec<String>> {
+    let choices = &object_info["CheckpointLoaderSimple"]["input"]["required"]["ckpt_name"];
+    let names = match &choices[0] {
+        Value::Array(names) => names,
+        Value::String(kind) if kind == "COMBO" => choices[1]["options"]
+            .as_array()
+            .context("CheckpointLoaderSimple.ckpt_name: a COMBO without options")?,
+        _ => anyhow::bail!("the server has no CheckpointLoaderSimple.ckpt_name choices"),
+    };
+    Ok(names
+        .iter()
+        .filter_map(Value::as_str)
+        .map(str::to_owned)
+        .collect())
+}
+
 /// The HTTP side of one ComfyUI server.
 #[derive(Debug, Clone)]
 pub struct ComfyClient {
@@ -357,6 +375,14 @@ impl ComfyClient {
         Ok(())
     }
 
+    /// The checkpoints it offers: `CheckpointLoaderSimple`'s `ckpt_name` choices in
+    /// `/object_info` (how SwarmUI lists a ComfyUI's models), one class only, not the whole
+    /// catalogue of nodes.
+    pub async fn checkpoints(&self) -> anyhow::Result<Vec<String>> {
+        let answer = self.get_json("/object_info/CheckpointLoaderSimple").await?;
+        checkpoints_of(&answer)
+    }
+
     /// Liveness and version.
     pub async fn system_stats(&self) -> anyhow::Result<String> {
         let answer = self.get_json("/system_stats").await?;
@@ -521,6 +547,23 @@ mod tests {
     use super::*;
 
     const PROMPT: &str = "9db1a8ee-86a3-4418-9128-426012dd7b9f";
+
+    #[test]
+    fn checkpoints_are_read_in_both_combo_forms() {
+        let old = serde_json::json!({"CheckpointLoaderSimple": {"input": {"required": {
+            "ckpt_name": [["a.safetensors", "b.ckpt"], {"tooltip": "The name"}]}}}});
+        assert_eq!(
+            checkpoints_of(&old).unwrap(),
+            vec!["a.safetensors".to_owned(), "b.ckpt".to_owned()]
+        );
+        let new = serde_json::json!({"CheckpointLoaderSimple": {"input": {"required": {
+            "ckpt_name": ["COMBO", {"options": ["c.safetensors"]}]}}}});
+        assert_eq!(
+            checkpoints_of(&new).unwrap(),
+            vec!["c.safetensors".to_owned()]
+        );
+        assert!(checkpoints_of(&serde_json::json!({})).is_err());
+    }
 
     #[test]
     fn the_content_type_comes_from_the_files_own_bytes() {

@@ -25,12 +25,38 @@ impl Term {
 }
 
 /// What the saga knows of one server when it fills: prompts posted there and tasks staged there
-/// (floors for the busy slots: after a Redis flush the leases may be gone while prompts run).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// (floors for the busy slots: after a Redis flush the leases may be gone while prompts run),
+/// the model it ran last and the models it offers.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ServerSlots {
     pub capacity: u32,
     pub busy: usize,
     pub staged: usize,
+    pub last_model: Option<String>,
+    /// `None`: any model (it has not said).
+    pub models: Option<Vec<String>>,
+}
+
+/// One fill's orders: what to release, and what each server may take.
+#[derive(Debug, Clone)]
+pub struct FillPlan<'a> {
+    /// Every server's name, in the saga's order.
+    pub names: &'a [String],
+    pub releases: &'a [(usize, TaskId)],
+    /// Per server; `None`: nothing may go there (no socket, draining, removed).
+    pub servers: &'a [Option<ServerSlots>],
+    /// Staged tasks per server beyond its capacity.
+    pub depth: u32,
+    pub slot_lease_ms: u64,
+    /// Queue entries the filler looks at, at most (tasks further back wait for the next fill).
+    pub scan_max: usize,
+    /// A task goes to the server that ran its model last when several could take it, and a
+    /// free server looks ahead for a task of the model it ran last.
+    pub prefer_same_model: bool,
+    /// How many tasks it could run a free server looks at for one of its last model.
+    pub affinity_window: u32,
+    /// A task queued this long is never passed over for another of a server's last model.
+    pub affinity_wait_max_ms: u64,
 }
 
 /// A task taken off the queue onto a server's slot.
@@ -142,44 +168,61 @@ impl Leases {
     }
 
     /// In one step (`dispatch_fill.lua`): release the slot leases of ended prompts, then take
-    /// queued tasks onto the free slots of every server, then stage up to `depth` tasks per
-    /// server beyond its capacity. `servers[i]` is `None` for a server nothing may go to (no
-    /// socket); `names[i]` is every server's name, in the configuration's order.
-    pub async fn fill(
-        &self,
-        term: &Term,
-        names: &[String],
-        releases: &[(usize, TaskId)],
-        servers: &[Option<ServerSlots>],
-        depth: u32,
-        slot_lease_ms: u64,
-    ) -> anyhow::Result<Fill> {
-        assert_eq!(names.len(), servers.len(), "one view per server");
+    /// queued tasks onto the free slots of the servers that offer their models, then stage up to
+    /// `depth` tasks per server beyond its capacity.
+    pub async fn fill(&self, term: &Term, plan: &FillPlan<'_>) -> anyhow::Result<Fill> {
+        let names = plan.names;
+        assert_eq!(names.len(), plan.servers.len(), "one view per server");
         let mut connection = self.redis.connection().await?;
         let mut invocation = crate::lua::DISPATCH_FILL.key(self.leader_key());
         invocation.key(self.queue_key());
+        invocation.key(self.redis.key(crate::tasks::queue::MODELS_KEY));
+        invocation.key(self.redis.key(crate::pool::HELD_KEY));
         for name in names {
             invocation.key(self.slots_key(name));
         }
         invocation
             .arg(term.value())
-            .arg(slot_lease_ms)
-            .arg(depth)
-            .arg(releases.len());
-        for (backend, task_id) in releases {
+            .arg(plan.slot_lease_ms)
+            .arg(plan.depth)
+            .arg(plan.scan_max.max(1))
+            .arg(if plan.prefer_same_model { "1" } else { "0" })
+            .arg(plan.affinity_window)
+            .arg(plan.affinity_wait_max_ms)
+            .arg(crate::tasks::queue::SCORE_EPOCH_MS)
+            .arg(crate::tasks::queue::SCORES_PER_MS)
+            .arg(plan.releases.len());
+        for (backend, task_id) in plan.releases {
             assert!(
                 *backend < names.len(),
-                "a release names a configured server"
+                "a release names a server of the saga"
             );
             invocation.arg(backend + 1).arg(task_id.to_string());
         }
-        for server in servers {
+        for (name, server) in names.iter().zip(plan.servers) {
+            invocation.arg(name);
             match server {
-                Some(slots) => invocation
-                    .arg(i64::from(slots.capacity))
-                    .arg(slots.busy)
-                    .arg(slots.staged),
-                None => invocation.arg(-1).arg(0).arg(0),
+                Some(slots) => {
+                    invocation
+                        .arg(i64::from(slots.capacity))
+                        .arg(slots.busy)
+                        .arg(slots.staged)
+                        .arg(slots.last_model.as_deref().unwrap_or(""));
+                    match &slots.models {
+                        Some(models) => {
+                            invocation.arg(models.len());
+                            for model in models {
+                                invocation.arg(model);
+                            }
+                        }
+                        None => {
+                            invocation.arg(-1);
+                        }
+                    }
+                }
+                None => {
+                    invocation.arg(-1).arg(0).arg(0).arg("").arg(-1);
+                }
             };
         }
         let answer: Vec<String> = invocation

@@ -162,4 +162,13 @@ pub mod whole {
     pub fn u32<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u32, D::Error> {
         of(serde_json::Number::deserialize(deserializer)?)
     }
+
+    /// [`u32`] for a field that may be absent or null.
+    pub fn optional_u32<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Option<u32>, D::Error> {
+        Option::<serde_json::Number>::deserialize(deserializer)?
+            .map(of)
+            .transpose()
+    }
 }

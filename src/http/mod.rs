@@ -3,6 +3,7 @@
 
 pub mod accounts;
 mod auth;
+mod backends;
 mod checkins;
 mod codes;
 pub mod extract;
@@ -104,6 +105,17 @@ pub fn routes(config: &mut web::ServiceConfig) {
                 .route(
                     "/admin/promotions/{id}/stock",
                     web::post().to(promotions::raise),
+                )
+                .route("/admin/backends", web::get().to(backends::list))
+                .route("/admin/backends", web::post().to(backends::add))
+                .route("/admin/backends/{name}", web::delete().to(backends::remove))
+                .route(
+                    "/admin/backends/{name}/drain",
+                    web::post().to(backends::drain),
+                )
+                .route(
+                    "/admin/backends/{name}/resume",
+                    web::post().to(backends::resume),
                 )
                 .route("/admin/queue", web::get().to(tasks::queue))
                 .route("/admin/queue/rebuild", web::post().to(tasks::rebuild_queue)),

@@ -39,6 +39,11 @@ use crate::startup::AppState;
         super::tasks::cancel,
         super::tasks::queue,
         super::tasks::rebuild_queue,
+        super::backends::list,
+        super::backends::add,
+        super::backends::drain,
+        super::backends::resume,
+        super::backends::remove,
         super::live::image,
         super::live::ticket,
         super::live::original_image,
@@ -231,6 +236,24 @@ fn constrain_inputs(document: &mut Value) {
         ("PromotionRequest", "price", amount_or_zero),
         ("PromotionRequest", "stock", stock.clone()),
         ("StockRequest", "add", stock),
+        (
+            "AddBackendRequest",
+            "name",
+            json!({"pattern": format!(
+                "^[A-Za-z0-9_-]{{1,{}}}$",
+                zhihui_domain::pool::BACKEND_NAME_LENGTH_MAX
+            )}),
+        ),
+        (
+            "AddBackendRequest",
+            "url",
+            json!({"pattern": "^https?://[!-.0-~][!-~]*$", "maxLength": zhihui_domain::pool::BACKEND_URL_LENGTH_MAX}),
+        ),
+        (
+            "AddBackendRequest",
+            "capacity",
+            json!({"minimum": 1, "maximum": zhihui_domain::pool::BACKEND_CAPACITY_MAX}),
+        ),
         ("CodeRequest", "phone", phone.clone()),
         ("BindPhoneRequest", "phone", phone.clone()),
         ("BindPhoneRequest", "code", phone_code.clone()),

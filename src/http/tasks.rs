@@ -187,6 +187,7 @@ fn task_error(error: TaskServiceError) -> ApiError {
         ref e @ TaskServiceError::IdempotencyKeyReused => conflict("idempotency-key-reused", e),
         ref e @ TaskServiceError::RolledBack => conflict("request-rolled-back", e),
         ref e @ TaskServiceError::QueueLimit { .. } => conflict("queue-limit", e),
+        ref e @ TaskServiceError::ModelUnavailable { .. } => conflict("model-unavailable", e),
         ref e @ TaskServiceError::NotQueued { .. } => conflict("task-not-queued", e),
         ref e @ TaskServiceError::AlreadyFirst => conflict("already-first", e),
         ref e @ TaskServiceError::NoRoom => conflict("no-room-ahead", e),

@@ -20,6 +20,9 @@ use crate::redis_store::RedisStore;
 /// The queue's sorted set (under the prefix); the dispatcher's claim script pops it too.
 pub(crate) const QUEUE_KEY: &str = "queue:tasks";
 
+/// The queued tasks' models (hash, under the prefix): the filler routes each task by it.
+pub(crate) const MODELS_KEY: &str = "queue:models";
+
 /// Scores count from 2025-01-01T00:00:00Z (ms).
 pub const SCORE_EPOCH_MS: i64 = 1_735_689_600_000;
 /// Scores per millisecond: room for 12 halvings between tasks queued a millisecond apart.
@@ -87,6 +90,11 @@ impl TaskQueue {
         self.redis.key(QUEUE_KEY)
     }
 
+    /// Each queued task's model (task id -> checkpoint), for the dispatcher's filler.
+    pub(crate) fn models_key(&self) -> String {
+        self.redis.key(MODELS_KEY)
+    }
+
     fn leases_key(&self) -> String {
         self.redis.key("queue:leases")
     }
@@ -116,14 +124,22 @@ impl TaskQueue {
         Ok(score)
     }
 
-    /// Queue `task_id` at `score` (or move it there); its 0-based rank, `None` when leased.
-    pub async fn enqueue(&self, task_id: TaskId, score: i64) -> anyhow::Result<Option<u64>> {
+    /// Queue `task_id` at `score` (or move it there), for a server that offers `model` (`None`:
+    /// keep the model it was queued with, or any server); its 0-based rank, `None` when leased.
+    pub async fn enqueue(
+        &self,
+        task_id: TaskId,
+        score: i64,
+        model: Option<&str>,
+    ) -> anyhow::Result<Option<u64>> {
         let mut connection = self.redis.connection().await?;
         let rank: i64 = crate::lua::QUEUE_ENQUEUE
             .key(self.queue_key())
             .key(self.leases_key())
+            .key(self.models_key())
             .arg(task_id.to_string())
             .arg(score)
+            .arg(model.unwrap_or(""))
             .invoke_async(&mut connection)
             .await
             .context("queueing a task")?;
@@ -144,13 +160,45 @@ impl TaskQueue {
         Ok(())
     }
 
+    /// Take a task out of the queue, with its model.
     pub async fn remove(&self, task_id: TaskId) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let _removed: i64 = connection
-            .zrem(self.queue_key(), task_id.to_string())
+        let member = task_id.to_string();
+        let _: () = redis::pipe()
+            .atomic()
+            .zrem(self.queue_key(), &member)
+            .ignore()
+            .hdel(self.models_key(), &member)
+            .ignore()
+            .query_async(&mut connection)
             .await
             .context("removing a task from the queue")?;
         Ok(())
+    }
+
+    /// Forget a task's model once its dispatch is recorded (it will not be queued again).
+    pub async fn forget_model(&self, task_id: TaskId) -> anyhow::Result<()> {
+        let mut connection = self.redis.connection().await?;
+        let _removed: i64 = connection
+            .hdel(self.models_key(), task_id.to_string())
+            .await
+            .context("forgetting a dispatched task's model")?;
+        Ok(())
+    }
+
+    /// The model each of `task_ids` was queued for (`None`: not known here).
+    pub async fn models(&self, task_ids: &[TaskId]) -> anyhow::Result<Vec<Option<String>>> {
+        if task_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut connection = self.redis.connection().await?;
+        let members: Vec<String> = task_ids.iter().map(ToString::to_string).collect();
+        redis::cmd("HMGET")
+            .arg(self.models_key())
+            .arg(&members)
+            .query_async(&mut connection)
+            .await
+            .context("reading queued tasks' models")
     }
 
     /// 0-based rank of a queued task.

@@ -37,6 +37,7 @@ use crate::clock::Clock;
 use crate::command::{self, CommandError, RetryPolicy};
 use crate::configuration::TaskSettings;
 use crate::event_store::{AnyEventStore, EventFilter, EventMetadata, EventStore};
+use crate::pool::PoolService;
 use crate::tasks::catalog::{Catalog, FieldError, RequestedTask};
 use crate::tasks::queue::{PrioritiseTarget, TaskQueue};
 use crate::tasks::translate::Translator;
@@ -83,6 +84,8 @@ pub enum TaskServiceError {
     RolledBack,
     #[error("you already have {max} tasks waiting; wait for one to start or cancel one")]
     QueueLimit { max: u32 },
+    #[error("model {model}: no image server in the pool offers it now; choose another model")]
+    ModelUnavailable { model: String },
     #[error("the task is {status}, not queued")]
     NotQueued { status: &'static str },
     #[error("the task is already first in the queue")]
@@ -215,6 +218,9 @@ pub struct TaskService {
     clock: Clock,
     retry: RetryPolicy,
     crash_point: Option<CrashPoint>,
+    /// The servers' pool: a submit for a model none offers is refused (`None`: not checked,
+    /// for tools that build a service without a pool).
+    backend_pool: Option<PoolService>,
 }
 
 /// A digest of what the user asked (not of the random seed drawn for them), to tell a retry from
@@ -252,7 +258,16 @@ impl TaskService {
             clock,
             retry: RetryPolicy::default(),
             crash_point: None,
+            backend_pool: None,
         })
+    }
+
+    /// The same service, refusing submits for a model no server of `pool` offers.
+    pub fn with_backend_pool(self, pool: PoolService) -> TaskService {
+        TaskService {
+            backend_pool: Some(pool),
+            ..self
+        }
     }
 
     /// The same service, dying at `point` (tests of crash recovery).
@@ -465,6 +480,15 @@ impl TaskService {
                 return self.repeated_submit(task_id, &state, &digest).await;
             }
         }
+        // Refused before any point moves; a repeat of a recorded submit (above) is answered as
+        // recorded whatever the pool says now.
+        if let Some(pool) = &self.backend_pool
+            && !pool.may_run(&checked.spec.model).await?
+        {
+            return Err(TaskServiceError::ModelUnavailable {
+                model: checked.spec.model.clone(),
+            });
+        }
         let settings = self.catalog.settings();
         if self.at_queue_limit(user_id).await? {
             return Err(TaskServiceError::QueueLimit {
@@ -506,6 +530,7 @@ impl TaskService {
                 }
             };
         let score = self.queue.next_score().await?;
+        let model = checked.spec.model.clone();
         let submitted = TaskSubmitted {
             task_id,
             user_id,
@@ -535,7 +560,7 @@ impl TaskService {
             }
             Err(other) => return Err(other.into()),
         }
-        let rank = self.queue.enqueue(task_id, score).await?;
+        let rank = self.queue.enqueue(task_id, score, Some(&model)).await?;
         self.end_intent(intent).await?;
         Ok(SubmitOutcome {
             task_id,
@@ -565,7 +590,10 @@ impl TaskService {
                 && let Some(score) = state.score
             {
                 // The first attempt died before queueing it: queue it now.
-                position = self.queue.enqueue(task_id, score).await?;
+                position = self
+                    .queue
+                    .enqueue(task_id, score, state.model.as_deref())
+                    .await?;
             }
         }
         Ok(SubmitOutcome {
@@ -865,7 +893,9 @@ impl TaskService {
         }
         match (state.status, state.score) {
             (TaskStatus::Queued, Some(score)) => {
-                self.queue.enqueue(task_id, score).await?;
+                self.queue
+                    .enqueue(task_id, score, state.model.as_deref())
+                    .await?;
             }
             _ => self.queue.remove(task_id).await?,
         }
@@ -993,6 +1023,7 @@ impl TaskService {
     /// missed). Entries the events do not know (a submit in flight) are left alone.
     pub async fn rebuild_queue(&self) -> anyhow::Result<RebuildReport> {
         let mut queued: HashMap<TaskId, i64> = HashMap::new();
+        let mut models: HashMap<TaskId, String> = HashMap::new();
         let mut left: HashSet<TaskId> = HashSet::new();
         let mut after = {
             let mut client = self.pool.get().await.context("getting a connection")?;
@@ -1013,7 +1044,7 @@ impl TaskService {
                 .context("reading the tasks checkpoint")?;
             let rows = transaction
                 .query(
-                    "SELECT task_id, queue_score FROM tasks
+                    "SELECT task_id, queue_score, spec->>'model' FROM tasks
                       WHERE status = 'queued' AND queue_score IS NOT NULL",
                     &[],
                 )
@@ -1022,6 +1053,9 @@ impl TaskService {
             transaction.commit().await.context("ending the snapshot")?;
             for row in rows {
                 queued.insert(row.get(0), row.get(1));
+                if let Some(model) = row.get::<_, Option<String>>(2) {
+                    models.insert(row.get(0), model);
+                }
             }
             match checkpoint {
                 Some(row) => crate::projector::position_from_sql(row.get(0), row.get(1))?,
@@ -1046,6 +1080,9 @@ impl TaskService {
                 )
                 .with_context(|| format!("decoding event {}", recorded.id))?;
                 match event {
+                    TaskEvent::Submitted(e) => {
+                        models.insert(task_id, e.spec.model);
+                    }
                     TaskEvent::Queued(e) => {
                         queued.insert(task_id, e.score);
                         left.remove(&task_id);
@@ -1064,8 +1101,7 @@ impl TaskService {
                         queued.remove(&task_id);
                         left.insert(task_id);
                     }
-                    TaskEvent::Submitted(_)
-                    | TaskEvent::PrioritisationAbandoned(_)
+                    TaskEvent::PrioritisationAbandoned(_)
                     | TaskEvent::CancelRequested(_)
                     | TaskEvent::Adopted(_) => {}
                 }
@@ -1079,7 +1115,8 @@ impl TaskService {
         let mut in_order: Vec<(TaskId, i64)> = queued.into_iter().collect();
         in_order.sort_by_key(|(task_id, score)| (*score, *task_id));
         for (task_id, score) in &in_order {
-            if self.queue.enqueue(*task_id, *score).await?.is_some() {
+            let model = models.get(task_id).map(String::as_str);
+            if self.queue.enqueue(*task_id, *score, model).await?.is_some() {
                 report.queued += 1;
             }
         }

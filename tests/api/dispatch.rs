@@ -15,7 +15,7 @@ use futures::StreamExt;
 use serde_json::{Value, json};
 use uuid::Uuid;
 use zhihui::dispatch::Saga;
-use zhihui::dispatch::lease::{Claimed, Fill, ServerSlots, Term};
+use zhihui::dispatch::lease::{Claimed, Fill, FillPlan, ServerSlots, Term};
 use zhihui::startup::AppState;
 use zhihui_domain::points::Points;
 use zhihui_domain::task::{TaskCommand, TaskError, TaskEvent, TaskStatus};
@@ -26,7 +26,7 @@ use crate::tasks::{
 };
 
 /// Longest a test drives the saga before it fails (a hang, not a slow machine).
-const DRIVE_LIMIT: Duration = Duration::from_secs(60);
+pub(crate) const DRIVE_LIMIT: Duration = Duration::from_secs(60);
 
 pub(crate) struct Harness {
     pub(crate) app: TestApp,
@@ -43,14 +43,24 @@ impl Drop for TempDirectory {
     }
 }
 
-async fn start_sim(directory: &std::path::Path, index: usize, faults: Faults) -> Simulator {
+/// The catalog's models: what every simulator offers unless a test says otherwise.
+pub(crate) fn catalog_models() -> Vec<String> {
+    vec![
+        "majicmixRealistic_v7.safetensors".into(),
+        "anythingelseV4_v45.safetensors".into(),
+    ]
+}
+
+pub(crate) async fn start_sim(
+    directory: &std::path::Path,
+    index: usize,
+    models: Vec<String>,
+    faults: Faults,
+) -> Simulator {
     Simulator::start(SimConfig {
         bind: "127.0.0.1:0".parse().unwrap(),
         output_dir: directory.join(format!("sim-{index}")),
-        models: vec![
-            "majicmixRealistic_v7.safetensors".into(),
-            "anythingelseV4_v45.safetensors".into(),
-        ],
+        models,
         faults,
     })
     .await
@@ -81,10 +91,19 @@ pub(crate) async fn harness_configured(
     faults: Faults,
     customise: impl FnOnce(&mut zhihui::configuration::Settings) + Send + 'static,
 ) -> Harness {
+    harness_of_models(vec![catalog_models(); backends], faults, customise).await
+}
+
+/// [`harness_configured`] with one simulator per entry of `models`, offering those checkpoints.
+pub(crate) async fn harness_of_models(
+    models: Vec<Vec<String>>,
+    faults: Faults,
+    customise: impl FnOnce(&mut zhihui::configuration::Settings) + Send + 'static,
+) -> Harness {
     let directory = std::env::temp_dir().join(format!("zhihui-dispatch-{}", Uuid::now_v7()));
     let mut sims = Vec::new();
-    for index in 0..backends {
-        sims.push(start_sim(&directory, index, faults.clone()).await);
+    for (index, offered) in models.into_iter().enumerate() {
+        sims.push(start_sim(&directory, index, offered, faults.clone()).await);
     }
     let specs: Vec<String> = sims
         .iter()
@@ -1182,11 +1201,34 @@ async fn fill(
     releases: &[(usize, Uuid)],
     servers: &[Option<ServerSlots>],
 ) -> Fill {
+    fill_with(process, term, releases, servers, true).await
+}
+
+async fn fill_with(
+    process: &AppState,
+    term: &Term,
+    releases: &[(usize, Uuid)],
+    servers: &[Option<ServerSlots>],
+    prefer_same_model: bool,
+) -> Fill {
     let names = process.dispatcher.backend_names();
     process
         .dispatcher
         .leases()
-        .fill(term, &names, releases, servers, 2, 10_000)
+        .fill(
+            term,
+            &FillPlan {
+                names: &names,
+                releases,
+                servers,
+                depth: 2,
+                slot_lease_ms: 10_000,
+                scan_max: 256,
+                prefer_same_model,
+                affinity_window: 16,
+                affinity_wait_max_ms: 60_000,
+            },
+        )
         .await
         .unwrap()
 }
@@ -1208,13 +1250,20 @@ async fn one_fill_releases_then_fills_every_free_slot_before_staging_in_queue_or
         .expect("nobody else leads");
     let queued: Vec<Uuid> = (0..8).map(|_| Uuid::now_v7()).collect();
     for (score, task_id) in (1..).zip(&queued) {
-        process.tasks.queue.enqueue(*task_id, score).await.unwrap();
+        process
+            .tasks
+            .queue
+            .enqueue(*task_id, score, None)
+            .await
+            .unwrap();
     }
     let slots = |busy, staged| {
         Some(ServerSlots {
             capacity: 1,
             busy,
             staged,
+            last_model: None,
+            models: None,
         })
     };
     let claimed = |pairs: &[(usize, usize)]| {
@@ -1307,6 +1356,136 @@ async fn one_fill_releases_then_fills_every_free_slot_before_staging_in_queue_or
     leases.resign(&term).await.unwrap();
 }
 
+/// The filler routes by model: a task goes only to a server that offers its model (passed over,
+/// it keeps its place in the queue), to the server that ran its model last when several could
+/// take it (unless the preference is off), and a task whose model is unknown goes anywhere.
+#[tokio::test]
+async fn one_fill_sends_each_task_to_a_server_offering_its_model_preferring_the_last_one() {
+    let harness = harness(2, Faults::default()).await;
+    let process = harness.process();
+    let leases = process.dispatcher.leases();
+    let term = leases
+        .acquire("route-test", 10_000)
+        .await
+        .unwrap()
+        .expect("nobody else leads");
+    let queue = &process.tasks.queue;
+    let server = |offers: &[&str], last: Option<&str>| {
+        Some(ServerSlots {
+            capacity: 1,
+            busy: 0,
+            staged: 0,
+            last_model: last.map(str::to_owned),
+            models: Some(offers.iter().map(|model| (*model).to_owned()).collect()),
+        })
+    };
+    let enqueue = |models: Vec<Option<&'static str>>| async move {
+        let mut ids = Vec::new();
+        for (score, model) in (1..).zip(models) {
+            let task_id = Uuid::now_v7();
+            queue.enqueue(task_id, score, model).await.unwrap();
+            ids.push(task_id);
+        }
+        ids
+    };
+    let claims_of = |filled: Fill| match filled {
+        Fill::Claimed { claims, .. } => claims
+            .into_iter()
+            .map(|claim| (claim.backend, claim.task_id))
+            .collect::<Vec<_>>(),
+        Fill::NotLeader => panic!("the test leads"),
+    };
+    let release_all = |claims: Vec<(usize, Uuid)>| claims;
+
+    // gpu-0 offers a, gpu-1 offers a and b. b1 can only go to gpu-1; a1 takes gpu-0's slot; a2
+    // is staged behind a1 on gpu-0 (it ran a last); b2 behind b1 on gpu-1; c1 (no server offers
+    // c) stays queued, in its place.
+    let tasks = enqueue(vec![Some("b"), Some("a"), Some("a"), Some("c"), Some("b")]).await;
+    let (b1, a1, a2, c1, b2) = (tasks[0], tasks[1], tasks[2], tasks[3], tasks[4]);
+    let servers = [server(&["a"], None), server(&["a", "b"], Some("a"))];
+    let claims = claims_of(fill(&process, &term, &[], &servers).await);
+    assert_eq!(claims, vec![(1, b1), (0, a1), (0, a2), (1, b2)]);
+    assert_eq!(queue.entries().await.unwrap(), vec![(c1, 4)]);
+    let releases = release_all(claims);
+    queue.remove(c1).await.unwrap();
+
+    // Both offer a and b; gpu-0 ran b last, gpu-1 ran a: with the preference each task goes to
+    // the server that ran its model, without it to the first server with room.
+    for prefer in [true, false] {
+        let tasks = enqueue(vec![Some("a"), Some("b")]).await;
+        let servers = [
+            server(&["a", "b"], Some("b")),
+            server(&["a", "b"], Some("a")),
+        ];
+        let filled = fill_with(&process, &term, &releases, &servers, prefer).await;
+        let claims = claims_of(filled);
+        let expected = if prefer {
+            vec![(1, tasks[0]), (0, tasks[1])]
+        } else {
+            vec![(0, tasks[0]), (1, tasks[1])]
+        };
+        assert_eq!(claims[..2], expected[..], "prefer the last model: {prefer}");
+        let releases: Vec<(usize, Uuid)> = claims;
+        fill(&process, &term, &releases, &[None, None]).await;
+    }
+
+    // The look-ahead: gpu-0 ran b last and is the only server with room; the queue holds a1
+    // then b1: it takes b1 first, passing over a1, which has not waited its bound (60 s); a1
+    // queued 10 s ago with a bound of 5 s is not passed over. (Scores say when a task was
+    // queued; the script reads Redis time, so these are made from the real time.)
+    let real_now_ms = i64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    )
+    .unwrap();
+    let score_at = |ms_ago: i64| {
+        (real_now_ms - ms_ago - zhihui::tasks::queue::SCORE_EPOCH_MS)
+            * zhihui::tasks::queue::SCORES_PER_MS
+    };
+    for (wait_max_ms, queued_ms_ago, first) in [(60_000, 0, 1), (5_000, 10_000, 0)] {
+        let mut tasks = Vec::new();
+        for (offset, model) in [(0, "a"), (64, "b")] {
+            let task_id = Uuid::now_v7();
+            let score = score_at(queued_ms_ago) + offset;
+            queue.enqueue(task_id, score, Some(model)).await.unwrap();
+            tasks.push(task_id);
+        }
+        let names = process.dispatcher.backend_names();
+        let servers = [server(&["a", "b"], Some("b")), None];
+        let filled = leases
+            .fill(
+                &term,
+                &FillPlan {
+                    names: &names,
+                    releases: &releases,
+                    servers: &servers,
+                    depth: 0,
+                    slot_lease_ms: 10_000,
+                    scan_max: 256,
+                    prefer_same_model: true,
+                    affinity_window: 16,
+                    affinity_wait_max_ms: wait_max_ms,
+                },
+            )
+            .await
+            .unwrap();
+        let claims = claims_of(filled);
+        assert_eq!(claims, vec![(0, tasks[first])], "bound {wait_max_ms} ms");
+        let left = tasks[1 - first];
+        queue.remove(left).await.unwrap();
+        fill(&process, &term, &claims, &[None, None]).await;
+    }
+
+    // A task queued without a model (its entry lost) may go to any server.
+    let tasks = enqueue(vec![None]).await;
+    let servers = [server(&["x"], None), None];
+    let claims = claims_of(fill(&process, &term, &releases, &servers).await);
+    assert_eq!(claims, vec![(0, tasks[0])]);
+    leases.resign(&term).await.unwrap();
+}
+
 /// A leader that dies between claiming a task (its Lua step popped it and leased a slot) and
 /// recording its dispatch leaves a lease with nothing behind it. The next leader frees that slot
 /// as it takes over, and the task runs, instead of the slot staying taken until the lease runs
@@ -1330,6 +1509,8 @@ async fn a_claim_the_dead_leader_never_recorded_frees_its_slot_at_takeover() {
         capacity: 1,
         busy: 0,
         staged: 0,
+        last_model: None,
+        models: None,
     });
     let filled = fill(&dead, &term, &[], &[slots, None]).await;
     assert_eq!(

@@ -15,6 +15,7 @@ mod labels;
 mod ledger;
 mod metrics;
 mod migrations;
+mod pool;
 mod processes;
 mod promotions;
 mod redeem;

@@ -73,16 +73,28 @@ async fn metrics_parse_and_follow_tasks_through_a_real_process() {
     let url = |path: &str| format!("{}{path}", server.address);
     let (_, token) = funded_user_via(&app, &http, &server.address, "watcher", "10").await;
 
-    let before = parse(
-        &http
-            .get(url("/metrics"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap(),
-    );
+    // The leader publishes its servers' gauges each tick once it leads (after it read the pool).
+    let started = tokio::time::Instant::now();
+    let before = loop {
+        let samples = parse(
+            &http
+                .get(url("/metrics"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap(),
+        );
+        if samples.contains_key("zhihui_backend_capacity{backend=\"gpu-a\"}") {
+            break samples;
+        }
+        assert!(
+            started.elapsed() < WAIT_LIMIT,
+            "no leader ever published its servers"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     assert_eq!(value(&before, "zhihui_tasks{status=\"succeeded\"}"), 0.0);
     assert_eq!(
         value(&before, "zhihui_backend_capacity{backend=\"gpu-a\"}"),

@@ -383,7 +383,7 @@ async fn enqueue(
         let queue = queue.clone();
         async move {
             let score = queue.next_score().await?;
-            queue.enqueue(task_id, score).await?;
+            queue.enqueue(task_id, score, None).await?;
             Ok(())
         }
     })

@@ -48,7 +48,7 @@ async fn main() -> anyhow::Result<()> {
             );
             settings.redis.key_prefix = format!("bench:{}", Uuid::now_v7().simple());
         },
-        |settings| run(settings, sockets, tasks, changes),
+        |settings| Box::pin(run(settings, sockets, tasks, changes)),
     )
     .await
 }
@@ -136,7 +136,7 @@ async fn run(
             let rank = state
                 .tasks
                 .queue
-                .enqueue(task_id, score)
+                .enqueue(task_id, score, None)
                 .await?
                 .context("enqueued")?;
             state

@@ -18,6 +18,14 @@ impl Saga {
             .collect()
     }
 
+    /// Every server's name, in the saga's order (removed ones too: an index stays its server's).
+    pub(super) fn backend_names(&self) -> Vec<String> {
+        self.backends
+            .iter()
+            .map(|backend| backend.settings.name.clone())
+            .collect()
+    }
+
     /// Prompts posted (or being posted) to `backend`: its occupied slots.
     pub(super) fn busy(&self, backend: usize) -> usize {
         self.in_flight
@@ -63,17 +71,23 @@ impl Saga {
 
     /// Start the filler unless one is out (it runs again when that one is done).
     pub(super) fn spawn_filler(&mut self) {
-        if self.filling || !(self.fill_wanted || self.slot_renew_wanted) {
+        if self.filling || !((self.fill_wanted && !self.pool_loading) || self.slot_renew_wanted) {
             return;
         }
         let renew_slots = std::mem::take(&mut self.slot_renew_wanted).then(|| self.held_slots());
-        let claim = std::mem::take(&mut self.fill_wanted);
+        // While the pool is being read again (an admin changed it), nothing is claimed: a
+        // drained server must not get a task the admin's drain came before. Claims resume once
+        // the pool is read (`on_pool_loaded` fills again).
+        let claim = !self.pool_loading && std::mem::take(&mut self.fill_wanted);
         let servers = (0..self.backends.len())
             .map(|backend| {
-                (claim && self.backends[backend].client_id.is_some()).then(|| ServerSlots {
-                    capacity: self.dispatcher.backends[backend].settings.capacity,
+                let state = &self.backends[backend];
+                (claim && state.claimable()).then(|| ServerSlots {
+                    capacity: state.settings.capacity,
                     busy: self.busy(backend),
                     staged: self.staged_count(backend),
+                    last_model: state.last_claimed_model.clone(),
+                    models: state.models.clone(),
                 })
             })
             .collect();
@@ -83,9 +97,13 @@ impl Saga {
             clock: self.dispatcher.clock.clone(),
             work: self.dispatcher.work.clone(),
             term: self.term.clone(),
-            names: self.dispatcher.backend_names(),
+            names: self.backend_names(),
             slot_lease_ms: self.dispatcher.settings.slot_lease_ms,
             depth: self.dispatcher.settings.staged_per_backend,
+            scan_max: self.dispatcher.settings.queue_scan_max,
+            prefer_same_model: self.dispatcher.settings.prefer_same_model,
+            affinity_window: self.dispatcher.settings.model_affinity_window,
+            affinity_wait_max_ms: self.dispatcher.settings.model_affinity_wait_max_ms,
             releases: std::mem::take(&mut self.releases),
             renew_slots,
             servers,
@@ -114,7 +132,7 @@ impl Saga {
         if queue_empty {
             // Nothing waited: a slot that stays free is not a dispatch gap.
             for backend in 0..self.backends.len() {
-                let capacity = self.dispatcher.backends[backend].settings.capacity as usize;
+                let capacity = self.backends[backend].settings.capacity as usize;
                 if self.busy(backend) + self.staged_count(backend) < capacity {
                     self.backends[backend].freed_at = None;
                 }
@@ -128,7 +146,7 @@ impl Saga {
     /// Post `backend`'s staged task if it has a socket and room: a free slot, or a place in
     /// its own queue (`posted_ahead_per_backend`); whether it did.
     pub(super) fn promote_staged(&mut self, backend: usize) -> bool {
-        let capacity = self.dispatcher.backends[backend].settings.capacity as usize;
+        let capacity = self.backends[backend].settings.capacity as usize;
         let posted_max = capacity + self.dispatcher.settings.posted_ahead_per_backend as usize;
         if self.backends[backend].client_id.is_none()
             || self.busy(backend) >= posted_max
@@ -142,9 +160,14 @@ impl Saga {
         // Behind prompts the server runs, it may wait for each of them to end (or time out).
         let waits_behind = self.waits_behind(backend, task_id);
         let timeout = Duration::from_millis(self.dispatcher.settings.task_timeout_ms);
+        let mut model = None;
         if let Some(flight) = self.in_flight.get_mut(&task_id) {
             flight.phase = Phase::Posting;
             flight.deadline = Instant::now() + timeout * (1 + waits_behind);
+            model = Some(settle::model_of(&flight.workflow));
+        }
+        if let Some(model) = model {
+            self.note_posted_model(backend, model);
         }
         self.post(task_id);
         true
@@ -165,6 +188,7 @@ impl Saga {
             return;
         }
         let timeout = Duration::from_millis(self.dispatcher.settings.task_timeout_ms);
+        self.backends[backend].last_claimed_model = Some(settle::model_of(&workflow));
         let mut flight = InFlight::new(owner, backend, prompt_id, workflow, Phase::Staged, timeout);
         // A cancel that arrived while the dispatch was being recorded.
         if self.early_cancels.remove(&task_id) {
@@ -205,6 +229,10 @@ pub(super) struct Filler {
     pub(super) names: Vec<String>,
     pub(super) slot_lease_ms: u64,
     pub(super) depth: u32,
+    pub(super) scan_max: usize,
+    pub(super) prefer_same_model: bool,
+    pub(super) affinity_window: u32,
+    pub(super) affinity_wait_max_ms: u64,
     pub(super) releases: Vec<(usize, TaskId)>,
     /// Per server, the tasks whose leases to renew (when due).
     pub(super) renew_slots: Option<Vec<Vec<TaskId>>>,
@@ -246,11 +274,17 @@ impl Filler {
             .leases
             .fill(
                 &self.term,
-                &self.names,
-                &releases,
-                &self.servers,
-                self.depth,
-                self.slot_lease_ms,
+                &FillPlan {
+                    names: &self.names,
+                    releases: &releases,
+                    servers: &self.servers,
+                    depth: self.depth,
+                    slot_lease_ms: self.slot_lease_ms,
+                    scan_max: self.scan_max,
+                    prefer_same_model: self.prefer_same_model,
+                    affinity_window: self.affinity_window,
+                    affinity_wait_max_ms: self.affinity_wait_max_ms,
+                },
             )
             .await;
         let (claims, queue_empty) = match filled {
@@ -351,7 +385,8 @@ impl Preparation {
         } = self;
         // A claimed task that could not be recorded goes back to the queue at its score.
         let give_back = || async {
-            if let Err(error) = tasks.queue.enqueue(task_id, score).await {
+            // Its model is still beside it: the claim did not take it away.
+            if let Err(error) = tasks.queue.enqueue(task_id, score, None).await {
                 // The next leader's queue rebuild puts it back (the events say queued).
                 tracing::warn!(%task_id, error = %crate::telemetry::error_chain(&error), "could not requeue a claimed task");
             }
@@ -383,11 +418,17 @@ impl Preparation {
             .execute_task_on(task_id, loaded, &command, &metadata)
             .await
         {
-            Ok(_) => Ok(Some(Prepared {
-                owner,
-                workflow,
-                prompt_id,
-            })),
+            Ok(_) => {
+                // Dispatched: it is not queued again, its model beside the queue can go.
+                if let Err(error) = tasks.queue.forget_model(task_id).await {
+                    tracing::warn!(%task_id, error = %crate::telemetry::error_chain(&error), "could not forget a dispatched task's model");
+                }
+                Ok(Some(Prepared {
+                    owner,
+                    workflow,
+                    prompt_id,
+                }))
+            }
             Err(CommandError::Rejected(TaskError::StaleDispatcher { .. })) => {
                 leases.release_slot(&backend_name, task_id).await?;
                 Err(LostLeadership.into())

@@ -4,11 +4,6 @@
 
 use super::*;
 
-pub(super) struct Backend {
-    pub(super) settings: BackendSettings,
-    pub(super) client: ComfyClient,
-}
-
 /// What a dispatcher process needs; [`Dispatcher::lead`] turns it into a running [`Saga`].
 #[derive(Clone)]
 pub struct Dispatcher {
@@ -21,7 +16,10 @@ pub struct Dispatcher {
     pub(super) labeller: Labeller,
     pub(super) clock: Clock,
     pub(super) settings: DispatchSettings,
-    pub(super) backends: Arc<Vec<Backend>>,
+    /// The pool at run time (the configuration's servers seed it at the first start).
+    pub(super) backend_pool: PoolService,
+    /// The configured servers (`dispatch.backends`): the pool's seed.
+    pub(super) configured: Arc<Vec<BackendSettings>>,
     pub(super) instance: String,
     /// The dispatch path's own thread: the saga (in `serve`), its sockets and its posts.
     pub(super) lane: Arc<Lane>,
@@ -65,12 +63,8 @@ impl std::fmt::Debug for Dispatcher {
         f.debug_struct("Dispatcher")
             .field("instance", &self.instance)
             .field(
-                "backends",
-                &self
-                    .backends
-                    .iter()
-                    .map(|b| &b.settings.name)
-                    .collect::<Vec<_>>(),
+                "configured",
+                &self.configured.iter().map(|b| &b.name).collect::<Vec<_>>(),
             )
             .finish_non_exhaustive()
     }
@@ -88,18 +82,9 @@ impl Dispatcher {
         labeller: Labeller,
         clock: Clock,
         settings: DispatchSettings,
+        backend_pool: PoolService,
     ) -> anyhow::Result<Dispatcher> {
-        let timeout = Duration::from_millis(settings.http_timeout_ms);
-        let backends = settings
-            .parsed_backends()?
-            .into_iter()
-            .map(|backend| {
-                Ok(Backend {
-                    client: ComfyClient::new(&backend.url, timeout)?,
-                    settings: backend,
-                })
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?;
+        let configured = settings.parsed_backends()?;
         Ok(Dispatcher {
             tasks,
             store,
@@ -110,7 +95,8 @@ impl Dispatcher {
             labeller,
             clock,
             settings,
-            backends: Arc::new(backends),
+            backend_pool,
+            configured: Arc::new(configured),
             instance: Uuid::now_v7().simple().to_string(),
             lane: Arc::new(Lane::start()?),
             work: tokio::runtime::Handle::try_current()
@@ -122,11 +108,13 @@ impl Dispatcher {
         &self.leases
     }
 
+    /// The configured servers' names (the pool's seed).
     pub fn backend_names(&self) -> Vec<String> {
-        self.backends
-            .iter()
-            .map(|b| b.settings.name.clone())
-            .collect()
+        self.configured.iter().map(|b| b.name.clone()).collect()
+    }
+
+    pub fn backend_pool(&self) -> &PoolService {
+        &self.backend_pool
     }
 
     /// Become the leader if nobody is, and start the saga: sockets, the task-event subscription,
@@ -144,7 +132,21 @@ impl Dispatcher {
             fencing_token = term.fencing_token,
             "dispatcher leader elected"
         );
-        let mut saga = Saga::start(self.clone(), term.clone()).await?;
+        // The pool as recorded (seeded from the configuration at the very first start): a new
+        // leader starts from the same pool the last one had.
+        let seeded = async {
+            let pool = self.backend_pool.seed(&self.configured).await?;
+            self.backend_pool.hold(&pool).await?;
+            anyhow::Ok(pool)
+        };
+        let pool = match seeded.await {
+            Ok(pool) => pool,
+            Err(error) => {
+                drop(self.leases.resign(&term).await);
+                return Err(error);
+            }
+        };
+        let mut saga = Saga::start(self.clone(), term.clone(), pool).await?;
         // The rebuild reads the task events after the read model's checkpoint, which can take
         // longer than a lease: keep renewing meanwhile.
         let keep_lease = async {

@@ -50,6 +50,7 @@ use tokio::sync::mpsc;
 use tokio::task::AbortHandle;
 use tokio::time::Instant;
 use uuid::Uuid;
+use zhihui_domain::pool::{POOL_EVENT_TYPES, POOL_STREAM, PoolState};
 use zhihui_domain::task::{
     Canceller, TaskCommand, TaskError, TaskId, TaskImage, TaskStatus, task_id_of_stream,
 };
@@ -62,17 +63,19 @@ use crate::dispatch::comfy::{
     ComfyClient, ComfyMessage, HistoryOutcome, PostOutcome, PromptWhereabouts,
 };
 use crate::dispatch::images::{ImageStore, image_id};
-use crate::dispatch::lease::{Claimed, Fill, Leases, ServerSlots, Term};
+use crate::dispatch::lease::{Claimed, Fill, FillPlan, Leases, ServerSlots, Term};
 use crate::dispatch::socket::{self, SocketEvent, SocketTimings};
 use crate::event_store::{
     AnyEventStore, EventFilter, EventMetadata, EventStore, SubscriptionMessage,
 };
 use crate::labels::{LabelError, Labeller};
 use crate::notify::{Notifier, TaskNotice};
+use crate::pool::PoolService;
 use crate::tasks::service::{IntentKind, TaskService};
 
 mod claim;
 mod leader;
+mod pool;
 mod recover;
 mod settle;
 mod submit;
@@ -80,6 +83,7 @@ mod watch;
 
 use claim::{FillOutcome, Prepared};
 pub use leader::Dispatcher;
+use pool::Inspection;
 
 /// Orphans adopted per scan: bounds one tick's work (the rest come at the next scan).
 pub const ADOPT_PER_SCAN_MAX: i64 = 256;
@@ -156,6 +160,15 @@ enum Input {
         result: anyhow::Result<()>,
     },
     SubscriptionEnded(String),
+    /// An admin changed the pool (from the log): read it again.
+    PoolChanged,
+    /// The pool as its stream says now.
+    PoolLoaded(anyhow::Result<PoolState>),
+    /// What a server said it offers and which version it runs.
+    Inspected {
+        backend: usize,
+        result: anyhow::Result<Inspection>,
+    },
 }
 
 /// How a prompt ended, once its results are stored.
@@ -256,8 +269,34 @@ impl InFlight {
     }
 }
 
-#[derive(Debug, Default)]
+/// One server of the pool as the saga follows it. Entries are never taken out while the saga
+/// runs (an index names a server in socket events and claims): a removed server's entry stays,
+/// marked, and nothing more goes there.
+#[derive(Debug)]
 struct BackendState {
+    settings: BackendSettings,
+    client: ComfyClient,
+    /// Its socket's task (closed when the server is removed and nothing runs there any more).
+    socket: Option<AbortHandle>,
+    /// Draining: no new task goes there; what runs there finishes.
+    draining: bool,
+    /// Removed from the pool: nothing new goes there, its socket closes once it is idle.
+    removed: bool,
+    /// The checkpoints it offers (`/object_info`), as last read or recorded; `None`: not known
+    /// yet, and nothing is claimed for it until it is.
+    models: Option<Vec<String>>,
+    /// Its ComfyUI version (`/system_stats`).
+    version: Option<String>,
+    /// An inspection (`/object_info` + `/system_stats`) is out; when the last one ended.
+    inspecting: bool,
+    inspected_at: Option<Instant>,
+    /// The model of the task claimed for it last (the filler prefers to send it the same).
+    last_claimed_model: Option<String>,
+    /// The model of the prompt posted to it last, and how often the posted model changed.
+    last_posted_model: Option<String>,
+    model_switches: u64,
+    /// The last thing that went wrong with it, and when.
+    last_error: Option<(String, chrono::DateTime<chrono::Utc>)>,
     /// The open socket's clientId; `None` while disconnected (then nothing new is posted there).
     client_id: Option<String>,
     /// When a slot last freed with nothing posted since (the start of a GPU idle gap).
@@ -270,6 +309,36 @@ struct BackendState {
     opened_before: bool,
 }
 
+impl BackendState {
+    fn new(settings: BackendSettings, client: ComfyClient) -> BackendState {
+        BackendState {
+            settings,
+            client,
+            socket: None,
+            draining: false,
+            removed: false,
+            models: None,
+            version: None,
+            inspecting: false,
+            inspected_at: None,
+            last_claimed_model: None,
+            last_posted_model: None,
+            model_switches: 0,
+            last_error: None,
+            client_id: None,
+            freed_at: None,
+            freeing: false,
+            staging: HashMap::new(),
+            opened_before: false,
+        }
+    }
+
+    /// New tasks may be claimed for it: connected, in service, and its models known.
+    fn claimable(&self) -> bool {
+        self.client_id.is_some() && !self.draining && !self.removed && self.models.is_some()
+    }
+}
+
 /// A running saga (the leader's). Dropping it closes its sockets and stops its subscription.
 pub struct Saga {
     dispatcher: Dispatcher,
@@ -279,6 +348,9 @@ pub struct Saga {
     sockets: mpsc::UnboundedReceiver<(usize, SocketEvent)>,
     tick: tokio::time::Interval,
     backends: Vec<BackendState>,
+    /// Where each server's socket reports (a server added at run time gets its socket here).
+    socket_sender: mpsc::UnboundedSender<(usize, SocketEvent)>,
+    timings: SocketTimings,
     in_flight: HashMap<TaskId, InFlight>,
     by_prompt: HashMap<Uuid, TaskId>,
     /// Cancel requests for tasks whose dispatch was still being recorded.
@@ -304,6 +376,12 @@ pub struct Saga {
     renewing: bool,
     /// After a failed renewal, not before this.
     renew_retry_at: Instant,
+    /// When the servers' state was last published for `GET /admin/backends`.
+    last_status_publish: Option<Instant>,
+    /// The pool stream is being read (after a pool event).
+    pool_loading: bool,
+    /// Read the pool again (it changed while it was being read, or the read failed).
+    pool_reload_wanted: bool,
 }
 
 impl std::fmt::Debug for Saga {
@@ -328,7 +406,7 @@ fn is_lost(error: &anyhow::Error) -> bool {
 }
 
 impl Saga {
-    async fn start(dispatcher: Dispatcher, term: Term) -> anyhow::Result<Saga> {
+    async fn start(dispatcher: Dispatcher, term: Term, pool: PoolState) -> anyhow::Result<Saga> {
         let settings = &dispatcher.settings;
         let (inputs_sender, inputs) = mpsc::unbounded_channel();
         let (socket_sender, sockets) = mpsc::unbounded_channel();
@@ -339,17 +417,6 @@ impl Saga {
             backoff_min: Duration::from_millis(settings.reconnect_backoff_min_ms),
             backoff_max: Duration::from_millis(settings.reconnect_backoff_max_ms),
         };
-        for (index, backend) in dispatcher.backends.iter().enumerate() {
-            let client = backend.client.clone();
-            let sender = socket_sender.clone();
-            background.push(
-                dispatcher
-                    .lane
-                    .handle
-                    .spawn(socket::run(index, client, timings, sender))
-                    .abort_handle(),
-            );
-        }
         // Task events from now on: queued tasks wake the saga at once, cancel requests reach it.
         let head = dispatcher
             .store
@@ -358,7 +425,13 @@ impl Saga {
             .context("reading the log head")?;
         let mut subscription = dispatcher.store.subscribe_all(
             head,
-            EventFilter::EventTypes(vec!["TaskQueued".into(), "TaskCancelRequested".into()]),
+            EventFilter::EventTypes(
+                ["TaskQueued", "TaskCancelRequested"]
+                    .into_iter()
+                    .chain(POOL_EVENT_TYPES)
+                    .map(String::from)
+                    .collect(),
+            ),
         );
         let sender = inputs_sender.clone();
         background.push(
@@ -373,6 +446,7 @@ impl Saga {
                                 ("TaskCancelRequested", Some(task_id)) => {
                                     Input::CancelRequested(task_id)
                                 }
+                                _ if recorded.stream == POOL_STREAM => Input::PoolChanged,
                                 _ => Input::Queued,
                             }
                         }
@@ -390,12 +464,10 @@ impl Saga {
         let mut tick = tokio::time::interval(Duration::from_millis(settings.tick_ms));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let now = Instant::now();
-        Ok(Saga {
-            backends: dispatcher
-                .backends
-                .iter()
-                .map(|_| BackendState::default())
-                .collect(),
+        let mut saga = Saga {
+            backends: Vec::new(),
+            socket_sender,
+            timings,
             dispatcher,
             term,
             inputs,
@@ -418,7 +490,12 @@ impl Saga {
             slot_renew_wanted: false,
             renewing: false,
             renew_retry_at: now,
-        })
+            last_status_publish: None,
+            pool_loading: false,
+            pool_reload_wanted: false,
+        };
+        saga.follow_pool(&pool)?;
+        Ok(saga)
     }
 
     pub fn fencing_token(&self) -> u64 {
@@ -492,26 +569,33 @@ impl Saga {
     /// Each server's capacity, prompts in flight and socket state, for `/metrics` (each tick:
     /// cheap, a few servers, and never on a slot's path).
     fn publish_pool_gauges(&self) {
-        for (index, backend) in self.dispatcher.backends.iter().enumerate() {
+        for (index, backend) in self.backends.iter().enumerate() {
             let name = backend.settings.name.clone();
-            metrics::gauge!("zhihui_backend_capacity", "backend" => name.clone())
-                .set(f64::from(backend.settings.capacity));
+            let (capacity, up) = if backend.removed {
+                (0.0, 0.0)
+            } else {
+                (
+                    f64::from(backend.settings.capacity),
+                    if backend.client_id.is_some() {
+                        1.0
+                    } else {
+                        0.0
+                    },
+                )
+            };
+            metrics::gauge!("zhihui_backend_capacity", "backend" => name.clone()).set(capacity);
             metrics::gauge!("zhihui_backend_busy", "backend" => name.clone())
                 .set(self.busy(index) as f64);
-            let up = if self.backends[index].client_id.is_some() {
-                1.0
-            } else {
-                0.0
-            };
             metrics::gauge!("zhihui_backend_up", "backend" => name).set(up);
         }
     }
 
     /// One ComfyUI error of a bounded `kind` on a server.
-    pub(super) fn count_error(&self, backend: usize, kind: &'static str) {
+    pub(super) fn count_error(&mut self, backend: usize, kind: &'static str) {
+        self.backends[backend].last_error = Some((kind.to_owned(), self.dispatcher.clock.now()));
         metrics::counter!(
             "zhihui_comfyui_errors_total",
-            "backend" => self.dispatcher.backends[backend].settings.name.clone(),
+            "backend" => self.backends[backend].settings.name.clone(),
             "kind" => kind
         )
         .increment(1);
@@ -524,13 +608,15 @@ impl Saga {
     async fn handle(&mut self, input: Input) -> anyhow::Result<()> {
         match input {
             Input::Socket(backend, SocketEvent::Opened { client_id }) => {
-                tracing::info!(backend = %self.dispatcher.backends[backend].settings.name, "server socket open");
+                tracing::info!(backend = %self.backends[backend].settings.name, "server socket open");
                 self.backends[backend].client_id = Some(client_id);
+                // What it offers may have changed while it was away (a restart with new models).
+                self.inspect(backend);
                 // `zhihui_backend_up` follows at the next tick (publish_pool_gauges).
                 if std::mem::replace(&mut self.backends[backend].opened_before, true) {
                     metrics::counter!(
                         "zhihui_comfyui_socket_reconnects_total",
-                        "backend" => self.dispatcher.backends[backend].settings.name.clone()
+                        "backend" => self.backends[backend].settings.name.clone()
                     )
                     .increment(1);
                 }
@@ -548,9 +634,13 @@ impl Saga {
                 Ok(())
             }
             Input::Socket(backend, SocketEvent::Closed { reason }) => {
-                tracing::warn!(backend = %self.dispatcher.backends[backend].settings.name, %reason, "server socket closed");
+                tracing::warn!(backend = %self.backends[backend].settings.name, %reason, "server socket closed");
                 self.backends[backend].client_id = None;
                 self.count_error(backend, "socket_closed");
+                self.backends[backend].last_error = Some((
+                    format!("socket closed: {reason}"),
+                    self.dispatcher.clock.now(),
+                ));
                 Ok(())
             }
             Input::Socket(backend, SocketEvent::Message(message)) => {
@@ -700,6 +790,12 @@ impl Saga {
                     }
                 }
             }
+            Input::PoolChanged => {
+                self.reload_pool();
+                Ok(())
+            }
+            Input::PoolLoaded(result) => self.on_pool_loaded(result),
+            Input::Inspected { backend, result } => self.on_inspected(backend, result),
             Input::SubscriptionEnded(reason) => {
                 // Without it, cancels and new tasks still arrive through the ticks; start over to
                 // get the prompt wake-ups back.
@@ -713,6 +809,7 @@ impl Saga {
         self.publish_pool_gauges();
         let settings = self.dispatcher.settings.clone();
         let now = Instant::now();
+        self.pool_tick(now);
         if now - self.last_leader_renew >= Duration::from_millis(settings.leader_renew_ms)
             && !self.renewing
             && now >= self.renew_retry_at

@@ -43,7 +43,7 @@ impl Saga {
     /// previous leader never recorded (its task is queued again by the rebuild). Such a lease is
     /// released now: until it ran out, its slot would stay taken with nothing running there.
     pub(super) async fn adopt_leased(&mut self) -> anyhow::Result<()> {
-        for name in self.dispatcher.backend_names() {
+        for name in self.backend_names() {
             for task_id in self.dispatcher.leases.busy_slots(&name).await? {
                 if !self.in_flight.contains_key(&task_id) {
                     self.adopt(task_id).await?;
@@ -76,12 +76,11 @@ impl Saga {
         let token = self.term.fencing_token;
         let at = self.dispatcher.clock.now();
         let Some(backend) = self
-            .dispatcher
             .backends
             .iter()
-            .position(|b| b.settings.name == backend_name)
+            .position(|b| !b.removed && b.settings.name == backend_name)
         else {
-            // Its server left the configuration: nobody can finish it.
+            // Its server left the pool: nobody can finish it.
             let intent = tasks
                 .begin_intent(IntentKind::Dispatch, task_id, owner, None)
                 .await?;

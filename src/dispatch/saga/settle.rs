@@ -16,7 +16,7 @@ impl Saga {
         flight.phase = Phase::Finishing;
         let backend = flight.backend;
         // With a prompt posted ahead behind it, the server went on by itself: no idle GPU.
-        let capacity = self.dispatcher.backends[backend].settings.capacity as usize;
+        let capacity = self.backends[backend].settings.capacity as usize;
         if self.busy(backend) < capacity {
             self.backends[backend].freed_at = Some(Instant::now());
         }
@@ -57,7 +57,7 @@ impl Saga {
         let Some(flight) = self.in_flight.get(&task_id) else {
             return;
         };
-        let client = self.dispatcher.backends[flight.backend].client.clone();
+        let client = self.backends[flight.backend].client.clone();
         let images = self.dispatcher.images.clone();
         let labeller = self.dispatcher.labeller.clone();
         let owner = flight.owner;
@@ -147,7 +147,8 @@ impl Saga {
     /// Record how the task ended, settle or release its hold, tell its owner, forget it.
     /// A task's end in the metrics: its time on the server by server, model and outcome, and
     /// the server's part in a failure.
-    fn count_end(&self, flight: &InFlight, completion: &Completion) {
+    /// Returns the server's error kind, if the server failed it.
+    fn count_end(&self, flight: &InFlight, completion: &Completion) -> Option<&'static str> {
         let outcome = match (completion, flight.stop) {
             (Completion::Succeeded(_), _) => "succeeded",
             (Completion::Failed(_), _) => "failed",
@@ -156,22 +157,23 @@ impl Saga {
             (Completion::Interrupted, None) => "interrupted",
             (Completion::Vanished, None) => "lost",
         };
-        match (completion, flight.stop) {
-            (Completion::Failed(_), _) => self.count_error(flight.backend, "execution_error"),
-            (Completion::Interrupted, None) => self.count_error(flight.backend, "interrupted"),
-            (Completion::Vanished, None) => self.count_error(flight.backend, "lost_prompt"),
-            _ => {}
-        }
+        let error = match (completion, flight.stop) {
+            (Completion::Failed(_), _) => Some("execution_error"),
+            (Completion::Interrupted, None) => Some("interrupted"),
+            (Completion::Vanished, None) => Some("lost_prompt"),
+            _ => None,
+        };
         let Some(ran_at) = flight.ran_at else {
-            return;
+            return error;
         };
         metrics::histogram!(
             "zhihui_task_duration_seconds",
-            "backend" => self.dispatcher.backends[flight.backend].settings.name.clone(),
+            "backend" => self.backends[flight.backend].settings.name.clone(),
             "model" => model_of(&flight.workflow),
             "outcome" => outcome
         )
         .record(ran_at.elapsed().as_secs_f64());
+        error
     }
 
     pub(super) fn record(&mut self, task_id: TaskId, completion: Completion) -> anyhow::Result<()> {
@@ -220,8 +222,11 @@ impl Saga {
             ),
         };
         let owner = flight.owner;
-        if !flight.end_counted {
-            self.count_end(flight, &completion);
+        let backend = flight.backend;
+        if !flight.end_counted
+            && let Some(kind) = self.count_end(flight, &completion)
+        {
+            self.count_error(backend, kind);
         }
         // Recorded off the saga's path: the next dispatch must not wait for this one's writes.
         let starting = self.in_flight.get_mut(&task_id).and_then(|flight| {
@@ -281,7 +286,7 @@ impl Saga {
 
 /// The checkpoint a workflow loads (`CheckpointLoaderSimple`'s `ckpt_name`): one of the
 /// catalog's models, so a bounded label.
-fn model_of(workflow: &Value) -> String {
+pub(super) fn model_of(workflow: &Value) -> String {
     workflow
         .as_object()
         .into_iter()

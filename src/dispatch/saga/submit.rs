@@ -15,7 +15,7 @@ impl Saga {
     /// How many prompts a prompt posted to `backend` now would wait behind in its queue: 0 when
     /// a slot is free.
     pub(super) fn waits_behind(&self, backend: usize, task_id: TaskId) -> u32 {
-        let capacity = self.dispatcher.backends[backend].settings.capacity as usize;
+        let capacity = self.backends[backend].settings.capacity as usize;
         let others = self
             .in_flight
             .iter()
@@ -44,7 +44,7 @@ impl Saga {
         };
         flight.posted_ahead = posted_ahead;
         flight.effect_running = true;
-        let client = self.dispatcher.backends[backend].client.clone();
+        let client = self.backends[backend].client.clone();
         let freed_at = self.backends[backend].freed_at.take();
         let staged_ready = self.backends[backend].freeing;
         let prompt_id = flight.prompt_id;

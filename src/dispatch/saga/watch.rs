@@ -14,7 +14,7 @@ impl Saga {
         if flight.effect_running || flight.phase == Phase::Staged {
             return;
         }
-        let client = self.dispatcher.backends[flight.backend].client.clone();
+        let client = self.backends[flight.backend].client.clone();
         let prompt_id = flight.prompt_id;
         let sender = self.inputs_sender.clone();
         flight.effect_running = true;

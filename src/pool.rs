@@ -1,0 +1,360 @@
+//! The pool of ComfyUI servers at run time: what an admin changes (add, drain, resume, remove),
+//! what every process reads (the `backend-pool` stream, [`BackendPool`]), and what the leader
+//! sees of each server (published to Redis for `GET /admin/backends`).
+//!
+//! The stream is the truth: every process folds it, the leader follows it (a pool event wakes
+//! it), and a new leader starts from it. The configuration's `dispatch.backends` seed it once,
+//! when the stream is still empty.
+//!
+//! A submit for a model no server offers is refused ([`PoolService::may_run`]). The pool is
+//! cached per process to keep that check off the store, but a cache may only speed up an
+//! acceptance: a refusal is decided on the stream's latest version.
+//!
+//! Live state (socket up, prompts in flight, last error, model switches) is the leader's: it
+//! publishes it to one Redis hash about once a second ([`STATUS_KEY`]); a reading older than
+//! [`STATUS_STALE_MS`] says "unknown", never a guess.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use deadpool_postgres::Pool;
+use redis::AsyncCommands;
+use serde::{Deserialize, Serialize};
+use zhihui_domain::pool::{
+    BackendPool, NewBackend, POOL_STREAM, PoolBackend, PoolCommand, PoolError, PoolState,
+};
+
+use crate::clock::Clock;
+use crate::command::{self, CommandError, RetryPolicy};
+use crate::configuration::BackendSettings;
+use crate::dispatch::lease::Leases;
+use crate::event_store::{AnyEventStore, EventMetadata};
+use crate::redis_store::RedisStore;
+
+/// The leader's view of each server (hash: name -> JSON [`BackendStatus`]).
+pub const STATUS_KEY: &str = "dispatch:backends";
+/// Servers no new task may go to (drained or removed), by name: the filler's script checks it,
+/// so a drain holds from the moment its request is answered, before the leader has read the
+/// pool again. Derived: rewritten from the pool whenever the leader reads it.
+pub const HELD_KEY: &str = "dispatch:held";
+/// A status older than this is not the leader's current view (it is gone, or stuck): "unknown".
+pub const STATUS_STALE_MS: i64 = 10_000;
+
+/// What the leader sees of one server, as it publishes it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackendStatus {
+    pub name: String,
+    /// Its socket is open.
+    pub up: bool,
+    /// Draining, as the leader follows the pool.
+    #[serde(default)]
+    pub draining: bool,
+    pub prompts_in_flight: u32,
+    pub staged: u32,
+    pub last_model: Option<String>,
+    /// How often the model of the next prompt posted there differed from the one before.
+    pub model_switches: u64,
+    pub last_error: Option<String>,
+    pub last_error_at: Option<DateTime<Utc>>,
+    pub published_at: DateTime<Utc>,
+}
+
+/// One server as `GET /admin/backends` and `zhihui backends list` show it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct BackendView {
+    pub backend: PoolBackend,
+    /// `up`, `down`, `draining` (prompts still in flight), `drained` (draining, idle) or
+    /// `unknown` (no leader has reported recently).
+    pub state: &'static str,
+    pub status: Option<BackendStatus>,
+    pub tasks_succeeded: i64,
+    pub tasks_failed: i64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PoolServiceError {
+    #[error(transparent)]
+    Rejected(PoolError),
+    #[error(transparent)]
+    Unexpected(#[from] anyhow::Error),
+}
+
+impl From<CommandError<PoolError>> for PoolServiceError {
+    fn from(error: CommandError<PoolError>) -> PoolServiceError {
+        match error {
+            CommandError::Rejected(rejected) => PoolServiceError::Rejected(rejected),
+            other => PoolServiceError::Unexpected(anyhow::Error::new(other)),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct PoolService {
+    store: AnyEventStore,
+    redis: RedisStore,
+    database: Pool,
+    leases: Leases,
+    clock: Clock,
+    /// The pool as last read here: accepts a model quickly; never refuses one.
+    cached: Arc<Mutex<Option<PoolState>>>,
+}
+
+impl PoolService {
+    pub fn new(
+        store: AnyEventStore,
+        redis: RedisStore,
+        database: Pool,
+        leases: Leases,
+        clock: Clock,
+    ) -> PoolService {
+        PoolService {
+            store,
+            redis,
+            database,
+            leases,
+            clock,
+            cached: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    /// The pool on the stream's latest version.
+    pub async fn load(&self) -> anyhow::Result<PoolState> {
+        let state = command::load::<BackendPool>(&self.store, POOL_STREAM)
+            .await?
+            .state;
+        self.remember(&state);
+        Ok(state)
+    }
+
+    fn remember(&self, state: &PoolState) {
+        if let Ok(mut cached) = self.cached.lock() {
+            *cached = Some(state.clone());
+        }
+    }
+
+    async fn execute(
+        &self,
+        command: PoolCommand,
+        actor: &str,
+    ) -> Result<PoolState, PoolServiceError> {
+        let metadata = EventMetadata {
+            correlation_id: uuid::Uuid::now_v7(),
+            causation_id: None,
+            actor: actor.to_owned(),
+        };
+        let executed = command::execute::<BackendPool>(
+            &self.store,
+            POOL_STREAM,
+            &command,
+            &metadata,
+            RetryPolicy::default(),
+        )
+        .await?;
+        self.remember(&executed.state);
+        Ok(executed.state)
+    }
+
+    /// Record the configured servers if the pool has never been recorded (first start); a pool
+    /// already recorded is left as the admins made it.
+    pub async fn seed(&self, configured: &[BackendSettings]) -> anyhow::Result<PoolState> {
+        let backends = configured
+            .iter()
+            .map(|backend| NewBackend::parse(&backend.name, &backend.url, backend.capacity))
+            .collect::<Result<Vec<_>, _>>()
+            .context("dispatch.backends")?;
+        let command = PoolCommand::Seed {
+            backends,
+            at: self.clock.now(),
+        };
+        self.execute(command, "system:configuration")
+            .await
+            .map_err(|error| anyhow::anyhow!("seeding the pool: {error}"))
+    }
+
+    pub async fn add(
+        &self,
+        backend: NewBackend,
+        actor: &str,
+    ) -> Result<PoolState, PoolServiceError> {
+        let at = self.clock.now();
+        self.execute(PoolCommand::Add { backend, at }, actor).await
+    }
+
+    /// Drain a server: recorded, then held in Redis so the filler claims nothing more for it
+    /// from now on (a task claimed for it before stays: at most `staged_per_backend` more).
+    pub async fn drain(&self, name: &str, actor: &str) -> Result<PoolState, PoolServiceError> {
+        let command = PoolCommand::Drain {
+            name: name.to_owned(),
+            at: self.clock.now(),
+        };
+        let state = self.execute(command, actor).await?;
+        self.hold(&state).await?;
+        Ok(state)
+    }
+
+    pub async fn resume(&self, name: &str, actor: &str) -> Result<PoolState, PoolServiceError> {
+        let command = PoolCommand::Resume {
+            name: name.to_owned(),
+            at: self.clock.now(),
+        };
+        let state = self.execute(command, actor).await?;
+        self.hold(&state).await?;
+        Ok(state)
+    }
+
+    /// Rewrite the held servers from `state`: its draining servers.
+    pub async fn hold(&self, state: &PoolState) -> anyhow::Result<()> {
+        let mut connection = self.redis.connection().await?;
+        let key = self.redis.key(HELD_KEY);
+        let mut pipe = redis::pipe();
+        pipe.atomic().del(&key).ignore();
+        let held: Vec<&str> = state
+            .backends
+            .iter()
+            .filter(|backend| backend.draining)
+            .map(|backend| backend.name.as_str())
+            .collect();
+        if !held.is_empty() {
+            pipe.sadd(&key, held).ignore();
+        }
+        let _: () = pipe
+            .query_async(&mut connection)
+            .await
+            .context("holding drained servers")?;
+        Ok(())
+    }
+
+    /// Remove a server nothing runs on: its slot leases (prompts posted or staged there, Redis
+    /// time) say how many run there now.
+    pub async fn remove(&self, name: &str, actor: &str) -> Result<PoolState, PoolServiceError> {
+        let in_flight = self.leases.busy_slots(name).await?.len();
+        let command = PoolCommand::Remove {
+            name: name.to_owned(),
+            prompts_in_flight: u32::try_from(in_flight).unwrap_or(u32::MAX),
+            at: self.clock.now(),
+        };
+        self.execute(command, actor).await
+    }
+
+    /// What a server said it offers, recorded when it says something new.
+    pub async fn inspected(
+        &self,
+        name: &str,
+        models: Vec<String>,
+        version: String,
+    ) -> Result<PoolState, PoolServiceError> {
+        let command = PoolCommand::Inspect {
+            name: name.to_owned(),
+            models,
+            version,
+            at: self.clock.now(),
+        };
+        self.execute(command, "system:dispatcher").await
+    }
+
+    /// Whether some server of the pool offers `model` (or has not said yet). A "yes" may come
+    /// from this process's cache; a "no" only from the stream's latest version.
+    pub async fn may_run(&self, model: &str) -> anyhow::Result<bool> {
+        let cached = self
+            .cached
+            .lock()
+            .ok()
+            .and_then(|cached| cached.as_ref().map(|state| state.may_run(model)));
+        if cached == Some(true) {
+            return Ok(true);
+        }
+        Ok(self.load().await?.may_run(model))
+    }
+
+    /// The leader's view of every server, replacing the last one (a removed server drops out).
+    pub async fn publish_status(&self, statuses: &[BackendStatus]) -> anyhow::Result<()> {
+        let mut connection = self.redis.connection().await?;
+        let key = self.redis.key(STATUS_KEY);
+        let mut pipe = redis::pipe();
+        pipe.atomic().del(&key).ignore();
+        for status in statuses {
+            let json = serde_json::to_string(status).context("encoding a backend status")?;
+            pipe.hset(&key, &status.name, json).ignore();
+        }
+        let _: () = pipe
+            .query_async(&mut connection)
+            .await
+            .context("publishing the servers' status")?;
+        Ok(())
+    }
+
+    async fn statuses(&self) -> anyhow::Result<HashMap<String, BackendStatus>> {
+        let mut connection = self.redis.connection().await?;
+        let raw: HashMap<String, String> = connection
+            .hgetall(self.redis.key(STATUS_KEY))
+            .await
+            .context("reading the servers' status")?;
+        let mut statuses = HashMap::new();
+        for (name, json) in raw {
+            // A status this version cannot read is shown as unknown, not as an error.
+            if let Ok(status) = serde_json::from_str::<BackendStatus>(&json) {
+                statuses.insert(name, status);
+            }
+        }
+        Ok(statuses)
+    }
+
+    /// Every server: the pool (latest version), the leader's view, and tasks done and failed
+    /// there (the `tasks` read model).
+    pub async fn list(&self) -> anyhow::Result<Vec<BackendView>> {
+        let pool = self.load().await?;
+        let statuses = self.statuses().await?;
+        let client = self.database.get().await.context("getting a connection")?;
+        let rows = client
+            .query(
+                "SELECT backend,
+                        count(*) FILTER (WHERE status = 'succeeded'),
+                        count(*) FILTER (WHERE status = 'failed')
+                   FROM tasks WHERE backend IS NOT NULL GROUP BY backend",
+                &[],
+            )
+            .await
+            .context("counting tasks per server")?;
+        let counts: HashMap<String, (i64, i64)> = rows
+            .iter()
+            .map(|row| (row.get(0), (row.get(1), row.get(2))))
+            .collect();
+        let now = self.clock.now();
+        Ok(pool
+            .backends
+            .into_iter()
+            .map(|backend| {
+                let status = statuses
+                    .get(&backend.name)
+                    .filter(|status| {
+                        (now - status.published_at).num_milliseconds() <= STATUS_STALE_MS
+                    })
+                    .cloned();
+                let (tasks_succeeded, tasks_failed) =
+                    counts.get(&backend.name).copied().unwrap_or((0, 0));
+                BackendView {
+                    state: state_of(&backend, status.as_ref()),
+                    backend,
+                    status,
+                    tasks_succeeded,
+                    tasks_failed,
+                }
+            })
+            .collect())
+    }
+}
+
+/// A server's one-word state for operators.
+pub fn state_of(backend: &PoolBackend, status: Option<&BackendStatus>) -> &'static str {
+    // Draining from the admin's word until the leader has followed a resume as well.
+    let draining = backend.draining || status.is_some_and(|status| status.draining);
+    match (draining, status) {
+        (true, Some(status)) if status.prompts_in_flight + status.staged == 0 => "drained",
+        (true, _) => "draining",
+        (false, Some(status)) if status.up => "up",
+        (false, Some(_)) => "down",
+        (false, None) => "unknown",
+    }
+}

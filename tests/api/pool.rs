@@ -1,0 +1,475 @@
+//! The pool at run time (issue 26): servers drained, resumed, added and removed through the admin
+//! API without a restart, the pool recorded as events so a new leader starts from it, and tasks
+//! routed by the models each server offers (`/object_info`).
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::{BTreeMap, HashMap};
+
+use comfyui_sim::Faults;
+use serde_json::{Value, json};
+use uuid::Uuid;
+use zhihui::dispatch::Saga;
+use zhihui::startup::AppState;
+use zhihui_domain::task::TaskStatus;
+
+use crate::dispatch::{
+    DRIVE_LIMIT, Harness, TempDirectory, assert_settled, catalog_models, drive_until,
+    drive_until_connected, drive_until_idle, harness_of_models, start_sim, status_of,
+};
+use crate::helpers::TestApp;
+use crate::tasks::{funded_user, submit};
+
+const MODEL_A: &str = "majicmixRealistic_v7.safetensors";
+const MODEL_B: &str = "anythingelseV4_v45.safetensors";
+const MODEL_C: &str = "dreamshaper_8.safetensors";
+/// In the catalog, offered by no server.
+const MODEL_NONE: &str = "absent_v1.safetensors";
+
+fn catalog_of_four(settings: &mut zhihui::configuration::Settings) {
+    settings.tasks.models = vec![
+        MODEL_A.into(),
+        MODEL_B.into(),
+        MODEL_C.into(),
+        MODEL_NONE.into(),
+    ];
+    settings.tasks.queued_per_user_max = 1_000;
+    // Small images: hundreds of tasks, each labelled and stored.
+    settings.tasks.resolution_presets.push("64x64".into());
+    settings.dispatch.status_publish_interval_ms = 20;
+}
+
+async fn submit_for(app: &TestApp, token: &str, model: &str, steps: u32) -> reqwest::Response {
+    submit(
+        app,
+        token,
+        &json!({"prompt": "a lighthouse at dusk", "model": model, "images": 1, "steps": steps, "resolution": "64x64"}),
+        None,
+    )
+    .await
+}
+
+async fn submitted(app: &TestApp, token: &str, model: &str, steps: u32) -> String {
+    let response = submit_for(app, token, model, steps).await;
+    assert_eq!(response.status(), 201, "{model}");
+    let body: Value = response.json().await.unwrap();
+    body["task_id"].as_str().unwrap().to_owned()
+}
+
+/// Step until the pool stream records what each of `count` servers offers (the leader asks
+/// each server at connect, and records what it said).
+async fn drive_until_inspected(saga: &mut Saga, process: &AppState, count: usize) {
+    let started = tokio::time::Instant::now();
+    loop {
+        let pool = process.dispatcher.backend_pool().load().await.unwrap();
+        let known = pool
+            .backends
+            .iter()
+            .filter(|backend| backend.models.is_some())
+            .count();
+        if known >= count {
+            return;
+        }
+        assert!(started.elapsed() < DRIVE_LIMIT, "servers never inspected");
+        saga.step().await.unwrap();
+    }
+}
+
+/// Step until every one of many tasks succeeded: one task's stream is read per step (the first
+/// not known to have succeeded), so a long list does not starve the saga of steps.
+async fn drive_until_all_succeeded(saga: &mut Saga, process: &AppState, tasks: &[String]) {
+    let started = tokio::time::Instant::now();
+    let mut pending: std::collections::VecDeque<&String> = tasks.iter().collect();
+    while let Some(task) = pending.front() {
+        if status_of(process, task).await.status == TaskStatus::Succeeded {
+            pending.pop_front();
+            continue;
+        }
+        assert!(
+            started.elapsed() < DRIVE_LIMIT,
+            "{} task(s) never succeeded",
+            pending.len()
+        );
+        for _ in 0..20 {
+            saga.step().await.unwrap();
+        }
+    }
+}
+
+/// Step until `GET /admin/backends` shows `name` in `state`.
+async fn drive_until_state(saga: &mut Saga, app: &TestApp, admin: &str, name: &str, state: &str) {
+    let started = tokio::time::Instant::now();
+    loop {
+        let list = backends(app, admin).await;
+        if list[name]["state"] == state {
+            return;
+        }
+        assert!(
+            started.elapsed() < DRIVE_LIMIT,
+            "{name} never became {state}: {}",
+            list[name]
+        );
+        saga.step().await.unwrap();
+    }
+}
+
+/// `GET /admin/backends` by name.
+async fn backends(app: &TestApp, admin: &str) -> HashMap<String, Value> {
+    let response = app.get_as(admin, "/api/v1/admin/backends").await;
+    assert_eq!(response.status(), 200);
+    let list: Vec<Value> = response.json().await.unwrap();
+    list.into_iter()
+        .map(|item| (item["name"].as_str().unwrap().to_owned(), item))
+        .collect()
+}
+
+async fn admin_post(app: &TestApp, admin: &str, path: &str, body: &Value) -> reqwest::Response {
+    app.post(path, Some(admin), body).await
+}
+
+async fn backend_of(process: &AppState, task: &str) -> String {
+    status_of(process, task)
+        .await
+        .backend
+        .expect("the task was dispatched")
+}
+
+#[tokio::test]
+async fn servers_are_drained_resumed_added_and_removed_at_run_time_and_a_new_leader_keeps_the_pool()
+{
+    // Slow steps: a task runs long enough to be running when its server is drained.
+    let faults = Faults {
+        step_delay_ms: 40,
+        ..Faults::default()
+    };
+    let harness: Harness = harness_of_models(vec![catalog_models(); 2], faults, |settings| {
+        catalog_of_four(settings);
+        // Requests between steps must not outlast the lease; the takeover below waits it out.
+        // The slot leases outlive it, so the next leader finds the task in flight by its lease.
+        settings.dispatch.leader_lease_ms = 5_000;
+        settings.dispatch.slot_lease_ms = 10_000;
+    })
+    .await;
+    let app = &harness.app;
+    let admin = app.admin_token("pool-admin").await;
+    let (user, token) = funded_user(app, "pool-user", "100").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 2).await;
+    drive_until_inspected(&mut saga, &process, 2).await;
+
+    // Both servers up, with their models and version.
+    drive_until_state(&mut saga, app, &admin, "gpu-0", "up").await;
+    let list = backends(app, &admin).await;
+    assert_eq!(list.len(), 2);
+    assert_eq!(list["gpu-1"]["models"], json!([MODEL_B, MODEL_A]));
+    assert_eq!(list["gpu-1"]["capacity"], 1);
+    assert!(list["gpu-1"]["version"].is_string());
+
+    // A task runs; its server is drained mid-run: the task finishes there, nothing new goes
+    // there, the other server takes the queue.
+    let first = submitted(app, &token, MODEL_A, 20).await;
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&first),
+        &[TaskStatus::Running],
+    )
+    .await;
+    let drained = backend_of(&process, &first).await;
+    let other = if drained == "gpu-0" { "gpu-1" } else { "gpu-0" };
+    let response = admin_post(
+        app,
+        &admin,
+        &format!("/api/v1/admin/backends/{drained}/drain"),
+        &json!({}),
+    )
+    .await;
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["draining"], true);
+    drive_until_state(&mut saga, app, &admin, &drained, "draining").await;
+    let queued: Vec<String> = vec![
+        submitted(app, &token, MODEL_A, 2).await,
+        submitted(app, &token, MODEL_B, 2).await,
+        submitted(app, &token, MODEL_A, 2).await,
+    ];
+    let mut all = queued.clone();
+    all.push(first.clone());
+    drive_until(&mut saga, &process, &all, &[TaskStatus::Succeeded]).await;
+    assert_eq!(
+        backend_of(&process, &first).await,
+        drained,
+        "it finished where it ran"
+    );
+    for task in &queued {
+        assert_eq!(
+            backend_of(&process, task).await,
+            other,
+            "nothing new on {drained}"
+        );
+    }
+    drive_until_state(&mut saga, app, &admin, &drained, "drained").await;
+
+    // A busy server cannot be removed; an unknown one is 404.
+    let busy_task = submitted(app, &token, MODEL_A, 20).await;
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&busy_task),
+        &[TaskStatus::Running],
+    )
+    .await;
+    let refused = app
+        .http
+        .delete(format!("{}/api/v1/admin/backends/{other}", app.address))
+        .bearer_auth(&admin)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 409);
+    let problem: Value = refused.json().await.unwrap();
+    assert_eq!(problem["type"], "/problems/backend-busy", "{problem}");
+    let unknown = admin_post(app, &admin, "/api/v1/admin/backends/nope/drain", &json!({})).await;
+    assert_eq!(unknown.status(), 404);
+    drive_until(&mut saga, &process, &[busy_task], &[TaskStatus::Succeeded]).await;
+
+    // Resumed: both servers take tasks again.
+    let response = admin_post(
+        app,
+        &admin,
+        &format!("/api/v1/admin/backends/{drained}/resume"),
+        &json!({}),
+    )
+    .await;
+    assert_eq!(response.status(), 200);
+    drive_until_state(&mut saga, app, &admin, &drained, "up").await;
+    let pair = vec![
+        submitted(app, &token, MODEL_A, 10).await,
+        submitted(app, &token, MODEL_A, 10).await,
+    ];
+    drive_until(&mut saga, &process, &pair, &[TaskStatus::Succeeded]).await;
+    let mut used = vec![
+        backend_of(&process, &pair[0]).await,
+        backend_of(&process, &pair[1]).await,
+    ];
+    used.sort();
+    assert_eq!(used, vec!["gpu-0".to_owned(), "gpu-1".to_owned()]);
+
+    // A third server added at run time (no restart): it connects, is inspected, takes tasks.
+    let third_directory =
+        TempDirectory(std::env::temp_dir().join(format!("zhihui-pool-third-{}", Uuid::now_v7())));
+    let third = start_sim(&third_directory.0, 2, catalog_models(), Faults::default()).await;
+    let bad = admin_post(
+        app,
+        &admin,
+        "/api/v1/admin/backends",
+        &json!({"name": "gpu 2", "url": third.base_url()}),
+    )
+    .await;
+    assert_eq!(bad.status(), 422);
+    let problem: Value = bad.json().await.unwrap();
+    assert!(problem.to_string().contains("name"), "{problem}");
+    let added = admin_post(
+        app,
+        &admin,
+        "/api/v1/admin/backends",
+        &json!({"name": "gpu-2", "url": third.base_url(), "capacity": 1}),
+    )
+    .await;
+    assert_eq!(added.status(), 201);
+    let taken = admin_post(
+        app,
+        &admin,
+        "/api/v1/admin/backends",
+        &json!({"name": "gpu-2", "url": "http://elsewhere:8188"}),
+    )
+    .await;
+    assert_eq!(taken.status(), 409);
+    drive_until_connected(&mut saga, 3).await;
+    drive_until_inspected(&mut saga, &process, 3).await;
+    let three = vec![
+        submitted(app, &token, MODEL_B, 10).await,
+        submitted(app, &token, MODEL_B, 10).await,
+        submitted(app, &token, MODEL_B, 10).await,
+    ];
+    drive_until(&mut saga, &process, &three, &[TaskStatus::Succeeded]).await;
+    let mut used = Vec::new();
+    for task in &three {
+        used.push(backend_of(&process, task).await);
+    }
+    used.sort();
+    assert_eq!(used, vec!["gpu-0", "gpu-1", "gpu-2"], "one task per server");
+
+    // The leader dies mid-way, the third server drained: the next leader (another process)
+    // starts from the same pool, three servers, the third still drained.
+    let response = admin_post(
+        app,
+        &admin,
+        "/api/v1/admin/backends/gpu-2/drain",
+        &json!({}),
+    )
+    .await;
+    assert_eq!(response.status(), 200);
+    let mid_run = submitted(app, &token, MODEL_A, 10).await;
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&mid_run),
+        &[TaskStatus::Running],
+    )
+    .await;
+    drop(saga);
+    let next = harness.process();
+    let mut saga = harness.lead(&next).await;
+    drive_until_connected(&mut saga, 3).await;
+    let after: Vec<String> = vec![
+        submitted(app, &token, MODEL_A, 2).await,
+        submitted(app, &token, MODEL_B, 2).await,
+    ];
+    let mut everything = after.clone();
+    everything.push(mid_run.clone());
+    drive_until(&mut saga, &next, &everything, &[TaskStatus::Succeeded]).await;
+    for task in &after {
+        assert_ne!(backend_of(&next, task).await, "gpu-2", "still drained");
+    }
+    drive_until_state(&mut saga, app, &admin, "gpu-2", "drained").await;
+
+    // Removed once drained and idle: gone from the list; the pool stays two servers for the
+    // next leader (the configuration does not bring it back).
+    let removed = app
+        .http
+        .delete(format!("{}/api/v1/admin/backends/gpu-2", app.address))
+        .bearer_auth(&admin)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(removed.status(), 204);
+    let list = backends(app, &admin).await;
+    assert_eq!(
+        list.keys()
+            .cloned()
+            .collect::<std::collections::BTreeSet<_>>(),
+        ["gpu-0".to_owned(), "gpu-1".to_owned()].into()
+    );
+    drive_until_idle(&mut saga).await;
+    // 1 point per image, 13 tasks.
+    assert_settled(&harness, &next, &user, 100 - 13).await;
+    drop(third);
+    saga.resign().await;
+}
+
+/// Two servers with different models: every task runs on a server that offers its model, a
+/// model no server offers is refused at submit (409 naming it), a task whose only server is
+/// drained waits queued, and the preference for the model a server ran last cuts its switches.
+#[tokio::test]
+async fn tasks_run_only_where_their_model_is_and_the_same_model_is_preferred() {
+    let mut switches = BTreeMap::new();
+    for prefer in [true, false] {
+        let harness = harness_of_models(
+            vec![
+                vec![MODEL_A.to_owned(), MODEL_B.to_owned()],
+                vec![MODEL_B.to_owned(), MODEL_C.to_owned()],
+            ],
+            Faults::default(),
+            move |settings| {
+                catalog_of_four(settings);
+                settings.dispatch.prefer_same_model = prefer;
+                // 200 submits between two steps must not outlast the lease.
+                settings.dispatch.leader_lease_ms = 30_000;
+                settings.dispatch.slot_lease_ms = 30_000;
+            },
+        )
+        .await;
+        let app = &harness.app;
+        let admin = app.admin_token("route-admin").await;
+        let (user, token) = funded_user(app, "route-user", "1000").await;
+        let process = harness.process();
+        let mut saga = harness.lead(&process).await;
+        drive_until_connected(&mut saga, 2).await;
+        drive_until_inspected(&mut saga, &process, 2).await;
+
+        // No server offers it: refused at once, naming it, nothing frozen.
+        let refused = submit_for(app, &token, MODEL_NONE, 2).await;
+        assert_eq!(refused.status(), 409);
+        let problem: Value = refused.json().await.unwrap();
+        assert_eq!(problem["type"], "/problems/model-unavailable");
+        assert!(
+            problem["detail"].as_str().unwrap().contains(MODEL_NONE),
+            "{problem}"
+        );
+
+        // 200 tasks of the three models in a fixed random order.
+        let models = [MODEL_A, MODEL_B, MODEL_C];
+        let mut state: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut tasks = Vec::new();
+        for _ in 0..200 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let model = models[(state % 3) as usize];
+            tasks.push((submitted(app, &token, model, 1).await, model));
+        }
+        let ids: Vec<String> = tasks.iter().map(|(task, _)| task.clone()).collect();
+        drive_until_all_succeeded(&mut saga, &process, &ids).await;
+        for (task, model) in &tasks {
+            let backend = backend_of(&process, task).await;
+            let offers = match backend.as_str() {
+                "gpu-0" => [MODEL_A, MODEL_B],
+                _ => [MODEL_B, MODEL_C],
+            };
+            assert!(offers.contains(model), "{model} ran on {backend}");
+        }
+        switches.insert(prefer, saga.model_switches());
+
+        // C's only server drained: a C task waits, queued, while A runs; resumed, it runs.
+        let drained = admin_post(
+            app,
+            &admin,
+            "/api/v1/admin/backends/gpu-1/drain",
+            &json!({}),
+        )
+        .await;
+        assert_eq!(drained.status(), 200);
+        drive_until_state(&mut saga, app, &admin, "gpu-1", "drained").await;
+        let waiting = submitted(app, &token, MODEL_C, 1).await;
+        let runs = submitted(app, &token, MODEL_A, 1).await;
+        drive_until(&mut saga, &process, &[runs], &[TaskStatus::Succeeded]).await;
+        assert_eq!(
+            status_of(&process, &waiting).await.status,
+            TaskStatus::Queued
+        );
+        let resumed = admin_post(
+            app,
+            &admin,
+            "/api/v1/admin/backends/gpu-1/resume",
+            &json!({}),
+        )
+        .await;
+        assert_eq!(resumed.status(), 200);
+        drive_until(
+            &mut saga,
+            &process,
+            std::slice::from_ref(&waiting),
+            &[TaskStatus::Succeeded],
+        )
+        .await;
+        assert_eq!(backend_of(&process, &waiting).await, "gpu-1");
+        drive_until_idle(&mut saga).await;
+        assert_settled(&harness, &process, &user, 1000 - 202).await;
+        saga.resign().await;
+    }
+    // The figures for the record (`--no-capture`).
+    #[allow(clippy::print_stderr)]
+    {
+        eprintln!(
+            "model switches per server over 200 tasks: with the preference {:?}, without {:?}",
+            switches[&true], switches[&false]
+        );
+    }
+    let total = |prefer: bool| switches[&prefer].iter().map(|(_, n)| n).sum::<u64>();
+    assert!(
+        total(true) < total(false),
+        "the preference did not cut model switches: {switches:?}"
+    );
+}
