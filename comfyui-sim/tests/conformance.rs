@@ -416,19 +416,44 @@ async fn replay(name: &str, skip_body: &[&str]) -> Vec<String> {
     for who in &order {
         let ours = sockets[who].snapshot();
         let rec = &recorded[who];
-        let (rs, os) = (sequence(rec), sequence(&ours));
-        if rs != os {
+        // `status` is broadcast when the queue changes (a post from another socket, a prompt
+        // taken off): where it falls among the running prompt's frames depends on when that
+        // happened, in ComfyUI as here. So the other frames are compared in order, and the
+        // `status` frames in their own order (count and queue sizes).
+        let is_status = |f: &&Value| f["type"] == "status";
+        let without_status = |v: &Vec<Value>| {
+            v.iter()
+                .filter(|f| !is_status(f))
+                .cloned()
+                .collect::<Vec<_>>()
+        };
+        let statuses = |v: &Vec<Value>| v.iter().filter(is_status).cloned().collect::<Vec<_>>();
+        let (rs, os) = (
+            sequence(&without_status(rec)),
+            sequence(&without_status(&ours)),
+        );
+        let (rstatus, ostatus) = (statuses(rec), statuses(&ours));
+        if rs != os || rstatus.len() != ostatus.len() {
             diffs.push(format!(
-                "socket {who}: sequence differs\n recorded {rs:?}\n ours     {os:?}"
+                "socket {who}: sequence differs ({} vs {} status frames)\n recorded {:?}\n ours     {:?}",
+                rstatus.len(),
+                ostatus.len(),
+                sequence(rec),
+                sequence(&ours)
             ));
             continue;
         }
-        // Align the non-progress frames and compare their payloads (ids mapped).
+        // Align the non-progress frames and compare their payloads (ids mapped): the others in
+        // their order, then the `status` frames in theirs.
         let solid = |v: &Vec<Value>| {
-            v.iter()
+            let mut frames: Vec<Value> = v
+                .iter()
                 .filter(|f| !matches!(f["type"].as_str(), Some("progress" | "progress_state")))
+                .filter(|f| !is_status(f))
                 .cloned()
-                .collect::<Vec<_>>()
+                .collect();
+            frames.extend(statuses(v));
+            frames
         };
         for (r, o) in solid(rec).iter().zip(solid(&ours).iter()) {
             let t = r["type"].as_str().unwrap_or_default();
