@@ -32,6 +32,7 @@ script!(DISPATCH_LEADER_ACQUIRE, "dispatch_leader_acquire.lua");
 script!(DISPATCH_LEADER_RENEW, "dispatch_leader_renew.lua");
 script!(DISPATCH_LEADER_RESIGN, "dispatch_leader_resign.lua");
 script!(DISPATCH_FILL, "dispatch_fill.lua");
+script!(DISPATCH_HOLD, "dispatch_hold.lua");
 script!(DISPATCH_SLOTS_RENEW, "dispatch_slots_renew.lua");
 script!(TASK_PROGRESS, "task_progress.lua");
 script!(CODE_REDEEM, "code_redeem.lua");

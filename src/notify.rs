@@ -29,9 +29,13 @@ const HUB_RETRY: Duration = Duration::from_millis(500);
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum TaskNotice {
-    /// 1-based place in the queue.
+    /// 1-based place in the queue, with its wait estimate when there is one.
     Position {
         position: u64,
+        #[serde(default)]
+        estimated_start_at: Option<chrono::DateTime<chrono::Utc>>,
+        #[serde(default)]
+        estimated_end_at: Option<chrono::DateTime<chrono::Utc>>,
     },
     /// Posted to an image server.
     Dispatched,

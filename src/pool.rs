@@ -39,11 +39,31 @@ pub const STATUS_KEY: &str = "dispatch:backends";
 /// so a drain holds from the moment its request is answered, before the leader has read the
 /// pool again. Derived: rewritten from the pool whenever the leader reads it.
 pub const HELD_KEY: &str = "dispatch:held";
+/// The pool version (events folded) [`HELD_KEY`] was written from.
+const HELD_VERSION_KEY: &str = "dispatch:held:version";
 /// A status older than this is not the leader's current view (it is gone, or stuck): "unknown".
 pub const STATUS_STALE_MS: i64 = 10_000;
 
+/// Queued tasks estimated per read, at most: the estimate replays the queue from its head, so a
+/// task further back gets none (its place still shows).
+pub const ESTIMATE_QUEUE_MAX: usize = 1_000;
+/// Steps assumed for a queued task whose steps are not beside it in Redis (queued before they
+/// were kept there): the catalog's default.
+const STEPS_UNKNOWN: u32 = 20;
+
+/// When a queued task should start and end, or why there is no telling.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WaitEstimate {
+    At {
+        start: DateTime<Utc>,
+        end: DateTime<Utc>,
+    },
+    /// Why not: no server in service offers its model, no server is up, or it is too far back.
+    Unknown(String),
+}
+
 /// What the leader sees of one server, as it publishes it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BackendStatus {
     pub name: String,
     /// Its socket is open.
@@ -58,11 +78,17 @@ pub struct BackendStatus {
     pub model_switches: u64,
     pub last_error: Option<String>,
     pub last_error_at: Option<DateTime<Utc>>,
+    /// Measured seconds per step by model (median of the last runs).
+    #[serde(default)]
+    pub seconds_per_step: std::collections::BTreeMap<String, f64>,
+    /// Seconds from `published_at` until each slot is free for a queued task.
+    #[serde(default)]
+    pub slots_free_in: Vec<f64>,
     pub published_at: DateTime<Utc>,
 }
 
 /// One server as `GET /admin/backends` and `zhihui backends list` show it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct BackendView {
     pub backend: PoolBackend,
     /// `up`, `down`, `draining` (prompts still in flight), `drained` (draining, idle) or
@@ -204,23 +230,19 @@ impl PoolService {
         Ok(state)
     }
 
-    /// Rewrite the held servers from `state`: its draining servers.
+    /// Rewrite the held servers from `state`: its draining servers (unless a later version of
+    /// the pool was written already: a reader that read it before a drain must not undo it).
     pub async fn hold(&self, state: &PoolState) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let key = self.redis.key(HELD_KEY);
-        let mut pipe = redis::pipe();
-        pipe.atomic().del(&key).ignore();
-        let held: Vec<&str> = state
-            .backends
-            .iter()
-            .filter(|backend| backend.draining)
-            .map(|backend| backend.name.as_str())
-            .collect();
-        if !held.is_empty() {
-            pipe.sadd(&key, held).ignore();
+        let mut invocation = crate::lua::DISPATCH_HOLD.key(self.redis.key(HELD_KEY));
+        invocation
+            .key(self.redis.key(HELD_VERSION_KEY))
+            .arg(state.events);
+        for backend in state.backends.iter().filter(|backend| backend.draining) {
+            invocation.arg(&backend.name);
         }
-        let _: () = pipe
-            .query_async(&mut connection)
+        let _written: i64 = invocation
+            .invoke_async(&mut connection)
             .await
             .context("holding drained servers")?;
         Ok(())
@@ -299,6 +321,94 @@ impl PoolService {
             }
         }
         Ok(statuses)
+    }
+
+    /// The pool as this process last read it (read now if never).
+    async fn current(&self) -> anyhow::Result<PoolState> {
+        let cached = self.cached.lock().ok().and_then(|cached| cached.clone());
+        match cached {
+            Some(state) => Ok(state),
+            None => self.load().await,
+        }
+    }
+
+    /// Wait estimates for the queue's first tasks, through `through_rank` (0-based; at most
+    /// [`ESTIMATE_QUEUE_MAX`] tasks): the servers in service as the leader last published them
+    /// (their slots' free times, aged since; their measured step times), replayed by
+    /// [`crate::dispatch::estimate::estimate`].
+    pub async fn estimates(
+        &self,
+        queue: &crate::tasks::queue::TaskQueue,
+        through_rank: u64,
+    ) -> anyhow::Result<HashMap<uuid::Uuid, WaitEstimate>> {
+        use crate::dispatch::estimate::{ServerOutlook, Waiting, estimate};
+
+        let count = usize::try_from(through_rank.saturating_add(1))
+            .unwrap_or(usize::MAX)
+            .min(ESTIMATE_QUEUE_MAX);
+        let head = queue.head(count).await?;
+        if head.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let pool = self.current().await?;
+        let statuses = self.statuses().await?;
+        let now = self.clock.now();
+        let outlooks: Vec<ServerOutlook> = pool
+            .backends
+            .iter()
+            .filter(|backend| !backend.draining)
+            .filter_map(|backend| {
+                let status = statuses.get(&backend.name)?;
+                let age_ms = (now - status.published_at).num_milliseconds();
+                if age_ms > STATUS_STALE_MS || !status.up || status.draining {
+                    return None;
+                }
+                let age = age_ms.max(0) as f64 / 1_000.0;
+                let mut slots: Vec<f64> = status
+                    .slots_free_in
+                    .iter()
+                    .map(|free_in| (free_in - age).max(0.0))
+                    .collect();
+                if slots.is_empty() {
+                    slots = vec![0.0; backend.capacity.max(1) as usize];
+                }
+                Some(ServerOutlook {
+                    name: backend.name.clone(),
+                    models: backend.models.clone(),
+                    slots_free_in: slots,
+                    seconds_per_step: status.seconds_per_step.clone(),
+                })
+            })
+            .collect();
+        let waiting: Vec<Waiting> = head
+            .iter()
+            .map(|(_, model, steps)| Waiting {
+                model: model.clone(),
+                steps: steps.unwrap_or(STEPS_UNKNOWN),
+            })
+            .collect();
+        let estimates = estimate(&outlooks, &waiting);
+        let seconds = |value: f64| chrono::Duration::milliseconds((value * 1_000.0).round() as i64);
+        Ok(head
+            .into_iter()
+            .zip(estimates)
+            .map(|((task_id, model, _), estimated)| {
+                let answer = match estimated {
+                    Some(at) => WaitEstimate::At {
+                        start: now + seconds(at.start_in),
+                        end: now + seconds(at.end_in),
+                    },
+                    None if outlooks.is_empty() => {
+                        WaitEstimate::Unknown("no image server is in service now".into())
+                    }
+                    None => WaitEstimate::Unknown(format!(
+                        "no image server in service offers model {} now; it waits for one",
+                        model.as_deref().unwrap_or("?")
+                    )),
+                };
+                (task_id, answer)
+            })
+            .collect())
     }
 
     /// Every server: the pool (latest version), the leader's view, and tasks done and failed

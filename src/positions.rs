@@ -12,14 +12,22 @@ use tokio::sync::{Notify, OnceCell, broadcast};
 use zhihui_domain::task::TaskId;
 
 use crate::notify::{Envelope, NotificationHub};
+use crate::pool::{PoolService, WaitEstimate};
 use crate::tasks::queue::TaskQueue;
 
 /// Tasks per Redis call.
 pub const CHUNK: usize = 1000;
 
-/// Places read together: 1-based for a queued task, `None` for one that left the queue. Only the
-/// tasks followed when the read began are in it; a socket keeps what it does not find here.
-pub type Snapshot = HashMap<TaskId, Option<u64>>;
+/// A queued task's place: 1-based, with its wait estimate when the board makes them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Place {
+    pub position: u64,
+    pub estimate: Option<WaitEstimate>,
+}
+
+/// Places read together: `None` for a task that left the queue. Only the tasks followed when the
+/// read began are in it; a socket keeps what it does not find here.
+pub type Snapshot = HashMap<TaskId, Option<Place>>;
 
 #[derive(Debug, Clone)]
 pub struct PositionBoard {
@@ -29,6 +37,8 @@ pub struct PositionBoard {
 #[derive(Debug)]
 struct Inner {
     queue: TaskQueue,
+    /// Wait estimates with the places (`None`: places only).
+    estimates: Option<PoolService>,
     /// Followed tasks, with how many sockets follow each.
     followed: Mutex<HashMap<TaskId, usize>>,
     snapshots: broadcast::Sender<Arc<Snapshot>>,
@@ -37,11 +47,12 @@ struct Inner {
 }
 
 impl PositionBoard {
-    pub fn new(queue: TaskQueue) -> PositionBoard {
+    pub fn new(queue: TaskQueue, estimates: Option<PoolService>) -> PositionBoard {
         let (snapshots, _) = broadcast::channel(16);
         PositionBoard {
             inner: Arc::new(Inner {
                 queue,
+                estimates,
                 followed: Mutex::new(HashMap::new()),
                 snapshots,
                 dirty: Notify::new(),
@@ -99,11 +110,38 @@ impl PositionBoard {
 
     /// The places of `tasks` now (a socket's first message), in one call per chunk.
     pub async fn read(&self, tasks: &[TaskId]) -> anyhow::Result<Snapshot> {
-        let mut snapshot = HashMap::with_capacity(tasks.len());
+        let mut snapshot: Snapshot = HashMap::with_capacity(tasks.len());
         for chunk in tasks.chunks(CHUNK) {
             let ranks = self.inner.queue.ranks(chunk).await?;
             for (&task_id, rank) in chunk.iter().zip(ranks) {
-                snapshot.insert(task_id, rank.map(|rank| rank + 1));
+                snapshot.insert(
+                    task_id,
+                    rank.map(|rank| Place {
+                        position: rank + 1,
+                        estimate: None,
+                    }),
+                );
+            }
+        }
+        // One replay of the queue's head for every followed task (bounded by the estimate's
+        // own limit); the places stand without it if it cannot be made.
+        let through = snapshot
+            .values()
+            .flatten()
+            .map(|place| place.position)
+            .max();
+        if let (Some(pool), Some(through)) = (&self.inner.estimates, through) {
+            match pool.estimates(&self.inner.queue, through - 1).await {
+                Ok(estimates) => {
+                    for (task_id, place) in &mut snapshot {
+                        if let Some(place) = place {
+                            place.estimate = estimates.get(task_id).cloned();
+                        }
+                    }
+                }
+                Err(error) => {
+                    tracing::debug!(error = %crate::telemetry::error_chain(&error), "wait estimates unavailable");
+                }
             }
         }
         Ok(snapshot)
@@ -191,14 +229,14 @@ impl Following {
 
     /// The places in `snapshot` that differ from what was told (now told); tasks it says left
     /// the queue are forgotten.
-    pub fn changes(&mut self, snapshot: &Snapshot) -> Vec<(TaskId, u64)> {
+    pub fn changes(&mut self, snapshot: &Snapshot) -> Vec<(TaskId, Place)> {
         let mut changed = Vec::new();
         let mut left = Vec::new();
         for (task_id, told) in &mut self.told {
             match snapshot.get(task_id) {
-                Some(Some(position)) if *told != Some(*position) => {
-                    *told = Some(*position);
-                    changed.push((*task_id, *position));
+                Some(Some(place)) if *told != Some(place.position) => {
+                    *told = Some(place.position);
+                    changed.push((*task_id, place.clone()));
                 }
                 Some(None) => left.push(*task_id),
                 _ => {}

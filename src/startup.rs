@@ -210,7 +210,10 @@ impl AppState {
             notifier.clone(),
             settings.promotions.clone(),
         );
-        let positions = crate::positions::PositionBoard::new(tasks.queue.clone());
+        let positions = crate::positions::PositionBoard::new(
+            tasks.queue.clone(),
+            Some(dispatcher.backend_pool().clone()),
+        );
         Ok(AppState {
             positions,
             limits: crate::auth::admission::Limits::new(redis.clone(), clock.clone()),

@@ -59,6 +59,8 @@ pub struct PoolState {
     pub backends: Vec<PoolBackend>,
     /// Any event was recorded (the configuration seeds an empty stream only).
     pub seeded: bool,
+    /// Events folded: which version of the pool this is (a later one has more).
+    pub events: u64,
 }
 
 impl PoolState {
@@ -335,6 +337,7 @@ impl Decider for BackendPool {
 
     fn evolve(mut state: PoolState, event: &PoolEvent) -> PoolState {
         state.seeded = true;
+        state.events += 1;
         match event {
             PoolEvent::Added(e) => {
                 state.backends.retain(|backend| backend.name != e.name);

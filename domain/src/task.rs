@@ -357,6 +357,11 @@ impl Default for TaskState {
 }
 
 impl TaskState {
+    /// Its model and steps, once submitted: what the queue routes and estimates by.
+    pub fn work(&self) -> Option<(&str, u32)> {
+        Some((self.model.as_deref()?, self.steps?))
+    }
+
     pub fn hold_outcome(&self) -> HoldOutcome {
         match self.status {
             TaskStatus::Succeeded => HoldOutcome::Settle,

@@ -185,9 +185,17 @@ async fn queued_tasks(state: &AppState, user_id: UserId) -> Result<Vec<TaskId>, 
 
 fn notice_json(task_id: TaskId, notice: &TaskNotice) -> Value {
     match notice {
-        TaskNotice::Position { position } => {
-            json!({"type": "position", "task_id": task_id, "position": position})
-        }
+        TaskNotice::Position {
+            position,
+            estimated_start_at,
+            estimated_end_at,
+        } => json!({
+            "type": "position",
+            "task_id": task_id,
+            "position": position,
+            "estimated_start_at": estimated_start_at,
+            "estimated_end_at": estimated_end_at,
+        }),
         TaskNotice::Dispatched => json!({"type": "dispatched", "task_id": task_id}),
         TaskNotice::Progress { value, max } => {
             json!({"type": "progress", "task_id": task_id, "value": value, "max": max})
@@ -362,8 +370,17 @@ async fn tell_positions(
     following: &mut crate::positions::Following,
     snapshot: &crate::positions::Snapshot,
 ) -> Result<(), actix_ws::Closed> {
-    for (task_id, position) in following.changes(snapshot) {
-        let message = notice_json(task_id, &TaskNotice::Position { position });
+    for (task_id, place) in following.changes(snapshot) {
+        let (estimated_start_at, estimated_end_at) = match place.estimate {
+            Some(crate::pool::WaitEstimate::At { start, end }) => (Some(start), Some(end)),
+            _ => (None, None),
+        };
+        let notice = TaskNotice::Position {
+            position: place.position,
+            estimated_start_at,
+            estimated_end_at,
+        };
+        let message = notice_json(task_id, &notice);
         user_socket.text(message.to_string()).await?;
     }
     Ok(())

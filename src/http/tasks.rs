@@ -100,6 +100,12 @@ pub struct TaskView {
     pub price: Decimal,
     /// 1-based queue position while queued.
     pub position: Option<u64>,
+    /// While queued: when it should start and end, from the measured step times of the servers
+    /// that offer its model and the tasks ahead of it.
+    pub estimated_start_at: Option<DateTime<Utc>>,
+    pub estimated_end_at: Option<DateTime<Utc>>,
+    /// While queued without an estimate: why (no server in service offers its model, ...).
+    pub estimate_note: Option<String>,
     /// Sampling progress while running.
     pub progress: Option<ProgressView>,
     pub images: Vec<ImageView>,
@@ -234,6 +240,9 @@ fn view_of(record: TaskRecord) -> TaskView {
         image_count: record.spec.images,
         price: record.price.as_decimal(),
         position: None,
+        estimated_start_at: None,
+        estimated_end_at: None,
+        estimate_note: None,
         progress: None,
         images: image_views(record.images),
         failure_reason: record.failure_reason,
@@ -287,6 +296,41 @@ fn whole(field: &str, value: Option<serde_json::Number>) -> Result<Option<i64>, 
         })
 }
 
+/// The wait estimates of the queued views (one read of the queue's head for them all). An
+/// estimate that cannot be read leaves them without one: the view still answers.
+async fn add_estimates(state: &AppState, views: &mut [TaskView]) {
+    let Some(through) = views.iter().filter_map(|view| view.position).max() else {
+        return;
+    };
+    let estimates = match state
+        .dispatcher
+        .backend_pool()
+        .estimates(&state.tasks.queue, through - 1)
+        .await
+    {
+        Ok(estimates) => estimates,
+        Err(error) => {
+            tracing::debug!(error = %crate::telemetry::error_chain(&error), "wait estimates unavailable");
+            return;
+        }
+    };
+    for view in views.iter_mut().filter(|view| view.position.is_some()) {
+        match estimates.get(&view.task_id) {
+            Some(crate::pool::WaitEstimate::At { start, end }) => {
+                view.estimated_start_at = Some(*start);
+                view.estimated_end_at = Some(*end);
+            }
+            Some(crate::pool::WaitEstimate::Unknown(why)) => view.estimate_note = Some(why.clone()),
+            None => {
+                view.estimate_note = Some(format!(
+                    "only the first {} queued tasks are estimated",
+                    crate::pool::ESTIMATE_QUEUE_MAX
+                ));
+            }
+        }
+    }
+}
+
 /// Live parts of a view: queue position while queued, progress while running.
 async fn add_live_parts(state: &AppState, view: &mut TaskView) -> Result<(), ApiError> {
     match view.status.as_str() {
@@ -320,7 +364,7 @@ async fn add_live_parts(state: &AppState, view: &mut TaskView) -> Result<(), Api
     responses(
         (status = 201, body = SubmitTaskResponse),
         (status = 401, body = crate::http::problem::Problem),
-        (status = 409, description = "`insufficient-points`, `queue-limit`, `idempotency-key-reused`, `request-rolled-back`", body = crate::http::problem::Problem),
+        (status = 409, description = "`insufficient-points`, `queue-limit`, `model-unavailable` (no server of the pool offers the model), `idempotency-key-reused`, `request-rolled-back`", body = crate::http::problem::Problem),
         (status = 422, description = "fields that break the catalog, each named in `errors`", body = crate::http::problem::Problem),
     )
 )]
@@ -360,7 +404,11 @@ pub async fn submit(
             .tell(
                 caller.user_id(),
                 outcome.task_id,
-                crate::notify::TaskNotice::Position { position },
+                crate::notify::TaskNotice::Position {
+                    position,
+                    estimated_start_at: None,
+                    estimated_end_at: None,
+                },
             )
             .await;
     }
@@ -404,6 +452,7 @@ pub async fn task(
     crate::http::extract::ensure_owner(&caller, record.user_id, "task")?;
     let mut view = view_of(record);
     add_live_parts(&state, &mut view).await?;
+    add_estimates(&state, std::slice::from_mut(&mut view)).await;
     Ok(HttpResponse::Ok().json(view))
 }
 
@@ -475,6 +524,7 @@ pub async fn tasks(
         add_live_parts(&state, &mut view).await?;
         views.push(view);
     }
+    add_estimates(&state, &mut views).await;
     let next_cursor = if has_more {
         views
             .last()

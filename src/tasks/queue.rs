@@ -23,6 +23,9 @@ pub(crate) const QUEUE_KEY: &str = "queue:tasks";
 /// The queued tasks' models (hash, under the prefix): the filler routes each task by it.
 pub(crate) const MODELS_KEY: &str = "queue:models";
 
+/// The queued tasks' sampler steps (hash, under the prefix): for wait estimates.
+pub(crate) const STEPS_KEY: &str = "queue:steps";
+
 /// Scores count from 2025-01-01T00:00:00Z (ms).
 pub const SCORE_EPOCH_MS: i64 = 1_735_689_600_000;
 /// Scores per millisecond: room for 12 halvings between tasks queued a millisecond apart.
@@ -95,6 +98,10 @@ impl TaskQueue {
         self.redis.key(MODELS_KEY)
     }
 
+    fn steps_key(&self) -> String {
+        self.redis.key(STEPS_KEY)
+    }
+
     fn leases_key(&self) -> String {
         self.redis.key("queue:leases")
     }
@@ -124,22 +131,26 @@ impl TaskQueue {
         Ok(score)
     }
 
-    /// Queue `task_id` at `score` (or move it there), for a server that offers `model` (`None`:
-    /// keep the model it was queued with, or any server); its 0-based rank, `None` when leased.
+    /// Queue `task_id` at `score` (or move it there), for a server that offers `work`'s model,
+    /// with its steps (`None`: keep what it was queued with, or any server); its 0-based rank,
+    /// `None` when leased.
     pub async fn enqueue(
         &self,
         task_id: TaskId,
         score: i64,
-        model: Option<&str>,
+        work: Option<(&str, u32)>,
     ) -> anyhow::Result<Option<u64>> {
         let mut connection = self.redis.connection().await?;
+        let (model, steps) = work.unwrap_or(("", 0));
         let rank: i64 = crate::lua::QUEUE_ENQUEUE
             .key(self.queue_key())
             .key(self.leases_key())
             .key(self.models_key())
+            .key(self.steps_key())
             .arg(task_id.to_string())
             .arg(score)
-            .arg(model.unwrap_or(""))
+            .arg(model)
+            .arg(steps)
             .invoke_async(&mut connection)
             .await
             .context("queueing a task")?;
@@ -170,6 +181,8 @@ impl TaskQueue {
             .ignore()
             .hdel(self.models_key(), &member)
             .ignore()
+            .hdel(self.steps_key(), &member)
+            .ignore()
             .query_async(&mut connection)
             .await
             .context("removing a task from the queue")?;
@@ -179,11 +192,54 @@ impl TaskQueue {
     /// Forget a task's model once its dispatch is recorded (it will not be queued again).
     pub async fn forget_model(&self, task_id: TaskId) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let _removed: i64 = connection
-            .hdel(self.models_key(), task_id.to_string())
+        let member = task_id.to_string();
+        let _: () = redis::pipe()
+            .hdel(self.models_key(), &member)
+            .ignore()
+            .hdel(self.steps_key(), &member)
+            .ignore()
+            .query_async(&mut connection)
             .await
             .context("forgetting a dispatched task's model")?;
         Ok(())
+    }
+
+    /// The first `count` queued tasks, in order, each with its model and steps (when known).
+    pub async fn head(
+        &self,
+        count: usize,
+    ) -> anyhow::Result<Vec<(TaskId, Option<String>, Option<u32>)>> {
+        if count == 0 {
+            return Ok(Vec::new());
+        }
+        let mut connection = self.redis.connection().await?;
+        let members: Vec<String> = connection
+            .zrange(
+                self.queue_key(),
+                0,
+                isize::try_from(count).unwrap_or(isize::MAX) - 1,
+            )
+            .await
+            .context("reading the queue's head")?;
+        if members.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (models, steps): (Vec<Option<String>>, Vec<Option<u32>>) = redis::pipe()
+            .cmd("HMGET")
+            .arg(self.models_key())
+            .arg(&members)
+            .cmd("HMGET")
+            .arg(self.steps_key())
+            .arg(&members)
+            .query_async(&mut connection)
+            .await
+            .context("reading queued tasks' work")?;
+        members
+            .iter()
+            .zip(models)
+            .zip(steps)
+            .map(|((member, model), steps)| Ok((parse_task_id(member)?, model, steps)))
+            .collect()
     }
 
     /// The model each of `task_ids` was queued for (`None`: not known here).

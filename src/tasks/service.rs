@@ -530,7 +530,7 @@ impl TaskService {
                 }
             };
         let score = self.queue.next_score().await?;
-        let model = checked.spec.model.clone();
+        let work = (checked.spec.model.clone(), checked.spec.steps);
         let submitted = TaskSubmitted {
             task_id,
             user_id,
@@ -560,7 +560,10 @@ impl TaskService {
             }
             Err(other) => return Err(other.into()),
         }
-        let rank = self.queue.enqueue(task_id, score, Some(&model)).await?;
+        let rank = self
+            .queue
+            .enqueue(task_id, score, Some((&work.0, work.1)))
+            .await?;
         self.end_intent(intent).await?;
         Ok(SubmitOutcome {
             task_id,
@@ -590,10 +593,7 @@ impl TaskService {
                 && let Some(score) = state.score
             {
                 // The first attempt died before queueing it: queue it now.
-                position = self
-                    .queue
-                    .enqueue(task_id, score, state.model.as_deref())
-                    .await?;
+                position = self.queue.enqueue(task_id, score, state.work()).await?;
             }
         }
         Ok(SubmitOutcome {
@@ -893,9 +893,7 @@ impl TaskService {
         }
         match (state.status, state.score) {
             (TaskStatus::Queued, Some(score)) => {
-                self.queue
-                    .enqueue(task_id, score, state.model.as_deref())
-                    .await?;
+                self.queue.enqueue(task_id, score, state.work()).await?;
             }
             _ => self.queue.remove(task_id).await?,
         }
@@ -1023,7 +1021,7 @@ impl TaskService {
     /// missed). Entries the events do not know (a submit in flight) are left alone.
     pub async fn rebuild_queue(&self) -> anyhow::Result<RebuildReport> {
         let mut queued: HashMap<TaskId, i64> = HashMap::new();
-        let mut models: HashMap<TaskId, String> = HashMap::new();
+        let mut works: HashMap<TaskId, (String, u32)> = HashMap::new();
         let mut left: HashSet<TaskId> = HashSet::new();
         let mut after = {
             let mut client = self.pool.get().await.context("getting a connection")?;
@@ -1044,7 +1042,7 @@ impl TaskService {
                 .context("reading the tasks checkpoint")?;
             let rows = transaction
                 .query(
-                    "SELECT task_id, queue_score, spec->>'model' FROM tasks
+                    "SELECT task_id, queue_score, spec->>'model', (spec->>'steps')::int FROM tasks
                       WHERE status = 'queued' AND queue_score IS NOT NULL",
                     &[],
                 )
@@ -1053,8 +1051,11 @@ impl TaskService {
             transaction.commit().await.context("ending the snapshot")?;
             for row in rows {
                 queued.insert(row.get(0), row.get(1));
-                if let Some(model) = row.get::<_, Option<String>>(2) {
-                    models.insert(row.get(0), model);
+                if let (Some(model), Some(steps)) = (
+                    row.get::<_, Option<String>>(2),
+                    row.get::<_, Option<i32>>(3),
+                ) {
+                    works.insert(row.get(0), (model, u32::try_from(steps).unwrap_or(0)));
                 }
             }
             match checkpoint {
@@ -1081,7 +1082,7 @@ impl TaskService {
                 .with_context(|| format!("decoding event {}", recorded.id))?;
                 match event {
                     TaskEvent::Submitted(e) => {
-                        models.insert(task_id, e.spec.model);
+                        works.insert(task_id, (e.spec.model, e.spec.steps));
                     }
                     TaskEvent::Queued(e) => {
                         queued.insert(task_id, e.score);
@@ -1115,8 +1116,10 @@ impl TaskService {
         let mut in_order: Vec<(TaskId, i64)> = queued.into_iter().collect();
         in_order.sort_by_key(|(task_id, score)| (*score, *task_id));
         for (task_id, score) in &in_order {
-            let model = models.get(task_id).map(String::as_str);
-            if self.queue.enqueue(*task_id, *score, model).await?.is_some() {
+            let work = works
+                .get(task_id)
+                .map(|(model, steps)| (model.as_str(), *steps));
+            if self.queue.enqueue(*task_id, *score, work).await?.is_some() {
                 report.queued += 1;
             }
         }

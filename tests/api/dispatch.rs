@@ -1383,7 +1383,10 @@ async fn one_fill_sends_each_task_to_a_server_offering_its_model_preferring_the_
         let mut ids = Vec::new();
         for (score, model) in (1..).zip(models) {
             let task_id = Uuid::now_v7();
-            queue.enqueue(task_id, score, model).await.unwrap();
+            queue
+                .enqueue(task_id, score, model.map(|model| (model, 1)))
+                .await
+                .unwrap();
             ids.push(task_id);
         }
         ids
@@ -1449,7 +1452,10 @@ async fn one_fill_sends_each_task_to_a_server_offering_its_model_preferring_the_
         for (offset, model) in [(0, "a"), (64, "b")] {
             let task_id = Uuid::now_v7();
             let score = score_at(queued_ms_ago) + offset;
-            queue.enqueue(task_id, score, Some(model)).await.unwrap();
+            queue
+                .enqueue(task_id, score, Some((model, 1)))
+                .await
+                .unwrap();
             tasks.push(task_id);
         }
         let names = process.dispatcher.backend_names();

@@ -473,3 +473,207 @@ async fn tasks_run_only_where_their_model_is_and_the_same_model_is_preferred() {
         "the preference did not cut model switches: {switches:?}"
     );
 }
+
+/// Queued tasks show when they should start and end, from the step times measured on the server
+/// and what runs there; a task whose model no server in service offers says so instead.
+#[tokio::test]
+async fn queued_tasks_show_wait_estimates_from_measured_step_times() {
+    let faults = Faults {
+        step_delay_ms: 20,
+        ..Faults::default()
+    };
+    let harness = harness_of_models(vec![catalog_models()], faults, |settings| {
+        catalog_of_four(settings);
+        // Nothing staged: what waits stays in the queue, where it is estimated.
+        settings.dispatch.staged_per_backend = 0;
+        settings.dispatch.posted_ahead_per_backend = 0;
+        settings.dispatch.leader_lease_ms = 30_000;
+        settings.dispatch.slot_lease_ms = 30_000;
+    })
+    .await;
+    let app = &harness.app;
+    let admin = app.admin_token("estimate-admin").await;
+    let (_, token) = funded_user(app, "estimate-user", "100").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 1).await;
+    drive_until_inspected(&mut saga, &process, 1).await;
+
+    // Two runs measure the server's step time for the model.
+    let warm_up = vec![
+        submitted(app, &token, MODEL_A, 10).await,
+        submitted(app, &token, MODEL_A, 10).await,
+    ];
+    drive_until(&mut saga, &process, &warm_up, &[TaskStatus::Succeeded]).await;
+
+    // The owner's socket: its position notices carry the estimates too.
+    let (mut socket, _) = async_tungstenite::tokio::connect_async(format!(
+        "{}/api/v1/ws?token={token}",
+        app.address.replace("http://", "ws://")
+    ))
+    .await
+    .unwrap();
+    let tasks = [
+        submitted(app, &token, MODEL_A, 10).await,
+        submitted(app, &token, MODEL_A, 10).await,
+        submitted(app, &token, MODEL_A, 10).await,
+    ];
+    drive_until(&mut saga, &process, &tasks[..1], &[TaskStatus::Running]).await;
+    // Until the leader published a view with the measure and the running task in it.
+    let started = tokio::time::Instant::now();
+    loop {
+        let list = process.dispatcher.backend_pool().list().await.unwrap();
+        let status = list[0].status.as_ref();
+        if status
+            .is_some_and(|s| s.seconds_per_step.contains_key(MODEL_A) && s.prompts_in_flight == 1)
+        {
+            break;
+        }
+        assert!(started.elapsed() < DRIVE_LIMIT, "no view with a measure");
+        saga.step().await.unwrap();
+    }
+    // The list reads the read model.
+    app.project().await;
+    let page: Value = app
+        .get_as(&token, "/api/v1/tasks?limit=10")
+        .await
+        .json()
+        .await
+        .unwrap();
+    let view = |task: &str| {
+        page["tasks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|view| view["task_id"] == task)
+            .cloned()
+            .unwrap()
+    };
+    let at = |value: &Value| {
+        chrono::DateTime::parse_from_rfc3339(value.as_str().unwrap())
+            .unwrap()
+            .with_timezone(&chrono::Utc)
+    };
+    let (second, third) = (view(&tasks[1]), view(&tasks[2]));
+    assert_eq!(second["position"], 1);
+    assert_eq!(third["position"], 2);
+    let (second_start, second_end) = (
+        at(&second["estimated_start_at"]),
+        at(&second["estimated_end_at"]),
+    );
+    let (third_start, third_end) = (
+        at(&third["estimated_start_at"]),
+        at(&third["estimated_end_at"]),
+    );
+    // One server: the third starts when the second ends; each run takes about what was measured
+    // (10 steps at ~20 ms, plus the run's overhead), never less than the overhead.
+    assert_eq!(third_start, second_end);
+    for (start, end) in [(second_start, second_end), (third_start, third_end)] {
+        let run = (end - start).num_milliseconds();
+        assert!((500..5_000).contains(&run), "a run of {run} ms");
+    }
+    assert!(second_start >= at(&second["submitted_at"]));
+    assert!(second["estimate_note"].is_null());
+    let single: Value = app
+        .get_as(&token, &format!("/api/v1/tasks/{}", tasks[2]))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert!(single["estimated_start_at"].is_string(), "{single}");
+    let notice = tokio::time::timeout(DRIVE_LIMIT, async {
+        use futures::StreamExt;
+        while let Some(Ok(frame)) = socket.next().await {
+            let async_tungstenite::tungstenite::Message::Text(text) = frame else {
+                continue;
+            };
+            let message: Value = serde_json::from_str(&text).unwrap();
+            if message["type"] == "position"
+                && message["task_id"] == tasks[2].as_str()
+                && message["estimated_start_at"].is_string()
+            {
+                return message;
+            }
+        }
+        panic!("the socket ended");
+    })
+    .await
+    .expect("a position notice with an estimate");
+    assert!(notice["estimated_end_at"].is_string(), "{notice}");
+
+    // The only server drained: the queued tasks wait for one, and say so.
+    let drained = admin_post(
+        app,
+        &admin,
+        "/api/v1/admin/backends/gpu-0/drain",
+        &json!({}),
+    )
+    .await;
+    assert_eq!(drained.status(), 200);
+    drive_until_state(&mut saga, app, &admin, "gpu-0", "drained").await;
+    let waiting: Value = app
+        .get_as(&token, &format!("/api/v1/tasks/{}", tasks[2]))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(waiting["status"], "queued");
+    assert!(waiting["estimated_start_at"].is_null(), "{waiting}");
+    assert!(
+        waiting["estimate_note"]
+            .as_str()
+            .unwrap()
+            .contains("no image server"),
+        "{waiting}"
+    );
+    saga.resign().await;
+}
+
+/// A drain holds its server in Redis for the filler from its answer on; the leader rewrites that
+/// set from each pool it reads, but a pool read before the drain never undoes it.
+#[tokio::test]
+async fn a_pool_read_before_a_drain_never_undoes_its_hold() {
+    let harness = harness_of_models(vec![catalog_models(); 2], Faults::default(), |_| {}).await;
+    let process = harness.process();
+    let pool = process.dispatcher.backend_pool();
+    let configured: Vec<zhihui::configuration::BackendSettings> = process
+        .dispatcher
+        .backend_names()
+        .iter()
+        .zip(&harness.sims)
+        .map(|(name, sim)| zhihui::configuration::BackendSettings {
+            name: name.clone(),
+            url: sim.base_url(),
+            capacity: 1,
+        })
+        .collect();
+    let before = pool.seed(&configured).await.unwrap();
+    pool.drain("gpu-1", "test").await.unwrap();
+    let held = || async {
+        let mut redis = redis::Client::open(secrecy::ExposeSecret::expose_secret(
+            &harness.app.settings.redis.url,
+        ))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+        let mut names: Vec<String> = redis::cmd("SMEMBERS")
+            .arg(format!(
+                "{}:{}",
+                harness.app.settings.redis.key_prefix,
+                zhihui::pool::HELD_KEY
+            ))
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        names.sort();
+        names
+    };
+    assert_eq!(held().await, vec!["gpu-1".to_owned()]);
+    // A leader that read the pool before the drain writes what it read: refused.
+    pool.hold(&before).await.unwrap();
+    assert_eq!(held().await, vec!["gpu-1".to_owned()]);
+    // Resumed: the newer pool clears it.
+    pool.resume("gpu-1", "test").await.unwrap();
+    assert!(held().await.is_empty());
+}

@@ -875,3 +875,174 @@ async fn a_claims_consumer_killed_mid_stream_is_taken_over_and_no_claim_is_lost(
     crate::tasks::project_and_verify(&app).await;
     let _ = std::fs::remove_dir_all(&images);
 }
+
+/// The pool at run time across two `zhihui serve` processes: through the follower an admin drains
+/// one server and adds a third; the leader follows; SIGKILLed mid-run, the follower takes over
+/// with the same pool (the drained server stays drained, the added one is used), every task ends
+/// once on a server in service, and the audit finds no difference.
+#[tokio::test]
+async fn a_pool_changed_through_one_process_survives_its_leaders_sigkill() {
+    let app = spawn_app().await;
+    let directory = std::env::temp_dir().join(format!("zhihui-pool-kill-{}", Uuid::now_v7()));
+    let mut sims = Vec::new();
+    for index in 0..3 {
+        sims.push(
+            Simulator::start(SimConfig {
+                bind: "127.0.0.1:0".parse().unwrap(),
+                output_dir: directory.join(format!("sim-{index}")),
+                models: vec!["majicmixRealistic_v7.safetensors".into()],
+                faults: Faults {
+                    step_delay_ms: 25,
+                    ..Faults::default()
+                },
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    let backends = format!(
+        "gpu-0 {} 1,gpu-1 {} 1",
+        sims[0].base_url(),
+        sims[1].base_url()
+    );
+    let images = directory.join("images");
+    let prefix = app.settings.redis.key_prefix.clone();
+    let mut redis = redis::Client::open(app.settings.redis.url.expose_secret())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let fast_status = [("ZHIHUI_DISPATCH__STATUS_PUBLISH_INTERVAL_MS", "100")];
+    let mut leading = serve_with(&app, &backends, &images, &fast_status).await;
+    let first_leader = wait_for_leader(&mut redis, &prefix, None).await;
+    let other = serve_with(&app, &backends, &images, &fast_status).await;
+    let http = reqwest::Client::new();
+    let admin = app.admin_token("pool-boss").await;
+    let (_, token) = funded_user_via(&app, &http, &other.address, "pool-painter", "20").await;
+    let backends_on = |address: &str| {
+        let request = http
+            .get(format!("{address}/api/v1/admin/backends"))
+            .bearer_auth(&admin)
+            .send();
+        async move {
+            let list: Vec<Value> = request.await.unwrap().json().await.unwrap();
+            list.into_iter()
+                .map(|item| (item["name"].as_str().unwrap().to_owned(), item))
+                .collect::<HashMap<String, Value>>()
+        }
+    };
+    let wait_for_states = |address: String, wanted: Vec<(&'static str, &'static str)>| {
+        let backends_on = &backends_on;
+        async move {
+            let started = tokio::time::Instant::now();
+            loop {
+                let list = backends_on(&address).await;
+                if wanted.iter().all(|(name, state)| {
+                    list.get(*name).is_some_and(|item| item["state"] == *state)
+                }) {
+                    return list;
+                }
+                assert!(started.elapsed() < WAIT_LIMIT, "never {wanted:?}: {list:?}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+
+    // Through the follower: drain gpu-1, add gpu-2. The leader follows.
+    let drained = http
+        .post(format!(
+            "{}/api/v1/admin/backends/gpu-1/drain",
+            other.address
+        ))
+        .bearer_auth(&admin)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(drained.status(), 200);
+    let added = http
+        .post(format!("{}/api/v1/admin/backends", other.address))
+        .bearer_auth(&admin)
+        .json(&json!({"name": "gpu-2", "url": sims[2].base_url()}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(added.status(), 201);
+    wait_for_states(
+        leading.address.clone(),
+        vec![("gpu-0", "up"), ("gpu-1", "drained"), ("gpu-2", "up")],
+    )
+    .await;
+
+    let mut tasks = Vec::new();
+    for _ in 0..6 {
+        let submitted = http
+            .post(format!("{}/api/v1/tasks", other.address))
+            .bearer_auth(&token)
+            .json(&json!({"prompt": "a harbour", "images": 1, "steps": 20}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(submitted.status(), 201);
+        let submitted: Value = submitted.json().await.unwrap();
+        tasks.push(submitted["task_id"].as_str().unwrap().to_owned());
+    }
+    // Killed once a task runs.
+    let status_of = |task: String| {
+        let request = http
+            .get(format!("{}/api/v1/tasks/{task}", other.address))
+            .bearer_auth(&token)
+            .send();
+        async move {
+            let view: Value = request.await.unwrap().json().await.unwrap();
+            view["status"].as_str().unwrap().to_owned()
+        }
+    };
+    let started = tokio::time::Instant::now();
+    while status_of(tasks[0].clone()).await != "running" {
+        assert!(started.elapsed() < WAIT_LIMIT, "the first task never ran");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    leading.child.start_kill().unwrap();
+    leading.child.wait().await.unwrap();
+    wait_for_leader(&mut redis, &prefix, Some(&first_leader)).await;
+
+    // The successor follows the same pool.
+    let list = wait_for_states(
+        other.address.clone(),
+        vec![("gpu-0", "up"), ("gpu-1", "drained"), ("gpu-2", "up")],
+    )
+    .await;
+    assert_eq!(list.len(), 3);
+    let started = tokio::time::Instant::now();
+    for task in &tasks {
+        while status_of(task.clone()).await != "succeeded" {
+            assert!(started.elapsed() < WAIT_LIMIT, "{task} never succeeded");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let mut used = HashSet::new();
+    for task in &tasks {
+        let events = task_events(&app, task).await;
+        let ends = events
+            .iter()
+            .filter(|e| matches!(e, TaskEvent::Succeeded(_) | TaskEvent::Failed(_)))
+            .count();
+        assert_eq!(ends, 1, "{events:?}");
+        for event in &events {
+            if let TaskEvent::Dispatched(dispatched) = event {
+                assert_ne!(dispatched.backend, "gpu-1", "a drained server got a task");
+                used.insert(dispatched.backend.clone());
+            }
+        }
+    }
+    assert!(
+        used.contains("gpu-2"),
+        "the added server took no task: {used:?}"
+    );
+    drop(other);
+    project_and_verify(&app).await;
+    for sim in sims {
+        sim.stop().await;
+    }
+    drop(std::fs::remove_dir_all(&directory));
+}

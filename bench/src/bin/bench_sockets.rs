@@ -144,7 +144,11 @@ async fn run(
                 .tell(
                     user_id,
                     task_id,
-                    TaskNotice::Position { position: rank + 1 },
+                    TaskNotice::Position {
+                        position: rank + 1,
+                        estimated_start_at: None,
+                        estimated_end_at: None,
+                    },
                 )
                 .await;
             queued += 1;

@@ -62,6 +62,7 @@ use crate::configuration::{BackendSettings, DispatchSettings};
 use crate::dispatch::comfy::{
     ComfyClient, ComfyMessage, HistoryOutcome, PostOutcome, PromptWhereabouts,
 };
+use crate::dispatch::estimate::StepTimes;
 use crate::dispatch::images::{ImageStore, image_id};
 use crate::dispatch::lease::{Claimed, Fill, FillPlan, Leases, ServerSlots, Term};
 use crate::dispatch::socket::{self, SocketEvent, SocketTimings};
@@ -382,6 +383,8 @@ pub struct Saga {
     pool_loading: bool,
     /// Read the pool again (it changed while it was being read, or the read failed).
     pool_reload_wanted: bool,
+    /// Seconds per step measured per server and model (the wait estimates').
+    step_times: StepTimes,
 }
 
 impl std::fmt::Debug for Saga {
@@ -493,6 +496,7 @@ impl Saga {
             last_status_publish: None,
             pool_loading: false,
             pool_reload_wanted: false,
+            step_times: StepTimes::default(),
         };
         saga.follow_pool(&pool)?;
         Ok(saga)

@@ -4,6 +4,7 @@
 //! for `GET /admin/backends`.
 
 use super::*;
+use crate::dispatch::estimate::ServerOutlook;
 use crate::pool::BackendStatus;
 use zhihui_domain::pool::PoolBackend;
 
@@ -272,9 +273,49 @@ impl Saga {
                 model_switches: backend.model_switches,
                 last_error: backend.last_error.as_ref().map(|(text, _)| text.clone()),
                 last_error_at: backend.last_error.as_ref().map(|(_, at)| *at),
+                seconds_per_step: self.step_times.of(&backend.settings.name),
+                slots_free_in: self.slots_free_in(index),
                 published_at: now,
             })
             .collect()
+    }
+
+    /// Seconds until each slot of `backend` is free for a queued task: what runs there has its
+    /// expected run less the time it ran; what waits there (posted ahead, posting, staged) runs
+    /// after it, in claim order, on the slot that frees first.
+    pub(super) fn slots_free_in(&self, backend: usize) -> Vec<f64> {
+        let state = &self.backends[backend];
+        let outlook = ServerOutlook {
+            name: state.settings.name.clone(),
+            models: None,
+            slots_free_in: Vec::new(),
+            seconds_per_step: self.step_times.of(&state.settings.name),
+        };
+        let capacity = state.settings.capacity.max(1) as usize;
+        let mut slots: Vec<f64> = Vec::with_capacity(capacity);
+        let mut waiting: Vec<(u64, f64)> = Vec::new();
+        for flight in self.in_flight.values() {
+            if flight.backend != backend || flight.phase == Phase::Finishing {
+                continue;
+            }
+            let model = settle::model_of(&flight.workflow);
+            let steps = settle::steps_of(&flight.workflow).unwrap_or(0);
+            let run = outlook.run_seconds(Some(&model), steps);
+            match flight.ran_at {
+                Some(ran_at) if flight.phase == Phase::Accepted && slots.len() < capacity => {
+                    slots.push((run - ran_at.elapsed().as_secs_f64()).max(0.0));
+                }
+                _ => waiting.push((flight.claim_seq, run)),
+            }
+        }
+        slots.resize(capacity, 0.0);
+        waiting.sort_by_key(|(claim_seq, _)| *claim_seq);
+        for (_, run) in waiting {
+            if let Some(first) = slots.iter_mut().min_by(|a, b| a.total_cmp(b)) {
+                *first += run;
+            }
+        }
+        slots
     }
 
     /// A prompt of `model` is posted to `backend`: a model switch there if the one before was

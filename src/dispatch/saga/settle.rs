@@ -223,10 +223,22 @@ impl Saga {
         };
         let owner = flight.owner;
         let backend = flight.backend;
+        // A success's run, for the wait estimates' step times.
+        let run = match (&completion, flight.ran_at, steps_of(&flight.workflow)) {
+            (Completion::Succeeded(_), Some(ran_at), Some(steps)) if !flight.end_counted => {
+                Some((model_of(&flight.workflow), steps, ran_at.elapsed()))
+            }
+            _ => None,
+        };
         if !flight.end_counted
             && let Some(kind) = self.count_end(flight, &completion)
         {
             self.count_error(backend, kind);
+        }
+        if let Some((model, steps, ran)) = run {
+            let name = self.backends[backend].settings.name.clone();
+            self.step_times
+                .record(&name, &model, steps, ran.as_secs_f64());
         }
         // Recorded off the saga's path: the next dispatch must not wait for this one's writes.
         let starting = self.in_flight.get_mut(&task_id).and_then(|flight| {
@@ -295,6 +307,20 @@ pub(super) fn model_of(workflow: &Value) -> String {
         .and_then(|node| node["inputs"]["ckpt_name"].as_str())
         .unwrap_or("unknown")
         .to_owned()
+}
+
+/// The sampler steps a workflow runs (its `KSampler`'s `steps`).
+pub(super) fn steps_of(workflow: &Value) -> Option<u32> {
+    workflow
+        .as_object()?
+        .values()
+        .find(|node| {
+            node["class_type"]
+                .as_str()
+                .is_some_and(|class| class.starts_with("KSampler"))
+        })
+        .and_then(|node| node["inputs"]["steps"].as_u64())
+        .and_then(|steps| u32::try_from(steps).ok())
 }
 
 pub(super) fn failed(
