@@ -550,6 +550,9 @@ pub struct HttpSettings {
     pub port: u16,
     /// actix-web worker threads. Defaults to the number of cores.
     pub workers: Option<usize>,
+    /// Serve `GET /metrics` on this port of `host` only (0: the OS chooses), not on `port`: the
+    /// API can face users while the metrics stay on an internal port. Unset: on `port`.
+    pub metrics_port: Option<u16>,
     /// How long in-flight requests may run after SIGINT/SIGTERM before being dropped.
     pub shutdown_timeout_ms: u64,
     /// A user socket is pinged this often, and its session checked (expired or revoked: the

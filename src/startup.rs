@@ -260,6 +260,10 @@ impl AppState {
 
 pub struct Application {
     port: u16,
+    /// The metrics listener's port, when `http.metrics_port` gives it one of its own.
+    metrics_port: Option<u16>,
+    /// Its server (stopped with the API's).
+    metrics_server: Option<Server>,
     server: Server,
     /// Projection runners of this process, stopped with the server.
     background: Vec<tokio::task::JoinHandle<()>>,
@@ -378,9 +382,42 @@ impl Application {
 
         // Installed before anything records (the first request, the dispatcher's first post).
         crate::metrics::handle();
+        // `/metrics` on a listener of its own when configured (one worker: a scrape is cheap),
+        // else beside the API.
+        let (metrics_port, metrics_server) = match settings.http.metrics_port {
+            Some(wanted) => {
+                let address = format!("{}:{wanted}", settings.http.host);
+                let listener = TcpListener::bind(&address)
+                    .with_context(|| format!("binding metrics on {address}"))?;
+                let bound = listener
+                    .local_addr()
+                    .context("reading the metrics port")?
+                    .port();
+                let state = state.clone();
+                let server = HttpServer::new(move || {
+                    App::new()
+                        .app_data(state.clone())
+                        .route("/metrics", web::get().to(crate::metrics::exposition))
+                })
+                .workers(1)
+                .disable_signals()
+                .listen(listener)
+                .context("listening for metrics")?
+                .run();
+                tracing::info!(%address, port = bound, "metrics listening");
+                (Some(bound), Some(server))
+            }
+            None => (None, None),
+        };
+        let metrics_here = metrics_port.is_none();
         let mut server = HttpServer::new(move || {
-            App::new()
-                .wrap(actix_web::middleware::from_fn(crate::metrics::record_http))
+            let app = App::new();
+            let app = if metrics_here {
+                app.route("/metrics", web::get().to(crate::metrics::exposition))
+            } else {
+                app
+            };
+            app.wrap(actix_web::middleware::from_fn(crate::metrics::record_http))
                 .wrap(
                     // The request line with secrets in its query redacted (a browser's socket
                     // sends its bearer token as `?token=`).
@@ -411,6 +448,8 @@ impl Application {
         tracing::info!(%address, port, "http listening");
         Ok(Application {
             port,
+            metrics_port,
+            metrics_server,
             server,
             background,
         })
@@ -420,9 +459,23 @@ impl Application {
         self.port
     }
 
+    /// The metrics listener's port, when it has one of its own.
+    pub fn metrics_port(&self) -> Option<u16> {
+        self.metrics_port
+    }
+
     /// Serve until SIGINT/SIGTERM (or until the server handle is stopped).
     pub async fn run_until_stopped(self) -> anyhow::Result<()> {
+        // The metrics listener ignores signals and stops with the API's server.
+        let metrics = self.metrics_server.map(|server| {
+            let handle = server.handle();
+            (tokio::spawn(server), handle)
+        });
         let served = self.server.await.context("http server failed");
+        if let Some((task, handle)) = metrics {
+            handle.stop(true).await;
+            drop(task.await);
+        }
         for task in self.background {
             task.abort();
         }

@@ -41,7 +41,6 @@ pub fn routes(config: &mut web::ServiceConfig) {
         .route("/health", web::get().to(health::health))
         .route("/ready", web::get().to(health::ready))
         .route("/api/openapi.json", web::get().to(openapi::document))
-        .route("/metrics", web::get().to(crate::metrics::exposition))
         .service(
             web::scope("/api/v1")
                 .route("/auth/register", web::post().to(auth::register))

@@ -208,3 +208,31 @@ async fn metrics_parse_and_follow_tasks_through_a_real_process() {
     drop(server);
     let _ = std::fs::remove_dir_all(&directory);
 }
+
+/// With `http.metrics_port`, `/metrics` answers there and no longer beside the API: the API can
+/// face users while the metrics stay internal.
+#[tokio::test]
+async fn metrics_on_a_port_of_their_own_leave_the_api_port() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let app = crate::helpers::spawn_app_with(move |settings| {
+        settings.http.metrics_port = Some(port);
+    })
+    .await;
+    let on_api = app.get("/metrics").await;
+    assert_eq!(on_api.status(), 404);
+    let scraped = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .unwrap();
+    assert_eq!(scraped.status(), 200);
+    let samples = parse(&scraped.text().await.unwrap());
+    assert_eq!(value(&samples, "zhihui_queue_depth"), 0.0);
+    // Nothing else is served there.
+    let other = reqwest::get(format!("http://127.0.0.1:{port}/api/v1/account"))
+        .await
+        .unwrap();
+    assert_eq!(other.status(), 404);
+}
