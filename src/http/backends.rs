@@ -187,13 +187,7 @@ pub async fn drain(
     admin: Admin,
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let pool = state
-        .dispatcher
-        .backend_pool()
-        .drain(&path, &admin.actor())
-        .await
-        .map_err(pool_error)?;
-    Ok(HttpResponse::Ok().json(named(&pool, &path)?))
+    set_draining(&state, &admin, &path, true).await
 }
 
 /// Put a drained server back in service.
@@ -207,13 +201,23 @@ pub async fn resume(
     admin: Admin,
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let pool = state
-        .dispatcher
-        .backend_pool()
-        .resume(&path, &admin.actor())
-        .await
-        .map_err(pool_error)?;
-    Ok(HttpResponse::Ok().json(named(&pool, &path)?))
+    set_draining(&state, &admin, &path, false).await
+}
+
+/// Drain or resume `name`; the server as the pool now has it.
+async fn set_draining(
+    state: &AppState,
+    admin: &Admin,
+    name: &str,
+    draining: bool,
+) -> Result<HttpResponse, ApiError> {
+    let pool = state.dispatcher.backend_pool();
+    let changed = if draining {
+        pool.drain(name, &admin.actor()).await
+    } else {
+        pool.resume(name, &admin.actor()).await
+    };
+    Ok(HttpResponse::Ok().json(named(&changed.map_err(pool_error)?, name)?))
 }
 
 /// Remove a server on which nothing runs (drain it first and wait until it is `drained`).

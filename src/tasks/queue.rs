@@ -175,29 +175,33 @@ impl TaskQueue {
     pub async fn remove(&self, task_id: TaskId) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
         let member = task_id.to_string();
-        let _: () = redis::pipe()
-            .atomic()
-            .zrem(self.queue_key(), &member)
-            .ignore()
-            .hdel(self.models_key(), &member)
-            .ignore()
-            .hdel(self.steps_key(), &member)
-            .ignore()
+        let mut pipe = redis::pipe();
+        pipe.atomic().zrem(self.queue_key(), &member).ignore();
+        let _: () = self
+            .forgetting_work(&mut pipe, &member)
             .query_async(&mut connection)
             .await
             .context("removing a task from the queue")?;
         Ok(())
     }
 
+    /// `pipe`, also dropping `member`'s model and steps from beside the queue.
+    fn forgetting_work<'a>(
+        &self,
+        pipe: &'a mut redis::Pipeline,
+        member: &str,
+    ) -> &'a mut redis::Pipeline {
+        pipe.hdel(self.models_key(), member)
+            .ignore()
+            .hdel(self.steps_key(), member)
+            .ignore()
+    }
+
     /// Forget a task's model once its dispatch is recorded (it will not be queued again).
     pub async fn forget_model(&self, task_id: TaskId) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let member = task_id.to_string();
-        let _: () = redis::pipe()
-            .hdel(self.models_key(), &member)
-            .ignore()
-            .hdel(self.steps_key(), &member)
-            .ignore()
+        let _: () = self
+            .forgetting_work(&mut redis::pipe(), &task_id.to_string())
             .query_async(&mut connection)
             .await
             .context("forgetting a dispatched task's model")?;

@@ -116,6 +116,27 @@ async fn serve_capturing(
     Serve { child, address }
 }
 
+/// `count` simulators offering the catalog's first model, 25 ms per step, under `directory`.
+async fn slow_sims(directory: &std::path::Path, count: usize) -> Vec<Simulator> {
+    let mut sims = Vec::new();
+    for index in 0..count {
+        sims.push(
+            Simulator::start(SimConfig {
+                bind: "127.0.0.1:0".parse().unwrap(),
+                output_dir: directory.join(format!("sim-{index}")),
+                models: vec!["majicmixRealistic_v7.safetensors".into()],
+                faults: Faults {
+                    step_delay_ms: 25,
+                    ..Faults::default()
+                },
+            })
+            .await
+            .unwrap(),
+        );
+    }
+    sims
+}
+
 /// The dispatcher leader lease's value (`<instance>:<fencing token>`), if anyone holds it.
 async fn leader(redis: &mut redis::aio::MultiplexedConnection, prefix: &str) -> Option<String> {
     redis::cmd("GET")
@@ -146,23 +167,8 @@ async fn wait_for_leader(
 async fn the_dispatching_process_killed_mid_run_is_replaced_and_the_other_one_tells_the_user() {
     let app = spawn_app().await;
     let directory = std::env::temp_dir().join(format!("zhihui-processes-{}", Uuid::now_v7()));
-    let mut sims = Vec::new();
-    for index in 0..2 {
-        sims.push(
-            Simulator::start(SimConfig {
-                bind: "127.0.0.1:0".parse().unwrap(),
-                output_dir: directory.join(format!("sim-{index}")),
-                models: vec!["majicmixRealistic_v7.safetensors".into()],
-                // 40 steps of 25 ms: a task runs for a second.
-                faults: Faults {
-                    step_delay_ms: 25,
-                    ..Faults::default()
-                },
-            })
-            .await
-            .unwrap(),
-        );
-    }
+    // 40 steps of 25 ms: a task runs for a second.
+    let sims = slow_sims(&directory, 2).await;
     let backends = sims
         .iter()
         .enumerate()
@@ -884,22 +890,7 @@ async fn a_claims_consumer_killed_mid_stream_is_taken_over_and_no_claim_is_lost(
 async fn a_pool_changed_through_one_process_survives_its_leaders_sigkill() {
     let app = spawn_app().await;
     let directory = std::env::temp_dir().join(format!("zhihui-pool-kill-{}", Uuid::now_v7()));
-    let mut sims = Vec::new();
-    for index in 0..3 {
-        sims.push(
-            Simulator::start(SimConfig {
-                bind: "127.0.0.1:0".parse().unwrap(),
-                output_dir: directory.join(format!("sim-{index}")),
-                models: vec!["majicmixRealistic_v7.safetensors".into()],
-                faults: Faults {
-                    step_delay_ms: 25,
-                    ..Faults::default()
-                },
-            })
-            .await
-            .unwrap(),
-        );
-    }
+    let sims = slow_sims(&directory, 3).await;
     let backends = format!(
         "gpu-0 {} 1,gpu-1 {} 1",
         sims[0].base_url(),

@@ -263,7 +263,8 @@ impl Saga {
             .iter()
             .enumerate()
             .filter(|(_, backend)| !backend.removed)
-            .map(|(index, backend)| BackendStatus {
+            .map(|(index, backend)| (index, backend, self.step_times.of(&backend.settings.name)))
+            .map(|(index, backend, seconds_per_step)| BackendStatus {
                 name: backend.settings.name.clone(),
                 up: backend.client_id.is_some(),
                 draining: backend.draining,
@@ -273,23 +274,28 @@ impl Saga {
                 model_switches: backend.model_switches,
                 last_error: backend.last_error.as_ref().map(|(text, _)| text.clone()),
                 last_error_at: backend.last_error.as_ref().map(|(_, at)| *at),
-                seconds_per_step: self.step_times.of(&backend.settings.name),
-                slots_free_in: self.slots_free_in(index),
+                slots_free_in: self.slots_free_in(index, &seconds_per_step),
+                seconds_per_step,
                 published_at: now,
             })
             .collect()
     }
 
-    /// Seconds until each slot of `backend` is free for a queued task: what runs there has its
+    /// Seconds until each slot of `backend` (measured `seconds_per_step` there) is free for a
+    /// queued task: what runs there has its
     /// expected run less the time it ran; what waits there (posted ahead, posting, staged) runs
     /// after it, in claim order, on the slot that frees first.
-    pub(super) fn slots_free_in(&self, backend: usize) -> Vec<f64> {
+    pub(super) fn slots_free_in(
+        &self,
+        backend: usize,
+        seconds_per_step: &std::collections::BTreeMap<String, f64>,
+    ) -> Vec<f64> {
         let state = &self.backends[backend];
         let outlook = ServerOutlook {
             name: state.settings.name.clone(),
             models: None,
             slots_free_in: Vec::new(),
-            seconds_per_step: self.step_times.of(&state.settings.name),
+            seconds_per_step: seconds_per_step.clone(),
         };
         let capacity = state.settings.capacity.max(1) as usize;
         let mut slots: Vec<f64> = Vec::with_capacity(capacity);
