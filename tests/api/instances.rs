@@ -714,3 +714,86 @@ async fn grants_codes_and_promotions_read_at_the_edge_alternate_instances_and_se
     assert_balance(&b, &token, "117.00", "0.00").await;
     project_and_verify(&a).await;
 }
+
+async fn submit_model(instance: &TestApp, token: &str, model: &str) -> reqwest::Response {
+    let body = json!({"prompt": "a lighthouse", "model": model});
+    submit(instance, token, &body, None).await
+}
+
+/// The model check of a submit across instances, each with its own cached pool: a stale cache
+/// never refuses (the instance whose cache lacks a model a server has since reported reads the
+/// pool's latest version and accepts), a refusal moves no point, and whatever was accepted
+/// through one instance is cancelled through the other with every point back.
+#[tokio::test]
+async fn a_submit_is_refused_for_its_model_only_on_the_pools_latest_version() {
+    let a = spawn_app().await;
+    let b = a.another_instance().await;
+    let user = a.register("model-doors", "correct horse battery").await;
+    let token = b.login("model-doors", "correct horse battery").await;
+    let admin = a.admin_token("admin-model-doors").await;
+    grant_via(&a, &admin, &user, "10").await;
+    let (first, second) = (
+        "majicmixRealistic_v7.safetensors",
+        "anythingelseV4_v45.safetensors",
+    );
+    // Another process of the pool (the leader would record what the server says).
+    let side = a.services();
+    let inspected = |models: &[&str]| {
+        let pool = side.dispatcher.backend_pool().clone();
+        let models: Vec<String> = models.iter().map(|model| (*model).to_owned()).collect();
+        async move {
+            pool.inspected("gpu-0", models, "0.3.64".into())
+                .await
+                .unwrap();
+        }
+    };
+
+    // A server added through a (its models not known yet: a caches "may offer anything").
+    let added = a
+        .post(
+            "/api/v1/admin/backends",
+            Some(&admin),
+            &json!({"name": "gpu-0", "url": "http://127.0.0.1:9"}),
+        )
+        .await;
+    assert_eq!(added.status(), 201);
+    inspected(&[first]).await;
+
+    // b has no cached pool: it reads the latest, and refuses; nothing moves.
+    let refused = submit_model(&b, &token, second).await;
+    assert_eq!(refused.status(), 409);
+    let problem: Value = refused.json().await.unwrap();
+    assert_eq!(problem["type"], "/problems/model-unavailable");
+    assert_balance(&a, &token, "10.00", "0.00").await;
+
+    // a's cache still says the server may offer anything: it accepts (a cache may speed an
+    // acceptance; the task waits in the queue for a server with its model).
+    let accepted_on_a = submit_model(&a, &token, second).await;
+    assert_eq!(accepted_on_a.status(), 201);
+    let accepted_on_a: Value = accepted_on_a.json().await.unwrap();
+    assert_balance(&b, &token, "9.00", "1.00").await;
+
+    // The server now reports the second model; b's cache says it does not: b reads the latest
+    // version before refusing, and accepts.
+    inspected(&[first, second]).await;
+    let accepted_on_b = submit_model(&b, &token, second).await;
+    assert_eq!(accepted_on_b.status(), 201);
+    let accepted_on_b: Value = accepted_on_b.json().await.unwrap();
+    assert_balance(&a, &token, "8.00", "2.00").await;
+
+    // Each cancelled through the other instance: every point back.
+    for (instance, task) in [(&b, &accepted_on_a), (&a, &accepted_on_b)] {
+        let cancelled = act(
+            instance,
+            &token,
+            "cancel",
+            task["task_id"].as_str().unwrap(),
+        )
+        .await;
+        assert_eq!(cancelled.status(), 200);
+    }
+    for instance in [&a, &b] {
+        assert_balance(instance, &token, "10.00", "0.00").await;
+    }
+    project_and_verify(&a).await;
+}
