@@ -1079,8 +1079,22 @@ async fn run_node(
                     true,
                 )
             };
-            let prompt_text = crate::ojson::to_string(&OValue::Object(run.prompt.clone()));
-            let mut results = save_images(&images, &prefix, &base, kind, &prompt_text, fast)?;
+            // SaveImage's metadata (nodes.py `save_images`): `prompt` and each `extra_pnginfo`
+            // entry as `json.dumps(...)`, which is ASCII whatever language the prompt is in.
+            let mut texts = vec![(
+                "prompt".to_owned(),
+                crate::ojson::py_json_dumps(&OValue::Object(run.prompt.clone())),
+            )];
+            if let Some(extra) = run
+                .extra_data
+                .get("extra_pnginfo")
+                .and_then(OValue::as_object)
+            {
+                for (key, value) in extra.iter() {
+                    texts.push((key.clone(), crate::ojson::py_json_dumps(value)));
+                }
+            }
+            let mut results = save_images(&images, &prefix, &base, kind, &texts, fast)?;
             if def.name == "SaveImage" && run.inst.shared.faults().hostile_outputs {
                 // A compromised or buggy server: one output more than asked for, outside the
                 // prompt's own prefix.
@@ -1141,7 +1155,7 @@ fn save_images(
     prefix: &str,
     output_dir: &Path,
     kind: &str,
-    prompt_text: &str,
+    texts: &[(String, String)],
     fast: bool,
 ) -> Result<Vec<OValue>, Failure> {
     let (w, h) = images
@@ -1240,7 +1254,7 @@ fn save_images(
             filename.replace("%batch_num%", &batch_number.to_string())
         );
         image
-            .save_png(&full.join(&name), Some(prompt_text), fast)
+            .save_png(&full.join(&name), texts, fast)
             .map_err(|e| {
                 runtime_error(
                     "OSError",

@@ -444,6 +444,73 @@ pub fn to_string<T: Serialize>(value: &T) -> String {
     serde_json::to_string(value).unwrap_or_else(|_| "null".to_owned())
 }
 
+/// Python's `json.dumps(value)` with its defaults, as ComfyUI's SaveImage writes the prompt into
+/// a PNG: `", "` and `": "` separators, and `ensure_ascii`: every character outside printable
+/// ASCII as `\uXXXX` (astral ones as a surrogate pair), so the text is plain ASCII and fits PNG
+/// `tEXt`, which is Latin-1 only.
+pub fn py_json_dumps(value: &OValue) -> String {
+    let mut out = String::new();
+    write_py_json(value, &mut out);
+    out
+}
+
+fn write_py_json(value: &OValue, out: &mut String) {
+    match value {
+        OValue::Null => out.push_str("null"),
+        OValue::Bool(true) => out.push_str("true"),
+        OValue::Bool(false) => out.push_str("false"),
+        OValue::Number(n) => out.push_str(&PyNum::from_number(n).to_string()),
+        OValue::String(s) => write_py_json_str(s, out),
+        OValue::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                write_py_json(item, out);
+            }
+            out.push(']');
+        }
+        OValue::Object(map) => {
+            out.push('{');
+            for (i, (key, item)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                write_py_json_str(key, out);
+                out.push_str(": ");
+                write_py_json(item, out);
+            }
+            out.push('}');
+        }
+    }
+}
+
+/// `json.encoder.py_encode_basestring_ascii`: `"` and `\\` escaped, the five short control
+/// escapes, everything else outside `' '..='~'` as `\u` + four lowercase hex digits.
+fn write_py_json_str(s: &str, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            ' '..='~' => out.push(c),
+            c => {
+                let mut units = [0u16; 2];
+                for unit in c.encode_utf16(&mut units) {
+                    let _ = write!(out, "\\u{unit:04x}");
+                }
+            }
+        }
+    }
+    out.push('"');
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -456,5 +523,17 @@ mod tests {
         assert_eq!(py_float(1e-7), "1e-07");
         assert_eq!(py_float(10.0), "10.0");
         assert_eq!(py_float(0.5), "0.5");
+    }
+
+    #[test]
+    fn dumps_like_python_json_with_ensure_ascii() {
+        let v: OValue = serde_json::from_str(
+            r#"{"6": {"class_type": "CLIPTextEncode", "inputs": {"text": "一只红狐狸 🦊 雪の中 \"q\" \\ \n\t\u0001\u007f é", "clip": ["4", 1]}}, "3": {"inputs": {"seed": 18446744073709551615, "cfg": 7.0, "denoise": 1, "x": 1e-7, "y": 1e16, "z": 0.1, "b": true, "n": null}}}"#,
+        )
+        .expect("json");
+        // Bytes as Python 3.11's `json.dumps` printed them for the same object.
+        let python = r#"{"6": {"class_type": "CLIPTextEncode", "inputs": {"text": "\u4e00\u53ea\u7ea2\u72d0\u72f8 \ud83e\udd8a \u96ea\u306e\u4e2d \"q\" \\ \n\t\u0001\u007f \u00e9", "clip": ["4", 1]}}, "3": {"inputs": {"seed": 18446744073709551615, "cfg": 7.0, "denoise": 1, "x": 1e-07, "y": 1e+16, "z": 0.1, "b": true, "n": null}}}"#;
+        assert_eq!(py_json_dumps(&v), python);
+        assert!(py_json_dumps(&v).is_ascii());
     }
 }

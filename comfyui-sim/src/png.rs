@@ -70,8 +70,10 @@ impl RgbImage {
         }
     }
 
-    /// Encode as PNG, with ComfyUI's `prompt` text chunk so files look like the real ones.
-    pub fn encode_png(&self, prompt_text: Option<&str>, fast: bool) -> anyhow::Result<Vec<u8>> {
+    /// Encode as PNG with `texts` as `tEXt` chunks (ComfyUI's `prompt` and `workflow`), so files
+    /// look like the real ones. `tEXt` is Latin-1: the png crate refuses other text, as Pillow
+    /// would write it as `iTXt` instead; ComfyUI's texts are ASCII JSON.
+    pub fn encode_png(&self, texts: &[(String, String)], fast: bool) -> anyhow::Result<Vec<u8>> {
         let mut out = Vec::new();
         {
             let mut encoder = png::Encoder::new(&mut out, self.width, self.height);
@@ -82,8 +84,8 @@ impl RgbImage {
             } else {
                 png::Compression::Default
             });
-            if let Some(text) = prompt_text {
-                encoder.add_text_chunk("prompt".to_owned(), text.to_owned())?;
+            for (keyword, text) in texts {
+                encoder.add_text_chunk(keyword.clone(), text.clone())?;
             }
             let mut writer = encoder.write_header()?;
             writer.write_image_data(&self.pixels)?;
@@ -95,10 +97,10 @@ impl RgbImage {
     pub fn save_png(
         &self,
         path: &Path,
-        prompt_text: Option<&str>,
+        texts: &[(String, String)],
         fast: bool,
     ) -> anyhow::Result<()> {
-        let bytes = self.encode_png(prompt_text, fast)?;
+        let bytes = self.encode_png(texts, fast)?;
         let mut file = std::fs::File::create(path)?;
         file.write_all(&bytes)?;
         Ok(())

@@ -12,6 +12,7 @@ mod health;
 mod helpers;
 mod instances;
 mod labels;
+mod languages;
 mod ledger;
 mod metrics;
 mod migrations;

@@ -363,3 +363,29 @@ pub(super) fn failure_reason(node_type: &str, message: &str) -> String {
         (false, false) => format!("generation failed on the image server at {node_type}: {short}"),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::failure_reason;
+
+    #[test]
+    fn a_failure_reason_in_any_script_is_cut_on_a_character_and_loses_its_paths() {
+        // Three bytes a character: 300 of them cut at 200 characters, never inside one.
+        let message = format!("{} /opt/ComfyUI/模型.py", "显存不足".repeat(75));
+        let reason = failure_reason("KSampler采样器", &message);
+        let said = reason
+            .strip_prefix("generation failed on the image server at KSampler采样器: ")
+            .unwrap_or_else(|| panic!("{reason}"));
+        assert_eq!(said.chars().count(), 200);
+        assert!(said.chars().all(|c| "显存不足".contains(c)));
+        assert!(!reason.contains("/opt"));
+        let emoji = failure_reason("", &"🦊".repeat(201));
+        assert_eq!(
+            emoji,
+            format!(
+                "generation failed on the image server: {}",
+                "🦊".repeat(200)
+            )
+        );
+    }
+}
