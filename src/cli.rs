@@ -117,6 +117,17 @@ pub enum BackendsCommand {
     Resume { name: String },
     /// Remove a server nothing runs on.
     Remove { name: String },
+    /// Give a server another address or capacity (refused while a prompt runs there).
+    Reconfigure {
+        name: String,
+        url: String,
+        #[arg(long, default_value_t = 1)]
+        capacity: u32,
+    },
+    /// Make the pool what `dispatch.backends` says (the configuration seeds the pool only at
+    /// the first start): add, reconfigure and remove servers, each recorded as a pool event. A
+    /// server still running a prompt is left as it is and reported; exits non-zero then.
+    ApplyConfig,
 }
 
 #[derive(Debug, Subcommand)]
@@ -475,12 +486,27 @@ async fn backends(settings: &Settings, command: BackendsCommand) -> anyhow::Resu
     let state = app_state(settings)?;
     let pool = state.dispatcher.backend_pool();
     let actor = "cli:backends";
+    let configured = settings.dispatch.parsed_backends()?;
     let changed = match command {
         BackendsCommand::List { json } => {
             let views = pool.list().await?;
+            let differences = pool.differences(&configured).await?;
             let mut out = std::io::stdout().lock();
             if json {
-                serde_json::to_writer_pretty(&mut out, &views).context("writing JSON")?;
+                let differences: Vec<serde_json::Value> = differences
+                    .iter()
+                    .map(|difference| {
+                        serde_json::json!({
+                            "difference": difference.to_string(),
+                            "apply": difference.command(),
+                        })
+                    })
+                    .collect();
+                let listing = serde_json::json!({
+                    "backends": views,
+                    "configuration_differences": differences,
+                });
+                serde_json::to_writer_pretty(&mut out, &listing).context("writing JSON")?;
                 writeln!(out).context("writing to standard output")?;
                 return Ok(());
             }
@@ -517,7 +543,57 @@ async fn backends(settings: &Settings, command: BackendsCommand) -> anyhow::Resu
                 )
                 .context("writing to standard output")?;
             }
+            if !differences.is_empty() {
+                writeln!(
+                    out,
+                    "\ndispatch.backends differs from the pool (the pool is used; `zhihui backends apply-config` applies them all):"
+                )
+                .context("writing to standard output")?;
+                for difference in &differences {
+                    writeln!(out, "  {difference}\n    apply: {}", difference.command())
+                        .context("writing to standard output")?;
+                }
+            }
             return Ok(());
+        }
+        BackendsCommand::ApplyConfig => {
+            let applied = pool.apply_configuration(&configured, actor).await?;
+            let mut out = std::io::stdout().lock();
+            if applied.is_empty() {
+                writeln!(
+                    out,
+                    "the pool is what dispatch.backends says: nothing to apply"
+                )
+                .context("writing to standard output")?;
+                return Ok(());
+            }
+            let mut refused = 0;
+            for (difference, outcome) in &applied {
+                match outcome {
+                    Ok(()) => writeln!(out, "applied: {difference}"),
+                    Err(error) => {
+                        refused += 1;
+                        writeln!(out, "not applied: {difference}: {error}")
+                    }
+                }
+                .context("writing to standard output")?;
+            }
+            if refused > 0 {
+                anyhow::bail!(
+                    "{refused} difference(s) not applied: a server configured away is drained meanwhile; apply again once its prompts have ended"
+                );
+            }
+            return Ok(());
+        }
+        BackendsCommand::Reconfigure {
+            name,
+            url,
+            capacity,
+        } => {
+            let backend = zhihui_domain::pool::NewBackend::parse(&name, &url, capacity)?;
+            pool.reconfigure(backend, actor)
+                .await
+                .map(|_| format!("{name} is now {url} with capacity {capacity}"))
         }
         BackendsCommand::Add {
             name,

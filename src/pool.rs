@@ -23,7 +23,8 @@ use deadpool_postgres::Pool;
 use redis::AsyncCommands;
 use serde::{Deserialize, Serialize};
 use zhihui_domain::pool::{
-    BackendPool, NewBackend, POOL_STREAM, PoolBackend, PoolCommand, PoolError, PoolState,
+    BackendPool, NewBackend, POOL_STREAM, PoolBackend, PoolCommand, PoolDifference, PoolError,
+    PoolState,
 };
 
 use crate::clock::Clock;
@@ -41,6 +42,10 @@ pub const STATUS_KEY: &str = "dispatch:backends";
 pub const HELD_KEY: &str = "dispatch:held";
 /// The pool version (events folded) [`HELD_KEY`] was written from.
 const HELD_VERSION_KEY: &str = "dispatch:held:version";
+/// A pool read longer ago than this no longer accepts a model by itself: a server inspected or
+/// removed since (by another process) may have taken the model away. Bounds how long a process
+/// accepts tasks for a model nobody offers any more (they would wait in the queue).
+const POOL_CACHE_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(5);
 /// A status older than this is not the leader's current view (it is gone, or stuck): "unknown".
 pub const STATUS_STALE_MS: i64 = 10_000;
 
@@ -123,8 +128,9 @@ pub struct PoolService {
     database: Pool,
     leases: Leases,
     clock: Clock,
-    /// The pool as last read here: accepts a model quickly; never refuses one.
-    cached: Arc<Mutex<Option<PoolState>>>,
+    /// The pool as last read here, and when: accepts a model quickly (while younger than
+    /// [`POOL_CACHE_MAX_AGE`]); never refuses one.
+    cached: Arc<Mutex<Option<(PoolState, std::time::Instant)>>>,
 }
 
 impl PoolService {
@@ -156,7 +162,7 @@ impl PoolService {
 
     fn remember(&self, state: &PoolState) {
         if let Ok(mut cached) = self.cached.lock() {
-            *cached = Some(state.clone());
+            *cached = Some((state.clone(), std::time::Instant::now()));
         }
     }
 
@@ -185,11 +191,7 @@ impl PoolService {
     /// Record the configured servers if the pool has never been recorded (first start); a pool
     /// already recorded is left as the admins made it.
     pub async fn seed(&self, configured: &[BackendSettings]) -> anyhow::Result<PoolState> {
-        let backends = configured
-            .iter()
-            .map(|backend| NewBackend::parse(&backend.name, &backend.url, backend.capacity))
-            .collect::<Result<Vec<_>, _>>()
-            .context("dispatch.backends")?;
+        let backends = parse_configured(configured)?;
         let command = PoolCommand::Seed {
             backends,
             at: self.clock.now(),
@@ -249,15 +251,114 @@ impl PoolService {
     }
 
     /// Remove a server nothing runs on: its slot leases (prompts posted or staged there, Redis
-    /// time) say how many run there now.
+    /// time) say how many run there now. An idle server is drained first (held in Redis), so
+    /// that no task is claimed for it between the answer and the moment the leader follows the
+    /// removal; a server found busy is refused and left as it was.
     pub async fn remove(&self, name: &str, actor: &str) -> Result<PoolState, PoolServiceError> {
-        let in_flight = self.leases.busy_slots(name).await?.len();
+        let busy = self.leases.busy_slots(name).await?.len();
+        if busy == 0 && self.load().await?.backend(name).is_some() {
+            self.drain(name, actor).await?;
+        }
+        // Read again after the hold: a claim may have slipped in before it.
+        let in_flight = if busy == 0 {
+            self.leases.busy_slots(name).await?.len()
+        } else {
+            busy
+        };
         let command = PoolCommand::Remove {
             name: name.to_owned(),
             prompts_in_flight: u32::try_from(in_flight).unwrap_or(u32::MAX),
             at: self.clock.now(),
         };
         self.execute(command, actor).await
+    }
+
+    /// Give a server another address or capacity, when nothing runs there (its slot leases).
+    pub async fn reconfigure(
+        &self,
+        backend: NewBackend,
+        actor: &str,
+    ) -> Result<PoolState, PoolServiceError> {
+        let in_flight = self.leases.busy_slots(backend.name()).await?.len();
+        let command = PoolCommand::Reconfigure {
+            backend,
+            prompts_in_flight: u32::try_from(in_flight).unwrap_or(u32::MAX),
+            at: self.clock.now(),
+        };
+        self.execute(command, actor).await
+    }
+
+    /// How `configured` differs from the pool on the stream's latest version (nothing when the
+    /// pool was never recorded: the first leader seeds it from the configuration).
+    pub async fn differences(
+        &self,
+        configured: &[BackendSettings],
+    ) -> anyhow::Result<Vec<PoolDifference>> {
+        // Not remembered: a reading for operators must not stand in for the submit's check.
+        let state = command::load::<BackendPool>(&self.store, POOL_STREAM)
+            .await?
+            .state;
+        if !state.seeded {
+            return Ok(Vec::new());
+        }
+        Ok(zhihui_domain::pool::differences(
+            &state,
+            &parse_configured(configured)?,
+        ))
+    }
+
+    /// Log each difference between the configuration and the pool, with the command that
+    /// applies it (at every start: a changed configuration is never taken silently, nor
+    /// ignored silently).
+    pub async fn warn_of_differences(&self, configured: &[BackendSettings]) -> anyhow::Result<()> {
+        let differences = self.differences(configured).await?;
+        for difference in &differences {
+            tracing::warn!(
+                difference = %difference,
+                apply = %difference.command(),
+                "dispatch.backends differs from the pool, which the backend-pool stream holds: the pool is used"
+            );
+        }
+        if !differences.is_empty() {
+            tracing::warn!(
+                count = differences.len(),
+                "run `zhihui backends apply-config` to make the pool what dispatch.backends says, or change dispatch.backends"
+            );
+        }
+        Ok(())
+    }
+
+    /// Make the pool what `configured` says, one recorded change per difference: servers added,
+    /// reconfigured, removed. A server that still runs a prompt is neither removed nor
+    /// reconfigured (its result says so); one configured away is drained meanwhile, so apply
+    /// again once it is idle.
+    pub async fn apply_configuration(
+        &self,
+        configured: &[BackendSettings],
+        actor: &str,
+    ) -> anyhow::Result<Vec<(PoolDifference, Result<(), PoolServiceError>)>> {
+        let mut applied = Vec::new();
+        for difference in self.differences(configured).await? {
+            let outcome = match &difference {
+                PoolDifference::NotInPool(backend) => self.add(backend.clone(), actor).await,
+                PoolDifference::NotConfigured { name } => {
+                    let removed = self.remove(name, actor).await;
+                    if matches!(
+                        removed,
+                        Err(PoolServiceError::Rejected(PoolError::Busy { .. }))
+                    ) {
+                        // Configured away: nothing new goes there while its prompts finish.
+                        self.drain(name, actor).await?;
+                    }
+                    removed
+                }
+                PoolDifference::Differs { configured, .. } => {
+                    self.reconfigure(configured.clone(), actor).await
+                }
+            };
+            applied.push((difference, outcome.map(|_| ())));
+        }
+        Ok(applied)
     }
 
     /// What a server said it offers, recorded when it says something new.
@@ -279,11 +380,12 @@ impl PoolService {
     /// Whether some server of the pool offers `model` (or has not said yet). A "yes" may come
     /// from this process's cache; a "no" only from the stream's latest version.
     pub async fn may_run(&self, model: &str) -> anyhow::Result<bool> {
-        let cached = self
-            .cached
-            .lock()
-            .ok()
-            .and_then(|cached| cached.as_ref().map(|state| state.may_run(model)));
+        let cached = self.cached.lock().ok().and_then(|cached| {
+            cached
+                .as_ref()
+                .filter(|(_, read_at)| read_at.elapsed() < POOL_CACHE_MAX_AGE)
+                .map(|(state, _)| state.may_run(model))
+        });
         if cached == Some(true) {
             return Ok(true);
         }
@@ -323,9 +425,14 @@ impl PoolService {
         Ok(statuses)
     }
 
-    /// The pool as this process last read it (read now if never).
+    /// The pool as this process last read it (read now if never, or too long ago).
     async fn current(&self) -> anyhow::Result<PoolState> {
-        let cached = self.cached.lock().ok().and_then(|cached| cached.clone());
+        let cached = self.cached.lock().ok().and_then(|cached| {
+            cached
+                .as_ref()
+                .filter(|(_, read_at)| read_at.elapsed() < POOL_CACHE_MAX_AGE)
+                .map(|(state, _)| state.clone())
+        });
         match cached {
             Some(state) => Ok(state),
             None => self.load().await,
@@ -454,6 +561,15 @@ impl PoolService {
             })
             .collect())
     }
+}
+
+/// `dispatch.backends`, checked as the pool checks a server.
+fn parse_configured(configured: &[BackendSettings]) -> anyhow::Result<Vec<NewBackend>> {
+    configured
+        .iter()
+        .map(|backend| NewBackend::parse(&backend.name, &backend.url, backend.capacity))
+        .collect::<Result<Vec<_>, _>>()
+        .context("dispatch.backends")
 }
 
 /// A server's one-word state for operators.

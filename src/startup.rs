@@ -362,14 +362,26 @@ impl Application {
                 tasks.run_sweeper().await;
             }));
         }
+        {
+            // The pool lives in its stream; the configuration seeds it once. Say at every start
+            // how the configuration differs from it, so an edit is never dropped silently.
+            let pool = state.dispatcher.backend_pool().clone();
+            let configured = settings.dispatch.parsed_backends()?;
+            background.push(tokio::spawn(async move {
+                if let Err(error) = pool.warn_of_differences(&configured).await {
+                    tracing::warn!(error = %crate::telemetry::error_chain(&error), "could not compare dispatch.backends with the pool");
+                }
+            }));
+        }
         if settings.dispatch.enabled {
+            // Also with no server configured: admins may have added servers to the pool at run
+            // time, and an empty pool costs the leader nothing but its lease.
             if settings.dispatch.backends.is_empty() {
-                tracing::warn!(
-                    "dispatch.backends is empty: queued tasks wait until servers are configured"
+                tracing::info!(
+                    "dispatch.backends is empty: the pool is what admins add (`zhihui backends add`)"
                 );
-            } else {
-                background.push(state.dispatcher.clone().spawn_run());
             }
+            background.push(state.dispatcher.clone().spawn_run());
         }
 
         let address = format!("{}:{}", settings.http.host, settings.http.port);

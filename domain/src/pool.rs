@@ -91,6 +91,15 @@ pub struct BackendAdded {
     pub at: DateTime<Utc>,
 }
 
+/// A server's address or capacity changed in place (the configuration applied on purpose).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BackendReconfigured {
+    pub name: String,
+    pub url: String,
+    pub capacity: u32,
+    pub at: DateTime<Utc>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BackendNamed {
     pub name: String,
@@ -112,15 +121,17 @@ pub enum PoolEvent {
     Resumed(BackendNamed),
     Removed(BackendNamed),
     Inspected(BackendInspected),
+    Reconfigured(BackendReconfigured),
 }
 
 /// The event types of the pool stream (the leader subscribes to them).
-pub const POOL_EVENT_TYPES: [&str; 5] = [
+pub const POOL_EVENT_TYPES: [&str; 6] = [
     "BackendAdded",
     "BackendDrained",
     "BackendResumed",
     "BackendRemoved",
     "BackendInspected",
+    "BackendReconfigured",
 ];
 
 /// A server to add, checked: [`NewBackend::parse`].
@@ -200,6 +211,14 @@ pub enum PoolCommand {
         prompts_in_flight: u32,
         at: DateTime<Utc>,
     },
+    /// Give a server another address or capacity (the configuration applied on purpose):
+    /// refused while prompts run there, like a removal, since the leader follows it as a new
+    /// server.
+    Reconfigure {
+        backend: NewBackend,
+        prompts_in_flight: u32,
+        at: DateTime<Utc>,
+    },
     /// What the server said it offers (`/object_info`) and its version (`/system_stats`).
     Inspect {
         name: String,
@@ -232,6 +251,102 @@ pub enum PoolError {
         name: String,
         prompts_in_flight: u32,
     },
+}
+
+/// How the configuration's servers differ from the recorded pool. The configuration seeds the
+/// pool once; after that the stream is the truth and a changed configuration is only reported,
+/// until an operator applies it on purpose (`zhihui backends apply-config`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PoolDifference {
+    /// Configured, not in the pool: applying adds it.
+    NotInPool(NewBackend),
+    /// In the pool, not configured: applying removes it (refused while prompts run there).
+    NotConfigured { name: String },
+    /// Both have it, with another address or capacity: applying reconfigures it (refused while
+    /// prompts run there).
+    Differs {
+        name: String,
+        pool_url: String,
+        pool_capacity: u32,
+        configured: NewBackend,
+    },
+}
+
+impl PoolDifference {
+    /// The command that applies this one difference.
+    pub fn command(&self) -> String {
+        match self {
+            PoolDifference::NotInPool(backend) => format!(
+                "zhihui backends add {} {} --capacity {}",
+                backend.name, backend.url, backend.capacity
+            ),
+            PoolDifference::NotConfigured { name } => format!("zhihui backends remove {name}"),
+            PoolDifference::Differs {
+                name, configured, ..
+            } => format!(
+                "zhihui backends reconfigure {name} {} --capacity {}",
+                configured.url, configured.capacity
+            ),
+        }
+    }
+}
+
+impl std::fmt::Display for PoolDifference {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PoolDifference::NotInPool(backend) => write!(
+                f,
+                "{} ({}, capacity {}) is configured but not in the pool",
+                backend.name, backend.url, backend.capacity
+            ),
+            PoolDifference::NotConfigured { name } => {
+                write!(f, "{name} is in the pool but not configured")
+            }
+            PoolDifference::Differs {
+                name,
+                pool_url,
+                pool_capacity,
+                configured,
+            } => write!(
+                f,
+                "{name} is {pool_url} with capacity {pool_capacity} in the pool, {} with capacity {} in the configuration",
+                configured.url, configured.capacity
+            ),
+        }
+    }
+}
+
+/// Every difference between the configured servers and `state`, configured ones first in their
+/// order, then the pool's extra ones in theirs. Draining is not configuration: not compared.
+pub fn differences(state: &PoolState, configured: &[NewBackend]) -> Vec<PoolDifference> {
+    let mut found = Vec::new();
+    for backend in configured {
+        match state.backend(&backend.name) {
+            None => found.push(PoolDifference::NotInPool(backend.clone())),
+            Some(recorded)
+                if recorded.url != backend.url || recorded.capacity != backend.capacity =>
+            {
+                found.push(PoolDifference::Differs {
+                    name: backend.name.clone(),
+                    pool_url: recorded.url.clone(),
+                    pool_capacity: recorded.capacity,
+                    configured: backend.clone(),
+                });
+            }
+            Some(_) => {}
+        }
+    }
+    for recorded in &state.backends {
+        if !configured
+            .iter()
+            .any(|backend| backend.name == recorded.name)
+        {
+            found.push(PoolDifference::NotConfigured {
+                name: recorded.name.clone(),
+            });
+        }
+    }
+    found
 }
 
 #[derive(Debug)]
@@ -309,6 +424,28 @@ impl Decider for BackendPool {
                 }
                 Ok(vec![PoolEvent::Removed(named(name, *at))])
             }
+            PoolCommand::Reconfigure {
+                backend,
+                prompts_in_flight,
+                at,
+            } => {
+                let existing = found(state, &backend.name)?;
+                if existing.url == backend.url && existing.capacity == backend.capacity {
+                    return Ok(vec![]);
+                }
+                if *prompts_in_flight > 0 {
+                    return Err(PoolError::Busy {
+                        name: backend.name.clone(),
+                        prompts_in_flight: *prompts_in_flight,
+                    });
+                }
+                Ok(vec![PoolEvent::Reconfigured(BackendReconfigured {
+                    name: backend.name.clone(),
+                    url: backend.url.clone(),
+                    capacity: backend.capacity,
+                    at: *at,
+                })])
+            }
             PoolCommand::Inspect {
                 name,
                 models,
@@ -368,6 +505,18 @@ impl Decider for BackendPool {
                     backend.version = Some(e.version.clone());
                 }
             }
+            PoolEvent::Reconfigured(e) => {
+                if let Some(backend) = state.backend_mut(&e.name) {
+                    if backend.url != e.url {
+                        // Another address may be another server: what it offers is unknown
+                        // until it is inspected again.
+                        backend.models = None;
+                        backend.version = None;
+                    }
+                    backend.url.clone_from(&e.url);
+                    backend.capacity = e.capacity;
+                }
+            }
         }
         state
     }
@@ -403,6 +552,7 @@ impl DomainEvent for PoolEvent {
             PoolEvent::Resumed(_) => "BackendResumed",
             PoolEvent::Removed(_) => "BackendRemoved",
             PoolEvent::Inspected(_) => "BackendInspected",
+            PoolEvent::Reconfigured(_) => "BackendReconfigured",
         }
     }
 
@@ -415,6 +565,7 @@ impl DomainEvent for PoolEvent {
             PoolEvent::Added(e) => payload_of(e),
             PoolEvent::Drained(e) | PoolEvent::Resumed(e) | PoolEvent::Removed(e) => payload_of(e),
             PoolEvent::Inspected(e) => payload_of(e),
+            PoolEvent::Reconfigured(e) => payload_of(e),
         }
     }
 
@@ -430,6 +581,9 @@ impl DomainEvent for PoolEvent {
             "BackendResumed" => Ok(PoolEvent::Resumed(parse_payload(event_type, payload)?)),
             "BackendRemoved" => Ok(PoolEvent::Removed(parse_payload(event_type, payload)?)),
             "BackendInspected" => Ok(PoolEvent::Inspected(parse_payload(event_type, payload)?)),
+            "BackendReconfigured" => {
+                Ok(PoolEvent::Reconfigured(parse_payload(event_type, payload)?))
+            }
             other => Err(DecodeError::UnknownType {
                 event_type: other.to_owned(),
             }),
@@ -619,6 +773,101 @@ mod tests {
     }
 
     #[test]
+    fn a_server_is_reconfigured_only_when_nothing_runs_there_and_forgets_its_models_on_a_move() {
+        let moved = NewBackend::parse("a", "http://a2:8188", 3).unwrap();
+        let reconfigured = PoolEvent::Reconfigured(BackendReconfigured {
+            name: "a".into(),
+            url: "http://a2:8188".into(),
+            capacity: 3,
+            at: at(),
+        });
+        given::<BackendPool>(&[added_event("a")])
+            .when(PoolCommand::Reconfigure {
+                backend: moved.clone(),
+                prompts_in_flight: 1,
+                at: at(),
+            })
+            .then_error(PoolError::Busy {
+                name: "a".into(),
+                prompts_in_flight: 1,
+            });
+        given::<BackendPool>(&[added_event("a")])
+            .when(PoolCommand::Reconfigure {
+                backend: moved.clone(),
+                prompts_in_flight: 0,
+                at: at(),
+            })
+            .then(std::slice::from_ref(&reconfigured));
+        given::<BackendPool>(&[added_event("a"), reconfigured.clone()])
+            .when(PoolCommand::Reconfigure {
+                backend: moved,
+                prompts_in_flight: 5,
+                at: at(),
+            })
+            .then(&[]);
+        given::<BackendPool>(&[])
+            .when(PoolCommand::Reconfigure {
+                backend: gpu("b"),
+                prompts_in_flight: 0,
+                at: at(),
+            })
+            .then_error(PoolError::NotFound("b".into()));
+        let inspected = PoolEvent::Inspected(BackendInspected {
+            name: "a".into(),
+            models: vec!["m".into()],
+            version: "v".into(),
+            at: at(),
+        });
+        let state = BackendPool::fold(&[added_event("a"), inspected.clone(), reconfigured]);
+        let backend = state.backend("a").unwrap();
+        assert_eq!(
+            (backend.url.as_str(), backend.capacity),
+            ("http://a2:8188", 3)
+        );
+        assert_eq!(backend.models, None, "another address: not inspected yet");
+        // Only the capacity changed: the same server, what it offers stays known.
+        let resized = PoolEvent::Reconfigured(BackendReconfigured {
+            name: "a".into(),
+            url: "http://a:8188".into(),
+            capacity: 4,
+            at: at(),
+        });
+        let state = BackendPool::fold(&[added_event("a"), inspected, resized]);
+        assert_eq!(state.backend("a").unwrap().models, Some(vec!["m".into()]));
+    }
+
+    #[test]
+    fn differences_name_each_server_and_the_command_that_applies_it() {
+        let state = BackendPool::fold(&[added_event("a"), added_event("b"), added_event("c")]);
+        let configured = vec![
+            gpu("a"),
+            NewBackend::parse("b", "http://b:8188", 4).unwrap(),
+            gpu("d"),
+        ];
+        let found = differences(&state, &configured);
+        assert_eq!(found.len(), 3);
+        assert_eq!(
+            found[0].to_string(),
+            "b is http://b:8188 with capacity 2 in the pool, http://b:8188 with capacity 4 in the configuration"
+        );
+        assert_eq!(
+            found[0].command(),
+            "zhihui backends reconfigure b http://b:8188 --capacity 4"
+        );
+        assert_eq!(
+            found[1].to_string(),
+            "d (http://d:8188, capacity 2) is configured but not in the pool"
+        );
+        assert_eq!(
+            found[1].command(),
+            "zhihui backends add d http://d:8188 --capacity 2"
+        );
+        assert_eq!(found[2].to_string(), "c is in the pool but not configured");
+        assert_eq!(found[2].command(), "zhihui backends remove c");
+        assert!(differences(&state, &[gpu("a"), gpu("b"), gpu("c")]).is_empty());
+    }
+
+    #[test]
     fn every_event_round_trips_through_its_payload() {
         let events = [
             added_event("a"),
@@ -629,6 +878,12 @@ mod tests {
                 name: "a".into(),
                 models: vec!["m".into()],
                 version: "v".into(),
+                at: at(),
+            }),
+            PoolEvent::Reconfigured(BackendReconfigured {
+                name: "a".into(),
+                url: "http://x".into(),
+                capacity: 2,
                 at: at(),
             }),
         ];

@@ -200,6 +200,11 @@ impl TestApp {
 
     /// Run the real `zhihui` binary against this app's database.
     pub fn cli(&self, args: &[&str]) -> std::process::Output {
+        self.cli_with(args, &[])
+    }
+
+    /// [`Self::cli`] with more settings (`ZHIHUI_...` variables).
+    pub fn cli_with(&self, args: &[&str], settings: &[(&str, &str)]) -> std::process::Output {
         std::process::Command::new(env!("CARGO_BIN_EXE_zhihui"))
             .args(args)
             .env(
@@ -210,6 +215,7 @@ impl TestApp {
             .env("ZHIHUI_REDIS__URL", self.settings.redis.url.expose_secret())
             .env("ZHIHUI_REDIS__KEY_PREFIX", &self.settings.redis.key_prefix)
             .env("ZHIHUI_LOG__FILTER", "warn")
+            .envs(settings.iter().copied())
             .output()
             .expect("running the zhihui binary")
     }
@@ -290,6 +296,8 @@ pub fn test_settings(database_name: &str) -> Settings {
     // Tests drive projections step by step (`TestApp::project`); a test may switch them on.
     settings.projections.enabled = false;
     settings.process_managers.enabled = false;
+    // Tests lead the dispatcher by hand (`Harness::lead`), or run real processes that do.
+    settings.dispatch.enabled = false;
     settings
 }
 

@@ -677,3 +677,196 @@ async fn a_pool_read_before_a_drain_never_undoes_its_hold() {
     pool.resume("gpu-1", "test").await.unwrap();
     assert!(held().await.is_empty());
 }
+
+/// Issue 35: the configuration seeds the pool once; a configuration changed later is reported
+/// at every start and by `zhihui backends list`, each difference with the command that applies
+/// it, and applied only on purpose (`zhihui backends apply-config`), as pool events, never
+/// removing or moving a server while a prompt runs there.
+#[tokio::test]
+async fn a_changed_configuration_is_reported_and_applied_only_on_purpose() {
+    use tokio::io::AsyncBufReadExt;
+
+    let faults = Faults {
+        step_delay_ms: 40,
+        ..Faults::default()
+    };
+    let harness = harness_of_models(vec![catalog_models(); 2], faults.clone(), |settings| {
+        catalog_of_four(settings);
+        settings.dispatch.leader_lease_ms = 10_000;
+        settings.dispatch.slot_lease_ms = 10_000;
+    })
+    .await;
+    let app = &harness.app;
+    let admin = app.admin_token("operator").await;
+    let (user, token) = funded_user(app, "config-user", "10").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 2).await;
+
+    // A task runs on one server: the one the new configuration drops.
+    let running = submitted(app, &token, MODEL_A, 30).await;
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&running),
+        &[TaskStatus::Running],
+    )
+    .await;
+    let dropped = backend_of(&process, &running).await;
+    let kept = if dropped == "gpu-0" { "gpu-1" } else { "gpu-0" };
+    let kept_url = backends(app, &admin).await[kept]["url"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let added = start_sim(&harness.directory.0, 2, catalog_models(), faults).await;
+    // The operator edits the configuration: `kept` gets capacity 2, gpu-2 is new, `dropped` is
+    // gone.
+    let configured = format!("{kept} {kept_url} 2,gpu-2 {} 1", added.base_url());
+    let with_config = [("ZHIHUI_DISPATCH__BACKENDS", configured.as_str())];
+
+    // At start: one warning per difference, naming the command that applies it; the pool is used.
+    let images = harness.directory.0.join("images");
+    let mut started = crate::processes::serve_capturing(
+        app,
+        &configured,
+        &images,
+        &[
+            ("ZHIHUI_DISPATCH__ENABLED", "false"),
+            ("ZHIHUI_LOG__FILTER", "warn"),
+        ],
+        true,
+    )
+    .await;
+    let mut lines = tokio::io::BufReader::new(started.child.stderr.take().unwrap()).lines();
+    let mut warned = Vec::new();
+    while !warned
+        .iter()
+        .any(|line: &String| line.contains("apply-config"))
+    {
+        let line = tokio::time::timeout(DRIVE_LIMIT, lines.next_line())
+            .await
+            .expect("the start warned of the differences")
+            .unwrap()
+            .expect("the log ended before the warning");
+        warned.push(line);
+    }
+    let warned = warned.join("\n");
+    for expected in [
+        format!("zhihui backends reconfigure {kept} {kept_url} --capacity 2"),
+        format!(
+            "zhihui backends add gpu-2 {} --capacity 1",
+            added.base_url()
+        ),
+        format!("zhihui backends remove {dropped}"),
+        format!("{dropped} is in the pool but not configured"),
+    ] {
+        assert!(warned.contains(&expected), "{expected} not in: {warned}");
+    }
+    drop(started);
+
+    // `zhihui backends list` shows the same.
+    let listed = app.cli_with(&["backends", "list"], &with_config);
+    let listed_text = String::from_utf8(listed.stdout).unwrap();
+    assert!(listed.status.success(), "{listed_text}");
+    assert!(
+        listed_text.contains("dispatch.backends differs from the pool"),
+        "{listed_text}"
+    );
+    assert!(listed_text.contains(&format!("apply: zhihui backends remove {dropped}")));
+    let listed_json = app.cli_with(&["backends", "list", "--json"], &with_config);
+    let listed_json: Value = serde_json::from_slice(&listed_json.stdout).unwrap();
+    assert_eq!(
+        listed_json["configuration_differences"]
+            .as_array()
+            .unwrap()
+            .len(),
+        3
+    );
+    // Nothing changed by looking: the pool is as it was.
+    assert_eq!(backends(app, &admin).await.len(), 2);
+
+    // Applied while `dropped` still runs its prompt: the rest applies, that one is refused.
+    let applied = app.cli_with(&["backends", "apply-config"], &with_config);
+    let applied_text = String::from_utf8(applied.stdout).unwrap();
+    assert!(!applied.status.success(), "{applied_text}");
+    assert!(
+        applied_text.contains(&format!("not applied: {dropped} is in the pool but not configured: server {dropped} has 1 prompt(s) in flight")),
+        "{applied_text}"
+    );
+    assert!(applied_text.contains("applied: gpu-2"), "{applied_text}");
+    let list = backends(app, &admin).await;
+    assert_eq!(list.len(), 3);
+    assert_eq!(list[kept]["capacity"], 2);
+    assert_eq!(list[&dropped]["draining"], true, "drained meanwhile");
+
+    // Once it is idle, applying again removes it; then nothing differs.
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&running),
+        &[TaskStatus::Succeeded],
+    )
+    .await;
+    drive_until_idle(&mut saga).await;
+    let applied = app.cli_with(&["backends", "apply-config"], &with_config);
+    let applied_text = String::from_utf8(applied.stdout).unwrap();
+    assert!(applied.status.success(), "{applied_text}");
+    assert!(applied_text.contains(&format!(
+        "applied: {dropped} is in the pool but not configured"
+    )));
+    let again = app.cli_with(&["backends", "apply-config"], &with_config);
+    assert!(
+        String::from_utf8(again.stdout)
+            .unwrap()
+            .contains("nothing to apply")
+    );
+    let list = backends(app, &admin).await;
+    let mut names: Vec<&String> = list.keys().collect();
+    names.sort();
+    let mut expected = [kept.to_owned(), "gpu-2".to_owned()];
+    expected.sort();
+    assert_eq!(names, expected.iter().collect::<Vec<_>>());
+    // Every change is a pool event, by the CLI.
+    use zhihui::event_store::EventStore;
+    let events = process
+        .event_store
+        .read_stream(
+            zhihui_domain::pool::POOL_STREAM,
+            zhihui::event_store::Direction::Forwards,
+            zhihui::event_store::ReadFrom::Start,
+            100,
+        )
+        .await
+        .unwrap();
+    let mut by_cli: Vec<&str> = events
+        .iter()
+        .filter(|event| event.metadata.actor == "cli:backends")
+        .map(|event| event.event_type.as_str())
+        .collect();
+    by_cli.sort_unstable();
+    // The server configured away was drained while its prompt ran, then removed.
+    assert_eq!(
+        by_cli,
+        [
+            "BackendAdded",
+            "BackendDrained",
+            "BackendReconfigured",
+            "BackendRemoved"
+        ]
+    );
+
+    // The leader follows: the reconfigured server takes two at once, gpu-2 takes tasks.
+    drive_until_connected(&mut saga, 2).await;
+    let tasks = vec![
+        submitted(app, &token, MODEL_A, 2).await,
+        submitted(app, &token, MODEL_A, 2).await,
+        submitted(app, &token, MODEL_A, 2).await,
+    ];
+    drive_until(&mut saga, &process, &tasks, &[TaskStatus::Succeeded]).await;
+    drive_until_idle(&mut saga).await;
+    for task in &tasks {
+        assert_ne!(backend_of(&process, task).await, dropped);
+    }
+    assert_settled(&harness, &process, &user, 10 - 4).await;
+    saga.resign().await;
+}

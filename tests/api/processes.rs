@@ -32,7 +32,7 @@ const TAKEOVER_MAX: Duration = Duration::from_secs(5);
 
 /// A `zhihui serve` child process; killed when dropped.
 pub(crate) struct Serve {
-    child: tokio::process::Child,
+    pub(crate) child: tokio::process::Child,
     pub(crate) address: String,
 }
 
@@ -51,7 +51,7 @@ async fn serve_with(
 }
 
 /// `serve_with`, its standard output and error piped to the test when `capture` is set.
-async fn serve_capturing(
+pub(crate) async fn serve_capturing(
     app: &TestApp,
     backends: &str,
     images: &std::path::Path,
@@ -281,6 +281,8 @@ async fn the_dispatching_process_killed_mid_run_is_replaced_and_the_other_one_te
         "{}",
         late.status()
     );
+    // 200: it was still queued (under load the leaders had not claimed it yet): never dispatched.
+    let late_while_queued = late.status() == 200;
 
     // Every task ends once, and the user hears it on the other process.
     let mut ended = HashSet::new();
@@ -323,7 +325,7 @@ async fn the_dispatching_process_killed_mid_run_is_replaced_and_the_other_one_te
             )
         });
         assert_eq!(ends, 1, "{events:?}");
-        if *task_id == cancelled_while_queued {
+        if *task_id == cancelled_while_queued || (*task_id == cancelled_late && late_while_queued) {
             assert_eq!(dispatched, 0, "{events:?}");
         } else {
             assert_eq!(dispatched, 1, "{events:?}");
