@@ -12,6 +12,18 @@ eval "$(scripts/services.sh start | sed 's/^/export /')"
 psql "$DATABASE_URL" -tAc "SELECT datname FROM pg_database WHERE datname LIKE 'zhihui\_test\_%'" \
     | while read -r stale; do psql "$DATABASE_URL" -qc "DROP DATABASE IF EXISTS \"$stale\"" >/dev/null; done
 
+# Tools the tests run: a real Prometheus and promtool (metrics tests), jq and the system
+# Python's websockets (README's first flow, run as written).
+tools=()
+{ command -v prometheus && command -v promtool; } >/dev/null || tools+=(prometheus)
+command -v jq >/dev/null || tools+=(jq)
+/usr/bin/python3 -c 'import websockets' 2>/dev/null || tools+=(python3-websockets)
+if [ "${#tools[@]}" -gt 0 ]; then
+    echo "gate: installing ${tools[*]} from Debian packages"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${tools[@]}" >/dev/null
+fi
+
 echo "gate: cargo fmt --all --check"
 cargo fmt --all --check
 echo "gate: cargo clippy --workspace --all-targets -- -D warnings"

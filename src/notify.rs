@@ -54,6 +54,16 @@ pub enum TaskNotice {
 }
 
 impl TaskNotice {
+    /// Every `kind`.
+    pub const KINDS: &'static [&'static str] = &[
+        "position",
+        "dispatched",
+        "progress",
+        "succeeded",
+        "failed",
+        "cancelled",
+    ];
+
     /// Its `kind` as sent (a bounded metrics label).
     pub fn kind(&self) -> &'static str {
         match self {

@@ -57,6 +57,15 @@ pub enum RepairKind {
 }
 
 impl RepairKind {
+    pub const ALL: [RepairKind; 6] = [
+        RepairKind::HoldSettled,
+        RepairKind::HoldReleased,
+        RepairKind::FeeRefunded,
+        RepairKind::CodeCredited,
+        RepairKind::BonusCredited,
+        RepairKind::ClaimSettled,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             RepairKind::HoldSettled => "hold_settled",

@@ -394,6 +394,7 @@ impl Application {
 
         // Installed before anything records (the first request, the dispatcher's first post).
         crate::metrics::handle();
+        crate::metrics::start_at_zero(state.event_store.kind());
         // `/metrics` on a listener of its own when configured (one worker: a scrape is cheap),
         // else beside the API.
         let (metrics_port, metrics_server) = match settings.http.metrics_port {

@@ -298,6 +298,16 @@ pub enum AnyEventStore {
     Kurrent(kurrent::KurrentEventStore),
 }
 
+impl AnyEventStore {
+    /// The store's kind, as the metrics label it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            AnyEventStore::Postgres(_) => "postgres",
+            AnyEventStore::Kurrent(_) => "kurrentdb",
+        }
+    }
+}
+
 impl EventStore for AnyEventStore {
     async fn append(
         &self,

@@ -401,6 +401,14 @@ impl Drop for Saga {
         for handle in &self.background {
             handle.abort();
         }
+        // This process leads no more: its last readings of the servers would stay in its
+        // `/metrics` and add to the next leader's under `sum`.
+        for backend in &self.backends {
+            let name = backend.settings.name.clone();
+            metrics::gauge!("zhihui_backend_up", "backend" => name.clone()).set(0.0);
+            metrics::gauge!("zhihui_backend_busy", "backend" => name.clone()).set(0.0);
+            metrics::gauge!("zhihui_backend_capacity", "backend" => name).set(0.0);
+        }
     }
 }
 

@@ -82,6 +82,10 @@ impl Saga {
                 self.socket_sender.clone(),
             ))
             .abort_handle();
+        crate::metrics::start_backend_at_zero(
+            &wanted.name,
+            &self.dispatcher.tasks.settings().models,
+        );
         let mut backend = BackendState::new(settings, client);
         backend.socket = Some(socket.clone());
         self.backends.push(backend);
