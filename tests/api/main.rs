@@ -19,6 +19,7 @@ mod migrations;
 mod pool;
 mod processes;
 mod promotions;
+mod readme;
 mod redeem;
 mod replay;
 mod revenue;
