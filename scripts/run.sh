@@ -28,4 +28,13 @@ for port in 8188 8189; do
 done
 export ZHIHUI_DISPATCH__BACKENDS="${ZHIHUI_DISPATCH__BACKENDS:-gpu-1 http://127.0.0.1:8188 1,gpu-2 http://127.0.0.1:8189 1}"
 export ZHIHUI_DISPATCH__IMAGES_DIRECTORY="${ZHIHUI_DISPATCH__IMAGES_DIRECTORY:-.local/images}"
+cat >&2 <<MESSAGE
+
+  zhihui is starting: open http://127.0.0.1:${ZHIHUI_HTTP__PORT:-8080}/ in a browser (Chinese, or
+  English with the switch at the top), sign up, and make a first image.
+  An admin, from another shell:
+    echo 'a long password' | ./target/release/zhihui users create boss --admin --password-stdin
+  then log in as boss: the 管理 (Admin) pages grant points and run the servers, codes and sales.
+
+MESSAGE
 ./target/release/zhihui serve

@@ -36,6 +36,8 @@ if cargo nextest --version >/dev/null 2>&1; then
 else
     cargo test --workspace --locked --no-fail-fast
 fi
+echo "gate: browser tests (scripts/browser-tests)"
+scripts/browser-tests
 echo "gate: contract fuzzing (scripts/fuzz-api)"
 scripts/fuzz-api
 echo "gate: passed in $(( $(date +%s) - started ))s"

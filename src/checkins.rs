@@ -156,6 +156,16 @@ impl CheckInService {
         })
     }
 
+    /// The platform's UTC offset in minutes (its calendar days; the pages show times in it).
+    pub fn day_offset_minutes(&self) -> i32 {
+        self.day_utc_offset_minutes
+    }
+
+    /// The bonus rule (the pages show what the next check-in brings).
+    pub fn rule(&self) -> &BonusRule {
+        &self.rule
+    }
+
     /// Today, on the platform's calendar.
     pub fn today(&self) -> NaiveDate {
         day_of(self.clock.now(), self.day_utc_offset_minutes)

@@ -34,7 +34,31 @@ pub struct Settings {
     pub stats: StatsSettings,
     pub promotions: PromotionSettings,
     pub labels: LabelSettings,
+    pub web: WebSettings,
     pub log: LogSettings,
+}
+
+/// The web app for users and admins (`src/web/`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct WebSettings {
+    /// Serve the pages (the API is served either way).
+    pub enabled: bool,
+    /// A directory whose templates replace the built-in ones of the same name (an operator's
+    /// own wording or layout); empty: the built-in ones only.
+    pub templates_directory: String,
+    /// The session cookie's `Secure` flag.
+    pub cookie_secure: CookieSecure,
+}
+
+/// When the session cookie is `Secure` (sent over HTTPS only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CookieSecure {
+    /// When the request came over HTTPS (directly, or as `X-Forwarded-Proto` says when
+    /// `http.client_ip_from_forwarded` trusts the proxy).
+    Auto,
+    Always,
+    Never,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]

@@ -80,21 +80,43 @@ async fn resolve_user(
     Ok(found.user_id)
 }
 
-/// One movement as `audit account` shows it.
+/// One movement as `audit account` (and the admin pages' audit) shows it.
 #[derive(Debug, Serialize)]
-struct Movement {
-    version: u64,
-    at: DateTime<Utc>,
-    kind: &'static str,
-    amount: String,
-    available_after: String,
-    frozen_after: String,
+pub struct Movement {
+    pub version: u64,
+    pub at: DateTime<Utc>,
+    pub kind: &'static str,
+    pub amount: String,
+    pub available_after: String,
+    pub frozen_after: String,
     /// The hold (task) or operation the movement belongs to.
-    reference: Uuid,
-    reason: Option<String>,
-    actor: String,
-    correlation_id: Uuid,
-    event_id: Uuid,
+    pub reference: Uuid,
+    pub reason: Option<String>,
+    /// Who moved it (`admin:<id>`, `user:<id>`, `system:...`).
+    pub actor: String,
+    pub correlation_id: Uuid,
+    pub event_id: Uuid,
+}
+
+/// Every movement of `user_id`'s account from its events, oldest first, filtered.
+pub async fn account_movements(
+    store: &AnyEventStore,
+    user_id: UserId,
+    since: Option<DateTime<Utc>>,
+    kind: Option<&str>,
+) -> anyhow::Result<Vec<Movement>> {
+    let events = read_whole_stream(store, &account_stream(user_id)).await?;
+    let mut movements = Vec::new();
+    for recorded in &events {
+        let movement = movement(recorded)?;
+        if since.is_some_and(|since| movement.at < since)
+            || kind.is_some_and(|k| movement.kind != k)
+        {
+            continue;
+        }
+        movements.push(movement);
+    }
+    Ok(movements)
 }
 
 fn movement(recorded: &RecordedEvent) -> anyhow::Result<Movement> {
@@ -130,17 +152,7 @@ pub async fn audit_account(
 ) -> anyhow::Result<()> {
     let (_pool, store) = connect(settings).await?;
     let user_id = resolve_user(settings, &store, user).await?;
-    let events = read_whole_stream(&store, &account_stream(user_id)).await?;
-    let mut movements = Vec::new();
-    for recorded in &events {
-        let movement = movement(recorded)?;
-        if since.is_some_and(|since| movement.at < since)
-            || kind.is_some_and(|k| movement.kind != k)
-        {
-            continue;
-        }
-        movements.push(movement);
-    }
+    let movements = account_movements(&store, user_id, since, kind).await?;
     let mut out = std::io::stdout().lock();
     if json {
         serde_json::to_writer_pretty(&mut out, &movements).context("writing JSON")?;

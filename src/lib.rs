@@ -33,3 +33,4 @@ pub mod stats;
 pub mod tasks;
 pub mod telemetry;
 pub mod users;
+pub mod web;

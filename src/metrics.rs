@@ -319,8 +319,19 @@ pub async fn exposition(state: web::Data<AppState>) -> Result<HttpResponse, ApiE
         .body(handle.render()))
 }
 
-/// The gauges read from PostgreSQL and Redis at each scrape.
-async fn scrape_gauges(state: &AppState) -> Result<(), ApiError> {
+/// What the shared stores say of the whole platform (the same on every instance): `/metrics`
+/// exports it, the admin overview page shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PlatformReadings {
+    /// Every status of the read model, zero included.
+    pub tasks_by_status: Vec<(String, i64)>,
+    pub points_frozen: rust_decimal::Decimal,
+    pub queue_depth: u64,
+    pub projection_lags: Vec<crate::projector::Lag>,
+}
+
+/// Read [`PlatformReadings`].
+pub async fn platform_readings(state: &AppState) -> Result<PlatformReadings, ApiError> {
     let client = state.pg_pool.get().await.context("getting a connection")?;
     let mut by_status: Vec<(String, i64)> = client
         .query("SELECT status, count(*) FROM tasks GROUP BY status", &[])
@@ -335,19 +346,35 @@ async fn scrape_gauges(state: &AppState) -> Result<(), ApiError> {
             by_status.push((status.as_str().into(), 0));
         }
     }
-    for (status, count) in by_status {
-        metrics::gauge!("zhihui_tasks", "status" => status).set(count as f64);
-    }
+    by_status.sort_by_key(|(status, _)| {
+        TaskStatus::RECORDED
+            .iter()
+            .position(|known| known.as_str() == status)
+    });
     let frozen: rust_decimal::Decimal = client
         .query_one("SELECT coalesce(sum(frozen), 0) FROM accounts", &[])
         .await
         .context("summing frozen points")?
         .get(0);
-    metrics::gauge!("zhihui_points_frozen").set(decimal_to_f64(frozen));
     drop(client);
     let depth = state.tasks.queue.len().await?;
-    metrics::gauge!("zhihui_queue_depth").set(depth as f64);
-    for lag in crate::projector::lags(state).await? {
+    Ok(PlatformReadings {
+        tasks_by_status: by_status,
+        points_frozen: frozen,
+        queue_depth: depth,
+        projection_lags: crate::projector::lags(state).await?,
+    })
+}
+
+/// The gauges read from PostgreSQL and Redis at each scrape.
+async fn scrape_gauges(state: &AppState) -> Result<(), ApiError> {
+    let readings = platform_readings(state).await?;
+    for (status, count) in readings.tasks_by_status {
+        metrics::gauge!("zhihui_tasks", "status" => status).set(count as f64);
+    }
+    metrics::gauge!("zhihui_points_frozen").set(decimal_to_f64(readings.points_frozen));
+    metrics::gauge!("zhihui_queue_depth").set(readings.queue_depth as f64);
+    for lag in readings.projection_lags {
         metrics::gauge!("zhihui_projection_lag_events", "projection" => lag.projection)
             .set(lag.events as f64);
         metrics::gauge!("zhihui_projection_lag_seconds", "projection" => lag.projection)

@@ -95,6 +95,13 @@ pub enum Envelope {
         user_id: Uuid,
         token_digest: Option<String>,
     },
+    /// Points were credited to a user by someone else (an admin's grant): their pages show the
+    /// new balance at once.
+    Credited {
+        user_id: Uuid,
+        amount: String,
+        reason: String,
+    },
     /// A promotion claim was persisted: granted, or refused with its reason.
     Claim {
         user_id: Uuid,

@@ -644,7 +644,7 @@ pub async fn store_position(
 }
 
 /// How far a projection is behind the event store (for `/metrics`).
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, serde::Serialize)]
 pub struct Lag {
     pub projection: &'static str,
     /// Events it reads that are committed and not applied yet.

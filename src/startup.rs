@@ -423,6 +423,8 @@ impl Application {
             None => (None, None),
         };
         let metrics_here = metrics_port.is_none();
+        let pages = web::Data::new(crate::web::Web::new(settings)?);
+        let pages_enabled = settings.web.enabled;
         let mut server = HttpServer::new(move || {
             let app = App::new();
             let app = if metrics_here {
@@ -430,7 +432,19 @@ impl Application {
             } else {
                 app
             };
-            app.wrap(actix_web::middleware::from_fn(crate::metrics::record_http))
+            let app = app
+                .app_data(pages.clone())
+                .configure(crate::http::routes)
+                .configure(|config| {
+                    if pages_enabled {
+                        crate::web::routes(config);
+                    }
+                });
+            // Pages, scripts, styles and JSON compressed when the client accepts it (images are
+            // marked identity and left alone); every answer with its security headers.
+            app.wrap(actix_web::middleware::from_fn(crate::web::security_headers))
+                .wrap(actix_web::middleware::Compress::default())
+                .wrap(actix_web::middleware::from_fn(crate::metrics::record_http))
                 .wrap(
                     // The request line with secrets in its query redacted (a browser's socket
                     // sends its bearer token as `?token=`).
@@ -446,7 +460,6 @@ impl Application {
                         .log_target("zhihui::http"),
                 )
                 .app_data(state.clone())
-                .configure(crate::http::routes)
                 .default_service(web::to(crate::http::fallback))
         })
         .shutdown_timeout(Duration::from_millis(settings.http.shutdown_timeout_ms).as_secs())

@@ -11,6 +11,7 @@ use uuid::Uuid;
 use zhihui_domain::DomainEvent;
 use zhihui_domain::account::{AccountCommand, AccountError, AccountEvent, account_stream};
 use zhihui_domain::points::Amount;
+use zhihui_domain::user::UserId;
 
 use crate::command::CommandError;
 use crate::event_store::{Direction, EventStore, ReadFrom, RecordedEvent};
@@ -102,12 +103,17 @@ pub async fn balance(
     state: web::Data<AppState>,
     caller: Authenticated,
 ) -> Result<HttpResponse, ApiError> {
-    // From the account stream's last event (each carries the balance after it), not the read
-    // model: a user reads their own writes even while the projection lags, on any instance.
+    Ok(HttpResponse::Ok().json(balance_of(&state, caller.user_id()).await?))
+}
+
+/// A user's balance from their account stream's last event (each carries the balance after it),
+/// not the read model: a user reads their own writes even while the projection lags, on any
+/// instance. The web pages show the same.
+pub(crate) async fn balance_of(state: &AppState, user_id: UserId) -> Result<BalanceView, ApiError> {
     let last = state
         .event_store
         .read_stream(
-            &account_stream(caller.user_id()),
+            &account_stream(user_id),
             Direction::Backwards,
             ReadFrom::End,
             1,
@@ -130,7 +136,7 @@ pub async fn balance(
             updated_at: None,
         },
     };
-    Ok(HttpResponse::Ok().json(view))
+    Ok(view)
 }
 
 /// Points as the read model's `numeric(20, 2)` shows them (a stored zero may have no places).
@@ -179,7 +185,24 @@ pub async fn ledger(
     caller: Authenticated,
     query: web::Query<LedgerQuery>,
 ) -> Result<HttpResponse, ApiError> {
-    let limit = query.limit.unwrap_or(LEDGER_PAGE_DEFAULT);
+    let page = ledger_page(
+        &state,
+        caller.user_id(),
+        query.limit,
+        query.cursor.as_deref(),
+    )
+    .await?;
+    Ok(HttpResponse::Ok().json(page))
+}
+
+/// A page of `user_id`'s ledger, newest first (the caller's own, or any user's for admins).
+pub(crate) async fn ledger_page(
+    state: &AppState,
+    user_id: UserId,
+    limit: Option<i64>,
+    cursor: Option<&str>,
+) -> Result<LedgerPage, ApiError> {
+    let limit = limit.unwrap_or(LEDGER_PAGE_DEFAULT);
     if !(1..=LEDGER_PAGE_MAX).contains(&limit) {
         return Err(ApiError::Validation {
             field: "limit".into(),
@@ -187,7 +210,7 @@ pub async fn ledger(
         });
     }
     // The cursor is the stream version of the last entry shown; entries before it come next.
-    let before: i64 = match &query.cursor {
+    let before: i64 = match cursor {
         None => i64::MAX,
         Some(cursor) => cursor.parse().map_err(|_| ApiError::Validation {
             field: "cursor".into(),
@@ -200,7 +223,7 @@ pub async fn ledger(
     let projected_version: Option<i64> = client
         .query_opt(
             "SELECT stream_version FROM accounts WHERE user_id = $1",
-            &[&caller.user_id().as_uuid()],
+            &[&user_id.as_uuid()],
         )
         .await
         .context("reading how far the ledger is projected")?
@@ -214,12 +237,7 @@ pub async fn ledger(
                    FROM ledger_entries
                   WHERE user_id = $1 AND stream_version < $2 AND stream_version <= $3
                   ORDER BY stream_version DESC LIMIT $4",
-                &[
-                    &caller.user_id().as_uuid(),
-                    &before,
-                    &projected,
-                    &(limit + 1),
-                ],
+                &[&user_id.as_uuid(), &before, &projected, &(limit + 1)],
             )
             .await
             .context("reading the ledger")?,
@@ -237,7 +255,7 @@ pub async fn ledger(
         let tail = state
             .event_store
             .read_stream(
-                &account_stream(caller.user_id()),
+                &account_stream(user_id),
                 Direction::Backwards,
                 newest,
                 usize::try_from(limit + 1).unwrap_or(1),
@@ -277,10 +295,10 @@ pub async fn ledger(
         None
     };
     let entries = entries.into_iter().map(|(_, entry)| entry).collect();
-    Ok(HttpResponse::Ok().json(LedgerPage {
+    Ok(LedgerPage {
         entries,
         next_cursor,
-    }))
+    })
 }
 
 /// The `Idempotency-Key` header, checked: `None` when absent.
@@ -308,8 +326,13 @@ pub fn idempotency_key(request: &HttpRequest) -> Result<Option<String>, ApiError
 pub fn operation_id(request: &HttpRequest, scope: &str) -> Result<Uuid, ApiError> {
     Ok(match idempotency_key(request)? {
         None => Uuid::now_v7(),
-        Some(key) => Uuid::new_v5(&IDEMPOTENCY_NAMESPACE, format!("{scope}:{key}").as_bytes()),
+        Some(key) => operation_id_of_key(scope, &key),
     })
+}
+
+/// The operation id of an idempotency key in `scope` (the admin pages use one key per form).
+pub fn operation_id_of_key(scope: &str, key: &str) -> Uuid {
+    Uuid::new_v5(&IDEMPOTENCY_NAMESPACE, format!("{scope}:{key}").as_bytes())
 }
 
 pub fn account_error(error: CommandError<AccountError>) -> ApiError {
@@ -359,6 +382,29 @@ pub async fn grant(
     body: web::Json<GrantRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let user_id = crate::http::users::parse_user_id(&path)?;
+    let operation_id = operation_id(&request, &format!("grant:{user_id}"))?;
+    let granted = grant_points(
+        &state,
+        &admin,
+        user_id,
+        &body,
+        operation_id,
+        event_metadata(&request, admin.actor()),
+    )
+    .await?;
+    Ok(HttpResponse::Created().json(granted))
+}
+
+/// Grant points to `user_id` as `admin` (the API's route and the admin pages).
+pub(crate) async fn grant_points(
+    state: &AppState,
+    // Only an admin's request can call this (the type is the proof).
+    _admin: &Admin,
+    user_id: UserId,
+    body: &GrantRequest,
+    operation_id: Uuid,
+    metadata: crate::event_store::EventMetadata,
+) -> Result<GrantResponse, ApiError> {
     let amount = Amount::parse(body.amount).map_err(|error| ApiError::Validation {
         field: "amount".into(),
         message: error.to_string(),
@@ -373,7 +419,6 @@ pub async fn grant(
     if state.users.get(user_id).await?.is_none() {
         return Err(ApiError::NotFound("no such user".into()));
     }
-    let operation_id = operation_id(&request, &format!("grant:{user_id}"))?;
     let command = AccountCommand::Grant {
         operation_id,
         amount,
@@ -382,20 +427,28 @@ pub async fn grant(
     };
     let handled = state
         .accounts
-        .execute(
-            &account_stream(user_id),
-            command,
-            event_metadata(&request, admin.actor()),
-        )
+        .execute(&account_stream(user_id), command, metadata)
         .await
         .map_err(account_error)?;
     let balance = handled.state_after.balance;
-    Ok(HttpResponse::Created().json(GrantResponse {
+    let granted_now = !handled.new_events.is_empty();
+    if granted_now {
+        // A hint for the user's open pages; the ledger is the truth.
+        let envelope = crate::notify::Envelope::Credited {
+            user_id: user_id.as_uuid(),
+            amount: two_places(amount.as_decimal()).to_string(),
+            reason: reason.to_owned(),
+        };
+        if let Err(error) = state.notifier.publish(&envelope).await {
+            tracing::warn!(error = %crate::telemetry::error_chain(&error), "credit not announced");
+        }
+    }
+    Ok(GrantResponse {
         operation_id,
-        granted_now: !handled.new_events.is_empty(),
+        granted_now,
         available: two_places(balance.available.as_decimal()),
         frozen: two_places(balance.frozen.as_decimal()),
-    }))
+    })
 }
 
 /// Where each projection stands (admins).

@@ -101,6 +101,16 @@ pub async fn register(
     request: HttpRequest,
     body: web::Json<RegisterRequest>,
 ) -> Result<HttpResponse, ApiError> {
+    let user = register_user(&state, &request, &body).await?;
+    Ok(HttpResponse::Created().json(user))
+}
+
+/// Register with a username and a password (the API and the pages).
+pub(crate) async fn register_user(
+    state: &AppState,
+    request: &HttpRequest,
+    body: &RegisterRequest,
+) -> Result<UserView, ApiError> {
     if !state.auth_settings.registration_enabled {
         return Err(ApiError::Forbidden {
             rule: "registration-closed",
@@ -110,13 +120,13 @@ pub async fn register(
     }
     let username = parse_username(&body.username)?;
     let password = parse_password("password", &body.password)?;
-    let metadata = event_metadata(&request, "anonymous:registration".into());
+    let metadata = event_metadata(request, "anonymous:registration".into());
     let user = state
         .users
         .register_with_password(username, &password, &state.passwords, Role::User, &metadata)
         .await
         .map_err(register_error)?;
-    Ok(HttpResponse::Created().json(UserView::from(&user)))
+    Ok(UserView::from(&user))
 }
 
 /// Log in with `username` + `password`, or with `phone` + `code`. A first code login of a phone
@@ -137,10 +147,18 @@ pub async fn login(
     request: HttpRequest,
     body: web::Json<LoginRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let body = body.into_inner();
-    let client = client_scope(&state, &request);
+    Ok(HttpResponse::Ok().json(log_in(&state, &request, body.into_inner()).await?))
+}
+
+/// Log in: every limit and lock of the API's route, for the API and the pages alike.
+pub(crate) async fn log_in(
+    state: &AppState,
+    request: &HttpRequest,
+    body: LoginRequest,
+) -> Result<LoginResponse, ApiError> {
+    let client = client_scope(state, request);
     admit(
-        &state,
+        state,
         &format!("login:{client}"),
         state.auth_settings.logins_per_client_per_minute,
         Duration::from_secs(60),
@@ -153,11 +171,11 @@ pub async fn login(
     let since = state.sessions.login_epoch().await?;
     let user = match (body.username, body.password, body.phone, body.code) {
         (Some(username), Some(password), None, None) => {
-            password_login(&state, &username, &password).await?
+            password_login(state, &username, &password).await?
         }
         (None, None, Some(phone), Some(code)) => {
-            let metadata = event_metadata(&request, "anonymous:phone-login".into());
-            code_login(&state, &phone, &code, &metadata).await?
+            let metadata = event_metadata(request, "anonymous:phone-login".into());
+            code_login(state, &phone, &code, &metadata).await?
         }
         (Some(_), None, None, None) => return Err(missing("password", "username")),
         (None, Some(_), None, None) => return Err(missing("username", "password")),
@@ -187,13 +205,13 @@ pub async fn login(
                 .into(),
         });
     };
-    Ok(HttpResponse::Ok().json(LoginResponse {
+    Ok(LoginResponse {
         token,
         token_type: "Bearer",
         idle_timeout_s: state.sessions.idle_ttl().as_secs(),
         expires_at,
         user: UserView::from(&user),
-    }))
+    })
 }
 
 fn missing(field: &str, with: &str) -> ApiError {
@@ -303,7 +321,16 @@ pub async fn send_code(
     request: HttpRequest,
     body: web::Json<CodeRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let phone = parse_phone(&body.phone)?;
+    Ok(HttpResponse::Accepted().json(send_login_code(&state, &request, &body.phone).await?))
+}
+
+/// Send a login code to `phone`, within every limit (the API and the pages).
+pub(crate) async fn send_login_code(
+    state: &AppState,
+    request: &HttpRequest,
+    phone: &str,
+) -> Result<CodeSent, ApiError> {
+    let phone = parse_phone(phone)?;
     if state.auth_settings.code_sender == crate::configuration::CodeSenderKind::Disabled {
         return Err(ApiError::Refused {
             status: actix_web::http::StatusCode::SERVICE_UNAVAILABLE,
@@ -312,9 +339,9 @@ pub async fn send_code(
             window: None,
         });
     }
-    let client = client_scope(&state, &request);
+    let client = client_scope(state, request);
     admit(
-        &state,
+        state,
         &format!("code:{client}"),
         state.auth_settings.code_requests_per_client_per_hour,
         Duration::from_secs(3600),
@@ -323,7 +350,7 @@ pub async fn send_code(
     )
     .await?;
     admit(
-        &state,
+        state,
         "code:all",
         state.auth_settings.code_requests_per_minute_max,
         Duration::from_secs(60),
@@ -335,10 +362,10 @@ pub async fn send_code(
         SendOutcome::Sent {
             expires_at,
             next_send_at,
-        } => Ok(HttpResponse::Accepted().json(CodeSent {
+        } => Ok(CodeSent {
             expires_at,
             next_send_at,
-        })),
+        }),
         SendOutcome::TooSoon { retry_at } => Err(ApiError::TooManyRequests {
             rule: "too-many-sends",
             detail: format!(
@@ -356,7 +383,7 @@ pub async fn send_code(
             retry_at,
             retry_after_s: retry_after(&state.clock, retry_at),
         }),
-        SendOutcome::Locked { until } => Err(locked(&state, "phone-locked", "this phone", until)),
+        SendOutcome::Locked { until } => Err(locked(state, "phone-locked", "this phone", until)),
     }
 }
 

@@ -97,7 +97,7 @@ impl BackendItem {
     }
 }
 
-fn pool_error(error: PoolServiceError) -> ApiError {
+pub(crate) fn pool_error(error: PoolServiceError) -> ApiError {
     let rejected = match error {
         PoolServiceError::Rejected(rejected) => rejected,
         PoolServiceError::Unexpected(error) => return ApiError::from(error),

@@ -243,6 +243,33 @@ pub async fn create_batch(
     admin: Admin,
     body: web::Json<BatchRequest>,
 ) -> Result<HttpResponse, ApiError> {
+    let batch_id = match crate::http::accounts::idempotency_key(&request)? {
+        None => Uuid::now_v7(),
+        Some(key) => Uuid::new_v5(&BATCH_NAMESPACE, key.as_bytes()),
+    };
+    let metadata = event_metadata(&request, admin.actor());
+    let view = create_batch_of(&state, &admin, batch_id, &body, &metadata).await?;
+    Ok(HttpResponse::Accepted()
+        .insert_header((
+            actix_web::http::header::LOCATION,
+            format!("/api/v1/admin/code-batches/{batch_id}"),
+        ))
+        .json(view))
+}
+
+/// The batch id of an idempotency key (the admin pages use one per form).
+pub(crate) fn batch_id_of_key(key: &str) -> Uuid {
+    Uuid::new_v5(&BATCH_NAMESPACE, key.as_bytes())
+}
+
+/// Create a batch (the API and the admin pages): its codes are issued in the background.
+pub(crate) async fn create_batch_of(
+    state: &AppState,
+    _admin: &Admin,
+    batch_id: Uuid,
+    body: &BatchRequest,
+    metadata: &crate::event_store::EventMetadata,
+) -> Result<BatchView, ApiError> {
     let points = Amount::parse(body.points).map_err(|error| ApiError::Validation {
         field: "points".into(),
         message: error.to_string(),
@@ -254,24 +281,15 @@ pub async fn create_batch(
         valid_until: body.valid_until,
         note: body.note.trim().to_owned(),
     };
-    let batch_id = match crate::http::accounts::idempotency_key(&request)? {
-        None => Uuid::now_v7(),
-        Some(key) => Uuid::new_v5(&BATCH_NAMESPACE, key.as_bytes()),
-    };
     let batch = state
         .codes
-        .create_batch(batch_id, spec, &event_metadata(&request, admin.actor()))
+        .create_batch(batch_id, spec, metadata)
         .await
         .map_err(batch_error)?;
-    Ok(HttpResponse::Accepted()
-        .insert_header((
-            actix_web::http::header::LOCATION,
-            format!("/api/v1/admin/code-batches/{batch_id}"),
-        ))
-        .json(BatchView::of(&batch, 0)))
+    Ok(BatchView::of(&batch, 0))
 }
 
-fn parse_batch_id(path: &str) -> Result<Uuid, ApiError> {
+pub(crate) fn parse_batch_id(path: &str) -> Result<Uuid, ApiError> {
     Uuid::parse_str(path).map_err(|_| ApiError::NotFound("no such batch".into()))
 }
 
@@ -295,9 +313,14 @@ pub async fn batch(
     _admin: Admin,
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let batch = load_batch(&state, parse_batch_id(&path)?).await?;
+    Ok(HttpResponse::Ok().json(batch_view(&state, parse_batch_id(&path)?).await?))
+}
+
+/// A batch and its progress (the API and the admin pages).
+pub(crate) async fn batch_view(state: &AppState, batch_id: Uuid) -> Result<BatchView, ApiError> {
+    let batch = load_batch(state, batch_id).await?;
     let redeemed = state.codes.redeemed_count(batch.batch_id).await?;
-    Ok(HttpResponse::Ok().json(BatchView::of(&batch, redeemed)))
+    Ok(BatchView::of(&batch, redeemed))
 }
 
 /// Revoke a batch: its codes not redeemed yet stop working.
@@ -315,7 +338,20 @@ pub async fn revoke(
     body: web::Json<RevokeRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let batch_id = parse_batch_id(&path)?;
-    let reason = body.reason.trim();
+    let metadata = event_metadata(&request, admin.actor());
+    let view = revoke_batch(&state, &admin, batch_id, &body.reason, &metadata).await?;
+    Ok(HttpResponse::Ok().json(view))
+}
+
+/// Revoke a batch (the API and the admin pages).
+pub(crate) async fn revoke_batch(
+    state: &AppState,
+    _admin: &Admin,
+    batch_id: Uuid,
+    reason: &str,
+    metadata: &crate::event_store::EventMetadata,
+) -> Result<BatchView, ApiError> {
+    let reason = reason.trim();
     if reason.is_empty() || reason.chars().count() > REVOKE_REASON_LENGTH_MAX {
         return Err(ApiError::Validation {
             field: "reason".into(),
@@ -324,15 +360,11 @@ pub async fn revoke(
     }
     let batch = state
         .codes
-        .revoke(
-            batch_id,
-            reason.to_owned(),
-            &event_metadata(&request, admin.actor()),
-        )
+        .revoke(batch_id, reason.to_owned(), metadata)
         .await
         .map_err(batch_error)?;
     let redeemed = state.codes.redeemed_count(batch_id).await?;
-    Ok(HttpResponse::Ok().json(BatchView::of(&batch, redeemed)))
+    Ok(BatchView::of(&batch, redeemed))
 }
 
 /// The issued codes of a batch as CSV (streamed): `serial,code,points,valid_from,valid_until,

@@ -67,11 +67,40 @@ pub fn bearer_token(request: &HttpRequest) -> Result<String, ApiError> {
 }
 
 async fn authenticate(request: HttpRequest) -> Result<Session, ApiError> {
-    let token = bearer_token(&request)?;
     let state = request
         .app_data::<web::Data<AppState>>()
         .ok_or_else(|| anyhow::anyhow!("AppState is not registered"))?
         .clone();
+    // A browser signed in to the web app holds the same token in its session cookie: images,
+    // the CSV export and the socket ticket are the API's own routes. A cookie is only taken
+    // for a state-changing request with its CSRF token (a page on another site can make the
+    // browser send the cookie, never the token).
+    if request
+        .headers()
+        .get(actix_web::http::header::AUTHORIZATION)
+        .is_none()
+        && let Some(cookie) = request.cookie(crate::web::SESSION_COOKIE)
+    {
+        let token = cookie.value().to_owned();
+        let safe = matches!(
+            *request.method(),
+            actix_web::http::Method::GET | actix_web::http::Method::HEAD
+        );
+        let csrf_ok = request
+            .headers()
+            .get(crate::web::CSRF_HEADER)
+            .and_then(|value| value.to_str().ok())
+            .is_some_and(|presented| crate::web::csrf_matches(&token, presented));
+        if !safe && !csrf_ok {
+            return Err(ApiError::Forbidden {
+                rule: "csrf-token-missing",
+                detail: "a request signed in by the session cookie must carry its X-CSRF-Token"
+                    .into(),
+            });
+        }
+        return session_of(&state, &token).await;
+    }
+    let token = bearer_token(&request)?;
     session_of(&state, &token).await
 }
 

@@ -346,6 +346,10 @@ async fn follow(
                     }
                 }
                 Ok(Envelope::Claim { .. }) => continue,
+                Ok(Envelope::Credited { user_id: owner, amount, reason }) if owner == user_id.as_uuid() => {
+                    serde_json::json!({"type": "points_credited", "amount": amount, "reason": reason})
+                }
+                Ok(Envelope::Credited { .. }) => continue,
                 // The board reads the places after a queue change, once for every socket.
                 Ok(Envelope::QueueMoved) => continue,
                 // Fell behind: positions are read again; other notices of the gap are lost (the
@@ -429,7 +433,25 @@ pub async fn image(
         .insert_header(("Cache-Control", "private, max-age=31536000, immutable"))
         .insert_header(("X-Content-Type-Options", "nosniff"))
         // Every stored image carries both labels (`crate::labels`); this says so beside it.
-        .insert_header(("X-AIGC-Label", "1"));
+        .insert_header(("X-AIGC-Label", "1"))
+        // Already compressed: the compression layer leaves it alone.
+        .insert_header(actix_web::http::header::ContentEncoding::Identity);
+    if request
+        .query_string()
+        .split('&')
+        .any(|pair| pair == "download=1")
+    {
+        // The web app's download link: a file name of ours, never the server's.
+        let extension = match record.content_type.as_str() {
+            "image/jpeg" => "jpg",
+            "image/webp" => "webp",
+            _ => "png",
+        };
+        response.insert_header((
+            actix_web::http::header::CONTENT_DISPOSITION,
+            format!("attachment; filename=\"zhihui-{image_id}.{extension}\""),
+        ));
+    }
     if matches {
         return Ok(response.finish());
     }

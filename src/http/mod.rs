@@ -2,19 +2,19 @@
 //! knows JSON shapes; the domain and the stores never see an HTTP type.
 
 pub mod accounts;
-mod auth;
-mod backends;
-mod checkins;
-mod codes;
+pub(crate) mod auth;
+pub(crate) mod backends;
+pub(crate) mod checkins;
+pub(crate) mod codes;
 pub mod extract;
 mod health;
 mod live;
 pub use live::{SocketPlace, UserSockets};
 mod openapi;
 pub mod problem;
-mod promotions;
-mod tasks;
-mod users;
+pub(crate) mod promotions;
+pub(crate) mod tasks;
+pub(crate) mod users;
 
 use actix_web::{HttpRequest, web};
 use chrono::{DateTime, Utc};

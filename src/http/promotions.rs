@@ -59,7 +59,7 @@ fn two_places(mut value: Decimal) -> Decimal {
 }
 
 impl PromotionView {
-    fn of(state: &PromotionState, left: Option<i64>) -> PromotionView {
+    pub(crate) fn of(state: &PromotionState, left: Option<i64>) -> PromotionView {
         PromotionView {
             promotion_id: state.promotion_id,
             title: state.spec.title.clone(),
@@ -109,7 +109,7 @@ fn promotion_error(error: CommandError<PromotionError>) -> ApiError {
     }
 }
 
-fn parse_id(path: &str) -> Result<Uuid, ApiError> {
+pub(crate) fn parse_id(path: &str) -> Result<Uuid, ApiError> {
     Uuid::parse_str(path).map_err(|_| ApiError::NotFound("no such promotion".into()))
 }
 
@@ -132,6 +132,33 @@ pub async fn create(
     admin: Admin,
     body: web::Json<PromotionRequest>,
 ) -> Result<HttpResponse, ApiError> {
+    let promotion_id = match crate::http::accounts::idempotency_key(&request)? {
+        None => Uuid::now_v7(),
+        Some(key) => promotion_id_of_key(&key),
+    };
+    let metadata = event_metadata(&request, admin.actor());
+    let view = create_promotion(&state, &admin, promotion_id, &body, metadata).await?;
+    Ok(HttpResponse::Created()
+        .insert_header((
+            actix_web::http::header::LOCATION,
+            format!("/api/v1/admin/promotions/{promotion_id}"),
+        ))
+        .json(view))
+}
+
+/// The promotion id of an idempotency key (the admin pages use one per form).
+pub(crate) fn promotion_id_of_key(key: &str) -> Uuid {
+    Uuid::new_v5(&PROMOTION_NAMESPACE, key.as_bytes())
+}
+
+/// Create a promotion (the API and the admin pages).
+pub(crate) async fn create_promotion(
+    state: &AppState,
+    _admin: &Admin,
+    promotion_id: Uuid,
+    body: &PromotionRequest,
+    metadata: crate::event_store::EventMetadata,
+) -> Result<PromotionView, ApiError> {
     let amount = |field: &str, value: Decimal| {
         Amount::parse(value).map_err(|error| ApiError::Validation {
             field: field.into(),
@@ -150,21 +177,12 @@ pub async fn create(
         starts_at: body.starts_at,
         ends_at: body.ends_at,
     };
-    let promotion_id = match crate::http::accounts::idempotency_key(&request)? {
-        None => Uuid::now_v7(),
-        Some(key) => Uuid::new_v5(&PROMOTION_NAMESPACE, key.as_bytes()),
-    };
     let created = state
         .promotions
-        .create(promotion_id, spec, event_metadata(&request, admin.actor()))
+        .create(promotion_id, spec, metadata)
         .await
         .map_err(promotion_error)?;
-    Ok(HttpResponse::Created()
-        .insert_header((
-            actix_web::http::header::LOCATION,
-            format!("/api/v1/admin/promotions/{promotion_id}"),
-        ))
-        .json(PromotionView::of(&created, None)))
+    Ok(PromotionView::of(&created, None))
 }
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -218,17 +236,43 @@ pub async fn end(
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let promotion_id = parse_id(&path)?;
+    let view = change_promotion(
+        &state,
+        &admin,
+        promotion_id,
+        PromotionChange::End,
+        event_metadata(&request, admin.actor()),
+    )
+    .await?;
+    Ok(HttpResponse::Ok().json(view))
+}
+
+/// What an admin changes in a running promotion.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum PromotionChange {
+    End,
+    RaiseStock(u32),
+}
+
+/// End a promotion or raise its stock (the API and the admin pages).
+pub(crate) async fn change_promotion(
+    state: &AppState,
+    _admin: &Admin,
+    promotion_id: Uuid,
+    change: PromotionChange,
+    metadata: crate::event_store::EventMetadata,
+) -> Result<PromotionView, ApiError> {
     let at = state.clock.now();
-    let ended = state
+    let command = match change {
+        PromotionChange::End => PromotionCommand::End { at },
+        PromotionChange::RaiseStock(by) => PromotionCommand::RaiseStock { by, at },
+    };
+    let changed = state
         .promotions
-        .execute(
-            promotion_id,
-            PromotionCommand::End { at },
-            event_metadata(&request, admin.actor()),
-        )
+        .execute(promotion_id, command, metadata)
         .await
         .map_err(promotion_error)?;
-    Ok(HttpResponse::Ok().json(PromotionView::of(&ended, None)))
+    Ok(PromotionView::of(&changed, None))
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -259,17 +303,15 @@ pub async fn raise(
     body: web::Json<StockRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let promotion_id = parse_id(&path)?;
-    let at = state.clock.now();
-    let raised = state
-        .promotions
-        .execute(
-            promotion_id,
-            PromotionCommand::RaiseStock { by: body.add, at },
-            event_metadata(&request, admin.actor()),
-        )
-        .await
-        .map_err(promotion_error)?;
-    Ok(HttpResponse::Ok().json(PromotionView::of(&raised, None)))
+    let view = change_promotion(
+        &state,
+        &admin,
+        promotion_id,
+        PromotionChange::RaiseStock(body.add),
+        event_metadata(&request, admin.actor()),
+    )
+    .await?;
+    Ok(HttpResponse::Ok().json(view))
 }
 
 /// The promotions open now, with the units left.
@@ -281,38 +323,99 @@ pub async fn open(
     state: web::Data<AppState>,
     _caller: Authenticated,
 ) -> Result<HttpResponse, ApiError> {
+    Ok(HttpResponse::Ok().json(open_promotions(&state).await?))
+}
+
+/// The ids a read-model query lists (`$1` its one parameter).
+async fn promotion_ids(
+    state: &AppState,
+    sql: &str,
+    parameter: &(dyn tokio_postgres::types::ToSql + Sync),
+) -> Result<Vec<Uuid>, ApiError> {
+    let client = state.pg_pool.get().await.context("getting a connection")?;
+    Ok(client
+        .query(sql, &[parameter])
+        .await
+        .context("reading promotions")?
+        .iter()
+        .map(|row| row.get(0))
+        .collect())
+}
+
+/// A promotion's view with what the gate says is left (its stream's count when the gate
+/// cannot tell).
+async fn view_with_left(state: &AppState, promotion: &PromotionState) -> PromotionView {
+    let left = state
+        .promotions
+        .left_in_redis(promotion.promotion_id)
+        .await
+        .ok()
+        .flatten();
+    PromotionView::of(promotion, left)
+}
+
+/// The promotions open now, from their streams (the API and the pages).
+pub(crate) async fn open_promotions(state: &AppState) -> Result<Vec<PromotionView>, ApiError> {
     let now = state.clock.now();
-    let ids: Vec<Uuid> = {
-        let client = state.pg_pool.get().await.context("getting a connection")?;
-        client
-            .query(
-                "SELECT promotion_id FROM promotions
-                  WHERE starts_at <= $1 AND $1 < ends_at AND (ended_at IS NULL OR $1 < ended_at)
-                  ORDER BY ends_at LIMIT 100",
-                &[&now],
-            )
-            .await
-            .context("reading open promotions")?
-            .iter()
-            .map(|row| row.get(0))
-            .collect()
-    };
+    let ids = promotion_ids(
+        state,
+        "SELECT promotion_id FROM promotions
+          WHERE starts_at <= $1 AND $1 < ends_at AND (ended_at IS NULL OR $1 < ended_at)
+          ORDER BY ends_at LIMIT 100",
+        &now,
+    )
+    .await?;
     let mut open = Vec::new();
     for promotion_id in ids {
         // The stream says whether it is still open (the read model may trail an end).
         if let Some(promotion) = state.promotions.load(promotion_id).await?
             && promotion.open_at(now)
         {
-            let left = state
-                .promotions
-                .left_in_redis(promotion_id)
-                .await
-                .ok()
-                .flatten();
-            open.push(PromotionView::of(&promotion, left));
+            open.push(view_with_left(state, &promotion).await);
         }
     }
-    Ok(HttpResponse::Ok().json(open))
+    Ok(open)
+}
+
+/// Promotions that open later (at most 20, soonest first): the pages count down to them.
+pub(crate) async fn upcoming_promotions(state: &AppState) -> Result<Vec<PromotionView>, ApiError> {
+    let now = state.clock.now();
+    let ids = promotion_ids(
+        state,
+        "SELECT promotion_id FROM promotions
+          WHERE $1 < starts_at AND ended_at IS NULL ORDER BY starts_at LIMIT 20",
+        &now,
+    )
+    .await?;
+    let mut upcoming = Vec::new();
+    for promotion_id in ids {
+        if let Some(promotion) = state.promotions.load(promotion_id).await?
+            && promotion.ended_at.is_none()
+        {
+            upcoming.push(PromotionView::of(&promotion, None));
+        }
+    }
+    Ok(upcoming)
+}
+
+/// Every promotion, newest first (admins; at most `limit`).
+pub(crate) async fn recent_promotions(
+    state: &AppState,
+    limit: i64,
+) -> Result<Vec<PromotionView>, ApiError> {
+    let ids = promotion_ids(
+        state,
+        "SELECT promotion_id FROM promotions ORDER BY starts_at DESC LIMIT $1",
+        &limit,
+    )
+    .await?;
+    let mut views = Vec::new();
+    for promotion_id in ids {
+        if let Some(promotion) = state.promotions.load(promotion_id).await? {
+            views.push(view_with_left(state, &promotion).await);
+        }
+    }
+    Ok(views)
 }
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -340,9 +443,22 @@ pub async fn claim(
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let promotion_id = parse_id(&path)?;
+    let claim_id = claim_for(&state, caller.user_id(), promotion_id).await?;
+    Ok(HttpResponse::Accepted().json(ClaimAccepted {
+        claim_id,
+        status: "pending",
+    }))
+}
+
+/// Claim `promotion_id` for `user_id` at the gate (the API and the pages).
+pub(crate) async fn claim_for(
+    state: &AppState,
+    user_id: zhihui_domain::user::UserId,
+    promotion_id: Uuid,
+) -> Result<Uuid, ApiError> {
     let claim_id = state
         .promotions
-        .claim(caller.user_id(), promotion_id)
+        .claim(user_id, promotion_id)
         .await
         .map_err(|error| match error {
             ClaimError::Unknown => ApiError::NotFound("no such promotion".into()),
@@ -362,10 +478,7 @@ pub async fn claim(
             },
             ClaimError::Store(error) => ApiError::from(error),
         })?;
-    Ok(HttpResponse::Accepted().json(ClaimAccepted {
-        claim_id,
-        status: "pending",
-    }))
+    Ok(claim_id)
 }
 
 /// The caller's claim on a promotion: `pending`, `granted` or `refused` (with its reason).

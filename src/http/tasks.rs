@@ -135,6 +135,9 @@ pub struct TaskListQuery {
         pattern = "^[0-9]{1,14}_[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
     )]
     pub cursor: Option<String>,
+    /// Only tasks in this status (`queued`, `running`, `succeeded`, `failed`, `cancelled`, ...).
+    #[param(pattern = "^(submitted|queued|dispatched|running|succeeded|failed|cancelled)$")]
+    pub status: Option<String>,
 }
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -176,7 +179,7 @@ pub struct RebuildResponse {
     pub removed: usize,
 }
 
-fn task_error(error: TaskServiceError) -> ApiError {
+pub(crate) fn task_error(error: TaskServiceError) -> ApiError {
     let conflict = |rule: &'static str, error: &TaskServiceError| ApiError::Conflict {
         rule,
         detail: error.to_string(),
@@ -205,7 +208,7 @@ fn task_error(error: TaskServiceError) -> ApiError {
     }
 }
 
-fn parse_task_id(raw: &str) -> Result<TaskId, ApiError> {
+pub(crate) fn parse_task_id(raw: &str) -> Result<TaskId, ApiError> {
     // A malformed id names no task: 404 like any other unknown id.
     Uuid::parse_str(raw).map_err(|_| ApiError::NotFound("no such task".into()))
 }
@@ -251,6 +254,24 @@ fn view_of(record: TaskRecord) -> TaskView {
         submitted_at: record.submitted_at,
         finished_at: record.finished_at,
     }
+}
+
+/// The view of `owner`'s task from its stream, never the read model: what a page shows right
+/// after its reader acted on the task (or heard it end), when the projection may not have caught
+/// up yet. One stream read.
+pub(crate) async fn task_view_from_stream(
+    state: &AppState,
+    owner: zhihui_domain::user::UserId,
+    task_id: TaskId,
+) -> Result<TaskView, ApiError> {
+    let record = record_from_events(state, task_id)
+        .await?
+        .filter(|record| record.user_id == owner)
+        .ok_or_else(|| ApiError::NotFound("no such task".into()))?;
+    let mut view = view_of(record);
+    add_live_parts(state, &mut view).await?;
+    add_estimates(state, std::slice::from_mut(&mut view)).await;
+    Ok(view)
 }
 
 /// A task the read model does not have yet (just submitted), folded from its stream; `None` if
@@ -388,21 +409,41 @@ pub async fn submit(
         scheduler: body.scheduler,
         seed: whole("seed", body.seed)?,
     };
+    let outcome = submit_and_tell(
+        &state,
+        caller.user_id(),
+        &requested,
+        key.as_deref(),
+        &event_metadata(&request, caller.actor()),
+    )
+    .await
+    .map_err(task_error)?;
+    Ok(HttpResponse::Created().json(SubmitTaskResponse {
+        task_id: outcome.task_id,
+        status: outcome.status.as_str().into(),
+        position: outcome.position,
+        price: outcome.price.as_decimal(),
+        submitted_now: outcome.submitted_now,
+    }))
+}
+
+/// Submit for `user_id` and tell their sockets the task's place (the API and the pages).
+pub(crate) async fn submit_and_tell(
+    state: &AppState,
+    user_id: zhihui_domain::user::UserId,
+    requested: &RequestedTask,
+    key: Option<&str>,
+    metadata: &crate::event_store::EventMetadata,
+) -> Result<crate::tasks::service::SubmitOutcome, TaskServiceError> {
     let outcome = state
         .tasks
-        .submit(
-            caller.user_id(),
-            &requested,
-            key.as_deref(),
-            &event_metadata(&request, caller.actor()),
-        )
-        .await
-        .map_err(task_error)?;
+        .submit(user_id, requested, key, metadata)
+        .await?;
     if let Some(position) = outcome.position {
         state
             .notifier
             .tell(
-                caller.user_id(),
+                user_id,
                 outcome.task_id,
                 crate::notify::TaskNotice::Position {
                     position,
@@ -412,13 +453,7 @@ pub async fn submit(
             )
             .await;
     }
-    Ok(HttpResponse::Created().json(SubmitTaskResponse {
-        task_id: outcome.task_id,
-        status: outcome.status.as_str().into(),
-        position: outcome.position,
-        price: outcome.price.as_decimal(),
-        submitted_now: outcome.submitted_now,
-    }))
+    Ok(outcome)
 }
 
 /// One of the caller's tasks.
@@ -433,6 +468,15 @@ pub async fn task(
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let task_id = parse_task_id(&path)?;
+    Ok(HttpResponse::Ok().json(task_view(&state, caller.user_id(), task_id).await?))
+}
+
+/// The view of `owner`'s task `task_id`: 404 when it is not theirs (the API and the pages).
+pub(crate) async fn task_view(
+    state: &AppState,
+    owner: zhihui_domain::user::UserId,
+    task_id: TaskId,
+) -> Result<TaskView, ApiError> {
     let row = {
         let client = state.pg_pool.get().await.context("getting a connection")?;
         client
@@ -445,15 +489,17 @@ pub async fn task(
     };
     let record = match row {
         Some(row) => record_of_row(&row)?,
-        None => record_from_events(&state, task_id)
+        None => record_from_events(state, task_id)
             .await?
             .ok_or_else(|| ApiError::NotFound("no such task".into()))?,
     };
-    crate::http::extract::ensure_owner(&caller, record.user_id, "task")?;
+    if record.user_id != owner {
+        return Err(ApiError::NotFound("no such task".into()));
+    }
     let mut view = view_of(record);
-    add_live_parts(&state, &mut view).await?;
-    add_estimates(&state, std::slice::from_mut(&mut view)).await;
-    Ok(HttpResponse::Ok().json(view))
+    add_live_parts(state, &mut view).await?;
+    add_estimates(state, std::slice::from_mut(&mut view)).await;
+    Ok(view)
 }
 
 /// The caller's tasks, newest first.
@@ -467,6 +513,16 @@ pub async fn tasks(
     caller: Authenticated,
     query: web::Query<TaskListQuery>,
 ) -> Result<HttpResponse, ApiError> {
+    let page = task_page(&state, caller.user_id(), &query).await?;
+    Ok(HttpResponse::Ok().json(page))
+}
+
+/// A page of `owner`'s tasks, newest first, optionally of one status (the API and the pages).
+pub(crate) async fn task_page(
+    state: &AppState,
+    owner: zhihui_domain::user::UserId,
+    query: &TaskListQuery,
+) -> Result<TaskPage, ApiError> {
     let limit = query.limit.unwrap_or(TASK_PAGE_DEFAULT);
     if !(1..=TASK_PAGE_MAX).contains(&limit) {
         return Err(ApiError::Validation {
@@ -497,22 +553,39 @@ pub async fn tasks(
             )
         }
     };
+    let status = match &query.status {
+        None => None,
+        Some(text) => Some(
+            TaskStatus::parse(text)
+                .filter(|status| TaskStatus::RECORDED.contains(status))
+                .ok_or_else(|| ApiError::Validation {
+                    field: "status".into(),
+                    message: format!("is not a task status: {text:?}"),
+                })?,
+        ),
+    };
+    let page_rows = limit + 1;
     let rows = {
         let client = state.pg_pool.get().await.context("getting a connection")?;
-        client
-            .query(
-                &format!(
-                    "SELECT {RECORD_COLUMNS} FROM tasks
-                      WHERE user_id = $1 AND (submitted_at, task_id) < ($2, $3)
-                      ORDER BY submitted_at DESC, task_id DESC LIMIT $4"
+        let owner = owner.as_uuid();
+        let status = status.map(|status| status.as_str());
+        // Two statements, each served by its own index (`tasks_by_user_newest`,
+        // `tasks_by_user_status_newest`): a page never scans the user's other tasks.
+        let (filter, parameters): (&str, Vec<&(dyn tokio_postgres::types::ToSql + Sync)>) =
+            match &status {
+                None => ("", vec![&owner, &before_at, &before_id, &page_rows]),
+                Some(status) => (
+                    "AND status = $5",
+                    vec![&owner, &before_at, &before_id, &page_rows, status],
                 ),
-                &[
-                    &caller.user_id().as_uuid(),
-                    &before_at,
-                    &before_id,
-                    &(limit + 1),
-                ],
-            )
+            };
+        let sql = format!(
+            "SELECT {RECORD_COLUMNS} FROM tasks
+              WHERE user_id = $1 {filter} AND (submitted_at, task_id) < ($2, $3)
+              ORDER BY submitted_at DESC, task_id DESC LIMIT $4"
+        );
+        client
+            .query(&sql, &parameters)
             .await
             .context("reading tasks")?
     };
@@ -521,10 +594,10 @@ pub async fn tasks(
     let mut views = Vec::with_capacity(shown.len());
     for row in shown {
         let mut view = view_of(record_of_row(row)?);
-        add_live_parts(&state, &mut view).await?;
+        add_live_parts(state, &mut view).await?;
         views.push(view);
     }
-    add_estimates(&state, &mut views).await;
+    add_estimates(state, &mut views).await;
     let next_cursor = if has_more {
         views
             .last()
@@ -532,10 +605,10 @@ pub async fn tasks(
     } else {
         None
     };
-    Ok(HttpResponse::Ok().json(TaskPage {
+    Ok(TaskPage {
         tasks: views,
         next_cursor,
-    }))
+    })
 }
 
 /// Move a queued task ahead of up to `tasks.prioritise_jump_max` others for the prioritise fee,
@@ -560,17 +633,15 @@ pub async fn prioritise(
 ) -> Result<HttpResponse, ApiError> {
     let task_id = parse_task_id(&path)?;
     let key = idempotency_key(&request)?;
-    let outcome = state
-        .tasks
-        .prioritise(
-            caller.user_id(),
-            task_id,
-            key.as_deref(),
-            &event_metadata(&request, caller.actor()),
-        )
-        .await
-        .map_err(task_error)?;
-    state.notifier.queue_moved().await;
+    let outcome = prioritise_and_tell(
+        &state,
+        caller.user_id(),
+        task_id,
+        key.as_deref(),
+        &event_metadata(&request, caller.actor()),
+    )
+    .await
+    .map_err(task_error)?;
     Ok(HttpResponse::Ok().json(PrioritiseResponse {
         task_id,
         operation_id: outcome.operation_id,
@@ -578,6 +649,41 @@ pub async fn prioritise(
         fee: outcome.fee.as_decimal(),
         charged_now: outcome.charged_now,
     }))
+}
+
+/// Prioritise `user_id`'s task and tell every socket the queue moved (the API and the pages).
+pub(crate) async fn prioritise_and_tell(
+    state: &AppState,
+    user_id: zhihui_domain::user::UserId,
+    task_id: TaskId,
+    key: Option<&str>,
+    metadata: &crate::event_store::EventMetadata,
+) -> Result<crate::tasks::service::PrioritiseOutcome, TaskServiceError> {
+    let outcome = state
+        .tasks
+        .prioritise(user_id, task_id, key, metadata)
+        .await?;
+    state.notifier.queue_moved().await;
+    Ok(outcome)
+}
+
+/// Cancel `user_id`'s task and tell them (and the queue) when it left the queue at once (the API
+/// and the pages).
+pub(crate) async fn cancel_and_tell(
+    state: &AppState,
+    user_id: zhihui_domain::user::UserId,
+    task_id: TaskId,
+    metadata: &crate::event_store::EventMetadata,
+) -> Result<crate::tasks::service::CancelOutcome, TaskServiceError> {
+    let outcome = state.tasks.cancel(user_id, task_id, metadata).await?;
+    if outcome.status == TaskStatus::Cancelled {
+        state
+            .notifier
+            .tell(user_id, task_id, crate::notify::TaskNotice::Cancelled)
+            .await;
+        state.notifier.queue_moved().await;
+    }
+    Ok(outcome)
 }
 
 /// Cancel a task: a queued one leaves the queue and its points return (200); a dispatched or
@@ -599,26 +705,14 @@ pub async fn cancel(
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let task_id = parse_task_id(&path)?;
-    let outcome = state
-        .tasks
-        .cancel(
-            caller.user_id(),
-            task_id,
-            &event_metadata(&request, caller.actor()),
-        )
-        .await
-        .map_err(task_error)?;
-    if outcome.status == TaskStatus::Cancelled {
-        state
-            .notifier
-            .tell(
-                caller.user_id(),
-                task_id,
-                crate::notify::TaskNotice::Cancelled,
-            )
-            .await;
-        state.notifier.queue_moved().await;
-    }
+    let outcome = cancel_and_tell(
+        &state,
+        caller.user_id(),
+        task_id,
+        &event_metadata(&request, caller.actor()),
+    )
+    .await
+    .map_err(task_error)?;
     let body = CancelResponse {
         task_id,
         status: outcome.status.as_str().into(),

@@ -247,19 +247,31 @@ pub async fn change_role(
     body: web::Json<ChangeRoleRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let user_id = parse_user_id(&path)?;
-    let before = existing_user(&state, user_id).await?;
+    let metadata = event_metadata(&request, admin.actor());
+    let user = change_role_of(&state, &admin, user_id, body.role, &metadata).await?;
+    Ok(HttpResponse::Ok().json(UserView::from(&user)))
+}
+
+/// Give `user_id` another role; their sessions end (the API and the admin pages).
+pub(crate) async fn change_role_of(
+    state: &AppState,
+    _admin: &Admin,
+    user_id: UserId,
+    role: Role,
+    metadata: &crate::event_store::EventMetadata,
+) -> Result<zhihui_domain::user::RegisteredUser, ApiError> {
+    let before = existing_user(state, user_id).await?;
     let command = UserCommand::ChangeRole {
-        role: body.role,
+        role,
         at: state.clock.now(),
     };
-    let metadata = event_metadata(&request, admin.actor());
     let user = state
         .users
-        .update(user_id, command, &metadata)
+        .update(user_id, command, metadata)
         .await
         .map_err(register_error)?;
     if before.role != user.role {
         state.end_sessions(user_id).await?;
     }
-    Ok(HttpResponse::Ok().json(UserView::from(&user)))
+    Ok(user)
 }

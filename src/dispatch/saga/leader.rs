@@ -113,6 +113,11 @@ impl Dispatcher {
         self.configured.iter().map(|b| b.name.clone()).collect()
     }
 
+    /// The configured servers (`dispatch.backends`): the pool's seed, compared with it.
+    pub fn configured(&self) -> &[BackendSettings] {
+        &self.configured
+    }
+
     pub fn backend_pool(&self) -> &PoolService {
         &self.backend_pool
     }

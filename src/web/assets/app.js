@@ -1,0 +1,233 @@
+// zhihui's one page module: the live socket (task progress, claim results), countdowns, the
+// price beside the form, the seed field. Text the user typed or a server sent is only ever
+// set with textContent. No inline script anywhere: the Content-Security-Policy forbids it.
+
+const body = document.body;
+const lang = body.dataset.lang || "zh";
+const baseTitle = document.title;
+
+function csrfToken() {
+  try {
+    return JSON.parse(body.getAttribute("hx-headers") || "{}")["X-CSRF-Token"] || "";
+  } catch {
+    return "";
+  }
+}
+
+function fill(template, values) {
+  return template.replace(/\{(\w+)\}/g, (whole, name) => (name in values ? String(values[name]) : whole));
+}
+
+function timeText(iso) {
+  const at = new Date(iso);
+  if (Number.isNaN(at.getTime())) return "";
+  return at.toLocaleString(lang === "zh" ? "zh-CN" : "en", {
+    month: "2-digit", day: "2-digit", hour: "2-digit", minute: "2-digit", second: "2-digit",
+  });
+}
+
+function field(card, name) {
+  return card.querySelector(`[data-field="${name}"]`);
+}
+
+function show(element, text) {
+  if (!element) return;
+  if (text !== undefined) element.textContent = text;
+  element.hidden = false;
+}
+
+function hide(element) {
+  if (element) element.hidden = true;
+}
+
+function refreshCard(taskId) {
+  const card = document.getElementById(`task-${taskId}`);
+  if (card && window.htmx) {
+    window.htmx.ajax("GET", `/tasks/${taskId}/card`, { target: card, swap: "outerHTML" });
+  }
+}
+
+function balanceChanged() {
+  if (window.htmx) window.htmx.trigger(body, "balance-changed");
+}
+
+const handlers = {
+  position(notice, card) {
+    if (!card) return;
+    show(field(card, "position"), fill(card.dataset.positionTemplate, { position: notice.position }));
+    if (notice.estimated_start_at) {
+      show(field(card, "estimate"), fill(card.dataset.estimateTemplate, { start: timeText(notice.estimated_start_at) }));
+    }
+  },
+  dispatched(notice, card) {
+    if (!card) return;
+    hide(field(card, "position"));
+    hide(field(card, "estimate"));
+    show(field(card, "status"), card.dataset.dispatchedText);
+    show(field(card, "progress-row"));
+  },
+  progress(notice, card) {
+    if (!card) return;
+    const max = Number(notice.max) || 1;
+    const value = Math.min(Number(notice.value) || 0, max);
+    const percent = Math.round((value / max) * 100);
+    hide(field(card, "position"));
+    hide(field(card, "estimate"));
+    show(field(card, "status"), card.dataset.runningText);
+    const bar = field(card, "progress");
+    if (bar) {
+      bar.max = max;
+      bar.value = value;
+    }
+    show(field(card, "progress-row"));
+    show(field(card, "percent"), `${percent}%`);
+    document.title = `${percent}% · ${baseTitle}`;
+  },
+  succeeded(notice) {
+    document.title = baseTitle;
+    refreshCard(notice.task_id);
+    balanceChanged();
+  },
+  failed(notice) {
+    document.title = baseTitle;
+    refreshCard(notice.task_id);
+    balanceChanged();
+  },
+  cancelled(notice) {
+    document.title = baseTitle;
+    refreshCard(notice.task_id);
+    balanceChanged();
+  },
+  points_credited() {
+    balanceChanged();
+  },
+  claim_granted(notice) {
+    showClaim(notice.promotion_id, "success", (claim) => claim.dataset.grantedText);
+    balanceChanged();
+  },
+  claim_refused(notice) {
+    showClaim(notice.promotion_id, "error", (claim) => fill(claim.dataset.refusedText, { reason: notice.reason || "" }));
+    balanceChanged();
+  },
+};
+
+// A claim's result, straight from the socket (the read model may not have it yet).
+function showClaim(promotionId, kind, text) {
+  const claim = document.querySelector(`[data-claim="${promotionId}"]`);
+  if (!claim) return;
+  const line = document.createElement("p");
+  line.className = `notice ${kind}`;
+  line.setAttribute("role", "status");
+  line.textContent = text(claim);
+  claim.replaceChildren(line);
+}
+
+function refreshSale(promotionId) {
+  const sale = document.getElementById(`sale-${promotionId}`);
+  if (sale && window.htmx) {
+    window.htmx.ajax("GET", `/sales/${promotionId}/claim`, { target: sale, swap: "outerHTML" });
+  }
+}
+
+// The socket: opened with a one-time ticket (the session cookie never goes into a URL), opened
+// again with a growing pause when it closes.
+let pause = 500;
+async function openSocket() {
+  let ticket;
+  try {
+    const response = await fetch("/api/v1/ws/ticket", {
+      method: "POST",
+      headers: { "X-CSRF-Token": csrfToken() },
+      credentials: "same-origin",
+    });
+    if (response.status === 401) return; // signed out: nothing to follow
+    if (!response.ok) throw new Error(`ticket: ${response.status}`);
+    ticket = (await response.json()).ticket;
+  } catch {
+    setTimeout(openSocket, pause);
+    pause = Math.min(pause * 2, 30000);
+    return;
+  }
+  const scheme = location.protocol === "https:" ? "wss" : "ws";
+  const socket = new WebSocket(`${scheme}://${location.host}/api/v1/ws?ticket=${encodeURIComponent(ticket)}`);
+  socket.addEventListener("open", () => {
+    pause = 500;
+    body.dataset.socket = "open";
+  });
+  socket.addEventListener("message", (event) => {
+    let notice;
+    try {
+      notice = JSON.parse(event.data);
+    } catch {
+      return;
+    }
+    const handler = handlers[notice.type];
+    if (!handler) return;
+    const card = notice.task_id ? document.getElementById(`task-${notice.task_id}`) : null;
+    handler(notice, card);
+  });
+  socket.addEventListener("close", () => {
+    body.dataset.socket = "closed";
+    setTimeout(openSocket, pause);
+    pause = Math.min(pause * 2, 30000);
+  });
+}
+
+// Countdowns to a sale's start or end, every second.
+function tickCountdowns() {
+  const now = Date.now();
+  for (const element of document.querySelectorAll("[data-countdown]")) {
+    const left = Math.max(0, Date.parse(element.dataset.countdown) - now);
+    const seconds = Math.floor(left / 1000);
+    const days = Math.floor(seconds / 86400);
+    const clock = [Math.floor((seconds % 86400) / 3600), Math.floor((seconds % 3600) / 60), seconds % 60]
+      .map((part) => String(part).padStart(2, "0"))
+      .join(":");
+    element.textContent = days > 0 ? `${days}${lang === "zh" ? " 天 " : "d "}${clock}` : clock;
+    if (left === 0 && !element.dataset.done) {
+      element.dataset.done = "1";
+      const sale = element.closest("[data-promotion-id]");
+      if (sale) refreshSale(sale.dataset.promotionId);
+    }
+  }
+}
+
+// The price beside the form: images × price per image.
+function updatePrice() {
+  const form = document.getElementById("generate-form");
+  const price = document.getElementById("price");
+  const images = document.getElementById("images");
+  if (!form || !price || !images) return;
+  const total = Number(form.dataset.pricePerImage) * Number(images.value || 1);
+  price.textContent = fill(form.dataset.priceTemplate, { price: total.toFixed(2) });
+}
+
+// The seed field is only for a fixed seed.
+function updateSeed() {
+  const seed = document.getElementById("seed");
+  const fixed = document.querySelector('input[name="seed_mode"][value="fixed"]');
+  if (!seed || !fixed) return;
+  seed.disabled = !fixed.checked;
+  seed.required = fixed.checked;
+}
+
+document.addEventListener("change", (event) => {
+  if (event.target.id === "images") updatePrice();
+  if (event.target.name === "seed_mode") {
+    updateSeed();
+    if (event.target.value === "fixed") document.getElementById("seed")?.focus();
+  }
+});
+
+document.addEventListener("htmx:afterSwap", (event) => {
+  // A first card replaces the "no tasks yet" line.
+  if (event.target.id === "tasks") event.target.parentElement?.querySelector(".empty")?.remove();
+});
+
+updatePrice();
+updateSeed();
+if (document.querySelector("[data-countdown]")) {
+  tickCountdowns();
+  setInterval(tickCountdowns, 1000);
+}
+if (body.dataset.live === "1") openSocket();

@@ -1,0 +1,265 @@
+//! Signing up, in (password or phone code) and out, and choosing the language. Plain forms
+//! (they work without scripts): a refusal shows the form again with the reason in the reader's
+//! words; a sign-in sets the session cookie and goes where the reader was going.
+
+use actix_web::cookie::Cookie;
+use actix_web::http::StatusCode;
+use actix_web::{HttpResponse, web};
+use minijinja::context;
+use serde::Deserialize;
+
+use super::i18n::{LANG_COOKIE, Lang};
+use super::render::{Page, WebError, encode_path, safe_next};
+use super::session;
+use crate::http::ApiError;
+use crate::http::auth::{LoginRequest, RegisterRequest};
+
+#[derive(Debug, Deserialize)]
+pub struct NextQuery {
+    next: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct LoginForm {
+    method: String,
+    username: Option<String>,
+    password: Option<String>,
+    phone: Option<String>,
+    code: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct PhoneForm {
+    phone: String,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct RegisterForm {
+    username: String,
+    password: String,
+}
+
+/// The login page (a signed-in reader goes on at once).
+pub async fn login_page(
+    page: Page,
+    query: web::Query<NextQuery>,
+) -> Result<HttpResponse, WebError> {
+    let next = safe_next(query.next.as_deref());
+    if page.member.is_some() {
+        return Ok(Page::see_other(&next));
+    }
+    login_form(&page, &next, context! {}, StatusCode::OK).await
+}
+
+async fn login_form(
+    page: &Page,
+    next: &str,
+    extra: minijinja::Value,
+    status: StatusCode,
+) -> Result<HttpResponse, WebError> {
+    let mut response = page
+        .render(
+            "login.html",
+            context! { next_encoded => encode_path(next), ..extra },
+        )
+        .await?;
+    *response.status_mut() = status;
+    Ok(response)
+}
+
+/// Signed in: the session cookie, and on to where the reader was going.
+fn signed_in(page: &Page, token: String, next: &str) -> HttpResponse {
+    let secure = page.web().secure_cookies(&page.request);
+    HttpResponse::SeeOther()
+        .cookie(session::session_cookie(token, secure))
+        .insert_header((actix_web::http::header::LOCATION, next))
+        .finish()
+}
+
+fn status_of(error: &ApiError) -> StatusCode {
+    actix_web::ResponseError::status_code(error)
+}
+
+/// `POST /login`: a password or a phone code; the API's every limit and lock applies.
+pub async fn login(
+    page: Page,
+    query: web::Query<NextQuery>,
+    form: web::Form<LoginForm>,
+) -> Result<HttpResponse, WebError> {
+    let next = safe_next(query.next.as_deref());
+    let form = form.into_inner();
+    let request = match form.method.as_str() {
+        "code" => LoginRequest {
+            username: None,
+            password: None,
+            phone: form.phone.clone(),
+            code: form.code,
+        },
+        _ => LoginRequest {
+            username: form.username.clone(),
+            password: form.password,
+            phone: None,
+            code: None,
+        },
+    };
+    match crate::http::auth::log_in(page.state(), &page.request, request).await {
+        Ok(login) => Ok(signed_in(&page, login.token, &next)),
+        Err(ApiError::Unexpected(error)) => Err(WebError::from(error)),
+        Err(error) => {
+            let message = page.message_of(&error);
+            login_form(
+                &page,
+                &next,
+                context! { message, username => form.username, phone => form.phone },
+                status_of(&error),
+            )
+            .await
+        }
+    }
+}
+
+/// `POST /login/code`: send a code to the phone, then show the form to type it in.
+pub async fn send_code(
+    page: Page,
+    query: web::Query<NextQuery>,
+    form: web::Form<PhoneForm>,
+) -> Result<HttpResponse, WebError> {
+    let next = safe_next(query.next.as_deref());
+    match crate::http::auth::send_login_code(page.state(), &page.request, &form.phone).await {
+        Ok(_) => {
+            let message = page.t("login.code_sent", &[]);
+            login_form(
+                &page,
+                &next,
+                context! { message, message_kind => "info", phone => form.phone.trim() },
+                StatusCode::OK,
+            )
+            .await
+        }
+        Err(ApiError::Unexpected(error)) => Err(WebError::from(error)),
+        Err(error) => {
+            let message = page.message_of(&error);
+            login_form(
+                &page,
+                &next,
+                context! { message, phone => form.phone.trim() },
+                status_of(&error),
+            )
+            .await
+        }
+    }
+}
+
+pub async fn register_page(
+    page: Page,
+    query: web::Query<NextQuery>,
+) -> Result<HttpResponse, WebError> {
+    let next = safe_next(query.next.as_deref());
+    if page.member.is_some() {
+        return Ok(Page::see_other(&next));
+    }
+    page.render(
+        "register.html",
+        context! { next_encoded => encode_path(&next) },
+    )
+    .await
+}
+
+/// `POST /register`: register, then sign in with the same password (one step for the reader).
+pub async fn register(
+    page: Page,
+    query: web::Query<NextQuery>,
+    form: web::Form<RegisterForm>,
+) -> Result<HttpResponse, WebError> {
+    let next = safe_next(query.next.as_deref());
+    let form = form.into_inner();
+    let registered = crate::http::auth::register_user(
+        page.state(),
+        &page.request,
+        &RegisterRequest {
+            username: form.username.clone(),
+            password: form.password.clone(),
+        },
+    )
+    .await;
+    let refused = |error: ApiError| async {
+        if let ApiError::Unexpected(error) = error {
+            return Err(WebError::from(error));
+        }
+        let message = page.message_of(&error);
+        let mut response = page
+            .render(
+                "register.html",
+                context! { message, username => form.username.clone(), next_encoded => encode_path(&next) },
+            )
+            .await?;
+        *response.status_mut() = status_of(&error);
+        Ok(response)
+    };
+    if let Err(error) = registered {
+        return refused(error).await;
+    }
+    let login = LoginRequest {
+        username: Some(form.username.clone()),
+        password: Some(form.password.clone()),
+        phone: None,
+        code: None,
+    };
+    match crate::http::auth::log_in(page.state(), &page.request, login).await {
+        Ok(login) => Ok(signed_in(&page, login.token, &next)),
+        Err(error) => refused(error).await,
+    }
+}
+
+/// `POST /logout`: the session ends everywhere (its sockets close), the cookie goes.
+pub async fn logout(page: Page) -> Result<HttpResponse, WebError> {
+    if let Some(member) = &page.member {
+        page.state().end_session(&member.session).await?;
+    }
+    let secure = page.web().secure_cookies(&page.request);
+    let mut response = if page.is_htmx() {
+        HttpResponse::Ok()
+            .insert_header(("HX-Redirect", "/login"))
+            .finish()
+    } else {
+        Page::see_other("/login")
+    };
+    response
+        .add_cookie(&session::cleared_session_cookie(secure))
+        .map_err(|error| anyhow::anyhow!("setting a cookie: {error}"))?;
+    Ok(response)
+}
+
+/// `GET /lang/{lang}?next=`: remember the language for a year and go back.
+pub async fn choose_language(
+    page: Page,
+    path: web::Path<String>,
+    query: web::Query<NextQuery>,
+) -> Result<HttpResponse, WebError> {
+    let Some(lang) = Lang::parse(&path) else {
+        return Err(page.refusal(StatusCode::NOT_FOUND, "error.not_found"));
+    };
+    let next = match query.next.as_deref() {
+        Some(next) => {
+            let decoded = safe_next(Some(next));
+            // The login and registration pages are fine to go back to here.
+            if next.starts_with("/login") || next.starts_with("%2Flogin") {
+                "/login".to_owned()
+            } else if next.starts_with("/register") || next.starts_with("%2Fregister") {
+                "/register".to_owned()
+            } else {
+                decoded
+            }
+        }
+        None => "/".to_owned(),
+    };
+    let cookie = Cookie::build(LANG_COOKIE, lang.code())
+        .path("/")
+        .same_site(actix_web::cookie::SameSite::Lax)
+        .max_age(actix_web::cookie::time::Duration::days(365))
+        .finish();
+    Ok(HttpResponse::SeeOther()
+        .cookie(cookie)
+        .insert_header((actix_web::http::header::LOCATION, next))
+        .finish())
+}

@@ -1,0 +1,592 @@
+//! Templates and the page a request renders: [`Web`] holds the minijinja environment (the
+//! built-in templates compiled in, an operator's directory in front of them), [`Page`] is a
+//! request's reader (language, session) with `render` for a whole page and `fragment` for an
+//! htmx swap, and [`WebError`] is a refusal rendered as a page (or a redirect to sign in).
+
+use std::future::Future;
+use std::pin::Pin;
+
+use actix_web::dev::Payload;
+use actix_web::http::StatusCode;
+use actix_web::{FromRequest, HttpRequest, HttpResponse, ResponseError, web};
+use minijinja::value::{Kwargs, Value};
+use minijinja::{Environment, State, context};
+
+use super::i18n::Lang;
+use super::session::{self, Member};
+use crate::configuration::{CookieSecure, Settings};
+use crate::http::ApiError;
+use crate::startup::AppState;
+
+/// The built-in templates, by name.
+const TEMPLATES: &[(&str, &str)] = &[
+    ("base.html", include_str!("templates/base.html")),
+    ("error.html", include_str!("templates/error.html")),
+    ("login.html", include_str!("templates/login.html")),
+    ("register.html", include_str!("templates/register.html")),
+    ("generate.html", include_str!("templates/generate.html")),
+    ("_task_card.html", include_str!("templates/_task_card.html")),
+    ("_alert.html", include_str!("templates/_alert.html")),
+    ("_balance.html", include_str!("templates/_balance.html")),
+    ("history.html", include_str!("templates/history.html")),
+    ("points.html", include_str!("templates/points.html")),
+    ("checkin.html", include_str!("templates/checkin.html")),
+    (
+        "_checkin_panel.html",
+        include_str!("templates/_checkin_panel.html"),
+    ),
+    ("redeem.html", include_str!("templates/redeem.html")),
+    ("sales.html", include_str!("templates/sales.html")),
+    ("_sale.html", include_str!("templates/_sale.html")),
+    ("admin/base.html", include_str!("templates/admin/base.html")),
+    (
+        "admin/overview.html",
+        include_str!("templates/admin/overview.html"),
+    ),
+    (
+        "admin/servers.html",
+        include_str!("templates/admin/servers.html"),
+    ),
+    (
+        "admin/_servers.html",
+        include_str!("templates/admin/_servers.html"),
+    ),
+    (
+        "admin/users.html",
+        include_str!("templates/admin/users.html"),
+    ),
+    ("admin/user.html", include_str!("templates/admin/user.html")),
+    (
+        "admin/_user.html",
+        include_str!("templates/admin/_user.html"),
+    ),
+    (
+        "admin/codes.html",
+        include_str!("templates/admin/codes.html"),
+    ),
+    (
+        "admin/_batch.html",
+        include_str!("templates/admin/_batch.html"),
+    ),
+    (
+        "admin/promotions.html",
+        include_str!("templates/admin/promotions.html"),
+    ),
+    (
+        "admin/_promotion.html",
+        include_str!("templates/admin/_promotion.html"),
+    ),
+    (
+        "admin/audit.html",
+        include_str!("templates/admin/audit.html"),
+    ),
+];
+
+/// The web app's shared parts: templates and settings.
+#[derive(Debug)]
+pub struct Web {
+    env: Environment<'static>,
+    cookie_secure: CookieSecure,
+    trust_forwarded: bool,
+}
+
+impl Web {
+    pub fn new(settings: &Settings) -> anyhow::Result<Web> {
+        let mut env = Environment::new();
+        let overrides = settings.web.templates_directory.trim().to_owned();
+        env.set_loader(move |name| {
+            // An operator's template of the same name wins; names never leave the directory.
+            if !overrides.is_empty() && !name.contains("..") {
+                let path = std::path::Path::new(&overrides).join(name);
+                if path.is_file() {
+                    return std::fs::read_to_string(&path).map(Some).map_err(|error| {
+                        minijinja::Error::new(
+                            minijinja::ErrorKind::InvalidOperation,
+                            format!("reading template {}: {error}", path.display()),
+                        )
+                    });
+                }
+            }
+            Ok(TEMPLATES
+                .iter()
+                .find(|(built_in, _)| *built_in == name)
+                .map(|(_, source)| (*source).to_owned()))
+        });
+        env.set_undefined_behavior(minijinja::UndefinedBehavior::Chainable);
+        let offset_minutes = settings.auth.day_utc_offset_minutes;
+        env.add_function("t", translate);
+        // Our own URL, not user text: safe as it is.
+        env.add_function("asset", |name: &str| {
+            Value::from_safe_string(super::assets::url(name))
+        });
+        env.add_filter("localtime", move |value: Value| {
+            local_time(&value, offset_minutes, "%Y-%m-%d %H:%M")
+        });
+        env.add_filter("localdate", move |value: Value| {
+            local_time(&value, offset_minutes, "%Y-%m-%d")
+        });
+        Ok(Web {
+            env,
+            cookie_secure: settings.web.cookie_secure,
+            trust_forwarded: settings.http.client_ip_from_forwarded,
+        })
+    }
+
+    fn render(&self, name: &str, context: Value) -> Result<String, minijinja::Error> {
+        self.env.get_template(name)?.render(context)
+    }
+
+    /// Whether the answer to `request` sets `Secure` cookies.
+    pub fn secure_cookies(&self, request: &HttpRequest) -> bool {
+        session::secure(request, self.cookie_secure, self.trust_forwarded)
+    }
+
+    /// Every built-in template, compiled (a test: a broken template fails the gate, not a page).
+    pub fn check_templates(&self) -> Result<(), minijinja::Error> {
+        for (name, _) in TEMPLATES {
+            self.env.get_template(name)?;
+        }
+        Ok(())
+    }
+}
+
+/// `t("key", name=value, ...)`: the page language's text of `key` (the language is the
+/// template context's `lang`).
+fn translate(state: &State, key: &str, arguments: Kwargs) -> Result<String, minijinja::Error> {
+    let lang = state
+        .lookup("lang")
+        .and_then(|lang| lang.as_str().and_then(Lang::parse))
+        .unwrap_or(Lang::Zh);
+    let mut filled = Vec::new();
+    for name in arguments.args() {
+        let value: Value = arguments.get(name)?;
+        filled.push((name, value.to_string()));
+    }
+    arguments.assert_all_used()?;
+    Ok(lang.text(key, &filled))
+}
+
+/// An RFC 3339 time shown at the platform's UTC offset (the day check-ins count by).
+fn local_time(value: &Value, offset_minutes: i32, format: &str) -> String {
+    let Some(text) = value.as_str() else {
+        return String::new();
+    };
+    let Ok(at) = chrono::DateTime::parse_from_rfc3339(text) else {
+        return text.to_owned();
+    };
+    let offset = chrono::FixedOffset::east_opt(offset_minutes * 60)
+        .unwrap_or_else(|| chrono::FixedOffset::east_opt(0).unwrap_or_else(|| unreachable!()));
+    at.with_timezone(&offset).format(format).to_string()
+}
+
+/// A refusal or a failure, as the browser gets it: a page, or a redirect to sign in.
+#[derive(Debug)]
+pub struct WebError {
+    status: StatusCode,
+    body: String,
+    location: Option<String>,
+    htmx: bool,
+}
+
+impl std::fmt::Display for WebError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.status)
+    }
+}
+
+impl ResponseError for WebError {
+    fn status_code(&self) -> StatusCode {
+        self.status
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        if let Some(location) = &self.location {
+            // htmx follows `HX-Redirect` (a swap would put a login page inside a card).
+            if self.htmx {
+                return HttpResponse::Ok()
+                    .insert_header(("HX-Redirect", location.as_str()))
+                    .finish();
+            }
+            return HttpResponse::SeeOther()
+                .insert_header((actix_web::http::header::LOCATION, location.as_str()))
+                .finish();
+        }
+        HttpResponse::build(self.status)
+            .content_type("text/html; charset=utf-8")
+            .body(self.body.clone())
+    }
+}
+
+impl From<anyhow::Error> for WebError {
+    fn from(error: anyhow::Error) -> WebError {
+        tracing::error!(error = %crate::telemetry::error_chain(&error), "a page failed");
+        WebError {
+            status: StatusCode::INTERNAL_SERVER_ERROR,
+            body: "<!doctype html><title>500</title><p>Internal error / 内部错误</p>".into(),
+            location: None,
+            htmx: false,
+        }
+    }
+}
+
+impl From<minijinja::Error> for WebError {
+    fn from(error: minijinja::Error) -> WebError {
+        WebError::from(anyhow::Error::new(error).context("rendering a template"))
+    }
+}
+
+/// A request's reader: language, session (if signed in), and how to answer them.
+pub struct Page {
+    pub request: HttpRequest,
+    pub lang: Lang,
+    pub member: Option<Member>,
+    pub state: web::Data<AppState>,
+    web: web::Data<Web>,
+}
+
+impl FromRequest for Page {
+    type Error = WebError;
+    type Future = Pin<Box<dyn Future<Output = Result<Page, WebError>>>>;
+
+    fn from_request(request: &HttpRequest, _payload: &mut Payload) -> Self::Future {
+        let request = request.clone();
+        Box::pin(async move {
+            let state = request
+                .app_data::<web::Data<AppState>>()
+                .cloned()
+                .ok_or_else(|| anyhow::anyhow!("AppState is not registered"))?;
+            let web = request
+                .app_data::<web::Data<Web>>()
+                .cloned()
+                .ok_or_else(|| anyhow::anyhow!("the web app is not registered"))?;
+            let lang = Lang::of_request(&request);
+            let member = session::member_of(&state, &request).await?;
+            let page = Page {
+                request,
+                lang,
+                member,
+                state,
+                web,
+            };
+            let unsafe_method = !matches!(
+                *page.request.method(),
+                actix_web::http::Method::GET | actix_web::http::Method::HEAD
+            );
+            if unsafe_method {
+                if session::from_another_site(&page.request) {
+                    return Err(page.refusal(StatusCode::FORBIDDEN, "error.another_site"));
+                }
+                if let Some(member) = &page.member
+                    && !session::csrf_presented(&page.request, member)
+                {
+                    return Err(page.refusal(StatusCode::FORBIDDEN, "error.csrf"));
+                }
+            }
+            Ok(page)
+        })
+    }
+}
+
+impl Page {
+    pub fn state(&self) -> &AppState {
+        &self.state
+    }
+
+    pub fn web(&self) -> &Web {
+        &self.web
+    }
+
+    /// The text of `key` in the reader's language.
+    pub fn t(&self, key: &str, arguments: &[(&str, String)]) -> String {
+        self.lang.text(key, arguments)
+    }
+
+    /// A request htmx made (it wants a fragment).
+    pub fn is_htmx(&self) -> bool {
+        self.request.headers().contains_key("hx-request")
+    }
+
+    /// The signed-in reader, or a redirect to sign in (and back here after).
+    pub fn member(&self) -> Result<&Member, WebError> {
+        self.member.as_ref().ok_or_else(|| {
+            let path = self.request.path();
+            let next = if self.request.method() == actix_web::http::Method::GET {
+                path
+            } else {
+                "/generate"
+            };
+            WebError {
+                status: StatusCode::SEE_OTHER,
+                body: String::new(),
+                location: Some(format!("/login?next={}", encode_path(next))),
+                htmx: self.is_htmx(),
+            }
+        })
+    }
+
+    /// The signed-in admin; a plain 403 page for anyone else signed in.
+    pub fn admin(&self) -> Result<&Member, WebError> {
+        let member = self.member()?;
+        if member.is_admin() {
+            Ok(member)
+        } else {
+            Err(self.refusal(StatusCode::FORBIDDEN, "error.admin_only"))
+        }
+    }
+
+    /// A plain error page saying `key`'s text.
+    pub fn refusal(&self, status: StatusCode, key: &str) -> WebError {
+        let context = context! {
+            lang => self.lang.code(),
+            lang_tag => self.lang.tag(),
+            status => status.as_u16(),
+            message => self.t(key, &[]),
+            signed_in => self.member.is_some(),
+        };
+        match self.web.render("error.html", context) {
+            Ok(body) => WebError {
+                status,
+                body,
+                location: None,
+                htmx: false,
+            },
+            Err(error) => WebError::from(error),
+        }
+    }
+
+    /// An API error in the reader's words: a named rule's own text when the catalog has one
+    /// (`error.<rule>`), else the rule's detail; a field error names the field.
+    pub fn message_of(&self, error: &ApiError) -> String {
+        match error {
+            ApiError::Validation { field, message } => self.field_message(field, message),
+            ApiError::InvalidFields(fields) => fields
+                .iter()
+                .map(|(field, message)| self.field_message(field, message))
+                .collect::<Vec<_>>()
+                .join("；"),
+            ApiError::NotFound(_) => self.t("error.not_found", &[]),
+            ApiError::Unexpected(_) => self.t("error.unexpected", &[]),
+            ApiError::Unavailable { .. } => self.t("error.unavailable", &[]),
+            ApiError::Unauthorized { rule, detail }
+            | ApiError::Forbidden { rule, detail }
+            | ApiError::Conflict { rule, detail }
+            | ApiError::TooManyRequests { rule, detail, .. }
+            | ApiError::Refused { rule, detail, .. } => {
+                let key = format!("error.{rule}");
+                if self.lang.has(&key) {
+                    self.t(&key, &[])
+                } else {
+                    detail.clone()
+                }
+            }
+        }
+    }
+
+    fn field_message(&self, field: &str, message: &str) -> String {
+        let key = format!("field.{field}");
+        let name = if self.lang.has(&key) {
+            self.t(&key, &[])
+        } else {
+            field.to_owned()
+        };
+        self.t(
+            "error.field",
+            &[("field", name), ("message", message.to_owned())],
+        )
+    }
+
+    /// An unexpected API error becomes the 500 page; any other is the caller's to show.
+    pub fn unexpected(&self, error: ApiError) -> WebError {
+        match error {
+            ApiError::Unexpected(error) => WebError::from(error),
+            other => WebError::from(anyhow::anyhow!("{other}")),
+        }
+    }
+
+    /// What every template gets: the language, the reader, the CSRF token, where they are.
+    fn base_context(&self) -> Value {
+        let member = self.member.as_ref();
+        let other = match self.lang {
+            Lang::Zh => Lang::En,
+            Lang::En => Lang::Zh,
+        };
+        context! {
+            lang => self.lang.code(),
+            lang_tag => self.lang.tag(),
+            other_lang => other.code(),
+            path => self.request.path(),
+            return_to => encode_path(&self.request.uri().to_string()),
+            signed_in => member.is_some(),
+            is_admin => member.is_some_and(Member::is_admin),
+            csrf => member.map(Member::csrf),
+        }
+    }
+
+    /// A whole page: `template` with the base context and, when signed in, the reader's name
+    /// and balance for the header.
+    pub async fn render(&self, template: &str, context: Value) -> Result<HttpResponse, WebError> {
+        let mut header = context! {};
+        if let Some(member) = &self.member {
+            let user_id = member.session.user_id;
+            let user = self.state.users.get(user_id).await?;
+            let name = user.as_ref().map_or_else(String::new, display_name);
+            let balance = crate::http::accounts::balance_of(&self.state, user_id)
+                .await
+                .map_err(|error| self.unexpected(error))?;
+            header = context! {
+                me => context! { name, user_id => user_id.to_string() },
+                balance => ser(&balance),
+            };
+        }
+        let full = context! { ..self.base_context(), ..header, ..context };
+        let body = self.web.render(template, full)?;
+        Ok(html(StatusCode::OK, body))
+    }
+
+    /// A fragment for htmx to swap in (no header parts).
+    pub fn fragment(&self, template: &str, context: Value) -> Result<HttpResponse, WebError> {
+        let full = context! { ..self.base_context(), ..context };
+        let body = self.web.render(template, full)?;
+        Ok(html(StatusCode::OK, body))
+    }
+
+    /// An alert for htmx to put into the form's message area (`target`), in place of what the
+    /// form would have swapped.
+    pub fn alert(&self, target: &str, kind: &str, message: &str) -> Result<HttpResponse, WebError> {
+        let body = self.web.render(
+            "_alert.html",
+            context! { ..self.base_context(), ..context! { kind, message } },
+        )?;
+        Ok(HttpResponse::Ok()
+            .content_type("text/html; charset=utf-8")
+            .insert_header(("HX-Retarget", target))
+            .insert_header(("HX-Reswap", "innerHTML"))
+            .body(body))
+    }
+
+    /// After a form without htmx: back to `path`.
+    pub fn see_other(path: &str) -> HttpResponse {
+        HttpResponse::SeeOther()
+            .insert_header((actix_web::http::header::LOCATION, path))
+            .finish()
+    }
+}
+
+/// A serializable view (the API's own DTOs) as a template value.
+pub fn ser<T: serde::Serialize + ?Sized>(value: &T) -> Value {
+    Value::from(minijinja::value::Serde(value))
+}
+
+fn html(status: StatusCode, body: String) -> HttpResponse {
+    HttpResponse::build(status)
+        .content_type("text/html; charset=utf-8")
+        .body(body)
+}
+
+/// How a user is named on a page: the username, else the phone with its middle hidden.
+pub fn display_name(user: &zhihui_domain::user::RegisteredUser) -> String {
+    if let Some(name) = &user.username {
+        return name.as_str().to_owned();
+    }
+    user.phone.as_ref().map_or_else(String::new, |phone| {
+        let digits = phone.to_string();
+        let count = digits.chars().count();
+        digits
+            .chars()
+            .enumerate()
+            .map(|(index, c)| {
+                if index >= count.saturating_sub(8) && index < count.saturating_sub(4) {
+                    '*'
+                } else {
+                    c
+                }
+            })
+            .collect()
+    })
+}
+
+/// A same-site path for `next=`: only a path of ours (no scheme, no host), percent-encoded.
+pub fn encode_path(path: &str) -> String {
+    let path = if path.starts_with('/') && !path.starts_with("//") {
+        path
+    } else {
+        "/"
+    };
+    let mut out = String::with_capacity(path.len());
+    for byte in path.bytes() {
+        match byte {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' | b'/' => {
+                out.push(char::from(byte));
+            }
+            other => out.push_str(&format!("%{other:02X}")),
+        }
+    }
+    out
+}
+
+/// `next=` back to a path: decoded, and only a path of ours.
+pub fn safe_next(next: Option<&str>) -> String {
+    let Some(next) = next else {
+        return "/generate".into();
+    };
+    let mut bytes = Vec::with_capacity(next.len());
+    let raw = next.as_bytes();
+    let mut index = 0;
+    while index < raw.len() {
+        let hex = |byte: u8| char::from(byte).to_digit(16);
+        match (raw[index], raw.get(index + 1), raw.get(index + 2)) {
+            (b'%', Some(high), Some(low)) if hex(*high).is_some() && hex(*low).is_some() => {
+                let value = hex(*high).unwrap_or(0) * 16 + hex(*low).unwrap_or(0);
+                bytes.push(u8::try_from(value).unwrap_or(b'/'));
+                index += 3;
+            }
+            (byte, _, _) => {
+                bytes.push(byte);
+                index += 1;
+            }
+        }
+    }
+    let decoded = String::from_utf8_lossy(&bytes).into_owned();
+    let ours = decoded.starts_with('/')
+        && !decoded.starts_with("//")
+        && !decoded.contains('\\')
+        && !decoded.chars().any(char::is_control);
+    if ours && !decoded.starts_with("/login") && !decoded.starts_with("/register") {
+        decoded
+    } else {
+        "/generate".into()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_built_in_template_compiles() {
+        let settings = Settings::load(None).expect("default settings");
+        let web = Web::new(&settings).expect("the web app builds");
+        web.check_templates().expect("every template compiles");
+    }
+
+    #[test]
+    fn next_is_only_ever_a_path_of_ours() {
+        assert_eq!(safe_next(Some("/history?page=2")), "/history?page=2");
+        assert_eq!(safe_next(Some("%2Fpoints")), "/points");
+        for hostile in [
+            "//evil.example/",
+            "https://evil.example/",
+            "/\\evil.example",
+            "%2F%2Fevil.example",
+            "/login",
+            "javascript:alert(1)",
+        ] {
+            assert_eq!(safe_next(Some(hostile)), "/generate", "{hostile}");
+        }
+        assert_eq!(safe_next(None), "/generate");
+        assert_eq!(
+            encode_path("/history?status=failed&x=中"),
+            "/history%3Fstatus%3Dfailed%26x%3D%E4%B8%AD"
+        );
+    }
+}

@@ -1,0 +1,364 @@
+"""The web app as people use it, in a real Chromium: each test names the person and the goal."""
+
+import re
+import subprocess
+import tempfile
+
+from conftest import ADMIN, unique, wait_until
+
+CHINESE_PROMPT = "一只在雪地里奔跑的红狐狸，电影感光线"
+
+
+def grant(admin, username, amount, reason):
+    """The admin finds `username` and grants `amount` points with `reason`, in their browser."""
+    page = admin.go("/admin/users")
+    page.fill("#q", username)
+    page.click("form.search button[type=submit]")
+    page.wait_for_url(re.compile(r".*/admin/users/[0-9a-f-]{36}$"))
+    page.fill("#amount", str(amount))
+    page.fill("#reason", reason)
+    page.click("#grant-title ~ form button[type=submit]")
+    page.locator(".notice.success").wait_for()
+    return page
+
+
+def submit(page, prompt, steps=8, images=1, answer=None):
+    """Submit the form; the new card (and, into `answer`, the HTML the server sent for it)."""
+    page.fill("#prompt", prompt)
+    page.fill("#steps", str(steps))
+    page.select_option("#images", str(images))
+    before = page.locator("#tasks article.task").count()
+    with page.expect_response(lambda response: response.url.endswith("/generate") and response.request.method == "POST") as sent:
+        page.click("#generate-form button[type=submit]")
+    if answer is not None:
+        answer.append(sent.value.text())
+    wait_until(lambda: page.locator("#tasks article.task").count() > before, "the new task's card")
+    return page.locator("#tasks article.task").first
+
+
+def watch_progress(page):
+    """Record every value the first card's progress bar takes, and every title, from now on."""
+    page.evaluate(
+        """() => {
+            window.__progress = [];
+            window.__titles = [];
+            const record = () => {
+                const bar = document.querySelector('#tasks article.task [data-field="progress"]');
+                if (bar && !bar.closest('[hidden]')) {
+                    const value = Number(bar.value);
+                    if (window.__progress[window.__progress.length - 1] !== value) window.__progress.push(value);
+                }
+                if (window.__titles[window.__titles.length - 1] !== document.title) window.__titles.push(document.title);
+            };
+            new MutationObserver(record).observe(document.body, {subtree: true, childList: true, attributes: true, characterData: true});
+            new MutationObserver(record).observe(document.head, {subtree: true, childList: true, characterData: true});
+        }"""
+    )
+
+
+def test_a_new_user_signs_up_and_makes_a_first_image_from_a_chinese_prompt(stack, person):
+    user = person("zh")
+    name = unique("xiaoming")
+    page = user.register(name)
+    assert page.locator("#balance .amount").inner_text() == "0.00"
+    wait_until(lambda: page.evaluate("document.body.dataset.socket") == "open", "the live socket")
+
+    # An admin, in a browser of their own, grants 10 points with a reason in Chinese; the
+    # user's open page shows the new balance without a reload.
+    admin = person("zh")
+    admin.login(*ADMIN)
+    grant(admin, name, 10, "新用户体验积分")
+    page.locator("#balance .amount", has_text="10.00").wait_for()
+
+    # The ledger names the movement and its reason.
+    page = user.go("/points")
+    assert page.locator("[data-testid=available]").inner_text() == "10.00"
+    assert page.locator("table.ledger").get_by_text("新用户体验积分").is_visible()
+    assert page.locator("table.ledger").get_by_text("管理员发放").is_visible()
+
+    page = user.go("/generate")
+    wait_until(lambda: page.evaluate("document.body.dataset.socket") == "open", "the live socket")
+    watch_progress(page)
+    # Both image servers busy with someone else's work: the new task has to wait its turn.
+    occupy_both_servers(stack)
+    answer = []
+    card = submit(page, CHINESE_PROMPT, steps=8, answer=answer)
+    assert card.locator(".prompt").inner_text() == CHINESE_PROMPT
+    # Its place in the queue (as submitted), then its progress by steps, then its image.
+    assert re.search(r"排队第 \d+ 位", answer[0]), answer[0]
+    image = page.locator("#tasks article.task").first.locator(".images img")
+    image.wait_for(timeout=60_000)
+    wait_until(lambda: page.evaluate("(img) => img.complete && img.naturalWidth > 0", image.element_handle()), "the image to load")
+    progress = page.evaluate("window.__progress")
+    assert len([value for value in progress if value > 0]) >= 3, progress
+    titles = page.evaluate("window.__titles")
+    assert any(re.match(r"\d+% · ", title) for title in titles), titles
+    assert not re.match(r"\d+% · ", page.title()), "the title shows progress only while it runs"
+
+    # The image as served: labelled (the visible mark and the AIGC metadata).
+    src = image.get_attribute("src")
+    response = user.context.request.get(f"{stack.base}{src}")
+    assert response.status == 200
+    assert response.headers["x-aigc-label"] == "1"
+    with tempfile.NamedTemporaryFile(suffix=".png") as file:
+        file.write(response.body())
+        file.flush()
+        inspected = stack.cli("images", "inspect", file.name)
+    assert "PNG tEXt AIGC: ReservedCode1 checks out" in inspected.stdout, inspected.stdout
+    image.screenshot(path=str(stack_screenshot("first-image-with-mark.png")))
+
+    # One point charged, nothing frozen.
+    page.locator("#balance .amount", has_text="9.00").wait_for()
+    assert user.go("/points").locator("[data-testid=frozen]").inner_text() == "0.00"
+
+
+def occupy_both_servers(stack, steps=12):
+    """Another user's two tasks, one per server, each `steps` steps long."""
+    admin = stack.token(*ADMIN)
+    name = unique("mang")
+    assert stack.api("POST", "/api/v1/auth/register", body={"username": name, "password": "correct horse"})[0] == 201
+    token = stack.token(name, "correct horse")
+    status, me = stack.api("GET", "/api/v1/me", token)
+    assert stack.api("POST", f"/api/v1/admin/accounts/{me['id']}/grants", admin, {"amount": "2", "reason": "busy"})[0] == 201
+    for _ in range(2):
+        status, body = stack.api("POST", "/api/v1/tasks", token, {"prompt": "a busy server", "steps": steps})
+        assert status == 201, body
+
+    def both_running():
+        status, page = stack.api("GET", "/api/v1/tasks", token)
+        return sum(1 for task in page["tasks"] if task["status"] == "running") == 2
+
+    wait_until(both_running, "both servers running")
+
+
+def stack_screenshot(name):
+    from conftest import SCREENSHOTS
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    return SCREENSHOTS / name
+
+
+def test_a_user_cancels_a_waiting_task_and_gets_the_points_back(stack, person):
+    user = person("zh")
+    name = unique("quxiao")
+    user.register(name)
+    admin = person("zh")
+    admin.login(*ADMIN)
+    grant(admin, name, 6, "测试取消")
+    page = user.go("/generate")
+    user.accept_dialogs()
+    # Three long tasks on two servers: the third waits in the queue.
+    for _ in range(3):
+        submit(page, "一座雪中的灯塔", steps=40, images=2)
+    waiting = page.locator("#tasks article.task[data-status=queued]").first
+    waiting.wait_for()
+    task_id = waiting.get_attribute("data-task-id")
+    page.locator("#balance .amount", has_text="0.00").wait_for()
+    waiting.locator("button.danger").click()
+    cancelled = page.locator(f"#task-{task_id}")
+    cancelled.locator(".notice", has_text="已取消").wait_for()
+    assert cancelled.get_attribute("data-status") == "cancelled"
+    assert user.dialogs and "退还" in user.dialogs[-1]
+    page.locator("#balance .amount", has_text="2.00").wait_for()
+    # The running ones are cancelled too (interrupted on their servers): everything comes back.
+    for running in page.locator("#tasks article.task").all():
+        if running.get_attribute("data-status") in ("queued", "dispatched", "running"):
+            button = running.locator("button.danger")
+            if button.count():
+                button.click()
+    wait_until(lambda: user.go("/points").locator("[data-testid=frozen]").inner_text() == "0.00", "every hold released or settled")
+
+
+def test_a_check_in_a_redeemed_code_and_a_flash_sale_each_show_in_the_ledger(stack, person):
+    user = person("zh")
+    name = unique("qiandao")
+    user.register(name)
+    user.accept_dialogs()
+
+    # Check in: the bonus and the calendar.
+    page = user.go("/checkin")
+    page.click("#checkin button[type=submit]")
+    page.locator("#checkin .notice.success").wait_for()
+    assert page.locator("#checkin td.checked").count() == 1
+    assert "已连续签到 1 天" in page.locator("#checkin .streak").inner_text()
+
+    # An admin issues a batch of codes; the user redeems one from its CSV.
+    admin = person("zh")
+    admin.login(*ADMIN)
+    admin.accept_dialogs()
+    codes = admin.go("/admin/codes")
+    codes.fill("#count", "3")
+    codes.fill("#points", "12.5")
+    codes.fill("#note", "浏览器测试批次")
+    codes.click("#new-batch ~ form button[type=submit]")
+    batch = codes.locator("#batches article.batch").first
+    batch.locator(".state-issued").wait_for()
+    csv_url = batch.locator("a[download]").get_attribute("href")
+    csv = admin.context.request.get(f"{stack.base}{csv_url}").text()
+    code = csv.splitlines()[1].split(",")[1]
+    page = user.go("/redeem")
+    page.fill("#code", code)
+    page.click("main form button[type=submit]")
+    page.locator("#redeem-messages .notice.success").wait_for()
+    assert "12.50" in page.locator("#redeem-messages").inner_text()
+    # A mistyped code is refused with what to do, and nothing moves.
+    page.fill("#code", code[:-1] + ("0" if code[-1] != "0" else "1"))
+    page.click("main form button[type=submit]")
+    page.locator("#redeem-messages .notice.error").wait_for()
+
+    # An admin opens a flash sale; the user claims it and hears the result on the socket.
+    promotions = admin.go("/admin/promotions")
+    title = "限时抢购 " + unique("")
+    promotions.fill("#title", title)
+    promotions.fill("#promo-points", "30")
+    promotions.fill("#stock", "5")
+    promotions.click("#new-promotion ~ form button[type=submit]")
+    promotions.locator("#promotions article.promotion", has_text=title).wait_for()
+    page = user.go("/sales")
+    wait_until(lambda: page.evaluate("document.body.dataset.socket") == "open", "the live socket")
+    sale = page.locator("article.sale", has_text=title)
+    sale.locator("button.primary").click()
+    page.locator("article.sale", has_text=title).locator(".notice.success").wait_for(timeout=30_000)
+
+    ledger = user.go("/points").locator("table.ledger")
+    for kind in ("签到奖励", "兑换码", "限时抢购"):
+        assert ledger.get_by_text(kind).first.is_visible(), kind
+    assert user.page.locator("[data-testid=available]").inner_text() == "47.50"
+
+
+def test_a_user_cannot_open_an_admin_page_or_another_users_task(stack, person):
+    owner = person("zh")
+    owner_name = unique("zhuren")
+    owner.register(owner_name)
+    admin = person("zh")
+    admin.login(*ADMIN)
+    grant(admin, owner_name, 1, "一张图")
+    page = owner.go("/generate")
+    card = submit(page, "一棵树", steps=2)
+    task_id = card.get_attribute("data-task-id")
+    image = page.locator(f"#task-{task_id} .images img")
+    image.wait_for(timeout=60_000)
+    image_url = image.get_attribute("src")
+
+    other = person("zh")
+    other.register(unique("pangren"))
+    for path in ("/admin", "/admin/users", "/admin/servers", "/admin/codes", "/admin/promotions", "/admin/audit"):
+        response = other.page.goto(f"{stack.base}{path}")
+        assert response.status == 403, path
+        assert "只对管理员开放" in other.page.inner_text("main")
+        assert other.page.locator("nav.subnav").count() == 0
+    # Nothing of the admin pages in a user's page or script.
+    page = other.go("/generate")
+    html = page.content()
+    assert "/admin" not in html
+    script = other.context.request.get(f"{stack.base}/assets/app.js").text()
+    assert "admin" not in script.lower()
+    # Another user's task and image: not found, as if they did not exist.
+    assert other.context.request.get(f"{stack.base}/tasks/{task_id}/card").status == 404
+    assert other.context.request.get(f"{stack.base}{image_url}").status == 404
+    assert other.context.request.get(f"{stack.base}/api/v1/tasks/{task_id}").status == 404
+
+
+def test_a_prompt_that_looks_like_markup_shows_as_the_characters_typed(stack, person):
+    user = person("zh")
+    name = unique("xss")
+    user.register(name)
+    admin = person("zh")
+    admin.login(*ADMIN)
+    grant(admin, name, 2, "转义测试")
+    dialogs = []
+    user.page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    hostile = '<img src=x onerror=alert(1)>"\'</textarea><script>alert(2)</script>'
+    page = user.go("/generate")
+    card = submit(page, hostile, steps=2)
+    assert card.locator(".prompt").inner_text() == hostile
+    assert page.locator("#tasks img[src=x]").count() == 0
+    card_id = card.get_attribute("data-task-id")
+    page.locator(f"#task-{card_id} .images img").wait_for(timeout=60_000)
+    # Every page that shows the prompt: the card again, history, "again" in the form.
+    for path in ("/generate", "/history", f"/generate?again={card_id}"):
+        page = user.go(path)
+        assert page.locator("img[src=x]").count() == 0, path
+        assert page.locator("script", has_text="alert(2)").count() == 0, path
+    assert page.locator("#prompt").input_value() == hostile
+    assert user.go("/history").locator(".prompt", has_text="<img src=x").first.inner_text() == hostile
+    assert not dialogs, dialogs
+
+
+def test_the_generate_flow_works_by_keyboard_alone(stack, person):
+    user = person("zh")
+    name = unique("jianpan")
+    user.register(name)
+    admin = person("zh")
+    admin.login(*ADMIN)
+    grant(admin, name, 1, "键盘测试")
+    page = user.go("/generate")
+    # From the top of the page: the skip link, then into the form.
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.className") == "skip"
+    page.keyboard.press("Enter")
+    focused = None
+    for _ in range(30):
+        page.keyboard.press("Tab")
+        focused = page.evaluate("document.activeElement.id")
+        if focused == "prompt":
+            break
+    assert focused == "prompt"
+    page.keyboard.type("一只猫，用键盘提交")
+    # Through every field to the submit button, then Enter.
+    for _ in range(30):
+        page.keyboard.press("Tab")
+        if page.evaluate("document.activeElement.type === 'submit' && document.activeElement.closest('#generate-form') !== null"):
+            break
+    else:
+        raise AssertionError("the submit button is not reachable by Tab")
+    page.keyboard.press("Enter")
+    page.locator("#tasks article.task .prompt", has_text="一只猫，用键盘提交").wait_for()
+
+
+def test_a_user_logs_in_with_a_phone_code(stack, person):
+    user = person("zh")
+    page = user.go("/login")
+    phone = "139" + str(int(unique("")[:6], 16) % 10**8).zfill(8)
+    page.fill("#phone", phone)
+    page.click("#with-code ~ form[action^='/login/code'] button")
+    page.locator(".notice.info").wait_for()
+    code = wait_until(lambda: stack.login_code(f"+86{phone}"), "the logged code")
+    page.fill("#code", code)
+    page.locator("form", has=page.locator("#code")).locator("button[type=submit]").click()
+    page.wait_for_url("**/generate")
+    assert page.locator(".who .name").inner_text().startswith("+86139")
+
+
+def test_a_refused_submit_says_how_many_points_are_missing(stack, person):
+    user = person("zh")
+    user.register(unique("qiong"))
+    page = user.go("/generate")
+    page.fill("#prompt", "没有积分的请求")
+    page.select_option("#images", "2")
+    assert "2.00" in page.locator("#price").inner_text()
+    page.click("#generate-form button[type=submit]")
+    alert = page.locator("#generate-messages .notice.error")
+    alert.wait_for()
+    assert "还差 2.00 积分" in alert.inner_text()
+    assert page.locator("#tasks article.task").count() == 0
+
+
+def test_a_state_changing_request_without_its_csrf_token_is_refused(stack, person):
+    user = person("zh")
+    user.register(unique("csrf"))
+    request = user.context.request
+    refused = request.post(f"{stack.base}/checkin")
+    assert refused.status == 403
+    csrf = user.page.evaluate("JSON.parse(document.body.getAttribute('hx-headers'))['X-CSRF-Token']")
+    accepted = request.post(f"{stack.base}/checkin", headers={"X-CSRF-Token": csrf, "HX-Request": "true"})
+    assert accepted.status == 200
+    # The API taken with the cookie: the same rule.
+    assert request.post(f"{stack.base}/api/v1/checkins").status == 403
+    assert request.post(f"{stack.base}/api/v1/checkins", headers={"X-CSRF-Token": csrf}).status == 200
+    # A form posted from another site is refused before anything else.
+    foreign = request.post(f"{stack.base}/checkin", headers={"X-CSRF-Token": csrf, "Origin": "https://evil.example"})
+    assert foreign.status == 403
+    # The session cookie: HttpOnly and SameSite=Strict, out of the scripts' reach.
+    cookie = next(c for c in user.context.cookies() if c["name"] == "zhihui_session")
+    assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
+    assert "zhihui_session" not in user.page.evaluate("document.cookie")
