@@ -35,7 +35,59 @@ pub struct Settings {
     pub promotions: PromotionSettings,
     pub labels: LabelSettings,
     pub web: WebSettings,
+    pub api_keys: ApiKeySettings,
+    pub webhooks: WebhookSettings,
     pub log: LogSettings,
+}
+
+/// The development webhook signing key (refused outside development).
+pub const DEVELOPMENT_WEBHOOK_KEY: &str =
+    "development-only webhook signing key: never use it in production";
+
+/// Webhooks (`src/webhooks/`): how deliveries are signed, retried and kept safe.
+#[derive(Debug, Clone, Deserialize)]
+pub struct WebhookSettings {
+    /// Run the webhook router and sender (one leader across processes).
+    pub enabled: bool,
+    /// Every endpoint's secret is derived from this key (never stored): at least 32 bytes.
+    pub signing_key: SecretString,
+    /// Pauses before each retry, in order (Standard Webhooks' schedule, to about three days).
+    pub retry_schedule_ms: Vec<u64>,
+    /// Each pause varies by up to this share either way, so retries of many messages spread.
+    pub retry_jitter_ratio: f64,
+    /// A `Retry-After` longer than this is cut to it.
+    pub retry_after_max_ms: u64,
+    pub connect_timeout_ms: u64,
+    /// The whole attempt: connect, send, answer.
+    pub timeout_ms: u64,
+    /// Bytes of an answer kept in the delivery log (and read at all).
+    pub response_bytes_max: usize,
+    /// Attempts in flight at once.
+    pub concurrency: usize,
+    /// Messages taken per round.
+    pub batch: i64,
+    /// Networks (CIDR) that may be delivered to although private or loopback (e.g. a receiver
+    /// in the same data centre). Empty: only public addresses.
+    pub allowed_networks: Vec<String>,
+    /// An endpoint failing this many attempts in a row, for at least `disable_after_failing_ms`,
+    /// is disabled (its owner sees why).
+    pub disable_after_failures: u32,
+    pub disable_after_failing_ms: u64,
+    /// How long the previous secret keeps signing after a rotation.
+    pub rotation_overlap_ms: u64,
+    /// Endpoints one user may register.
+    pub endpoints_per_user_max: i64,
+    /// Where receivers reach zhihui: image links in payloads start with it.
+    pub public_base_url: String,
+}
+
+/// API keys (`src/api_keys.rs`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ApiKeySettings {
+    /// Requests a minute of a key made without its own figure.
+    pub requests_per_minute: u32,
+    /// The most a key may be given.
+    pub requests_per_minute_max: u32,
 }
 
 /// The web app for users and admins (`src/web/`).
@@ -665,7 +717,9 @@ impl Settings {
                 .separator("__")
                 .try_parsing(true)
                 .list_separator(",")
-                .with_list_parse_key("dispatch.backends"),
+                .with_list_parse_key("dispatch.backends")
+                .with_list_parse_key("webhooks.allowed_networks")
+                .with_list_parse_key("webhooks.retry_schedule_ms"),
         );
         let settings: Settings = builder
             .build()
@@ -723,6 +777,7 @@ impl Settings {
         self.validate_dispatch()?;
         self.validate_codes()?;
         self.validate_labels()?;
+        self.validate_webhooks()?;
         anyhow::ensure!(
             self.environment == Environment::Development
                 || self.auth.code_sender != CodeSenderKind::Log,
@@ -760,6 +815,36 @@ impl Settings {
                 && codes.issue_scan_interval_ms >= 1,
             "codes: page_size, failures_max and issue_scan_interval_ms must be at least 1, failures_window_ms at least 1000"
         );
+        Ok(())
+    }
+
+    fn validate_webhooks(&self) -> anyhow::Result<()> {
+        let webhooks = &self.webhooks;
+        anyhow::ensure!(
+            webhooks.signing_key.expose_secret().len() >= 32,
+            "webhooks.signing_key must have at least 32 bytes"
+        );
+        anyhow::ensure!(
+            self.environment == Environment::Development
+                || webhooks.signing_key.expose_secret() != DEVELOPMENT_WEBHOOK_KEY,
+            "webhooks.signing_key is the development key, refused outside development: set ZHIHUI_WEBHOOKS__SIGNING_KEY to a secret of at least 32 bytes"
+        );
+        anyhow::ensure!(
+            !webhooks.retry_schedule_ms.is_empty() && webhooks.retry_schedule_ms.len() <= 32,
+            "webhooks.retry_schedule_ms needs 1 to 32 pauses"
+        );
+        anyhow::ensure!(
+            (0.0..1.0).contains(&webhooks.retry_jitter_ratio),
+            "webhooks.retry_jitter_ratio must be 0 or more and below 1"
+        );
+        anyhow::ensure!(
+            (1..=256).contains(&webhooks.concurrency) && webhooks.batch >= 1,
+            "webhooks.concurrency must be 1 to 256 and webhooks.batch at least 1"
+        );
+        for network in &webhooks.allowed_networks {
+            crate::webhooks::safety::Network::parse(network)
+                .with_context(|| format!("webhooks.allowed_networks: {network:?}"))?;
+        }
         Ok(())
     }
 
@@ -954,6 +1039,16 @@ mod tests {
         );
         settings.labels.signing_key =
             SecretString::from("a production label key of at least thirty-two bytes");
+        // The development webhook key (every endpoint's secret derives from it) is refused too.
+        let refused = settings
+            .validate()
+            .expect_err("the development webhook key is refused");
+        assert!(
+            refused.to_string().contains("webhooks.signing_key"),
+            "{refused}"
+        );
+        settings.webhooks.signing_key =
+            SecretString::from("a production webhook key of at least thirty-two bytes");
         // The log code sender is refused outside development, naming its setting.
         let refused = settings
             .validate()
@@ -966,6 +1061,7 @@ mod tests {
         settings.validate().expect("real keys are accepted");
         assert!(!format!("{:?}", settings.codes).contains("production secret"));
         assert!(!format!("{:?}", settings.labels).contains("production label key"));
+        assert!(!format!("{:?}", settings.webhooks).contains("production webhook key"));
         settings
             .codes
             .keys

@@ -1,6 +1,7 @@
 //! zhihui: the backend of an AI text-to-image cloud platform. See `ARCHITECTURE.md` for the map.
 
 pub mod aggregate;
+pub mod api_keys;
 pub mod audit;
 pub mod auth;
 pub mod bench_support;
@@ -34,3 +35,4 @@ pub mod tasks;
 pub mod telemetry;
 pub mod users;
 pub mod web;
+pub mod webhooks;

@@ -42,6 +42,10 @@ pub struct AppState {
     pub event_store: AnyEventStore,
     pub clock: Clock,
     pub users: Users,
+    /// API keys: made, listed, revoked, checked on every request that carries one.
+    pub api_keys: crate::api_keys::ApiKeys,
+    /// Webhook endpoints and their deliveries.
+    pub webhooks: crate::webhooks::WebhookService,
     pub passwords: Passwords,
     pub password_guard: PasswordGuard,
     pub sessions: Sessions,
@@ -210,6 +214,25 @@ impl AppState {
             notifier.clone(),
             settings.promotions.clone(),
         );
+        let users = Users::new(
+            event_store.clone(),
+            clock.clone(),
+            RetryPolicy::default(),
+            Duration::from_millis(auth.orphan_claim_release_ms),
+        );
+        let api_keys = crate::api_keys::ApiKeys::new(
+            redis.clone(),
+            users.clone(),
+            clock.clone(),
+            settings.api_keys.requests_per_minute,
+            settings.api_keys.requests_per_minute_max,
+        );
+        let webhooks = crate::webhooks::WebhookService::new(
+            event_store.clone(),
+            pg_pool.clone(),
+            clock.clone(),
+            settings.webhooks.clone(),
+        )?;
         let positions = crate::positions::PositionBoard::new(
             tasks.queue.clone(),
             Some(dispatcher.backend_pool().clone()),
@@ -225,12 +248,9 @@ impl AppState {
             hub: NotificationHub::new(redis.clone()),
             images,
             dispatcher,
-            users: Users::new(
-                event_store.clone(),
-                clock.clone(),
-                RetryPolicy::default(),
-                Duration::from_millis(auth.orphan_claim_release_ms),
-            ),
+            users,
+            api_keys,
+            webhooks,
             passwords: Passwords::new(auth)?,
             password_guard: PasswordGuard::new(
                 redis.clone(),
@@ -339,6 +359,16 @@ impl Application {
                 background.push(tokio::spawn(
                     state.promotions.clone().run_consumer(consumer),
                 ));
+            }
+            if settings.webhooks.enabled {
+                let deliveries = crate::webhooks::delivery::Deliveries::new(
+                    state.webhooks.clone(),
+                    state.event_store.clone(),
+                    state.pg_pool.clone(),
+                    state.clock.clone(),
+                    settings.projections.batch_size,
+                )?;
+                background.push(tokio::spawn(deliveries.run()));
             }
             let issuer = crate::codes::issuer::CodeIssuer::new(state.codes.clone());
             background.push(tokio::spawn(issuer.run()));

@@ -8,6 +8,7 @@
 //! The crate depends on no IO crate; `ARCHITECTURE.md` lists that as an invariant.
 
 pub mod account;
+pub mod api_key;
 pub mod checkin;
 pub mod claim;
 pub mod decider;
@@ -20,6 +21,7 @@ pub mod revenue;
 pub mod task;
 pub mod task_record;
 pub mod user;
+pub mod webhook;
 
 pub use decider::Decider;
 pub use event::{DecodeError, DomainEvent};

@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
 use crate::Decider;
+use crate::api_key::{ACTIVE_KEYS_MAX, KEY_NAME_LENGTH_MAX, Scope};
 use crate::event::{DecodeError, DomainEvent, expect_version, parse_payload, payload_of};
 
 /// Shortest username. Two-letter names are too easy to confuse and to squat.
@@ -240,6 +241,37 @@ pub struct RegisteredUser {
     pub password_hash: Option<PasswordHash>,
     pub role: Role,
     pub registered_at: DateTime<Utc>,
+    /// Every key ever made, revoked ones included (the audit names them).
+    pub api_keys: Vec<ApiKey>,
+}
+
+/// An API key as the user's stream knows it (never the key itself: its digest).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiKey {
+    pub key_id: Uuid,
+    pub name: String,
+    pub scopes: Vec<Scope>,
+    /// SHA-256 of the key, hex.
+    pub digest: String,
+    pub created_at: DateTime<Utc>,
+    pub expires_at: Option<DateTime<Utc>>,
+    pub revoked_at: Option<DateTime<Utc>>,
+    /// Requests a minute the key may make.
+    pub requests_per_minute: u32,
+}
+
+impl ApiKey {
+    /// Usable at `now`: not revoked, not expired.
+    pub fn is_active(&self, now: DateTime<Utc>) -> bool {
+        self.revoked_at.is_none() && self.expires_at.is_none_or(|expires_at| now < expires_at)
+    }
+}
+
+impl RegisteredUser {
+    /// The key whose digest is `digest`.
+    pub fn api_key(&self, digest: &str) -> Option<&ApiKey> {
+        self.api_keys.iter().find(|key| key.digest == digest)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -269,6 +301,21 @@ pub enum UserCommand {
     },
     BindPhone {
         phone: PhoneNumber,
+        at: DateTime<Utc>,
+    },
+    /// Record a new API key (the application made it and shows it once; the stream keeps its
+    /// digest). The same id with the same digest again is done already.
+    CreateApiKey {
+        key_id: Uuid,
+        name: String,
+        scopes: Vec<Scope>,
+        digest: String,
+        expires_at: Option<DateTime<Utc>>,
+        requests_per_minute: u32,
+        at: DateTime<Utc>,
+    },
+    RevokeApiKey {
+        key_id: Uuid,
         at: DateTime<Utc>,
     },
 }
@@ -307,6 +354,25 @@ pub enum UserEvent {
     PasswordChanged(PasswordChanged),
     RoleChanged(RoleChanged),
     PhoneBound(PhoneBound),
+    ApiKeyCreated(ApiKeyCreated),
+    ApiKeyRevoked(ApiKeyRevoked),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiKeyCreated {
+    pub key_id: Uuid,
+    pub name: String,
+    pub scopes: Vec<Scope>,
+    pub digest: String,
+    pub expires_at: Option<DateTime<Utc>>,
+    pub requests_per_minute: u32,
+    pub created_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiKeyRevoked {
+    pub key_id: Uuid,
+    pub revoked_at: DateTime<Utc>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -323,6 +389,22 @@ pub enum UserError {
     PasswordWithoutUsername,
     #[error("another phone number ({bound}) is already bound to this user")]
     PhoneAlreadyBound { bound: PhoneNumber },
+    #[error("name: a key's name is 1 to {KEY_NAME_LENGTH_MAX} characters")]
+    InvalidKeyName,
+    #[error("scopes: a key needs at least one scope")]
+    NoScopes,
+    #[error("scopes: only an admin's key may hold the admin scope")]
+    AdminScopeForbidden,
+    #[error("this user has {ACTIVE_KEYS_MAX} keys in use, the most: revoke one first")]
+    TooManyKeys,
+    #[error("expires_at: a key must expire in the future")]
+    ExpiryInPast,
+    #[error("requests_per_minute: must be at least 1")]
+    NoRequests,
+    #[error("no such key")]
+    KeyNotFound,
+    #[error("key {0} exists with other contents")]
+    KeyIdTaken(Uuid),
 }
 
 #[derive(Debug)]
@@ -388,6 +470,78 @@ impl Decider for User {
                     changed_at: *at,
                 })])
             }
+            (
+                UserState::Registered(user),
+                UserCommand::CreateApiKey {
+                    key_id,
+                    name,
+                    scopes,
+                    digest,
+                    expires_at,
+                    requests_per_minute,
+                    at,
+                },
+            ) => {
+                if let Some(existing) = user.api_keys.iter().find(|key| key.key_id == *key_id) {
+                    // A retried request: done already; anything else reusing the id is refused.
+                    return if existing.digest == *digest {
+                        Ok(vec![])
+                    } else {
+                        Err(UserError::KeyIdTaken(*key_id))
+                    };
+                }
+                let name = name.trim();
+                if name.is_empty() || name.chars().count() > KEY_NAME_LENGTH_MAX {
+                    return Err(UserError::InvalidKeyName);
+                }
+                if scopes.is_empty() {
+                    return Err(UserError::NoScopes);
+                }
+                if scopes.contains(&Scope::Admin) && user.role != Role::Admin {
+                    return Err(UserError::AdminScopeForbidden);
+                }
+                if expires_at.is_some_and(|expires_at| expires_at <= *at) {
+                    return Err(UserError::ExpiryInPast);
+                }
+                if *requests_per_minute == 0 {
+                    return Err(UserError::NoRequests);
+                }
+                if user
+                    .api_keys
+                    .iter()
+                    .filter(|key| key.is_active(*at))
+                    .count()
+                    >= ACTIVE_KEYS_MAX
+                {
+                    return Err(UserError::TooManyKeys);
+                }
+                let mut scopes = scopes.clone();
+                scopes.sort();
+                scopes.dedup();
+                Ok(vec![UserEvent::ApiKeyCreated(ApiKeyCreated {
+                    key_id: *key_id,
+                    name: name.to_owned(),
+                    scopes,
+                    digest: digest.clone(),
+                    expires_at: *expires_at,
+                    requests_per_minute: *requests_per_minute,
+                    created_at: *at,
+                })])
+            }
+            (UserState::Registered(user), UserCommand::RevokeApiKey { key_id, at }) => {
+                let key = user
+                    .api_keys
+                    .iter()
+                    .find(|key| key.key_id == *key_id)
+                    .ok_or(UserError::KeyNotFound)?;
+                if key.revoked_at.is_some() {
+                    return Ok(vec![]);
+                }
+                Ok(vec![UserEvent::ApiKeyRevoked(ApiKeyRevoked {
+                    key_id: *key_id,
+                    revoked_at: *at,
+                })])
+            }
             (UserState::Registered(user), UserCommand::BindPhone { phone, at }) => {
                 match &user.phone {
                     Some(bound) if bound == phone => Ok(vec![]),
@@ -412,6 +566,7 @@ impl Decider for User {
                 password_hash: registered.password_hash.clone(),
                 role: registered.role,
                 registered_at: registered.registered_at,
+                api_keys: Vec::new(),
             }),
             (UserState::Registered(mut user), UserEvent::PasswordChanged(changed)) => {
                 user.password_hash = Some(changed.password_hash.clone());
@@ -427,6 +582,29 @@ impl Decider for User {
             }
             // A stored fact about a user that was never registered cannot be produced by
             // `decide`; folding keeps the state rather than inventing a user.
+            (UserState::Registered(mut user), UserEvent::ApiKeyCreated(created)) => {
+                user.api_keys.push(ApiKey {
+                    key_id: created.key_id,
+                    name: created.name.clone(),
+                    scopes: created.scopes.clone(),
+                    digest: created.digest.clone(),
+                    created_at: created.created_at,
+                    expires_at: created.expires_at,
+                    revoked_at: None,
+                    requests_per_minute: created.requests_per_minute,
+                });
+                UserState::Registered(user)
+            }
+            (UserState::Registered(mut user), UserEvent::ApiKeyRevoked(revoked)) => {
+                if let Some(key) = user
+                    .api_keys
+                    .iter_mut()
+                    .find(|key| key.key_id == revoked.key_id)
+                {
+                    key.revoked_at = Some(revoked.revoked_at);
+                }
+                UserState::Registered(user)
+            }
             (state @ UserState::Unregistered, _) => state,
         }
     }
@@ -439,6 +617,8 @@ impl DomainEvent for UserEvent {
             UserEvent::PasswordChanged(_) => "PasswordChanged",
             UserEvent::RoleChanged(_) => "RoleChanged",
             UserEvent::PhoneBound(_) => "PhoneBound",
+            UserEvent::ApiKeyCreated(_) => "ApiKeyCreated",
+            UserEvent::ApiKeyRevoked(_) => "ApiKeyRevoked",
         }
     }
 
@@ -452,6 +632,8 @@ impl DomainEvent for UserEvent {
             UserEvent::PasswordChanged(payload) => payload_of(payload),
             UserEvent::RoleChanged(payload) => payload_of(payload),
             UserEvent::PhoneBound(payload) => payload_of(payload),
+            UserEvent::ApiKeyCreated(payload) => payload_of(payload),
+            UserEvent::ApiKeyRevoked(payload) => payload_of(payload),
         }
     }
 
@@ -462,7 +644,12 @@ impl DomainEvent for UserEvent {
     ) -> Result<UserEvent, DecodeError> {
         if !matches!(
             event_type,
-            "UserRegistered" | "PasswordChanged" | "RoleChanged" | "PhoneBound"
+            "UserRegistered"
+                | "PasswordChanged"
+                | "RoleChanged"
+                | "PhoneBound"
+                | "ApiKeyCreated"
+                | "ApiKeyRevoked"
         ) {
             return Err(DecodeError::UnknownType {
                 event_type: event_type.to_owned(),
@@ -475,6 +662,8 @@ impl DomainEvent for UserEvent {
             "PasswordChanged" => UserEvent::PasswordChanged(parse_payload(event_type, payload)?),
             "RoleChanged" => UserEvent::RoleChanged(parse_payload(event_type, payload)?),
             "PhoneBound" => UserEvent::PhoneBound(parse_payload(event_type, payload)?),
+            "ApiKeyCreated" => UserEvent::ApiKeyCreated(parse_payload(event_type, payload)?),
+            "ApiKeyRevoked" => UserEvent::ApiKeyRevoked(parse_payload(event_type, payload)?),
             other => {
                 return Err(DecodeError::UnknownType {
                     event_type: other.to_owned(),
@@ -511,6 +700,137 @@ mod tests {
             role: Role::User,
             registered_at: at(0),
         })
+    }
+
+    fn create_key(key_id: u128, scopes: Vec<Scope>, at_seconds: i64) -> UserCommand {
+        UserCommand::CreateApiKey {
+            key_id: Uuid::from_u128(key_id),
+            name: "  商城后台 ".into(),
+            scopes,
+            digest: format!("digest-{key_id}"),
+            expires_at: Some(at(at_seconds + 3600)),
+            requests_per_minute: 600,
+            at: at(at_seconds),
+        }
+    }
+
+    fn key_created(key_id: u128, scopes: Vec<Scope>, at_seconds: i64) -> UserEvent {
+        UserEvent::ApiKeyCreated(ApiKeyCreated {
+            key_id: Uuid::from_u128(key_id),
+            name: "商城后台".into(),
+            scopes,
+            digest: format!("digest-{key_id}"),
+            expires_at: Some(at(at_seconds + 3600)),
+            requests_per_minute: 600,
+            created_at: at(at_seconds),
+        })
+    }
+
+    #[test]
+    fn given_a_user_when_create_key_then_created_once_with_its_scopes_sorted() {
+        given::<User>(&[registered_alice()])
+            .when(create_key(
+                7,
+                vec![Scope::TasksRead, Scope::TasksWrite, Scope::TasksRead],
+                1,
+            ))
+            .then(&[key_created(7, vec![Scope::TasksWrite, Scope::TasksRead], 1)]);
+        // The same request again is done already; another digest under the id is refused.
+        given::<User>(&[
+            registered_alice(),
+            key_created(7, vec![Scope::TasksRead], 1),
+        ])
+        .when(create_key(7, vec![Scope::TasksRead], 2))
+        .then(&[]);
+        let mut other = create_key(7, vec![Scope::TasksRead], 2);
+        if let UserCommand::CreateApiKey { digest, .. } = &mut other {
+            *digest = "someone else".into();
+        }
+        given::<User>(&[
+            registered_alice(),
+            key_created(7, vec![Scope::TasksRead], 1),
+        ])
+        .when(other)
+        .then_error(UserError::KeyIdTaken(Uuid::from_u128(7)));
+    }
+
+    #[test]
+    fn given_a_user_when_create_key_breaking_a_rule_then_refused_naming_it() {
+        given::<User>(&[registered_alice()])
+            .when(create_key(1, vec![Scope::Admin], 1))
+            .then_error(UserError::AdminScopeForbidden);
+        given::<User>(&[registered_alice()])
+            .when(create_key(1, vec![], 1))
+            .then_error(UserError::NoScopes);
+        let mut expired = create_key(1, vec![Scope::TasksRead], 10);
+        if let UserCommand::CreateApiKey { expires_at, .. } = &mut expired {
+            *expires_at = Some(at(5));
+        }
+        given::<User>(&[registered_alice()])
+            .when(expired)
+            .then_error(UserError::ExpiryInPast);
+        let mut unnamed = create_key(1, vec![Scope::TasksRead], 1);
+        if let UserCommand::CreateApiKey { name, .. } = &mut unnamed {
+            *name = "   ".into();
+        }
+        given::<User>(&[registered_alice()])
+            .when(unnamed)
+            .then_error(UserError::InvalidKeyName);
+        let mut full = vec![registered_alice()];
+        for id in 0..ACTIVE_KEYS_MAX as u128 {
+            full.push(key_created(100 + id, vec![Scope::TasksRead], 1));
+        }
+        given::<User>(&full)
+            .when(create_key(1, vec![Scope::TasksRead], 2))
+            .then_error(UserError::TooManyKeys);
+        // Expired keys no longer count.
+        given::<User>(&full)
+            .when(create_key(1, vec![Scope::TasksRead], 4000))
+            .then(&[key_created(1, vec![Scope::TasksRead], 4000)]);
+    }
+
+    #[test]
+    fn given_a_key_when_revoked_then_revoked_once_and_no_longer_active() {
+        let revoked = UserEvent::ApiKeyRevoked(ApiKeyRevoked {
+            key_id: Uuid::from_u128(7),
+            revoked_at: at(5),
+        });
+        given::<User>(&[
+            registered_alice(),
+            key_created(7, vec![Scope::TasksRead], 1),
+        ])
+        .when(UserCommand::RevokeApiKey {
+            key_id: Uuid::from_u128(7),
+            at: at(5),
+        })
+        .then(std::slice::from_ref(&revoked));
+        given::<User>(&[
+            registered_alice(),
+            key_created(7, vec![Scope::TasksRead], 1),
+            revoked.clone(),
+        ])
+        .when(UserCommand::RevokeApiKey {
+            key_id: Uuid::from_u128(7),
+            at: at(6),
+        })
+        .then(&[]);
+        given::<User>(&[registered_alice()])
+            .when(UserCommand::RevokeApiKey {
+                key_id: Uuid::from_u128(7),
+                at: at(6),
+            })
+            .then_error(UserError::KeyNotFound);
+        let state = User::fold(&[
+            registered_alice(),
+            key_created(7, vec![Scope::TasksRead], 1),
+            revoked,
+        ]);
+        let UserState::Registered(user) = state else {
+            panic!("registered");
+        };
+        let key = user.api_key("digest-7").unwrap();
+        assert!(!key.is_active(at(6)));
+        assert_eq!(key.revoked_at, Some(at(5)));
     }
 
     #[test]
@@ -714,6 +1034,11 @@ mod tests {
             UserEvent::PhoneBound(PhoneBound {
                 phone: PhoneNumber::parse("+8613800138000").unwrap(),
                 bound_at: at(3),
+            }),
+            key_created(9, vec![Scope::TasksWrite, Scope::Admin], 4),
+            UserEvent::ApiKeyRevoked(ApiKeyRevoked {
+                key_id: Uuid::from_u128(9),
+                revoked_at: at(5),
             }),
         ];
         for event in events {

@@ -59,7 +59,9 @@ pub async fn apply(
             // its column (NULL keeps the current value).
             UserEvent::PasswordChanged(_)
             | UserEvent::RoleChanged(_)
-            | UserEvent::PhoneBound(_) => {
+            | UserEvent::PhoneBound(_)
+            | UserEvent::ApiKeyCreated(_)
+            | UserEvent::ApiKeyRevoked(_) => {
                 let role = match &event {
                     UserEvent::RoleChanged(e) => Some(e.role.as_str()),
                     _ => None,

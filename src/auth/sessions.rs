@@ -42,6 +42,8 @@ pub struct Session {
     pub expires_at: DateTime<Utc>,
     /// Digest of the token, the handle to revoke exactly this session.
     pub token_digest: String,
+    /// The API key this caller came with (`None`: a person's session).
+    pub key: Option<crate::api_keys::KeyGrant>,
 }
 
 #[derive(Debug, Clone)]
@@ -173,6 +175,7 @@ impl Sessions {
             role,
             expires_at: from_unix_ms(expires_at_ms),
             token_digest: digest,
+            key: None,
         }))
     }
 

@@ -13,6 +13,7 @@ use zhihui_domain::user::{Role, UserId};
 use crate::auth::sessions::Session;
 use crate::http::ApiError;
 use crate::startup::AppState;
+use zhihui_domain::api_key::Scope;
 
 /// A caller with a valid token.
 #[derive(Debug, Clone)]
@@ -27,18 +28,28 @@ impl Authenticated {
         self.0.user_id
     }
 
-    /// The `actor` recorded on events this caller causes.
+    /// The `actor` recorded on events this caller causes (with the API key, when it came with
+    /// one: the audit shows which key moved which points).
     pub fn actor(&self) -> String {
-        match self.0.role {
-            Role::Admin => format!("admin:{}", self.0.user_id),
-            Role::User => format!("user:{}", self.0.user_id),
-        }
+        actor_of(&self.0)
     }
 }
 
 impl Admin {
     pub fn actor(&self) -> String {
-        format!("admin:{}", self.0.user_id)
+        actor_of(&self.0)
+    }
+}
+
+/// `admin:<id>` or `user:<id>`, and `/key:<key id>` when an API key made the request.
+pub fn actor_of(session: &Session) -> String {
+    let person = match session.role {
+        Role::Admin => format!("admin:{}", session.user_id),
+        Role::User => format!("user:{}", session.user_id),
+    };
+    match &session.key {
+        Some(key) => format!("{person}/key:{}", key.key_id),
+        None => person,
     }
 }
 
@@ -101,7 +112,106 @@ async fn authenticate(request: HttpRequest) -> Result<Session, ApiError> {
         return session_of(&state, &token).await;
     }
     let token = bearer_token(&request)?;
+    if token.starts_with(zhihui_domain::api_key::KEY_PREFIX) {
+        return key_session(&state, &request, &token).await;
+    }
     session_of(&state, &token).await
+}
+
+/// The scope an API key needs for a route (by method and route template); `None`: the route
+/// takes a person's session only (their password, phone, keys, sessions, sockets).
+pub fn scope_for(method: &actix_web::http::Method, pattern: &str) -> Option<Scope> {
+    use actix_web::http::Method;
+    let read = *method == Method::GET || *method == Method::HEAD;
+    if pattern.starts_with("/api/v1/admin/") {
+        return Some(Scope::Admin);
+    }
+    match (pattern, read) {
+        ("/api/v1/tasks", false)
+        | ("/api/v1/tasks/{id}/prioritise", false)
+        | ("/api/v1/tasks/{id}/cancel", false) => Some(Scope::TasksWrite),
+        ("/api/v1/tasks", true) | ("/api/v1/tasks/{id}", true) | ("/api/v1/images/{id}", true) => {
+            Some(Scope::TasksRead)
+        }
+        ("/api/v1/me", true)
+        | ("/api/v1/users/{id}", true)
+        | ("/api/v1/account", true)
+        | ("/api/v1/account/ledger", true)
+        | ("/api/v1/checkins", true)
+        | ("/api/v1/promotions", true)
+        | ("/api/v1/promotions/{id}/claims/me", true) => Some(Scope::AccountRead),
+        ("/api/v1/codes/redeem", false) => Some(Scope::CodesRedeem),
+        (pattern, _) if pattern.starts_with("/api/v1/me/webhooks") => Some(Scope::Webhooks),
+        _ => None,
+    }
+}
+
+/// A caller with an API key: known, within its scopes, within its rate.
+async fn key_session(
+    state: &AppState,
+    request: &HttpRequest,
+    token: &str,
+) -> Result<Session, ApiError> {
+    let grant = state
+        .api_keys
+        .authenticate(token)
+        .await
+        .map_err(|refusal| match refusal {
+            crate::api_keys::KeyRefusal::Unexpected(error) => ApiError::from(error),
+            refusal => ApiError::Unauthorized {
+                rule: "invalid-key",
+                detail: refusal.to_string(),
+            },
+        })?;
+    let pattern = request.match_pattern().unwrap_or_default();
+    let Some(needed) = scope_for(request.method(), &pattern) else {
+        return Err(ApiError::Forbidden {
+            rule: "scope-missing",
+            detail: format!(
+                "{} {pattern} takes a person's session, not an API key",
+                request.method()
+            ),
+        });
+    };
+    if !grant.allows(needed) {
+        return Err(ApiError::Forbidden {
+            rule: "scope-missing",
+            detail: format!("this key lacks the scope {needed}"),
+        });
+    }
+    match state
+        .limits
+        .admit(
+            &format!("key:{}", grant.key_id),
+            grant.requests_per_minute,
+            std::time::Duration::from_secs(60),
+        )
+        .await?
+    {
+        crate::auth::admission::Admission::Admitted => {}
+        crate::auth::admission::Admission::Full { retry_at } => {
+            return Err(ApiError::TooManyRequests {
+                rule: "key-rate-limited",
+                detail: format!(
+                    "this key made its {} requests of this minute; again at {retry_at}",
+                    grant.requests_per_minute
+                ),
+                retry_at,
+                retry_after_s: crate::http::retry_after(&state.clock, retry_at),
+            });
+        }
+    }
+    state.api_keys.note_use(grant.key_id).await;
+    state.active_users.seen(grant.user_id.as_uuid()).await;
+    Ok(Session {
+        user_id: grant.user_id,
+        role: grant.role,
+        expires_at: grant
+            .expires_at
+            .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC),
+        token_digest: format!("key:{}", grant.key_id),
+        key: Some(grant),
+    })
 }
 
 /// The session of a token from elsewhere than the header (a browser's WebSocket cannot set one).

@@ -8,6 +8,7 @@ pub(crate) mod checkins;
 pub(crate) mod codes;
 pub mod extract;
 mod health;
+pub(crate) mod keys;
 mod live;
 pub use live::{SocketPlace, UserSockets};
 mod openapi;
@@ -15,6 +16,7 @@ pub mod problem;
 pub(crate) mod promotions;
 pub(crate) mod tasks;
 pub(crate) mod users;
+pub(crate) mod webhooks;
 
 use actix_web::{HttpRequest, web};
 use chrono::{DateTime, Utc};
@@ -50,6 +52,32 @@ pub fn routes(config: &mut web::ServiceConfig) {
                 .route("/me", web::get().to(users::me))
                 .route("/me/password", web::put().to(users::change_password))
                 .route("/me/phone", web::post().to(users::bind_phone))
+                .route("/me/keys", web::post().to(keys::create))
+                .route("/me/keys", web::get().to(keys::list))
+                .route("/me/keys/{key_id}", web::delete().to(keys::revoke))
+                .route("/admin/users/{id}/keys", web::post().to(keys::admin_create))
+                .route("/admin/users/{id}/keys", web::get().to(keys::admin_list))
+                .route(
+                    "/admin/users/{id}/keys/{key_id}",
+                    web::delete().to(keys::admin_revoke),
+                )
+                .route("/me/webhooks", web::post().to(webhooks::register))
+                .route("/me/webhooks", web::get().to(webhooks::list))
+                .route("/me/webhooks/{id}", web::delete().to(webhooks::remove))
+                .route("/me/webhooks/{id}/rotate", web::post().to(webhooks::rotate))
+                .route("/me/webhooks/{id}/enable", web::post().to(webhooks::enable))
+                .route(
+                    "/me/webhooks/{id}/disable",
+                    web::post().to(webhooks::disable),
+                )
+                .route(
+                    "/me/webhooks/{id}/deliveries",
+                    web::get().to(webhooks::deliveries),
+                )
+                .route(
+                    "/me/webhooks/{id}/redeliver",
+                    web::post().to(webhooks::redeliver),
+                )
                 .route("/users/{id}", web::get().to(users::user))
                 .route("/admin/users/{id}", web::get().to(users::admin_user))
                 .route("/admin/users/{id}/role", web::put().to(users::change_role))

@@ -62,8 +62,26 @@ use crate::startup::AppState;
         super::promotions::open,
         super::promotions::claim,
         super::promotions::my_claim,
+        super::keys::create,
+        super::keys::list,
+        super::keys::revoke,
+        super::keys::admin_create,
+        super::keys::admin_list,
+        super::keys::admin_revoke,
+        super::webhooks::register,
+        super::webhooks::list,
+        super::webhooks::rotate,
+        super::webhooks::disable,
+        super::webhooks::enable,
+        super::webhooks::remove,
+        super::webhooks::deliveries,
+        super::webhooks::redeliver,
     ),
-    components(schemas(super::problem::Problem)),
+    components(schemas(
+        super::problem::Problem,
+        crate::webhooks::TaskMessage,
+        crate::webhooks::CreditMessage
+    )),
     modifiers(&BearerToken),
     tags(
         (name = "auth", description = "register, log in, log out"),
@@ -71,6 +89,8 @@ use crate::startup::AppState;
         (name = "account", description = "one's points: balance and ledger"),
         (name = "tasks", description = "text-to-image tasks: submit, query, prioritise, cancel"),
         (name = "promotions", description = "flash-sale promotions: list, claim, one's claim"),
+        (name = "keys", description = "API keys for programs: made with a person's session, shown once"),
+        (name = "webhooks", description = "endpoints called back, signed (Standard Webhooks), on a task's end and on a credit"),
         (name = "admin", description = "admin-only endpoints"),
     )
 )]
@@ -90,6 +110,20 @@ impl Modify for BearerToken {
                     .scheme(HttpAuthScheme::Bearer)
                     .description(Some(
                         "opaque token from POST /api/v1/auth/login; idle timeout, renewed on use",
+                    ))
+                    .build(),
+            ),
+        );
+        components.add_security_scheme(
+            "api_key",
+            SecurityScheme::Http(
+                HttpBuilder::new()
+                    .scheme(HttpAuthScheme::Bearer)
+                    .bearer_format("zhk_ + 60 letters and digits")
+                    .description(Some(
+                        "an API key from POST /api/v1/me/keys (sent as `Authorization: Bearer \
+                         zhk_...`); each operation lists the scope it needs: tasks:write, \
+                         tasks:read, account:read, codes:redeem, webhooks, admin",
                     ))
                     .build(),
             ),
@@ -341,6 +375,7 @@ fn constrain_inputs(document: &mut Value) {
 pub fn document_json() -> Value {
     let mut document = serde_json::to_value(ApiDoc::openapi()).unwrap_or(Value::Null);
     constrain_inputs(&mut document);
+    describe_webhooks(&mut document);
     let problem =
         json!({"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}});
     let Some(paths) = document.get_mut("paths").and_then(Value::as_object_mut) else {
@@ -360,6 +395,17 @@ pub fn document_json() -> Value {
                 .is_some_and(|security| {
                     security.iter().any(|scheme| scheme.get("bearer").is_some())
                 });
+            // Which API key scope the operation takes, from the table the server checks.
+            let scope = actix_web::http::Method::from_bytes(method.to_uppercase().as_bytes())
+                .ok()
+                .and_then(|method| crate::http::extract::scope_for(&method, path));
+            if secured {
+                let mut security = vec![json!({"bearer": []})];
+                if let Some(scope) = scope {
+                    security.push(json!({"api_key": [scope.as_str()]}));
+                }
+                operation.insert("security".into(), Value::Array(security));
+            }
             let reads_input = operation.contains_key("requestBody")
                 || operation
                     .get("parameters")
@@ -377,11 +423,21 @@ pub fn document_json() -> Value {
                     "a dependency (PostgreSQL, Redis) is unavailable; try again",
                 ));
             }
-            if secured {
-                implied.push(("401", "`missing-token` or `invalid-token`"));
-            }
             if path.starts_with("/api/v1/admin/") {
-                implied.push(("403", "`admin-only`"));
+                implied.push(("403", "`admin-only` (or `scope-missing` for an API key)"));
+            }
+            if secured {
+                implied.push(("401", "`missing-token`, `invalid-token` or `invalid-key`"));
+                implied.push((
+                    "403",
+                    "`scope-missing`: an API key without the operation's scope, or on an operation that takes a person's session",
+                ));
+            }
+            if scope.is_some() {
+                implied.push((
+                    "429",
+                    "`key-rate-limited`: the API key made its requests of this minute (`Retry-After`)",
+                ));
             }
             if reads_input {
                 implied.push((
@@ -409,4 +465,74 @@ pub fn document_json() -> Value {
         }
     }
     document
+}
+
+/// The `webhooks` section (OpenAPI 3.1): what zhihui POSTs to an endpoint, for each event type,
+/// with the Standard Webhooks headers and what the endpoint's answer means.
+fn describe_webhooks(document: &mut Value) {
+    use zhihui_domain::webhook::WebhookEventType;
+    let header = |name: &str, description: &str| {
+        json!({
+            "name": name, "in": "header", "required": true,
+            "description": description, "schema": {"type": "string"},
+        })
+    };
+    let parameters = json!([
+        header(
+            "webhook-id",
+            "the message's id: the event's id, the same on every retry and redelivery (drop a repeat by it)",
+        ),
+        header(
+            "webhook-timestamp",
+            "seconds since 1970 when this attempt was signed; refuse one far from your clock",
+        ),
+        header(
+            "webhook-signature",
+            "space-separated `v1,<base64 HMAC-SHA256 of id.timestamp.body>` under the endpoint's \
+             secret (two during a rotation: either may match)",
+        ),
+    ]);
+    let responses = json!({
+        "2XX": {"description": "delivered: not sent again (unless redelivered)"},
+        "410": {"description": "gone: the endpoint is disabled, nothing more is sent"},
+        "default": {
+            "description": "any other answer, a timeout or no connection: tried again \
+                            (by default after 5 s, 5 min, 30 min, 2 h, 5 h, then every 10 h: 12 retries over about 3.6 days, each give or take its jitter), \
+                            later if `Retry-After` asks; a long run of failures disables the endpoint",
+        },
+    });
+    let mut webhooks = serde_json::Map::new();
+    for kind in WebhookEventType::ALL {
+        let (schema, summary) = match kind {
+            WebhookEventType::TaskSucceeded => {
+                ("TaskMessage", "a task succeeded: its images are ready")
+            }
+            WebhookEventType::TaskFailed => {
+                ("TaskMessage", "a task failed: its points are returned")
+            }
+            WebhookEventType::TaskCancelled => (
+                "TaskMessage",
+                "a task was cancelled: its points are returned",
+            ),
+            WebhookEventType::PointsCredited => (
+                "CreditMessage",
+                "points were credited: a grant, a code, a check-in, a promotion",
+            ),
+        };
+        webhooks.insert(
+            kind.as_str().to_owned(),
+            json!({"post": {
+                "summary": summary,
+                "parameters": parameters,
+                "requestBody": {
+                    "required": true,
+                    "content": {"application/json": {"schema": {"$ref": format!("#/components/schemas/{schema}")}}},
+                },
+                "responses": responses,
+            }}),
+        );
+    }
+    if let Some(document) = document.as_object_mut() {
+        document.insert("webhooks".into(), Value::Object(webhooks));
+    }
 }

@@ -226,7 +226,7 @@ fn image_views(images: Vec<TaskImage>) -> Vec<ImageView> {
 
 /// A task's view (without its live parts) from its record, the read model's row or the stream
 /// folded by the same fold ([`TaskRecord::evolve`]).
-fn view_of(record: TaskRecord) -> TaskView {
+pub(crate) fn view_of(record: TaskRecord) -> TaskView {
     TaskView {
         task_id: record.task_id,
         status: record.status.as_str().into(),
@@ -276,12 +276,21 @@ pub(crate) async fn task_view_from_stream(
 
 /// A task the read model does not have yet (just submitted), folded from its stream; `None` if
 /// the stream has no submission.
-async fn record_from_events(
+pub(crate) async fn record_from_events(
     state: &AppState,
     task_id: TaskId,
 ) -> Result<Option<TaskRecord>, ApiError> {
-    let events = state
-        .event_store
+    Ok(record_at(&state.event_store, task_id, None).await?)
+}
+
+/// A task folded from its stream up to `version` (all of it when `None`): a view as of an event,
+/// the same on every replay.
+pub(crate) async fn record_at(
+    store: &crate::event_store::AnyEventStore,
+    task_id: TaskId,
+    version: Option<u64>,
+) -> anyhow::Result<Option<TaskRecord>> {
+    let events = store
         .read_stream(
             &task_stream(task_id),
             Direction::Forwards,
@@ -291,7 +300,10 @@ async fn record_from_events(
         .await
         .context("reading a task stream")?;
     let mut record = None;
-    for recorded in events {
+    for recorded in events
+        .iter()
+        .take_while(|recorded| version.is_none_or(|version| recorded.stream_version <= version))
+    {
         let event = TaskEvent::from_stored(
             &recorded.event_type,
             recorded.schema_version,

@@ -272,6 +272,8 @@ pub(crate) async fn change_role_of(
         .map_err(register_error)?;
     if before.role != user.role {
         state.end_sessions(user_id).await?;
+        // An admin's key loses the admin scope with the role, on every instance.
+        state.api_keys.forget_user(&user).await?;
     }
     Ok(user)
 }

@@ -152,7 +152,7 @@ async fn replay_produces_read_models_equal_to_the_live_ones_and_keeps_index_name
     let alice = UserId::from_uuid(Uuid::parse_str(&alice).unwrap());
     activity(&app, alice, 30).await;
     activity(&app, UserId::from_uuid(Uuid::now_v7()), 5).await;
-    task_activity(&app).await;
+    Box::pin(task_activity(&app)).await;
     app.project().await;
     let live = snapshot(&app).await;
     assert!(live.len() > 70, "{}", live.len());

@@ -103,6 +103,9 @@ class Stack:
             ZHIHUI_AUTH__LOGINS_PER_CLIENT_PER_MINUTE="1000000",
             ZHIHUI_AUTH__CODE_REQUESTS_PER_CLIENT_PER_HOUR="1000000",
             ZHIHUI_AUTH__CODE_SEND_INTERVAL_MS="1000",
+            # The README's webhook receiver listens on loopback.
+            ZHIHUI_WEBHOOKS__ALLOWED_NETWORKS="127.0.0.0/8",
+            ZHIHUI_WEBHOOKS__PUBLIC_BASE_URL=f"http://127.0.0.1:{self.port}",
             ZHIHUI_LOG__FILTER="warn,zhihui::auth=info",
             ZHIHUI_LOG__FORMAT="json",
         )
