@@ -5,6 +5,15 @@
 #   scripts/services.sh stop    stop what this script started
 #   scripts/services.sh env     print `export DATABASE_URL=... REDIS_URL=...` lines for eval
 #
+# A PostgreSQL primary with a streaming standby (failover drills and tests):
+#   scripts/services.sh start-pg-pair    primary on 55442, standby on 55443 (synchronous unless
+#                                        ZHIHUI_PG_SYNCHRONOUS=0); prints the multi-host
+#                                        DATABASE_URL (target_session_attrs=read-write)
+#   scripts/services.sh kill-primary     SIGKILL the primary's postmaster and its backends
+#   scripts/services.sh promote-standby  promote the standby (it becomes the read-write host)
+#   scripts/services.sh stop-pg-pair     stop both
+# ZHIHUI_PG_PRIMARY_PORT / ZHIHUI_PG_STANDBY_PORT choose the ports, ZHIHUI_LOCAL_DIR the directory.
+#
 # When DATABASE_URL / REDIS_URL are already set, that service is taken as given and left alone.
 # Data, sockets and logs live under .local/ in the repository (git-ignored), on non-default ports
 # (PostgreSQL 55432, Redis 56379) so they never collide with a system installation.
@@ -24,6 +33,11 @@ PG_SUPERUSER="zhihui"
 PG_DATABASE="zhihui"
 LOCAL_DATABASE_URL="postgres://$PG_SUPERUSER@127.0.0.1:$PG_PORT/$PG_DATABASE"
 LOCAL_REDIS_URL="redis://127.0.0.1:$REDIS_PORT/0"
+PAIR_DIR="$STATE/pg-pair"
+PAIR_PRIMARY_PORT="${ZHIHUI_PG_PRIMARY_PORT:-55442}"
+PAIR_STANDBY_PORT="${ZHIHUI_PG_STANDBY_PORT:-55443}"
+PAIR_SYNCHRONOUS="${ZHIHUI_PG_SYNCHRONOUS:-1}"
+PAIR_DATABASE_URL="postgres://$PG_SUPERUSER@127.0.0.1:$PAIR_PRIMARY_PORT,127.0.0.1:$PAIR_STANDBY_PORT/$PG_DATABASE?target_session_attrs=read-write"
 
 log() { echo "services: $*" >&2; }
 
@@ -116,6 +130,84 @@ stop_postgres() {
     fi
 }
 
+# The pair's two servers share these options; the primary alone names a synchronous standby (a
+# promoted standby must not wait for a standby it does not have).
+pair_options() {
+    echo "-p $1 -c listen_addresses=127.0.0.1 -k $PAIR_DIR/run -c max_connections=200 -c shared_buffers=128MB -c wal_level=replica -c max_wal_senders=5 -c hot_standby=on -c wal_keep_size=256MB"
+}
+
+start_pg_pair() {
+    ensure_postgres_installed
+    local bin; bin="$(pg_bin_dir)"
+    mkdir -p "$PAIR_DIR/run"
+    if [ "$(id -u)" -eq 0 ]; then
+        chown -R "$PG_OS_USER" "$PAIR_DIR"
+        local dir="$PAIR_DIR"
+        while [ "$dir" != "/" ]; do chmod o+x "$dir" 2>/dev/null || true; dir="$(dirname "$dir")"; done
+    fi
+    local synchronous=""
+    [ "$PAIR_SYNCHRONOUS" = 1 ] && synchronous="-c synchronous_standby_names=* -c synchronous_commit=on"
+    if ! pg_isready -q -h 127.0.0.1 -p "$PAIR_PRIMARY_PORT"; then
+        if [ ! -s "$PAIR_DIR/primary/PG_VERSION" ]; then
+            log "initialising the pair's primary in $PAIR_DIR/primary"
+            # initdb's pg_hba.conf already trusts replication connections from loopback.
+            as_pg_user "$bin/initdb" -D "$PAIR_DIR/primary" -U "$PG_SUPERUSER" --auth=trust \
+                --encoding=UTF8 --locale=C.UTF-8 >"$PAIR_DIR/initdb.log"
+        fi
+        log "starting the primary on 127.0.0.1:$PAIR_PRIMARY_PORT (synchronous standby: $PAIR_SYNCHRONOUS)"
+        as_pg_user "$bin/pg_ctl" -D "$PAIR_DIR/primary" -l "$PAIR_DIR/primary.log" -w -t 60 start \
+            -o "$(pair_options "$PAIR_PRIMARY_PORT") $synchronous" >&2
+    fi
+    if ! pg_isready -q -h 127.0.0.1 -p "$PAIR_STANDBY_PORT"; then
+        if [ ! -s "$PAIR_DIR/standby/PG_VERSION" ]; then
+            log "copying the primary into the standby ($PAIR_DIR/standby)"
+            # -R writes standby.signal and primary_conninfo: the copy starts as a streaming standby.
+            as_pg_user "$bin/pg_basebackup" -h 127.0.0.1 -p "$PAIR_PRIMARY_PORT" -U "$PG_SUPERUSER" \
+                -D "$PAIR_DIR/standby" -R -X stream --checkpoint=fast >&2
+        fi
+        log "starting the standby on 127.0.0.1:$PAIR_STANDBY_PORT"
+        as_pg_user "$bin/pg_ctl" -D "$PAIR_DIR/standby" -l "$PAIR_DIR/standby.log" -w -t 60 start \
+            -o "$(pair_options "$PAIR_STANDBY_PORT")" >&2
+    fi
+    # Streaming (and, when asked, synchronous) before anyone relies on it.
+    local wanted="streaming"; [ "$PAIR_SYNCHRONOUS" = 1 ] && wanted="streaming sync"
+    local tries=0
+    until [ "$(psql -h 127.0.0.1 -p "$PAIR_PRIMARY_PORT" -U "$PG_SUPERUSER" -d postgres -tAc \
+        "SELECT state || CASE WHEN sync_state = 'sync' THEN ' sync' ELSE '' END FROM pg_stat_replication LIMIT 1")" = "$wanted" ]; do
+        tries=$((tries + 1)); [ "$tries" -lt 120 ] || { log "the standby never streamed; see $PAIR_DIR/standby.log"; exit 1; }
+        sleep 0.25
+    done
+    # Only now: a synchronous primary waits for its standby before any commit returns.
+    if ! psql -h 127.0.0.1 -p "$PAIR_PRIMARY_PORT" -U "$PG_SUPERUSER" -d postgres -tAc \
+        "SELECT 1 FROM pg_database WHERE datname = '$PG_DATABASE'" | grep -q 1; then
+        createdb -h 127.0.0.1 -p "$PAIR_PRIMARY_PORT" -U "$PG_SUPERUSER" "$PG_DATABASE"
+    fi
+    echo "DATABASE_URL=$PAIR_DATABASE_URL"
+}
+
+kill_primary() {
+    local pid; pid="$(head -n 1 "$PAIR_DIR/primary/postmaster.pid")"
+    log "SIGKILL of the primary (postmaster $pid and its backends)"
+    # The whole server at once, as a machine that dies: no shutdown, no last WAL sent.
+    kill -9 $(pgrep -P "$pid") "$pid" 2>/dev/null || true
+}
+
+promote_standby() {
+    local bin; bin="$(pg_bin_dir)"
+    log "promoting the standby on port $PAIR_STANDBY_PORT"
+    as_pg_user "$bin/pg_ctl" -D "$PAIR_DIR/standby" -w -t 60 promote >&2
+}
+
+stop_pg_pair() {
+    local bin; bin="$(pg_bin_dir)"
+    local node
+    for node in standby primary; do
+        if [ -n "$bin" ] && [ -s "$PAIR_DIR/$node/postmaster.pid" ]; then
+            as_pg_user "$bin/pg_ctl" -D "$PAIR_DIR/$node" -m immediate -w stop >&2 2>/dev/null || true
+        fi
+    done
+}
+
 redis_answers() {
     redis-cli -h 127.0.0.1 -p "$REDIS_PORT" ping 2>/dev/null | grep -q PONG
 }
@@ -173,7 +265,11 @@ case "${1:-start}" in
         stop_redis
         stop_postgres
         ;;
+    start-pg-pair) start_pg_pair ;;
+    kill-primary) kill_primary ;;
+    promote-standby) promote_standby ;;
+    stop-pg-pair) stop_pg_pair ;;
     *)
-        echo "usage: $0 start|stop|env" >&2; exit 2
+        echo "usage: $0 start|stop|env|start-pg-pair|kill-primary|promote-standby|stop-pg-pair" >&2; exit 2
         ;;
 esac

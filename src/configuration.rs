@@ -653,6 +653,10 @@ pub struct DatabaseSettings {
     pub connect_timeout_ms: u64,
     /// Run pending migrations when `serve` starts.
     pub migrate_on_start: bool,
+    /// How long an append whose outcome is unknown (the connection broke: the primary died) is
+    /// tried again, while a multi-host `url` with `target_session_attrs=read-write` finds the
+    /// new primary. Safe to repeat: the event ids decide, so it lands exactly once.
+    pub failover_wait_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -1077,6 +1081,7 @@ mod tests {
             pool_wait_timeout_ms: 1,
             connect_timeout_ms: 1,
             migrate_on_start: true,
+            failover_wait_ms: 1,
         };
         let printed = format!("{settings:?}");
         assert!(!printed.contains("hunter2"), "{printed}");

@@ -434,6 +434,7 @@ pub fn from_settings(
                 held_back_recheck_max_ms: settings.event_store.held_back_recheck_max_ms,
                 read_all_settle_max_ms: settings.event_store.read_all_settle_max_ms,
                 listen_config: settings.database.pg_config()?,
+                unknown_outcome_retry_max_ms: settings.database.failover_wait_ms,
             },
         ),
     ))

@@ -123,6 +123,11 @@ pub struct PostgresEventStoreOptions {
     pub read_all_settle_max_ms: u64,
     /// Connection parameters of the LISTEN connection (the pool's database).
     pub listen_config: tokio_postgres::Config,
+    /// How long an append whose outcome is unknown (its connection broke: the primary died, a
+    /// failover is under way) is tried again before its caller is told the store is
+    /// unavailable. Trying again is safe: the event ids decide, and an append that did land is
+    /// answered `duplicate`, so it lands exactly once.
+    pub unknown_outcome_retry_max_ms: u64,
 }
 
 #[derive(Clone)]
@@ -194,6 +199,7 @@ impl PostgresEventStore {
                     receiver.clone(),
                     options.group_commit_max_batch,
                     options.append_retries_max,
+                    Duration::from_millis(options.unknown_outcome_retry_max_ms),
                 )));
             }
             Some(sender)
@@ -222,18 +228,28 @@ impl PostgresEventStore {
         events: &[NewEvent],
     ) -> Result<AppendOutcome, EventStoreError> {
         let mut retries = 0;
+        let retry_max = Duration::from_millis(self.inner.options.unknown_outcome_retry_max_ms);
         loop {
-            let client = self.inner.pool.get().await.map_err(unavailable)?;
-            let statement = client
-                .prepare_cached(APPEND_SQL)
-                .await
-                .map_err(unavailable)?;
-            let params = AppendParams::new(stream, expected, events);
-            // One statement outside an explicit transaction is its own transaction.
-            let row = client
-                .query_one(&statement, &params.as_refs())
-                .await
-                .map_err(unavailable)?;
+            let row = until_known(retry_max, || async {
+                let client = self
+                    .inner
+                    .pool
+                    .get()
+                    .await
+                    .context("getting a connection")?;
+                let statement = client
+                    .prepare_cached(APPEND_SQL)
+                    .await
+                    .context("preparing append")?;
+                let params = AppendParams::new(stream, expected, events);
+                // One statement outside an explicit transaction is its own transaction.
+                client
+                    .query_one(&statement, &params.as_refs())
+                    .await
+                    .context("appending")
+            })
+            .await
+            .map_err(unavailable)?;
             match interpret(stream, expected, events, &row)? {
                 Interpreted::Done(outcome) => return outcome,
                 Interpreted::RetryInNewerTransaction
@@ -626,6 +642,7 @@ async fn group_writer(
     queue: Arc<Mutex<mpsc::Receiver<AppendRequest>>>,
     max_batch: usize,
     retries_max: u32,
+    unknown_outcome_retry_max: Duration,
 ) {
     let mut carried_over: Vec<AppendRequest> = Vec::new();
     loop {
@@ -651,15 +668,19 @@ async fn group_writer(
             Ok(results) => results,
             Err(error) => {
                 tracing::debug!(error = %format!("{error:#}"), size = batch.len(), "group commit failed; appending one by one");
+                // Each alone, and again while the failure says the connection broke: the batch
+                // may or may not have committed, and only the event ids can tell.
                 let mut results = Vec::with_capacity(batch.len());
                 for request in &batch {
                     results.push(
-                        commit_batch(&pool, std::slice::from_ref(request))
-                            .await
-                            .map_or_else(
-                                |error| Interpreted::Done(Err(EventStoreError::Unavailable(error))),
-                                |mut single| single.remove(0),
-                            ),
+                        until_known(unknown_outcome_retry_max, || {
+                            commit_batch(&pool, std::slice::from_ref(request))
+                        })
+                        .await
+                        .map_or_else(
+                            |error| Interpreted::Done(Err(EventStoreError::Unavailable(error))),
+                            |mut single| single.remove(0),
+                        ),
                     );
                 }
                 results
@@ -865,6 +886,76 @@ fn from_i64(value: i64) -> u64 {
 
 fn position_out_of_range(position: Position) -> EventStoreError {
     EventStoreError::InvalidAppend(format!("position {position} is out of range"))
+}
+
+/// Run `attempt` until it succeeds, fails for a reason a retry cannot change, or `retry_max` has
+/// passed since the first failure; between attempts a backoff from 50 ms to 1 s. Only for
+/// attempts that are safe to repeat (appends: the event ids decide).
+async fn until_known<T, F, Fut>(retry_max: Duration, mut attempt: F) -> anyhow::Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
+    let mut first_failure: Option<tokio::time::Instant> = None;
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match attempt().await {
+            Ok(value) => return Ok(value),
+            Err(error) if connection_lost(&error) => {
+                let since = *first_failure.get_or_insert_with(tokio::time::Instant::now);
+                if since.elapsed() >= retry_max {
+                    return Err(error.context(format!(
+                        "the database was unreachable for {} ms",
+                        retry_max.as_millis()
+                    )));
+                }
+                tracing::warn!(error = %format!("{error:#}"), retry_in_ms = backoff.as_millis(), "append's outcome unknown (connection lost); trying again");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+/// Whether `error` says the connection (or the server behind it) went away, rather than that the
+/// statement was refused: a closed or broken connection, no connection to be had, a server
+/// shutting down or starting, a standby answering read-only (the old primary demoted, the new
+/// one not yet found).
+pub(crate) fn connection_lost(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        if let Some(pool_error) = cause.downcast_ref::<deadpool_postgres::PoolError>() {
+            return match pool_error {
+                deadpool_postgres::PoolError::Timeout(_) => true,
+                deadpool_postgres::PoolError::Backend(error) => postgres_connection_lost(error),
+                _ => false,
+            };
+        }
+        if let Some(error) = cause.downcast_ref::<tokio_postgres::Error>() {
+            return postgres_connection_lost(error);
+        }
+        cause.downcast_ref::<std::io::Error>().is_some()
+    })
+}
+
+fn postgres_connection_lost(error: &tokio_postgres::Error) -> bool {
+    use tokio_postgres::error::SqlState;
+    match error.code() {
+        // No SQLSTATE: the error is the connection's own (closed, I/O, a timeout, a refused
+        // connect), not an answer of the server.
+        None => true,
+        Some(code) => {
+            code.code().starts_with("08")
+                || [
+                    SqlState::ADMIN_SHUTDOWN,
+                    SqlState::CRASH_SHUTDOWN,
+                    SqlState::CANNOT_CONNECT_NOW,
+                    SqlState::READ_ONLY_SQL_TRANSACTION,
+                    SqlState::TOO_MANY_CONNECTIONS,
+                ]
+                .contains(code)
+        }
+    }
 }
 
 fn unavailable<E: Into<anyhow::Error>>(error: E) -> EventStoreError {

@@ -9,6 +9,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use futures::StreamExt;
+use secrecy::ExposeSecret;
 use uuid::Uuid;
 use zhihui::event_store::postgres::{PostgresEventStore, PostgresEventStoreOptions};
 use zhihui::event_store::{
@@ -61,6 +62,7 @@ pub async fn pg_store(group_commit: bool) -> PgStore {
             // Short: the held-transaction test reads while a transaction is held on purpose.
             read_all_settle_max_ms: 300,
             listen_config: settings.database.pg_config().unwrap(),
+            unknown_outcome_retry_max_ms: 30_000,
         },
     );
     PgStore { store, settings }
@@ -709,8 +711,10 @@ async fn a_held_transaction_is_never_passed_by_a_subscriber_while_32_writers_com
     }
 }
 
+/// The connection dies half-way through an append: nothing of it stays, and the store tries it
+/// again (its outcome was unknown to it) until it lands, once and whole.
 #[tokio::test]
-async fn a_connection_killed_mid_append_leaves_none_of_it() {
+async fn a_connection_killed_mid_append_leaves_none_of_it_and_the_retry_lands_it_whole() {
     let pg = pg_store(false).await;
     let prefix = prefix();
     let shared_id = Uuid::now_v7();
@@ -756,30 +760,165 @@ async fn a_connection_killed_mid_append_leaves_none_of_it() {
         .execute("SELECT pg_terminate_backend($1)", &[&victim_pid])
         .await
         .unwrap();
-    let outcome = victim.await.unwrap();
-    assert!(
-        matches!(outcome, Err(EventStoreError::Unavailable(_))),
-        "{outcome:?}"
-    );
+    // The killed half is gone: the blocker's id is free again once it rolls back, and the
+    // store's retry (on a new connection) appends both events, as one.
     blocker.batch_execute("ROLLBACK").await.unwrap();
-
+    let outcome = victim.await.unwrap().unwrap();
+    assert_eq!(outcome.stream_version, 1);
     let stored = pg
         .store
         .read_stream(&victim_stream, Direction::Forwards, ReadFrom::Start, 10)
         .await
         .unwrap();
-    assert!(stored.is_empty(), "half an append survived: {stored:?}");
-    // The store recovers: the same stream can now be created.
-    let outcome = pg
-        .store
-        .append(
-            &victim_stream,
-            ExpectedVersion::NoStream,
-            vec![event("First", 0)],
-        )
-        .await
-        .unwrap();
-    assert_eq!(outcome.stream_version, 0);
+    let types: Vec<&str> = stored.iter().map(|e| e.event_type.as_str()).collect();
+    assert_eq!(types, ["First", "Second"], "{stored:?}");
+}
+
+/// A loopback TCP proxy in front of PostgreSQL that can lose the answer to the next prepared
+/// statement's execution (and the connection with it): the statement ran, the client never hears
+/// how. (Pool checks are simple queries, so they pass.)
+struct LosingProxy {
+    port: u16,
+    lose_next_answer: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    answers_lost: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl LosingProxy {
+    async fn start(upstream: (String, u16)) -> LosingProxy {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let lose_next_answer = std::sync::Arc::new(AtomicBool::new(false));
+        let answers_lost = std::sync::Arc::new(AtomicUsize::new(0));
+        let (lose, lost) = (lose_next_answer.clone(), answers_lost.clone());
+        tokio::spawn(async move {
+            loop {
+                let (client, _) = listener.accept().await.unwrap();
+                let server = tokio::net::TcpStream::connect((upstream.0.as_str(), upstream.1))
+                    .await
+                    .unwrap();
+                let (mut client_read, mut client_write) = client.into_split();
+                let (mut server_read, mut server_write) = server.into_split();
+                // Set when this connection's client sent a Bind (`B`: a prepared statement
+                // executed) while the proxy was armed: its answer is the one to lose.
+                let lose_here = std::sync::Arc::new(AtomicBool::new(false));
+                let (armed, lose_next) = (lose.clone(), lose_here.clone());
+                tokio::spawn(async move {
+                    let mut buffer = vec![0_u8; 64 * 1024];
+                    loop {
+                        let Ok(read) = client_read.read(&mut buffer).await else {
+                            return;
+                        };
+                        if read == 0 {
+                            return;
+                        }
+                        if buffer[0] == b'B' && armed.swap(false, Ordering::SeqCst) {
+                            lose_next.store(true, Ordering::SeqCst);
+                        }
+                        if server_write.write_all(&buffer[..read]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+                let (lose, lost) = (lose_here, lost.clone());
+                tokio::spawn(async move {
+                    let mut buffer = vec![0_u8; 64 * 1024];
+                    loop {
+                        let Ok(read) = server_read.read(&mut buffer).await else {
+                            return;
+                        };
+                        if read == 0 {
+                            return;
+                        }
+                        if lose.swap(false, Ordering::SeqCst) {
+                            // Dropping both halves closes the connection on the client.
+                            lost.fetch_add(1, Ordering::SeqCst);
+                            return;
+                        }
+                        if client_write.write_all(&buffer[..read]).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        LosingProxy {
+            port,
+            lose_next_answer,
+            answers_lost,
+        }
+    }
+}
+
+/// The answer to a committed append is lost with its connection (a primary dying between commit
+/// and reply looks the same to the client): the store tries it again, and the event ids make the
+/// second try find the first, so the append lands once and the caller is told it succeeded.
+#[tokio::test]
+async fn an_append_whose_answer_is_lost_lands_exactly_once() {
+    use std::sync::atomic::Ordering;
+    for group_commit in [false, true] {
+        let mut settings = test_settings(&create_database().await);
+        let upstream = settings.database.pg_config().unwrap();
+        let host = match &upstream.get_hosts()[0] {
+            tokio_postgres::config::Host::Tcp(host) => host.clone(),
+            other => panic!("a TCP host expected: {other:?}"),
+        };
+        let proxy = LosingProxy::start((host.clone(), upstream.get_ports()[0])).await;
+        let url = settings.database.url.expose_secret().replace(
+            &format!("{host}:{}", upstream.get_ports()[0]),
+            &format!("127.0.0.1:{}", proxy.port),
+        );
+        settings.database.url = secrecy::SecretString::from(url);
+        // One connection: the append that warms it up prepares the statement the next one uses,
+        // so the next answer the proxy sees is the append's own.
+        settings.database.pool_max_size = 1;
+        let pool = zhihui::postgres::build_pool(&settings.database).unwrap();
+        zhihui::postgres::migrate(&pool).await.unwrap();
+        let store = PostgresEventStore::start(
+            pool,
+            PostgresEventStoreOptions {
+                group_commit,
+                group_commit_max_batch: 64,
+                group_commit_writers: 1,
+                append_retries_max: 16,
+                subscription_batch_size: 100,
+                held_back_recheck_max_ms: 20,
+                read_all_settle_max_ms: 300,
+                listen_config: settings.database.pg_config().unwrap(),
+                unknown_outcome_retry_max_ms: 10_000,
+            },
+        );
+        let prefix = prefix();
+        store
+            .append(
+                &format!("{prefix}warm"),
+                ExpectedVersion::NoStream,
+                vec![event("Warm", 0)],
+            )
+            .await
+            .unwrap();
+        let stream = format!("{prefix}account");
+        let granted = event("PointsGranted", 1);
+        let id = granted.id;
+        proxy.lose_next_answer.store(true, Ordering::SeqCst);
+        let outcome = store
+            .append(&stream, ExpectedVersion::NoStream, vec![granted])
+            .await
+            .unwrap();
+        assert_eq!(
+            proxy.answers_lost.load(Ordering::SeqCst),
+            1,
+            "group commit {group_commit}: the answer was lost"
+        );
+        assert_eq!(outcome.stream_version, 0);
+        let stored = store
+            .read_stream(&stream, Direction::Forwards, ReadFrom::Start, 10)
+            .await
+            .unwrap();
+        assert_eq!(stored.len(), 1, "group commit {group_commit}: {stored:?}");
+        assert_eq!(stored[0].id, id);
+    }
 }
 
 #[tokio::test]

@@ -342,7 +342,18 @@ pub async fn spawn_app() -> TestApp {
 /// at a dead port).
 pub async fn spawn_app_with(customise: impl FnOnce(&mut Settings)) -> TestApp {
     let database_name = create_database().await;
-    let mut settings = test_settings(&database_name);
+    spawn_app_on(test_settings(&database_name), customise).await
+}
+
+/// A running app on a database the test made elsewhere (`database_url`: its own server, e.g. a
+/// primary with a standby), with a fresh Redis prefix.
+pub async fn spawn_app_at(database_url: &str, customise: impl FnOnce(&mut Settings)) -> TestApp {
+    let mut settings = test_settings(&format!("zhihui_test_{}", uuid::Uuid::new_v4().simple()));
+    settings.database.url = SecretString::from(database_url.to_owned());
+    spawn_app_on(settings, customise).await
+}
+
+async fn spawn_app_on(mut settings: Settings, customise: impl FnOnce(&mut Settings)) -> TestApp {
     let ollama = crate::fake_ollama::FakeOllama::start().await;
     settings.translation.ollama_url = ollama.url.clone();
     // Short, so the "slow Ollama" test waits little.

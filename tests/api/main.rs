@@ -7,6 +7,7 @@ mod checkins;
 mod dispatch;
 mod edges;
 mod event_store;
+mod failover;
 mod fake_ollama;
 mod health;
 mod helpers;

@@ -120,6 +120,7 @@ async fn run(
                 held_back_recheck_max_ms: 50,
                 read_all_settle_max_ms: 5_000,
                 listen_config: settings.database.pg_config()?,
+                unknown_outcome_retry_max_ms: 30_000,
             },
         );
         for (case, writers) in WRITER_COUNTS.into_iter().enumerate() {

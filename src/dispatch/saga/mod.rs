@@ -534,6 +534,9 @@ impl Saga {
 
     /// Run until the leadership is lost, then give the lease up.
     pub async fn run(mut self) {
+        // Failed steps in a row: each waits longer (to 500 ms), so a store that is away (a
+        // PostgreSQL failover) is asked a few times a second, not hundreds.
+        let mut failures: u32 = 0;
         loop {
             if let Err(error) = self.step().await {
                 if is_lost(&error) {
@@ -546,7 +549,12 @@ impl Saga {
                     self.resign().await;
                     return;
                 }
-                tracing::warn!(error = %crate::telemetry::error_chain(&error), "dispatch step failed");
+                tracing::warn!(error = %crate::telemetry::error_chain(&error), failures_in_a_row = failures + 1, "dispatch step failed");
+                let backoff_ms = (10_u64 << failures.min(6)).min(500);
+                failures = failures.saturating_add(1);
+                tokio::time::sleep(std::time::Duration::from_millis(backoff_ms)).await;
+            } else {
+                failures = 0;
             }
         }
     }
