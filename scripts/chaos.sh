@@ -5,6 +5,7 @@
 # every task must have ended once and `zhihui audit verify` must find nothing, not even pending.
 #
 #   scripts/chaos.sh [TASKS]     (default 220; a few minutes)
+#   CHAOS_PG_FAILOVER=1 scripts/chaos.sh    step 4 kills a primary and promotes its standby
 #
 # Uses the local services of scripts/services.sh (started when absent). It restarts that
 # PostgreSQL cluster once and flushes Redis database 7, which is its own.
@@ -15,6 +16,18 @@ cd "$ROOT"
 eval "$(scripts/services.sh start | sed 's/^/export /')"
 REDIS_URL="${CHAOS_REDIS_URL:-${REDIS_URL%/*}/7}"
 export REDIS_URL
+if [ "${CHAOS_PG_FAILOVER:-0}" = 1 ]; then
+    # A primary with a synchronous streaming standby of this run's own (fresh each time: after
+    # the drill the old primary is dead and the standby leads); step 4 kills the primary with
+    # SIGKILL and promotes the standby.
+    export ZHIHUI_LOCAL_DIR="$ROOT/target/chaos-pg-pair-$$"
+    export ZHIHUI_PG_PRIMARY_PORT="${CHAOS_PG_PRIMARY_PORT:-55452}"
+    export ZHIHUI_PG_STANDBY_PORT="${CHAOS_PG_STANDBY_PORT:-55453}"
+    trap 'scripts/services.sh stop-pg-pair >/dev/null 2>&1 || true; rm -rf "$ZHIHUI_LOCAL_DIR"' EXIT
+    eval "$(scripts/services.sh start-pg-pair | grep '^DATABASE_URL=' | sed 's/^/export /')"
+    CHAOS_PG_RESTART="$ROOT/scripts/services.sh kill-primary && sleep 1 && $ROOT/scripts/services.sh promote-standby"
+    export CHAOS_PG_RESTART
+fi
 if [ -z "${CHAOS_PG_RESTART:-}" ] && [ -s .local/postgres/data/postmaster.pid ]; then
     bin="$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)"
     # pg_ctl restart starts it again with the options it was started with.
@@ -23,4 +36,5 @@ if [ -z "${CHAOS_PG_RESTART:-}" ] && [ -s .local/postgres/data/postmaster.pid ];
 fi
 cargo build --release --locked -p zhihui --bin zhihui
 cargo build --release --locked -p zhihui-bench --bin chaos_two_processes
-ZHIHUI_BIN="$ROOT/target/release/zhihui" exec target/release/chaos_two_processes "$@"
+# Not exec: the pair's trap must run when the program ends.
+ZHIHUI_BIN="$ROOT/target/release/zhihui" target/release/chaos_two_processes "$@"

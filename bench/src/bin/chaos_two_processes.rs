@@ -6,13 +6,16 @@
 //!
 //! 1. process A is killed with SIGKILL and restarted; 2. process B likewise;
 //! 3. Redis is flushed (`FLUSHDB` of the run's own Redis database);
-//! 4. PostgreSQL is restarted (the command in `CHAOS_PG_RESTART`, e.g. `pg_ctl restart`);
+//! 4. PostgreSQL is restarted, or its primary killed and the standby promoted (the command in
+//!    `CHAOS_PG_RESTART`: `pg_ctl restart`, or `scripts/services.sh kill-primary` then
+//!    `promote-standby` when `scripts/chaos.sh` runs with `CHAOS_PG_FAILOVER=1`);
 //! 5. a simulator is crashed (its sockets and queue lost) and restarted.
 //!
 //! Then it waits until every task has ended, and past the settlement bounds, and runs
 //! `zhihui audit verify` (every difference and pending settlement printed) and
 //! `zhihui audit repairs`. It exits non-zero on a difference, a pending settlement, a task that
-//! never ended, or a task that ended twice.
+//! never ended, or a task that ended twice. For each fault it prints the time from the fault to
+//! the first submit that succeeded after it.
 //!
 //!     scripts/chaos.sh [TASKS]          # builds, starts the services, sets the variables
 //!
@@ -192,8 +195,14 @@ async fn main() -> anyhow::Result<()> {
         .simple_query(&format!("CREATE DATABASE {database}"))
         .await
         .context("creating the run's database")?;
-    let database_url = match admin_url.rsplit_once('/') {
-        Some((base, _)) => format!("{base}/{database}"),
+    // The run's database on the same server(s), the URL's parameters kept (a multi-host URL's
+    // `target_session_attrs=read-write` is what finds a promoted standby).
+    let (without_query, query) = match admin_url.split_once('?') {
+        Some((head, query)) => (head, format!("?{query}")),
+        None => (admin_url.as_str(), String::new()),
+    };
+    let database_url = match without_query.rsplit_once('/') {
+        Some((base, _)) => format!("{base}/{database}{query}"),
         None => anyhow::bail!("DATABASE_URL has no database name"),
     };
     let scratch = std::env::current_dir()?
@@ -309,7 +318,10 @@ async fn main() -> anyhow::Result<()> {
     // The faults, in turn, while the load runs.
     let faults_done = Arc::new(AtomicUsize::new(0));
     let fault_log = Arc::new(Mutex::new(Vec::<String>::new()));
+    // Per fault: when it struck, and how long until a submit sent after it succeeded.
+    let recoveries = Arc::new(Mutex::new(Vec::<(String, Instant, Option<Duration>)>::new()));
     let chaos = {
+        let recoveries = recoveries.clone();
         let processes = processes.clone();
         let run = run.clone();
         let sims = sims.clone();
@@ -326,6 +338,17 @@ async fn main() -> anyhow::Result<()> {
             };
             for step in 0..5 {
                 tokio::time::sleep(Duration::from_secs(6)).await;
+                let fault = [
+                    "process A killed",
+                    "process B killed",
+                    "Redis flushed",
+                    "PostgreSQL",
+                    "simulator crashed",
+                ][step];
+                recoveries
+                    .lock()
+                    .await
+                    .push((fault.to_owned(), Instant::now(), None));
                 match step {
                     0 | 1 => {
                         let mut guard = processes.lock().await;
@@ -368,7 +391,7 @@ async fn main() -> anyhow::Result<()> {
                                 .stdout(Stdio::null())
                                 .status()
                                 .await;
-                            note(format!("PostgreSQL restarted ({status:?})")).await;
+                            note(format!("PostgreSQL: `{command}` ({status:?})")).await;
                         }
                         None => {
                             note("PostgreSQL restart SKIPPED: no CHAOS_PG_RESTART".into()).await
@@ -430,6 +453,7 @@ async fn main() -> anyhow::Result<()> {
             }
         } else if submitted.len() < tasks_total {
             let key = Uuid::now_v7().to_string();
+            let sent_at = Instant::now();
             let answer = send(&http, &addresses, |http, address| {
                 http.post(format!("{address}/api/v1/tasks"))
                     .bearer_auth(token)
@@ -442,6 +466,11 @@ async fn main() -> anyhow::Result<()> {
                     let body: Value = answer.json().await?;
                     submitted.push((who, body["task_id"].as_str().context("task id")?.into()));
                     *answers.entry("submit 201".into()).or_default() += 1;
+                    for (_, struck, back) in recoveries.lock().await.iter_mut() {
+                        if back.is_none() && sent_at > *struck {
+                            *back = Some(struck.elapsed());
+                        }
+                    }
                 }
                 Some(answer) => {
                     relogin[who] = answer.status() == 401;
@@ -454,10 +483,11 @@ async fn main() -> anyhow::Result<()> {
         } else {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
-        // Spread the submits over the whole fault window, so every fault meets tasks in flight.
+        // Spread the submits over the whole fault window (a mean pause of one pace), so every
+        // fault meets submits and tasks in flight.
         let pace_ms = FAULT_WINDOW_MS / tasks_total.max(1) as u64;
         tokio::time::sleep(Duration::from_millis(
-            rand::rng().random_range(0..=pace_ms.saturating_mul(2) / 3),
+            rand::rng().random_range(0..=pace_ms.saturating_mul(2)),
         ))
         .await;
     }
@@ -574,6 +604,15 @@ async fn main() -> anyhow::Result<()> {
     }
     for line in fault_log.lock().await.iter() {
         println!("fault: {line}");
+    }
+    for (fault, _, back) in recoveries.lock().await.iter() {
+        match back {
+            Some(back) => println!(
+                "first submit that succeeded after \"{fault}\": {} ms later",
+                back.as_millis()
+            ),
+            None => println!("no submit succeeded after \"{fault}\""),
+        }
     }
     println!("RESULT chaos_tasks {} tasks", submitted.len());
     println!("RESULT chaos_tasks_not_ended_once {} tasks", twice.len());
