@@ -1,0 +1,531 @@
+//! Sizing (issue 38, item 5): what each request kind and each task costs the shared stores, and
+//! how many tasks one `zhihui serve` carries end to end, on this machine.
+//!
+//! 1. Per request kind (login, GET /me, GET /account, POST /tasks, GET /tasks/{id}, prioritise,
+//!    cancel, the ledger page), through one `zhihui serve` with the dispatcher off: Redis
+//!    commands (`INFO commandstats`, reset before each kind), PostgreSQL statements
+//!    (`pg_stat_statements` of the run's database) and events appended, per request, with the
+//!    process's background (leases, boards: measured idle over the same time) taken off.
+//! 2. Per task, end to end (submitted, dispatched to a ComfyUI simulator with no step delay,
+//!    labelled, charged, projected), through one `zhihui serve` with the dispatcher on: Redis
+//!    commands, PostgreSQL statements and events per task, and tasks/s sustained (the simulator
+//!    runs on the same two cores: a ceiling of zhihui and simulator together).
+//!
+//! Run it so:
+//!
+//! ```text
+//! DATABASE_URL=postgres://zhihui@127.0.0.1:55432/zhihui REDIS_URL=redis://127.0.0.1:56379/0 \
+//!     cargo build --release -p zhihui -p zhihui-bench && target/release/bench_sizing [REQUESTS] [TASKS]
+//! ```
+//!
+//! Needs its own Redis (its statistics are reset) and `pg_stat_statements` preloaded, as
+//! `scripts/services.sh` starts them.
+
+#![allow(clippy::print_stdout, clippy::print_stderr)]
+
+#[path = "../serve/mod.rs"]
+mod serve;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use comfyui_sim::{Faults, SimConfig, Simulator};
+use secrecy::{ExposeSecret, SecretString};
+use serde_json::{Value, json};
+use uuid::Uuid;
+use zhihui::bench_support::{Figure, arg};
+use zhihui::configuration::Settings;
+
+/// Every Redis command counted since the last reset, by command.
+async fn redis_commands(
+    redis: &mut redis::aio::MultiplexedConnection,
+) -> anyhow::Result<BTreeMap<String, u64>> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(redis)
+        .await?;
+    let mut counts = BTreeMap::new();
+    for line in info.lines() {
+        // cmdstat_get:calls=3,usec=...
+        if let Some(rest) = line.strip_prefix("cmdstat_")
+            && let Some((command, stats)) = rest.split_once(':')
+            && let Some(calls) = stats
+                .split(',')
+                .find_map(|field| field.strip_prefix("calls="))
+        {
+            counts.insert(command.to_owned(), calls.parse()?);
+        }
+    }
+    // The reading itself and the resets are the bench's, not zhihui's.
+    for own in ["info", "config|resetstat"] {
+        counts.remove(own);
+    }
+    Ok(counts)
+}
+
+async fn reset(
+    redis: &mut redis::aio::MultiplexedConnection,
+    pg: &tokio_postgres::Client,
+) -> anyhow::Result<()> {
+    redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async::<()>(redis)
+        .await?;
+    pg.execute("SELECT pg_stat_statements_reset()", &[]).await?;
+    Ok(())
+}
+
+/// The most called statements of this database since the last reset, each shortened.
+async fn top_statements(pg: &tokio_postgres::Client, units: f64) -> anyhow::Result<String> {
+    let rows = pg
+        .query(
+            "SELECT s.calls::bigint, regexp_replace(left(s.query, 70), '\\s+', ' ', 'g') \
+               FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid \
+              WHERE d.datname = current_database() \
+                AND s.query NOT LIKE '%pg_stat_statements%' AND s.query NOT LIKE '%count(*) FROM events%' \
+              ORDER BY s.calls DESC LIMIT 4",
+            &[],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|row| {
+            format!(
+                "{:.1}x {}",
+                row.get::<_, i64>(0) as f64 / units,
+                row.get::<_, String>(1)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" | "))
+}
+
+/// Statements of this database since the last reset (the bench's own excluded).
+async fn statements(pg: &tokio_postgres::Client) -> anyhow::Result<u64> {
+    let row = pg
+        .query_one(
+            "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements s \
+               JOIN pg_database d ON d.oid = s.dbid \
+              WHERE d.datname = current_database() \
+                AND s.query NOT LIKE '%pg_stat_statements%' AND s.query NOT LIKE '%count(*) FROM events%'",
+            &[],
+        )
+        .await?;
+    Ok(u64::try_from(row.get::<_, i64>(0))?)
+}
+
+async fn events(pg: &tokio_postgres::Client) -> anyhow::Result<u64> {
+    let row = pg.query_one("SELECT count(*) FROM events", &[]).await?;
+    Ok(u64::try_from(row.get::<_, i64>(0))?)
+}
+
+/// What the stores saw over a span, per unit, the idle background taken off.
+struct Cost {
+    redis: f64,
+    redis_top: String,
+    statements: f64,
+    statements_top: String,
+    events: f64,
+}
+
+struct Meter<'a> {
+    redis: &'a mut redis::aio::MultiplexedConnection,
+    pg: &'a tokio_postgres::Client,
+    /// Background Redis commands and statements per second of the idle server.
+    idle_redis_per_s: f64,
+    idle_statements_per_s: f64,
+}
+
+impl Meter<'_> {
+    async fn measure<F, Fut>(&mut self, units: usize, work: F) -> anyhow::Result<(Cost, Duration)>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = anyhow::Result<()>>,
+    {
+        let events_before = events(self.pg).await?;
+        reset(self.redis, self.pg).await?;
+        let started = Instant::now();
+        work().await?;
+        let took = started.elapsed();
+        let counts = redis_commands(self.redis).await?;
+        let statements_seen = statements(self.pg).await?;
+        let statements_top = top_statements(self.pg, units as f64).await?;
+        let events_after = events(self.pg).await?;
+        let units = units as f64;
+        let total: u64 = counts.values().sum();
+        let background = self.idle_redis_per_s * took.as_secs_f64();
+        let mut top: Vec<(&String, &u64)> = counts.iter().collect();
+        top.sort_by(|left, right| right.1.cmp(left.1));
+        let redis_top = top
+            .iter()
+            .take(6)
+            .map(|(command, calls)| format!("{command} {:.1}", **calls as f64 / units))
+            .collect::<Vec<_>>()
+            .join(", ");
+        Ok((
+            Cost {
+                redis: ((total as f64 - background) / units).max(0.0),
+                redis_top,
+                statements: ((statements_seen as f64
+                    - self.idle_statements_per_s * took.as_secs_f64())
+                    / units)
+                    .max(0.0),
+                statements_top,
+                events: (events_after - events_before) as f64 / units,
+            },
+            took,
+        ))
+    }
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let requests = arg(1)?.unwrap_or(200);
+    let tasks = arg(2)?.unwrap_or(400);
+    zhihui::bench_support::with_fresh_database(
+        |settings| {
+            settings.redis.url = SecretString::from(
+                std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into()),
+            );
+            settings.redis.key_prefix = format!("bench:{}", Uuid::now_v7().simple());
+        },
+        |settings| async move { Box::pin(run(settings, requests, tasks)).await },
+    )
+    .await
+}
+
+async fn json_of(response: reqwest::Response) -> anyhow::Result<Value> {
+    let status = response.status();
+    let body: Value = response.json().await.unwrap_or_default();
+    anyhow::ensure!(status.is_success(), "answered {status}: {body}");
+    Ok(body)
+}
+
+async fn run(settings: Settings, requests: usize, tasks: usize) -> anyhow::Result<Vec<Figure>> {
+    let scratch = std::env::current_dir()?
+        .join("target")
+        .join("tmp")
+        .join(format!("bench-sizing-{}", Uuid::now_v7().simple()));
+    let (pg, connection) =
+        tokio_postgres::connect(settings.database.url.expose_secret(), tokio_postgres::NoTls)
+            .await?;
+    tokio::spawn(connection);
+    pg.batch_execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        .await
+        .context("pg_stat_statements (scripts/services.sh preloads it)")?;
+    let mut redis = redis::Client::open(settings.redis.url.expose_secret())?
+        .get_multiplexed_async_connection()
+        .await?;
+    let http = reqwest::Client::new();
+    let mut figures: Vec<Figure> = Vec::new();
+
+    // ---- 1. Request kinds, the dispatcher off (tasks stay queued).
+    let common: Vec<(&str, &str)> = vec![
+        ("ZHIHUI_TRANSLATION__ENABLED", "false"),
+        ("ZHIHUI_TASKS__QUEUED_PER_USER_MAX", "100000"),
+        ("ZHIHUI_AUTH__LOGINS_PER_CLIENT_PER_MINUTE", "1000000"),
+        ("ZHIHUI_LOG__FILTER", "error"),
+    ];
+    let server = serve::start_server(&settings, &common).await?;
+    let base = server.base.clone();
+    let pool = zhihui::postgres::build_pool(&settings.database)?;
+    let state =
+        zhihui::startup::AppState::build(&settings, pool, zhihui::startup::Overrides::default())?;
+    let registered = json_of(
+        http.post(format!("{base}/api/v1/auth/register"))
+            .json(&json!({"username": "sizing", "password": "correct horse battery"}))
+            .send()
+            .await?,
+    )
+    .await?;
+    let user = Uuid::parse_str(registered["id"].as_str().context("user id")?)?;
+    zhihui::bench_support::fund(
+        &state.accounts,
+        &[zhihui_domain::account::account_stream(
+            zhihui_domain::user::UserId::from_uuid(user),
+        )],
+    )
+    .await?;
+    let login = || {
+        http.post(format!("{base}/api/v1/auth/login"))
+            .json(&json!({"username": "sizing", "password": "correct horse battery"}))
+            .send()
+    };
+    let token = json_of(login().await?).await?["token"]
+        .as_str()
+        .context("token")?
+        .to_owned();
+    // Warm up (connections, caches), then the idle background.
+    for _ in 0..20 {
+        json_of(
+            http.get(format!("{base}/api/v1/account"))
+                .bearer_auth(&token)
+                .send()
+                .await?,
+        )
+        .await?;
+    }
+    reset(&mut redis, &pg).await?;
+    let idle = Duration::from_secs(3);
+    tokio::time::sleep(idle).await;
+    let idle_redis: u64 = redis_commands(&mut redis).await?.values().sum();
+    let idle_statements = statements(&pg).await?;
+    let mut meter = Meter {
+        redis: &mut redis,
+        pg: &pg,
+        idle_redis_per_s: idle_redis as f64 / idle.as_secs_f64(),
+        idle_statements_per_s: idle_statements as f64 / idle.as_secs_f64(),
+    };
+    println!(
+        "idle zhihui serve (dispatcher off): {:.1} Redis commands/s, {:.1} statements/s (taken off below)",
+        meter.idle_redis_per_s, meter.idle_statements_per_s
+    );
+    println!();
+    println!(
+        "{:<28} {:>8} {:>11} {:>8}   top Redis commands per request",
+        "request", "Redis", "statements", "events"
+    );
+    let table = |name: &str, cost: &Cost| {
+        println!(
+            "{name:<28} {:>8.1} {:>11.1} {:>8.2}   {}",
+            cost.redis, cost.statements, cost.events, cost.redis_top
+        );
+        println!("{:<28} statements: {}", "", cost.statements_top);
+    };
+
+    let (cost, _) = meter
+        .measure(20, || async {
+            for _ in 0..20 {
+                json_of(login().await?).await?;
+            }
+            Ok(())
+        })
+        .await?;
+    table("POST /auth/login", &cost);
+    figures.push(("sizing_redis_per_login".into(), cost.redis, "commands"));
+    for (path, label) in [
+        ("/api/v1/me", "GET /me"),
+        ("/api/v1/account", "GET /account"),
+        ("/api/v1/account/ledger?limit=20", "GET /account/ledger"),
+    ] {
+        let (cost, _) = meter
+            .measure(requests, || async {
+                for _ in 0..requests {
+                    json_of(
+                        http.get(format!("{base}{path}"))
+                            .bearer_auth(&token)
+                            .send()
+                            .await?,
+                    )
+                    .await?;
+                }
+                Ok(())
+            })
+            .await?;
+        table(label, &cost);
+    }
+    let mut task_ids = Vec::new();
+    let (cost, _) = meter
+        .measure(requests, || async {
+            for _ in 0..requests {
+                let body = json_of(
+                    http.post(format!("{base}/api/v1/tasks"))
+                        .bearer_auth(&token)
+                        .json(&json!({"prompt": "一只在雪地里奔跑的红狐狸", "steps": 20}))
+                        .send()
+                        .await?,
+                )
+                .await?;
+                task_ids.push(body["task_id"].as_str().context("task id")?.to_owned());
+            }
+            Ok(())
+        })
+        .await?;
+    table("POST /tasks (queued)", &cost);
+    figures.push(("sizing_redis_per_submit".into(), cost.redis, "commands"));
+    figures.push((
+        "sizing_statements_per_submit".into(),
+        cost.statements,
+        "statements",
+    ));
+    let (cost, _) = meter
+        .measure(requests, || async {
+            for task in &task_ids {
+                json_of(
+                    http.get(format!("{base}/api/v1/tasks/{task}"))
+                        .bearer_auth(&token)
+                        .send()
+                        .await?,
+                )
+                .await?;
+            }
+            Ok(())
+        })
+        .await?;
+    table("GET /tasks/{id}", &cost);
+    let moves = requests.min(task_ids.len() / 2);
+    for (action, label, offset) in [
+        ("prioritise", "POST /tasks/{id}/prioritise", 0),
+        ("cancel", "POST /tasks/{id}/cancel", moves),
+    ] {
+        let ids = &task_ids[offset..offset + moves];
+        let (cost, _) = meter
+            .measure(moves, || async {
+                for task in ids.iter().rev() {
+                    let answer = http
+                        .post(format!("{base}/api/v1/tasks/{task}/{action}"))
+                        .bearer_auth(&token)
+                        .send()
+                        .await?;
+                    // 409 `already-first` is an answer too (the fee is not taken).
+                    anyhow::ensure!(
+                        answer.status().is_success() || answer.status() == 409,
+                        "{action} answered {}",
+                        answer.status()
+                    );
+                }
+                Ok(())
+            })
+            .await?;
+        table(label, &cost);
+    }
+    drop(server);
+
+    // ---- 2. Tasks end to end, the dispatcher on, one simulator with room for 8 at once.
+    let sim = Simulator::start(SimConfig {
+        bind: "127.0.0.1:0".parse()?,
+        output_dir: scratch.join("sim"),
+        models: vec!["majicmixRealistic_v7.safetensors".into()],
+        faults: Faults {
+            step_delay_ms: 0,
+            fast_png: true,
+            ..Faults::default()
+        },
+    })
+    .await?;
+    let backends = format!("gpu-0 {} 8", sim.base_url());
+    let images = scratch.join("images").to_string_lossy().into_owned();
+    let mut env = common.clone();
+    env.extend([
+        ("ZHIHUI_DISPATCH__ENABLED", "true"),
+        ("ZHIHUI_DISPATCH__BACKENDS", backends.as_str()),
+        ("ZHIHUI_DISPATCH__IMAGES_DIRECTORY", images.as_str()),
+    ]);
+    let server = serve::start_server(&settings, &env).await?;
+    let base = server.base.clone();
+    let token = json_of(
+        http.post(format!("{base}/api/v1/auth/login"))
+            .json(&json!({"username": "sizing", "password": "correct horse battery"}))
+            .send()
+            .await?,
+    )
+    .await?["token"]
+        .as_str()
+        .context("token")?
+        .to_owned();
+    // The queued tasks of part 1 run first; wait for them to end.
+    let waiting = || async {
+        let row = pg
+            .query_one(
+                "SELECT count(*) FROM tasks WHERE status IN ('submitted', 'queued', 'dispatched', 'running')",
+                &[],
+            )
+            .await?;
+        anyhow::Ok(row.get::<_, i64>(0))
+    };
+    let started = Instant::now();
+    while waiting().await? > 0 {
+        anyhow::ensure!(
+            started.elapsed() < Duration::from_secs(300),
+            "part 1's tasks never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    reset(&mut redis, &pg).await?;
+    tokio::time::sleep(idle).await;
+    let idle_redis: u64 = redis_commands(&mut redis).await?.values().sum();
+    let idle_statements = statements(&pg).await?;
+    let mut meter = Meter {
+        redis: &mut redis,
+        pg: &pg,
+        idle_redis_per_s: idle_redis as f64 / idle.as_secs_f64(),
+        idle_statements_per_s: idle_statements as f64 / idle.as_secs_f64(),
+    };
+    println!();
+    println!(
+        "idle zhihui serve (dispatcher leading one server): {:.1} Redis commands/s, {:.1} statements/s (taken off below)",
+        meter.idle_redis_per_s, meter.idle_statements_per_s
+    );
+    let succeeded = || async {
+        let row = pg
+            .query_one("SELECT count(*) FROM tasks WHERE status = 'succeeded'", &[])
+            .await?;
+        anyhow::Ok(row.get::<_, i64>(0))
+    };
+    let before = succeeded().await?;
+    let (cost, took) = meter
+        .measure(tasks, || async {
+            // Eight clients submit; the queue stays full, the server's eight slots busy.
+            let mut clients = Vec::new();
+            for client in 0..8 {
+                let (http, base, token) = (http.clone(), base.clone(), token.clone());
+                let share = tasks / 8 + usize::from(client < tasks % 8);
+                clients.push(tokio::spawn(async move {
+                    for _ in 0..share {
+                        json_of(
+                            http.post(format!("{base}/api/v1/tasks"))
+                                .bearer_auth(&token)
+                                .json(
+                                    &json!({"prompt": "a red fox running in the snow", "steps": 1}),
+                                )
+                                .send()
+                                .await?,
+                        )
+                        .await?;
+                    }
+                    anyhow::Ok(())
+                }));
+            }
+            for client in clients {
+                client.await??;
+            }
+            let started = Instant::now();
+            while succeeded().await? < before + i64::try_from(tasks)? {
+                anyhow::ensure!(
+                    started.elapsed() < Duration::from_secs(600),
+                    "the tasks never all succeeded"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Ok(())
+        })
+        .await?;
+    let per_second = tasks as f64 / took.as_secs_f64();
+    println!(
+        "{tasks} tasks end to end in {:.1} s: {per_second:.1} tasks/s; per task {:.1} Redis commands, {:.1} statements, {:.1} events",
+        took.as_secs_f64(),
+        cost.redis,
+        cost.statements,
+        cost.events
+    );
+    println!("top Redis commands per task: {}", cost.redis_top);
+    println!("top statements per task: {}", cost.statements_top);
+    println!(
+        "GPUs one zhihui serve keeps busy at this pace: {:.0} at 5 s per image, {:.0} at 30 s",
+        per_second * 5.0,
+        per_second * 30.0
+    );
+    figures.push(("sizing_redis_per_task".into(), cost.redis, "commands"));
+    figures.push((
+        "sizing_statements_per_task".into(),
+        cost.statements,
+        "statements",
+    ));
+    figures.push(("sizing_events_per_task".into(), cost.events, "events"));
+    figures.push(("sizing_tasks_end_to_end".into(), per_second, "tasks/s"));
+    drop(server);
+    sim.stop().await;
+    drop(std::fs::remove_dir_all(&scratch));
+    Ok(figures)
+}
