@@ -207,7 +207,7 @@ impl ApiKeys {
                 .await
                 .context("forgetting a cached API key")?;
         }
-        Ok(())
+        self.redis.revocation_replicated(&mut connection).await
     }
 
     /// Forget every key of `user` (their role changed: the admin scope follows the role).

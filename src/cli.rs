@@ -354,7 +354,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Audit {
             command: AuditCommand::Code { code },
         } => crate::codes::cli::audit_code(&settings, &code).await,
-        Command::Codes { command } => crate::codes::cli::run(&settings, command).await,
+        Command::Codes { command } => Box::pin(crate::codes::cli::run(&settings, command)).await,
         Command::Checkins {
             command: CheckinsCommand::Rebuild { user },
         } => checkins_rebuild(&settings, user).await,

@@ -669,6 +669,12 @@ pub struct RedisSettings {
     pub connect_timeout_ms: u64,
     /// How long one command may take before it counts as failed.
     pub response_timeout_ms: u64,
+    /// Replicas that must hold a revocation (a logout, a password or role change, a revoked API
+    /// key) before it is answered as done (`WAIT`): replication is asynchronous, and a replica
+    /// promoted without it would bring the revoked session back. 0: no wait (one node).
+    pub revocation_replicas: u32,
+    /// How long a revocation waits for those replicas before it fails (503, try again).
+    pub revocation_wait_ms: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum)]

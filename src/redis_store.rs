@@ -16,6 +16,18 @@ use tokio::sync::OnceCell;
 
 use crate::configuration::RedisSettings;
 
+/// A revocation that fewer replicas than `redis.revocation_replicas` acknowledged in time: not
+/// done as far as a failover is concerned (answered 503 `redis-replicas`; trying again is safe).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "only {acknowledged} of {wanted} Redis replicas acknowledged the revocation within {wait_ms} ms"
+)]
+pub struct ReplicasBehind {
+    pub acknowledged: u32,
+    pub wanted: u32,
+    pub wait_ms: u64,
+}
+
 #[derive(Clone)]
 pub struct RedisStore {
     client: redis::Client,
@@ -23,6 +35,8 @@ pub struct RedisStore {
     key_prefix: String,
     connect_timeout: Duration,
     response_timeout: Duration,
+    revocation_replicas: u32,
+    revocation_wait: Duration,
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -44,6 +58,8 @@ impl RedisStore {
             key_prefix: settings.key_prefix.clone(),
             connect_timeout: Duration::from_millis(settings.connect_timeout_ms),
             response_timeout: Duration::from_millis(settings.response_timeout_ms),
+            revocation_replicas: settings.revocation_replicas,
+            revocation_wait: Duration::from_millis(settings.revocation_wait_ms),
         })
     }
 
@@ -77,6 +93,35 @@ impl RedisStore {
             })
             .await?;
         Ok(manager.clone())
+    }
+
+    /// After a revocation written on `connection`: wait until `redis.revocation_replicas`
+    /// replicas hold it (`WAIT`, which covers every write sent earlier on this connection), or
+    /// fail. Replication is asynchronous: without this, a replica promoted after its master died
+    /// could lack the revocation, and what was revoked would be valid again.
+    pub async fn revocation_replicated(
+        &self,
+        connection: &mut ConnectionManager,
+    ) -> anyhow::Result<()> {
+        if self.revocation_replicas == 0 {
+            return Ok(());
+        }
+        let wait_ms = u64::try_from(self.revocation_wait.as_millis()).unwrap_or(u64::MAX);
+        let acknowledged: u32 = redis::cmd("WAIT")
+            .arg(self.revocation_replicas)
+            .arg(wait_ms)
+            .query_async(connection)
+            .await
+            .context("waiting for Redis replicas")?;
+        if acknowledged < self.revocation_replicas {
+            return Err(ReplicasBehind {
+                acknowledged,
+                wanted: self.revocation_replicas,
+                wait_ms,
+            }
+            .into());
+        }
+        Ok(())
     }
 
     /// Liveness of Redis for `/ready`.

@@ -315,6 +315,10 @@ impl Application {
             tracing::info!(applied = ?report.applied, "migrations up to date");
         }
         let state = web::Data::new(AppState::build(settings, pg_pool, overrides)?);
+        // Installed before anything records: a counter registered at zero before the recorder
+        // exists is lost (the dispatcher, on a thread of its own, follows its servers at once).
+        crate::metrics::handle();
+        crate::metrics::start_at_zero(state.event_store.kind());
         let mut background = Vec::new();
         if settings.projections.enabled {
             for projection in ProjectionName::ALL {
@@ -422,9 +426,6 @@ impl Application {
             .context("reading the bound port")?
             .port();
 
-        // Installed before anything records (the first request, the dispatcher's first post).
-        crate::metrics::handle();
-        crate::metrics::start_at_zero(state.event_store.kind());
         // `/metrics` on a listener of its own when configured (one worker: a scrape is cheap),
         // else beside the API.
         let (metrics_port, metrics_server) = match settings.http.metrics_port {

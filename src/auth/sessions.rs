@@ -269,6 +269,7 @@ impl Sessions {
             .invoke_async(&mut connection)
             .await
             .context("revoking a session")?;
+        self.redis.revocation_replicated(&mut connection).await?;
         Ok(removed == 1)
     }
 
@@ -284,6 +285,7 @@ impl Sessions {
             .invoke_async(&mut connection)
             .await
             .context("revoking a user's sessions")?;
+        self.redis.revocation_replicated(&mut connection).await?;
         Ok(revoked)
     }
 }

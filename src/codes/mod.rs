@@ -8,7 +8,7 @@
 //! from its stream and the step runs again, and whatever the marker says, the code's own stream
 //! decides: the first `CodeRedeemed` append (expected version: no stream) wins, another user is
 //! refused, the same user again is a repeat. The batch's latest event is read before that append,
-//! so a revocation counts even if Redis never heard of it. Then the account is credited with an
+//! so a revocation counts even if Redis lost its mark (a failover) or never had it. Then the account is credited with an
 //! operation id derived from the serial (idempotent); if the process dies between the two
 //! appends, the user's retry or the settlement reconciler ([`CodeService::repair_credits_once`])
 //! credits it.
@@ -261,6 +261,25 @@ impl CodeService {
     pub async fn batch(&self, batch_id: BatchId) -> anyhow::Result<Option<(Batch, u64)>> {
         let loaded = command::load::<CodeBatch>(&self.store, &batch_stream(batch_id)).await?;
         Ok(loaded.state.zip(loaded.version))
+    }
+
+    /// Whether the batch's stream ends with its revocation (one event read, newest first:
+    /// nothing follows a revocation).
+    async fn revoked_in_store(&self, batch_id: BatchId) -> anyhow::Result<bool> {
+        use crate::event_store::{Direction, EventStore, ReadFrom};
+        let last = self
+            .store
+            .read_stream(
+                &batch_stream(batch_id),
+                Direction::Backwards,
+                ReadFrom::End,
+                1,
+            )
+            .await
+            .context("reading the batch's last event")?;
+        Ok(last
+            .first()
+            .is_some_and(|event| event.event_type == "CodeBatchRevoked"))
     }
 
     /// Revoke a batch: its unredeemed codes stop working. Redis is marked first, so that its
@@ -546,13 +565,23 @@ impl CodeService {
                     valid_until: crate::clock::from_unix_ms(until_ms),
                 });
             }
-            // Revocations are in the cache before they are in the store (see `revoke`); the
-            // points never change: the cached ones are the batch's.
+            // Revocations are in the cache before they are in the store (see `revoke`), but a
+            // Redis that fails over to a replica, or restarts losing its last second, can undo
+            // that mark: the batch's last event decides (a revocation is a batch's last event).
+            // The points never change: the cached ones are the batch's.
             Ok(FastPath::Passed {
                 batch_id,
                 marker,
                 points,
-            }) => (batch_id, marker, points),
+            }) => {
+                if from_store.is_none() && self.revoked_in_store(batch_id).await? {
+                    if let Err(error) = self.cache_batch(batch_id).await {
+                        tracing::warn!(%batch_id, error = %crate::telemetry::error_chain(&error), "could not correct a cached batch that lost its revocation");
+                    }
+                    return Err(RedeemError::Revoked);
+                }
+                (batch_id, marker, points)
+            }
             // Flushed again in between, Redis down, or a stale revocation: the batch as the
             // store has it.
             Ok(FastPath::Miss | FastPath::Revoked { .. }) | Err(_) => {

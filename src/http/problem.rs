@@ -83,10 +83,16 @@ impl From<anyhow::Error> for ApiError {
                 Some(crate::event_store::EventStoreError::Unavailable(_))
             )
         });
-        let dependency = match (redis_down, event_store_down) {
-            (true, _) => "redis",
-            (false, true) => "event-store",
-            (false, false) => return ApiError::Unexpected(error),
+        let replicas_behind = error.chain().any(|cause| {
+            cause
+                .downcast_ref::<crate::redis_store::ReplicasBehind>()
+                .is_some()
+        });
+        let dependency = match (redis_down, event_store_down, replicas_behind) {
+            (true, _, _) => "redis",
+            (false, true, _) => "event-store",
+            (false, false, true) => "redis-replicas",
+            (false, false, false) => return ApiError::Unexpected(error),
         };
         tracing::warn!(error = %crate::telemetry::error_chain(&error), dependency, "dependency unavailable");
         ApiError::Unavailable {

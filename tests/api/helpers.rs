@@ -154,7 +154,13 @@ impl TestApp {
     /// database, Redis prefix, clock and settings, but its own services and caches (account
     /// actors) and its own port. It never dispatches: tests that need a dispatcher drive one.
     pub async fn another_instance(&self) -> TestApp {
+        self.another_instance_with(|_| {}).await
+    }
+
+    /// [`TestApp::another_instance`] with some settings of its own (another Redis URL, e.g.).
+    pub async fn another_instance_with(&self, customise: impl FnOnce(&mut Settings)) -> TestApp {
         let mut settings = self.settings.clone();
+        customise(&mut settings);
         settings.database.migrate_on_start = false;
         settings.dispatch.enabled = false;
         start_instance(

@@ -75,8 +75,7 @@ async fn create_batch(
 
 /// Issue every page of `batch` in another process (its generator).
 async fn issue(app: &TestApp, batch: Uuid) -> u32 {
-    CodeIssuer::new(app.services().codes)
-        .issue_batch(batch, None)
+    Box::pin(CodeIssuer::new(app.services().codes).issue_batch(batch, None))
         .await
         .unwrap()
 }
@@ -484,6 +483,43 @@ async fn every_refusal_is_named_and_guessing_is_limited() {
         .await
         .unwrap();
     assert_eq!(redeem(&app, &dan, &stale_codes[1].1).await.status(), 200);
+
+    // A revocation the store has and Redis lost (it failed over to a replica that had not
+    // received the mark, or restarted losing its last second): Redis says "not revoked", as it
+    // said before; the batch's last event refuses, and the cache is corrected.
+    let (lost, lost_codes) =
+        issued_batch(&app, &admin, 2, "5", (now - hours(1), now + hours(3))).await;
+    let before_revocation: String = redis::cmd("HGET")
+        .arg(services.redis.key("codes:batches"))
+        .arg(lost.to_string())
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let revoke = app
+        .post(
+            &format!("/api/v1/admin/code-batches/{lost}/revoke"),
+            Some(&admin),
+            &json!({"reason": "泄露在论坛上"}),
+        )
+        .await;
+    assert_eq!(revoke.status(), 200);
+    let _: i64 = redis::cmd("HSET")
+        .arg(services.redis.key("codes:batches"))
+        .arg(lost.to_string())
+        .arg(&before_revocation)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    let (_, fay) = user(&app, "fay").await;
+    let (status, rule, _) = problem_type(redeem(&app, &fay, &lost_codes[0].1).await).await;
+    assert_eq!((status, rule.as_str()), (409, "/problems/code-revoked"));
+    let corrected: String = redis::cmd("HGET")
+        .arg(services.redis.key("codes:batches"))
+        .arg(lost.to_string())
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(corrected.split(' ').nth(6), Some("1"), "{corrected}");
 
     // A genuine signature on a serial no batch holds.
     let keys = app.services().codes.keys().clone();

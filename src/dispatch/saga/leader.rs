@@ -207,7 +207,7 @@ impl Dispatcher {
         let retry = Duration::from_millis(self.settings.leader_retry_ms);
         loop {
             match self.lead().await {
-                Ok(Some(saga)) => saga.run().await,
+                Ok(Some(saga)) => Box::pin(saga.run()).await,
                 Ok(None) => {}
                 Err(error) => {
                     tracing::warn!(error = %crate::telemetry::error_chain(&error), "dispatcher could not start")
