@@ -110,8 +110,15 @@ def shoot(page, name):
     page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
 
 
+def wider_than_the_screen(page):
+    """How many pixels the page runs past the viewport's width (0: none; a phone user would
+    have to scroll sideways otherwise)."""
+    return page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+
+
 def test_every_page_in_both_languages_at_both_sizes_is_screenshot(stack, browser, showcase):
     shots = 0
+    too_wide = []
     for lang in LANGS:
         for size, viewport in VIEWPORTS.items():
             visitor = Person(browser, stack, lang, viewport)
@@ -126,6 +133,8 @@ def test_every_page_in_both_languages_at_both_sizes_is_screenshot(stack, browser
             for name, path in user_pages(showcase):
                 page = user.go(path)
                 settle(page)
+                if wider_than_the_screen(page) > 0:
+                    too_wide.append((f"{name}-{lang}-{size}", wider_than_the_screen(page)))
                 shoot(page, f"{name}-{lang}-{size}")
                 shots += 1
             response = user.page.goto(f"{stack.base}/admin")
@@ -138,10 +147,13 @@ def test_every_page_in_both_languages_at_both_sizes_is_screenshot(stack, browser
             for name, path in admin_pages(showcase):
                 page = admin.go(path)
                 settle(page)
+                if wider_than_the_screen(page) > 0:
+                    too_wide.append((f"{name}-{lang}-{size}", wider_than_the_screen(page)))
                 shoot(page, f"{name}-{lang}-{size}")
                 shots += 1
             admin.close()
     assert shots == 2 * 2 * (2 + 7 + 1 + 7)
+    assert not too_wide, f"pages wider than the screen (name, pixels): {too_wide}"
 
 
 def test_no_page_has_a_serious_or_critical_accessibility_violation(stack, browser, showcase):
