@@ -21,7 +21,7 @@ use tokio::sync::Mutex;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::helpers::spawn_app_at;
+use crate::helpers::{dead_port, spawn_app_at};
 use crate::processes::serve_capturing;
 
 /// Longest any one wait may take (a hang, not a slow machine).
@@ -38,14 +38,6 @@ struct Pair {
     primary_port: u16,
     standby_port: u16,
     synchronous: bool,
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 impl Pair {
@@ -73,8 +65,8 @@ impl Pair {
     fn start(synchronous: bool) -> Pair {
         let pair = Pair {
             directory: std::env::temp_dir().join(format!("zhihui-pg-pair-{}", Uuid::now_v7())),
-            primary_port: free_port(),
-            standby_port: free_port(),
+            primary_port: dead_port(),
+            standby_port: dead_port(),
             synchronous,
         };
         let output = pair.services("start-pg-pair");

@@ -137,7 +137,27 @@ struct Meter<'a> {
     idle_statements_per_s: f64,
 }
 
-impl Meter<'_> {
+/// How long the idle server's background is watched before each part.
+const IDLE: Duration = Duration::from_secs(3);
+
+impl<'a> Meter<'a> {
+    /// A meter whose background rates are the idle server's, watched for [`IDLE`].
+    async fn after_idle(
+        redis: &'a mut redis::aio::MultiplexedConnection,
+        pg: &'a tokio_postgres::Client,
+    ) -> anyhow::Result<Meter<'a>> {
+        reset(redis, pg).await?;
+        tokio::time::sleep(IDLE).await;
+        let idle_redis: u64 = redis_commands(redis).await?.values().sum();
+        let idle_statements = statements(pg).await?;
+        Ok(Meter {
+            redis,
+            pg,
+            idle_redis_per_s: idle_redis as f64 / IDLE.as_secs_f64(),
+            idle_statements_per_s: idle_statements as f64 / IDLE.as_secs_f64(),
+        })
+    }
+
     async fn measure<F, Fut>(&mut self, units: usize, work: F) -> anyhow::Result<(Cost, Duration)>
     where
         F: FnOnce() -> Fut,
@@ -266,17 +286,7 @@ async fn run(settings: Settings, requests: usize, tasks: usize) -> anyhow::Resul
         )
         .await?;
     }
-    reset(&mut redis, &pg).await?;
-    let idle = Duration::from_secs(3);
-    tokio::time::sleep(idle).await;
-    let idle_redis: u64 = redis_commands(&mut redis).await?.values().sum();
-    let idle_statements = statements(&pg).await?;
-    let mut meter = Meter {
-        redis: &mut redis,
-        pg: &pg,
-        idle_redis_per_s: idle_redis as f64 / idle.as_secs_f64(),
-        idle_statements_per_s: idle_statements as f64 / idle.as_secs_f64(),
-    };
+    let mut meter = Meter::after_idle(&mut redis, &pg).await?;
     println!(
         "idle zhihui serve (dispatcher off): {:.1} Redis commands/s, {:.1} statements/s (taken off below)",
         meter.idle_redis_per_s, meter.idle_statements_per_s
@@ -442,16 +452,7 @@ async fn run(settings: Settings, requests: usize, tasks: usize) -> anyhow::Resul
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    reset(&mut redis, &pg).await?;
-    tokio::time::sleep(idle).await;
-    let idle_redis: u64 = redis_commands(&mut redis).await?.values().sum();
-    let idle_statements = statements(&pg).await?;
-    let mut meter = Meter {
-        redis: &mut redis,
-        pg: &pg,
-        idle_redis_per_s: idle_redis as f64 / idle.as_secs_f64(),
-        idle_statements_per_s: idle_statements as f64 / idle.as_secs_f64(),
-    };
+    let mut meter = Meter::after_idle(&mut redis, &pg).await?;
     println!();
     println!(
         "idle zhihui serve (dispatcher leading one server): {:.1} Redis commands/s, {:.1} statements/s (taken off below)",
