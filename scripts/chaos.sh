@@ -6,6 +6,10 @@
 #
 #   scripts/chaos.sh [TASKS]     (default 220; a few minutes)
 #   CHAOS_PG_FAILOVER=1 scripts/chaos.sh    step 4 kills a primary and promotes its standby
+#   CHAOS_REDIS_CLUSTER=1 scripts/chaos.sh  on a Redis Cluster of the run's own (3 masters, 3
+#                                           replicas): step 3 kills the master holding the queue
+#                                           with SIGKILL (its replica is promoted) instead of a flush
+# Both together: the Redis master, then the PostgreSQL primary.
 #
 # Uses the local services of scripts/services.sh (started when absent). It restarts that
 # PostgreSQL cluster once and flushes Redis database 7, which is its own.
@@ -27,6 +31,20 @@ if [ "${CHAOS_PG_FAILOVER:-0}" = 1 ]; then
     eval "$(scripts/services.sh start-pg-pair | grep '^DATABASE_URL=' | sed 's/^/export /')"
     CHAOS_PG_RESTART="$ROOT/scripts/services.sh kill-primary && sleep 1 && $ROOT/scripts/services.sh promote-standby"
     export CHAOS_PG_RESTART
+fi
+if [ "${CHAOS_REDIS_CLUSTER:-0}" = 1 ]; then
+    export ZHIHUI_REDIS_CLUSTER_BASE="${CHAOS_REDIS_CLUSTER_BASE:-55320}"
+    CLUSTER_LOCAL_DIR="$ROOT/target/chaos-redis-cluster-$$"
+    cleanup_cluster() {
+        ZHIHUI_LOCAL_DIR="$CLUSTER_LOCAL_DIR" scripts/services.sh stop-redis-cluster >/dev/null 2>&1 || true
+        rm -rf "$CLUSTER_LOCAL_DIR"
+    }
+    trap 'cleanup_cluster; if [ -n "${ZHIHUI_LOCAL_DIR:-}" ]; then scripts/services.sh stop-pg-pair >/dev/null 2>&1 || true; rm -rf "$ZHIHUI_LOCAL_DIR"; fi' EXIT
+    eval "$(ZHIHUI_LOCAL_DIR="$CLUSTER_LOCAL_DIR" scripts/services.sh start-redis-cluster | sed 's/^REDIS_CLUSTER_NODES=/export CHAOS_REDIS_CLUSTER_NODES=/')"
+    # The queue's slot (every key tagged {queue}): its master is the one killed.
+    slot="$(redis-cli -p $((ZHIHUI_REDIS_CLUSTER_BASE + 1)) cluster keyslot queue)"
+    export CHAOS_REDIS_KILL="ZHIHUI_LOCAL_DIR=$CLUSTER_LOCAL_DIR $ROOT/scripts/services.sh kill-redis-master $slot"
+    export CHAOS_REDIS_RESTART="ZHIHUI_LOCAL_DIR=$CLUSTER_LOCAL_DIR $ROOT/scripts/services.sh restart-redis-node \$PORT"
 fi
 if [ -z "${CHAOS_PG_RESTART:-}" ] && [ -s .local/postgres/data/postmaster.pid ]; then
     bin="$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)"

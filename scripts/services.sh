@@ -14,6 +14,15 @@
 #   scripts/services.sh stop-pg-pair     stop both
 # ZHIHUI_PG_PRIMARY_PORT / ZHIHUI_PG_STANDBY_PORT choose the ports, ZHIHUI_LOCAL_DIR the directory.
 #
+# A Redis Cluster of 3 masters and 3 replicas (cluster tests, failover drills):
+#   scripts/services.sh start-redis-cluster  nodes on 55301-55306 (ZHIHUI_REDIS_CLUSTER_BASE=55300;
+#                                            each node's cluster bus listens 10000 above, so the
+#                                            ports stay below 55536); prints REDIS_CLUSTER_NODES
+#   scripts/services.sh kill-redis-master N  SIGKILL the master that holds slot N (0-16383);
+#                                            its replica is promoted by the cluster itself
+#   scripts/services.sh restart-redis-node P start the node of port P again (it rejoins as a replica)
+#   scripts/services.sh stop-redis-cluster   stop every node
+#
 # When DATABASE_URL / REDIS_URL are already set, that service is taken as given and left alone.
 # Data, sockets and logs live under .local/ in the repository (git-ignored), on non-default ports
 # (PostgreSQL 55432, Redis 56379) so they never collide with a system installation.
@@ -245,6 +254,105 @@ stop_redis() {
     fi
 }
 
+CLUSTER_DIR="$STATE/redis-cluster"
+CLUSTER_BASE="${ZHIHUI_REDIS_CLUSTER_BASE:-55300}"
+CLUSTER_PORTS="$((CLUSTER_BASE + 1)) $((CLUSTER_BASE + 2)) $((CLUSTER_BASE + 3)) $((CLUSTER_BASE + 4)) $((CLUSTER_BASE + 5)) $((CLUSTER_BASE + 6))"
+
+cluster_nodes_list() {
+    local port list=""
+    for port in $CLUSTER_PORTS; do list="$list${list:+,}redis://127.0.0.1:$port"; done
+    echo "$list"
+}
+
+start_cluster_node() {
+    local port="$1"
+    mkdir -p "$CLUSTER_DIR/$port"
+    # The same persistence as one node (scripts/redis.conf); a short node timeout, so a dead
+    # master's replica is promoted within seconds.
+    redis-server "$ROOT/scripts/redis.conf" --port "$port" --bind 127.0.0.1 \
+        --cluster-enabled yes --cluster-config-file "$CLUSTER_DIR/$port/nodes.conf" \
+        --cluster-node-timeout 2000 --daemonize yes --dir "$CLUSTER_DIR/$port" \
+        --pidfile "$CLUSTER_DIR/$port/redis.pid" --logfile "$CLUSTER_DIR/$port/redis.log" >&2
+}
+
+cluster_ok() {
+    local port
+    for port in $CLUSTER_PORTS; do
+        redis-cli -p "$port" cluster info 2>/dev/null | grep -q "cluster_state:ok" || return 1
+    done
+}
+
+start_redis_cluster() {
+    if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
+        apt_install redis-server
+    fi
+    local port tries=0 fresh=0
+    for port in $CLUSTER_PORTS; do
+        if redis-cli -p "$port" ping 2>/dev/null | grep -q PONG; then continue; fi
+        [ -s "$CLUSTER_DIR/$port/nodes.conf" ] || fresh=1
+        start_cluster_node "$port"
+    done
+    for port in $CLUSTER_PORTS; do
+        tries=0
+        until redis-cli -p "$port" ping 2>/dev/null | grep -q PONG; do
+            tries=$((tries + 1)); [ "$tries" -lt 60 ] || { log "Redis node $port did not answer"; exit 1; }
+            sleep 0.2
+        done
+    done
+    if [ "$fresh" = 1 ] && ! cluster_ok; then
+        log "creating the Redis Cluster (3 masters, 3 replicas) on $CLUSTER_PORTS"
+        # shellcheck disable=SC2046
+        redis-cli --cluster create $(for port in $CLUSTER_PORTS; do printf '127.0.0.1:%s ' "$port"; done) \
+            --cluster-replicas 1 --cluster-yes >/dev/null
+    fi
+    tries=0
+    until cluster_ok; do
+        tries=$((tries + 1)); [ "$tries" -lt 150 ] || { log "the Redis Cluster did not reach state ok"; exit 1; }
+        sleep 0.2
+    done
+    echo "REDIS_CLUSTER_NODES=$(cluster_nodes_list)"
+}
+
+stop_redis_cluster() {
+    local port pid
+    for port in $CLUSTER_PORTS; do
+        if [ -s "$CLUSTER_DIR/$port/redis.pid" ]; then
+            pid="$(cat "$CLUSTER_DIR/$port/redis.pid")"
+            kill "$pid" 2>/dev/null || true
+            rm -f "$CLUSTER_DIR/$port/redis.pid"
+        fi
+    done
+}
+
+# The port of the master that holds slot $1 (CLUSTER NODES: id addr flags master ping pong epoch
+# link slot-ranges...).
+master_of_slot() {
+    local slot="$1" port
+    for port in $CLUSTER_PORTS; do
+        if redis-cli -p "$port" ping 2>/dev/null | grep -q PONG; then
+            redis-cli -p "$port" cluster nodes | awk -v slot="$slot" '
+                $3 ~ /master/ && $3 !~ /fail/ {
+                    for (i = 9; i <= NF; i++) {
+                        n = split($i, range, "-"); from = range[1]; to = (n == 2) ? range[2] : range[1]
+                        if (slot + 0 >= from + 0 && slot + 0 <= to + 0) { split($2, addr, "[:@]"); print addr[2]; exit }
+                    }
+                }'
+            return
+        fi
+    done
+}
+
+kill_redis_master() {
+    local slot="${1:?slot}" port pid
+    port="$(master_of_slot "$slot")"
+    [ -n "$port" ] || { log "no master found for slot $slot"; exit 1; }
+    pid="$(cat "$CLUSTER_DIR/$port/redis.pid")"
+    log "SIGKILL of the Redis master on $port (pid $pid), holding slot $slot"
+    kill -9 "$pid"
+    rm -f "$CLUSTER_DIR/$port/redis.pid"
+    echo "$port"
+}
+
 print_env() {
     echo "export DATABASE_URL=${DATABASE_URL:-$LOCAL_DATABASE_URL}"
     echo "export REDIS_URL=${REDIS_URL:-$LOCAL_REDIS_URL}"
@@ -269,7 +377,11 @@ case "${1:-start}" in
     kill-primary) kill_primary ;;
     promote-standby) promote_standby ;;
     stop-pg-pair) stop_pg_pair ;;
+    start-redis-cluster) start_redis_cluster ;;
+    stop-redis-cluster) stop_redis_cluster ;;
+    kill-redis-master) kill_redis_master "${2:-}" ;;
+    restart-redis-node) start_cluster_node "${2:?port}" ;;
     *)
-        echo "usage: $0 start|stop|env|start-pg-pair|kill-primary|promote-standby|stop-pg-pair" >&2; exit 2
+        echo "usage: $0 start|stop|env|start-pg-pair|kill-primary|promote-standby|stop-pg-pair|start-redis-cluster|stop-redis-cluster|kill-redis-master SLOT|restart-redis-node PORT" >&2; exit 2
         ;;
 esac

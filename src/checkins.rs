@@ -172,8 +172,11 @@ impl CheckInService {
     }
 
     fn month_key(&self, user_id: UserId, month: NaiveDate) -> String {
-        self.redis
-            .key(&format!("checkins:{user_id}:{}", month.format("%Y-%m")))
+        // One user's months share a tag: they are read together (MGET) and written together.
+        self.redis.tagged(
+            &crate::auth::sessions::user_tag(user_id),
+            &format!("checkins:{}", month.format("%Y-%m")),
+        )
     }
 
     /// Check the caller in for today: the bonus once per day, whatever the retries.

@@ -663,6 +663,10 @@ pub struct DatabaseSettings {
 pub struct RedisSettings {
     /// `redis://[:password@]host:port[/db]`. Secret: may carry a password.
     pub url: SecretString,
+    /// Redis Cluster: seed nodes, `redis://host:port` separated by commas (any few of the
+    /// cluster's nodes; the rest are found from them). Empty: one Redis at `url`. Secret: the
+    /// URLs may carry a password.
+    pub cluster_nodes: SecretString,
     /// Prepended to every key, so several deployments (or tests) can share one Redis.
     pub key_prefix: String,
     /// How long opening the connection may take.
@@ -778,6 +782,10 @@ impl Settings {
         anyhow::ensure!(
             !self.redis.key_prefix.is_empty(),
             "redis.key_prefix must not be empty: every key needs a namespace"
+        );
+        anyhow::ensure!(
+            !self.redis.key_prefix.contains(['{', '}']),
+            "redis.key_prefix must not contain '{{' or '}}': Redis Cluster would take it for a key's hash tag"
         );
         anyhow::ensure!(
             self.http.socket_ping_interval_ms >= 10 && self.http.sockets_per_user_max >= 1,

@@ -35,6 +35,7 @@ script!(DISPATCH_FILL, "dispatch_fill.lua");
 script!(DISPATCH_HOLD, "dispatch_hold.lua");
 script!(DISPATCH_SLOTS_RENEW, "dispatch_slots_renew.lua");
 script!(TASK_PROGRESS, "task_progress.lua");
+script!(CODE_LIMIT, "code_limit.lua");
 script!(CODE_REDEEM, "code_redeem.lua");
 script!(CODE_BATCH_LOAD, "code_batch_load.lua");
 script!(CODE_FAILURE, "code_failure.lua");

@@ -196,12 +196,7 @@ impl NotificationHub {
     }
 
     async fn open(&self) -> anyhow::Result<redis::aio::PubSub> {
-        let mut pubsub = self
-            .redis
-            .client()
-            .get_async_pubsub()
-            .await
-            .context("opening a Redis pub/sub connection")?;
+        let mut pubsub = self.redis.pubsub().await?;
         pubsub
             .subscribe(Notifier::channel(&self.redis))
             .await

@@ -236,9 +236,13 @@ impl PoolService {
     /// the pool was written already: a reader that read it before a drain must not undo it).
     pub async fn hold(&self, state: &PoolState) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let mut invocation = crate::lua::DISPATCH_HOLD.key(self.redis.key(HELD_KEY));
+        let mut invocation = crate::lua::DISPATCH_HOLD
+            .key(self.redis.tagged(crate::tasks::queue::QUEUE_TAG, HELD_KEY));
         invocation
-            .key(self.redis.key(HELD_VERSION_KEY))
+            .key(
+                self.redis
+                    .tagged(crate::tasks::queue::QUEUE_TAG, HELD_VERSION_KEY),
+            )
             .arg(state.events);
         for backend in state.backends.iter().filter(|backend| backend.draining) {
             invocation.arg(&backend.name);

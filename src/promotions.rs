@@ -127,8 +127,11 @@ pub struct PromotionService {
     settings: PromotionSettings,
     /// The consumer's own connection for its blocking reads: a blocked `XREADGROUP` on the
     /// shared multiplexed connection would hold every other command of the process behind it.
-    blocking: std::sync::Arc<tokio::sync::Mutex<Option<redis::aio::MultiplexedConnection>>>,
+    blocking: std::sync::Arc<tokio::sync::Mutex<Option<crate::redis_store::RedisConnection>>>,
 }
+
+/// The hash tag of every promotion key (see `PromotionService::hash_key`).
+const PROMO_TAG: &str = "promo";
 
 fn metadata() -> EventMetadata {
     EventMetadata {
@@ -167,16 +170,22 @@ impl PromotionService {
         &self.settings
     }
 
+    // Every promotion key shares one hash tag: a claim takes a unit and appends the claim to the
+    // one stream the consumers read in the same script (so a unit is never taken without its
+    // claim recorded), and a sale's load falls on one promotion, whose keys are one slot however
+    // they are tagged.
+
     fn hash_key(&self, promotion_id: PromotionId) -> String {
-        self.redis.key(&format!("promo:{promotion_id}"))
+        self.redis.tagged(PROMO_TAG, &promotion_id.to_string())
     }
 
     fn users_key(&self, promotion_id: PromotionId) -> String {
-        self.redis.key(&format!("promo:{promotion_id}:users"))
+        self.redis
+            .tagged(PROMO_TAG, &format!("{promotion_id}:users"))
     }
 
     pub fn stream_key(&self) -> String {
-        self.redis.key("promo:claims")
+        self.redis.tagged(PROMO_TAG, "claims")
     }
 
     // -----------------------------------------------------------------------------------------
@@ -612,7 +621,7 @@ impl PromotionService {
 
     async fn ensure_group(
         &self,
-        connection: &mut redis::aio::ConnectionManager,
+        connection: &mut crate::redis_store::RedisConnection,
     ) -> anyhow::Result<()> {
         let created: redis::RedisResult<String> = redis::cmd("XGROUP")
             .arg("CREATE")
@@ -654,14 +663,7 @@ impl PromotionService {
             let mut dedicated = self.blocking.lock().await;
             if dedicated.is_none() {
                 // Its answers take up to the whole block: each read gets its own timeout below.
-                let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
-                *dedicated = Some(
-                    self.redis
-                        .client()
-                        .get_multiplexed_async_connection_with_config(&config)
-                        .await
-                        .context("opening the consumer's connection")?,
-                );
+                *dedicated = Some(self.redis.blocking_connection().await?);
             }
             let reader = dedicated.as_mut().context("the consumer's connection")?;
             let limit = std::time::Duration::from_millis(block_ms.unwrap_or(0) + 2_000);
@@ -736,7 +738,7 @@ impl PromotionService {
 
     async fn handle(
         &self,
-        connection: &mut redis::aio::ConnectionManager,
+        connection: &mut crate::redis_store::RedisConnection,
         entries: Vec<StreamId>,
     ) -> anyhow::Result<ConsumeReport> {
         let mut report = ConsumeReport {
@@ -774,7 +776,7 @@ impl PromotionService {
     /// Keep an entry that keeps failing in `promotion_parked_claims`, then acknowledge it.
     async fn park(
         &self,
-        connection: &mut redis::aio::ConnectionManager,
+        connection: &mut crate::redis_store::RedisConnection,
         id: &str,
         deliveries: u64,
     ) -> anyhow::Result<()> {

@@ -1,20 +1,104 @@
 //! The Redis connection shared by the whole process, and its key namespace.
 //!
-//! One multiplexed [`ConnectionManager`] carries every command (concurrent commands are pipelined on
-//! one socket, and it reconnects by itself). It is opened on first use rather than at start, so
-//! `serve` starts, and `/ready` answers 503 naming Redis, while Redis is down.
+//! One Redis (`redis.url`, with or without replicas) or a Redis Cluster (`redis.cluster_nodes`,
+//! a few seed nodes). Either way one multiplexed [`RedisConnection`] carries every command
+//! (concurrent commands are pipelined; it reconnects by itself, and in a cluster follows the
+//! slots as they move and as replicas are promoted). It is opened on first use rather than at
+//! start, so `serve` starts, and `/ready` answers 503 naming Redis, while Redis is down.
 //!
-//! Every key goes through [`RedisStore::key`], which prepends the configured prefix: several
-//! deployments, and every integration test, share one Redis without seeing each other's keys.
+//! Every key goes through [`RedisStore::key`] or [`RedisStore::tagged`], which prepend the
+//! configured prefix (several deployments, and every integration test, share one Redis without
+//! seeing each other's keys) and give the key its hash tag: in a cluster a script, a pipeline or
+//! a multi-key command may only touch keys of one slot, so keys used together share a tag, and
+//! everything else spreads over the nodes by its own. ARCHITECTURE.md lists the key families.
 
 use std::time::Duration;
 
 use anyhow::Context;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{
+    ConnectionLike, ConnectionManager, ConnectionManagerConfig, MultiplexedConnection,
+};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, Pipeline, RedisFuture, Value};
 use secrecy::ExposeSecret;
 use tokio::sync::OnceCell;
 
 use crate::configuration::RedisSettings;
+
+/// A connection to one Redis or to a cluster; every command of zhihui goes through one.
+#[derive(Clone)]
+pub enum RedisConnection {
+    /// The shared connection to one Redis (reconnects by itself).
+    Node(ConnectionManager),
+    /// A connection of its own to one Redis, for blocking reads (no response timeout).
+    Dedicated(MultiplexedConnection),
+    /// A cluster: commands go to the node that holds their slot.
+    Cluster(ClusterConnection),
+}
+
+impl std::fmt::Debug for RedisConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RedisConnection::Node(_) => "RedisConnection::Node",
+            RedisConnection::Dedicated(_) => "RedisConnection::Dedicated",
+            RedisConnection::Cluster(_) => "RedisConnection::Cluster",
+        })
+    }
+}
+
+impl ConnectionLike for RedisConnection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            RedisConnection::Node(connection) => connection.req_packed_command(cmd),
+            RedisConnection::Dedicated(connection) => connection.req_packed_command(cmd),
+            RedisConnection::Cluster(connection) => connection.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            RedisConnection::Node(connection) => {
+                connection.req_packed_commands(pipeline, offset, count)
+            }
+            RedisConnection::Dedicated(connection) => {
+                connection.req_packed_commands(pipeline, offset, count)
+            }
+            RedisConnection::Cluster(connection) => {
+                connection.req_packed_commands(pipeline, offset, count)
+            }
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            RedisConnection::Node(connection) => connection.get_db(),
+            RedisConnection::Dedicated(connection) => connection.get_db(),
+            RedisConnection::Cluster(connection) => connection.get_db(),
+        }
+    }
+}
+
+/// Where Redis is (behind an `Arc`: the cluster's clients are large, the store is cloned often).
+#[derive(Clone)]
+#[allow(clippy::large_enum_variant)]
+enum Target {
+    Node(redis::Client),
+    Cluster {
+        /// The shared connection's client (with the response timeout).
+        client: ClusterClient,
+        /// Blocking reads' client: no response timeout (each read bounds its own wait).
+        blocking: ClusterClient,
+        /// The seed nodes one by one, for pub/sub: a message published on any node of a
+        /// cluster reaches the subscribers of every node.
+        seeds: Vec<redis::Client>,
+    },
+}
 
 /// A revocation that fewer replicas than `redis.revocation_replicas` acknowledged in time: not
 /// done as far as a failover is concerned (answered 503 `redis-replicas`; trying again is safe).
@@ -30,8 +114,8 @@ pub struct ReplicasBehind {
 
 #[derive(Clone)]
 pub struct RedisStore {
-    client: redis::Client,
-    connection: std::sync::Arc<OnceCell<ConnectionManager>>,
+    target: std::sync::Arc<Target>,
+    connection: std::sync::Arc<OnceCell<RedisConnection>>,
     key_prefix: String,
     connect_timeout: Duration,
     response_timeout: Duration,
@@ -50,49 +134,152 @@ impl std::fmt::Debug for RedisStore {
 
 impl RedisStore {
     pub fn new(settings: &RedisSettings) -> anyhow::Result<RedisStore> {
-        let client = redis::Client::open(settings.url.expose_secret())
-            .context("redis.url is not a valid Redis URL")?;
+        let connect_timeout = Duration::from_millis(settings.connect_timeout_ms);
+        let response_timeout = Duration::from_millis(settings.response_timeout_ms);
+        let seeds: Vec<&str> = settings
+            .cluster_nodes
+            .expose_secret()
+            .split(',')
+            .map(str::trim)
+            .filter(|seed| !seed.is_empty())
+            .collect();
+        let target = if seeds.is_empty() {
+            Target::Node(
+                redis::Client::open(settings.url.expose_secret())
+                    .context("redis.url is not a valid Redis URL")?,
+            )
+        } else {
+            let builder = || {
+                ClusterClient::builder(seeds.iter().copied())
+                    .connection_timeout(connect_timeout)
+                    .retries(3)
+            };
+            Target::Cluster {
+                client: builder()
+                    .response_timeout(response_timeout)
+                    .build()
+                    .context("redis.cluster_nodes is not a list of Redis URLs")?,
+                blocking: builder()
+                    .build()
+                    .context("redis.cluster_nodes is not a list of Redis URLs")?,
+                seeds: seeds
+                    .iter()
+                    .map(|seed| redis::Client::open(*seed))
+                    .collect::<Result<_, _>>()
+                    .context("redis.cluster_nodes is not a list of Redis URLs")?,
+            }
+        };
         Ok(RedisStore {
-            client,
+            target: std::sync::Arc::new(target),
             connection: std::sync::Arc::new(OnceCell::new()),
             key_prefix: settings.key_prefix.clone(),
-            connect_timeout: Duration::from_millis(settings.connect_timeout_ms),
-            response_timeout: Duration::from_millis(settings.response_timeout_ms),
+            connect_timeout,
+            response_timeout,
             revocation_replicas: settings.revocation_replicas,
             revocation_wait: Duration::from_millis(settings.revocation_wait_ms),
         })
     }
 
-    /// `<prefix>:<suffix>`, the only way keys are named.
-    pub fn key(&self, suffix: &str) -> String {
-        format!("{}:{suffix}", self.key_prefix)
+    /// `<prefix>:{<name>}`: a key used alone, whose whole name is its hash tag (so keys of one
+    /// family spread over a cluster's nodes).
+    pub fn key(&self, name: &str) -> String {
+        format!("{}:{{{name}}}", self.key_prefix)
     }
 
-    /// The client, for connections that cannot be shared (pub/sub).
-    pub fn client(&self) -> &redis::Client {
-        &self.client
+    /// `<prefix>:{<tag>}:<rest>`: keys that a script, a pipeline or a multi-key command uses
+    /// together share their tag, and so their slot.
+    pub fn tagged(&self, tag: &str, rest: &str) -> String {
+        format!("{}:{{{tag}}}:{rest}", self.key_prefix)
     }
 
     pub fn key_prefix(&self) -> &str {
         &self.key_prefix
     }
 
+    /// Whether Redis is a cluster (`redis.cluster_nodes`).
+    pub fn is_cluster(&self) -> bool {
+        matches!(*self.target, Target::Cluster { .. })
+    }
+
     /// The shared connection, opened on first use. A failed open is not cached: the next call
     /// tries again.
-    pub async fn connection(&self) -> anyhow::Result<ConnectionManager> {
-        let manager = self
+    pub async fn connection(&self) -> anyhow::Result<RedisConnection> {
+        let connection = self
             .connection
             .get_or_try_init(|| async {
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(self.connect_timeout))
-                    .set_response_timeout(Some(self.response_timeout))
-                    .set_number_of_retries(1);
-                ConnectionManager::new_with_config(self.client.clone(), config)
-                    .await
-                    .context("connecting to Redis")
+                match &*self.target {
+                    Target::Node(client) => {
+                        let config = ConnectionManagerConfig::new()
+                            .set_connection_timeout(Some(self.connect_timeout))
+                            .set_response_timeout(Some(self.response_timeout))
+                            .set_number_of_retries(1);
+                        ConnectionManager::new_with_config(client.clone(), config)
+                            .await
+                            .map(RedisConnection::Node)
+                            .context("connecting to Redis")
+                    }
+                    Target::Cluster { client, .. } => client
+                        .get_async_connection()
+                        .await
+                        .map(RedisConnection::Cluster)
+                        .context("connecting to the Redis Cluster"),
+                }
             })
             .await?;
-        Ok(manager.clone())
+        Ok(connection.clone())
+    }
+
+    /// A connection of its own for blocking reads (`XREADGROUP ... BLOCK`): a blocked read
+    /// would hold up every command queued behind it on a shared one, and it has no response
+    /// timeout (the caller bounds each read by its block time).
+    pub async fn blocking_connection(&self) -> anyhow::Result<RedisConnection> {
+        match &*self.target {
+            Target::Node(client) => {
+                let config = redis::AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(self.connect_timeout))
+                    .set_response_timeout(None);
+                client
+                    .get_multiplexed_async_connection_with_config(&config)
+                    .await
+                    .map(RedisConnection::Dedicated)
+                    .context("opening a Redis connection for blocking reads")
+            }
+            Target::Cluster { blocking, .. } => blocking
+                .get_async_connection()
+                .await
+                .map(RedisConnection::Cluster)
+                .context("opening a Redis Cluster connection for blocking reads"),
+        }
+    }
+
+    /// A pub/sub connection. In a cluster, on the first seed node that answers: a message
+    /// published on any node reaches the subscribers of all of them.
+    pub async fn pubsub(&self) -> anyhow::Result<redis::aio::PubSub> {
+        match &*self.target {
+            Target::Node(client) => client
+                .get_async_pubsub()
+                .await
+                .context("opening a Redis pub/sub connection"),
+            Target::Cluster { seeds, .. } => {
+                let mut last = None;
+                for seed in seeds {
+                    match tokio::time::timeout(self.connect_timeout, seed.get_async_pubsub()).await
+                    {
+                        Ok(Ok(pubsub)) => return Ok(pubsub),
+                        Ok(Err(error)) => last = Some(anyhow::Error::new(error)),
+                        Err(_) => {
+                            last = Some(anyhow::anyhow!(
+                                "no answer within {:?}",
+                                self.connect_timeout
+                            ))
+                        }
+                    }
+                }
+                Err(last
+                    .unwrap_or_else(|| anyhow::anyhow!("no seed node"))
+                    .context("opening a Redis pub/sub connection on any seed node"))
+            }
+        }
     }
 
     /// After a revocation written on `connection`: wait until `redis.revocation_replicas`
@@ -101,12 +288,14 @@ impl RedisStore {
     /// could lack the revocation, and what was revoked would be valid again.
     pub async fn revocation_replicated(
         &self,
-        connection: &mut ConnectionManager,
+        connection: &mut RedisConnection,
     ) -> anyhow::Result<()> {
         if self.revocation_replicas == 0 {
             return Ok(());
         }
         let wait_ms = u64::try_from(self.revocation_wait.as_millis()).unwrap_or(u64::MAX);
+        // In a cluster the client sends WAIT to every primary and answers the least count: the
+        // primaries this connection wrote nothing to answer at once with their replicas.
         let acknowledged: u32 = redis::cmd("WAIT")
             .arg(self.revocation_replicas)
             .arg(wait_ms)
@@ -122,6 +311,37 @@ impl RedisStore {
             .into());
         }
         Ok(())
+    }
+
+    /// The replication id of the Redis that holds `key` (its slot's master in a cluster): it
+    /// changes when a replica is promoted in its master's place, or when a Redis restarts, the
+    /// two events after which Redis may lack its last writes while looking complete.
+    pub async fn replication_id(&self, key: &str) -> anyhow::Result<String> {
+        let mut connection = self.connection().await?;
+        let mut info = redis::cmd("INFO");
+        info.arg("replication");
+        let text: String = match &mut connection {
+            RedisConnection::Cluster(cluster) => {
+                use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+                let route = Route::with_key(key, SlotAddr::Master);
+                let value = cluster
+                    .route_command(
+                        info,
+                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+                    )
+                    .await
+                    .context("reading INFO replication")?;
+                redis::from_redis_value(value).context("INFO replication's answer")?
+            }
+            other => info
+                .query_async(other)
+                .await
+                .context("reading INFO replication")?,
+        };
+        text.lines()
+            .find_map(|line| line.strip_prefix("master_replid:"))
+            .map(|id| id.trim().to_owned())
+            .context("INFO replication has no master_replid")
     }
 
     /// Liveness of Redis for `/ready`.

@@ -79,8 +79,10 @@ impl ActiveUsers {
         }
     }
 
+    /// A shard's days share a tag (a report counts the union of one shard's days with one
+    /// PFCOUNT); the shards spread over a cluster's nodes.
     fn key(&self, day: NaiveDate, shard: u32) -> String {
-        self.redis.key(&format!("dau:{day}:{shard}"))
+        self.redis.tagged(&format!("dau:{shard}"), &day.to_string())
     }
 
     fn shards(&self) -> u32 {
@@ -133,7 +135,7 @@ impl ActiveUsers {
         }
     }
 
-    /// Add users to a day's count (one PFADD per shard they fall in, in one round trip; a key
+    /// Add users to a day's count (one PFADD per shard they fall in, the shards at once; a key
     /// lives the retention after its last write).
     pub async fn record(&self, day: NaiveDate, users: &[Uuid]) -> anyhow::Result<()> {
         if users.is_empty() {
@@ -144,19 +146,23 @@ impl ActiveUsers {
             by_shard[self.shard_of(*user) as usize].push(user.as_bytes());
         }
         let retention = i64::from(self.settings.active_users_retention_days) * 86_400;
-        let mut pipe = redis::pipe();
-        for (shard, members) in (0..).zip(&by_shard) {
-            if members.is_empty() {
-                continue;
-            }
-            let key = self.key(day, shard);
-            pipe.cmd("PFADD").arg(&key).arg(members).ignore();
-            pipe.cmd("EXPIRE").arg(&key).arg(retention).ignore();
-        }
-        let mut connection = self.redis.connection().await?;
-        pipe.query_async::<()>(&mut connection)
+        let connection = self.redis.connection().await?;
+        // One pipeline per shard (a pipeline stays in one slot of a cluster), sent together.
+        let writes = (0..)
+            .zip(&by_shard)
+            .filter(|(_, members)| !members.is_empty())
+            .map(|(shard, members)| {
+                let key = self.key(day, shard);
+                let mut pipe = redis::pipe();
+                pipe.cmd("PFADD").arg(&key).arg(members).ignore();
+                pipe.cmd("EXPIRE").arg(&key).arg(retention).ignore();
+                let mut connection = connection.clone();
+                async move { pipe.query_async::<()>(&mut connection).await }
+            });
+        futures::future::try_join_all(writes)
             .await
-            .context("counting active users")
+            .context("counting active users")?;
+        Ok(())
     }
 
     /// Each day's count from `from` to `to` (inclusive) and the distinct users over them all.
@@ -166,31 +172,30 @@ impl ActiveUsers {
         to: NaiveDate,
     ) -> anyhow::Result<ActiveUsersReport> {
         let days: Vec<NaiveDate> = from.iter_days().take_while(|day| *day <= to).collect();
-        let shards = self.shards();
-        let mut pipe = redis::pipe();
-        for day in &days {
-            for shard in 0..shards {
+        let connection = self.redis.connection().await?;
+        // Per shard, one pipeline: each day's count, then the union of its days (PFCOUNT of
+        // several keys counts their union without changing them).
+        let per_shard = (0..self.shards()).map(|shard| {
+            let mut pipe = redis::pipe();
+            for day in &days {
                 pipe.cmd("PFCOUNT").arg(self.key(*day, shard));
             }
-        }
-        // PFCOUNT of several keys counts their union without changing them.
-        for shard in 0..shards {
             let keys: Vec<String> = days.iter().map(|day| self.key(*day, shard)).collect();
             pipe.cmd("PFCOUNT").arg(keys);
-        }
-        let mut connection = self.redis.connection().await?;
-        let counts: Vec<u64> = pipe
-            .query_async(&mut connection)
+            let mut connection = connection.clone();
+            async move { pipe.query_async::<Vec<u64>>(&mut connection).await }
+        });
+        let counts = futures::future::try_join_all(per_shard)
             .await
             .context("counting active users")?;
-        let (per_day, unions) = counts.split_at(days.len() * shards as usize);
+        let per_day = days
+            .iter()
+            .enumerate()
+            .map(|(index, day)| (*day, counts.iter().map(|shard| shard[index]).sum()))
+            .collect();
         Ok(ActiveUsersReport {
-            days: days
-                .into_iter()
-                .zip(per_day.chunks(shards as usize))
-                .map(|(day, counts)| (day, counts.iter().sum()))
-                .collect(),
-            distinct: unions.iter().sum(),
+            days: per_day,
+            distinct: counts.iter().map(|shard| shard[days.len()]).sum(),
         })
     }
 

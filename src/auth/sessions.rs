@@ -66,12 +66,15 @@ impl Sessions {
         self.idle_ttl
     }
 
-    fn session_key(&self, token_digest: &str) -> String {
-        self.redis.key(&format!("session:{token_digest}"))
+    /// A session, under its user's tag: the scripts touch it with the user's set of sessions
+    /// (the token carries the user id, so the tag is known before Redis is asked).
+    fn session_key(&self, user_id: UserId, token_digest: &str) -> String {
+        self.redis
+            .tagged(&user_tag(user_id), &format!("session:{token_digest}"))
     }
 
     fn user_sessions_key(&self, user_id: UserId) -> String {
-        self.redis.key(&format!("user-sessions:{user_id}"))
+        self.redis.tagged(&user_tag(user_id), "sessions")
     }
 
     fn idle_ttl_ms(&self) -> u64 {
@@ -83,7 +86,7 @@ impl Sessions {
     }
 
     fn revoked_epoch_key(&self, user_id: UserId) -> String {
-        self.redis.key(&format!("user-revoked-epoch:{user_id}"))
+        self.redis.tagged(&user_tag(user_id), "revoked-epoch")
     }
 
     /// Read when a login begins, before the user's credentials are loaded: a password or role
@@ -115,7 +118,7 @@ impl Sessions {
         let digest = token_digest(&token);
         let mut connection = self.redis.connection().await?;
         let expires_at_ms: i64 = crate::lua::SESSION_CREATE
-            .key(self.session_key(&digest))
+            .key(self.session_key(user_id, &digest))
             .key(self.user_sessions_key(user_id))
             .key(self.revoked_epoch_key(user_id))
             .arg(user_id.to_string())
@@ -150,7 +153,7 @@ impl Sessions {
     ) -> anyhow::Result<Option<Session>> {
         let mut connection = self.redis.connection().await?;
         let touched: Option<(String, String, i64)> = crate::lua::SESSION_TOUCH
-            .key(self.session_key(&digest))
+            .key(self.session_key(user_id, &digest))
             .key(self.user_sessions_key(user_id))
             .arg(self.clock.now_ms())
             .arg(self.idle_ttl_ms())
@@ -184,7 +187,7 @@ impl Sessions {
     pub async fn is_valid(&self, session: &Session) -> anyhow::Result<bool> {
         let mut connection = self.redis.connection().await?;
         let expires_at_ms: Option<i64> = redis::cmd("HGET")
-            .arg(self.session_key(&session.token_digest))
+            .arg(self.session_key(session.user_id, &session.token_digest))
             .arg("expires_at_ms")
             .query_async(&mut connection)
             .await
@@ -264,7 +267,7 @@ impl Sessions {
     pub async fn revoke(&self, session: &Session) -> anyhow::Result<bool> {
         let mut connection = self.redis.connection().await?;
         let removed: i64 = crate::lua::SESSION_REVOKE
-            .key(self.session_key(&session.token_digest))
+            .key(self.session_key(session.user_id, &session.token_digest))
             .key(self.user_sessions_key(session.user_id))
             .invoke_async(&mut connection)
             .await
@@ -276,10 +279,19 @@ impl Sessions {
     /// Revoke every session of a user; returns how many there were.
     pub async fn revoke_all(&self, user_id: UserId) -> anyhow::Result<u64> {
         let mut connection = self.redis.connection().await?;
+        // Two steps, each safe to repeat (the global epoch and the user's keys live in different
+        // slots of a cluster): take a new epoch, then record it for the user (never lowering
+        // it) and delete the sessions. A login that read an older epoch is refused from the
+        // second step on; one that made its session in between has it deleted by that step.
+        let epoch: i64 = redis::cmd("INCR")
+            .arg(self.epoch_key())
+            .query_async(&mut connection)
+            .await
+            .context("taking a credentials epoch")?;
         let revoked: u64 = crate::lua::SESSIONS_REVOKE_USER
             .key(self.user_sessions_key(user_id))
-            .key(self.epoch_key())
             .key(self.revoked_epoch_key(user_id))
+            .arg(epoch)
             // Longer than any login can take (one ends with its request).
             .arg(millis(self.idle_ttl) + SESSION_SAFETY_SLACK_MS)
             .invoke_async(&mut connection)
@@ -288,6 +300,11 @@ impl Sessions {
         self.redis.revocation_replicated(&mut connection).await?;
         Ok(revoked)
     }
+}
+
+/// The hash tag of one user's keys (sessions, check-ins, redemption failures).
+pub fn user_tag(user_id: UserId) -> String {
+    format!("u:{user_id}")
 }
 
 /// The user id a well-formed token names (not yet verified: only Redis can say it is valid).

@@ -374,17 +374,50 @@ impl CodeService {
             version
         );
         let mut connection = self.redis.connection().await?;
+        // Two steps, each safe to repeat (the batch lives under its own tag, the ranges of all
+        // batches in another slot): the batch first, so a range never leads to nothing for long
+        // (and when it does, the redemption asks the store).
         let _loaded: i64 = crate::lua::CODE_BATCH_LOAD
-            .key(self.redis.key("codes:ranges"))
-            .key(self.redis.key("codes:batches"))
-            .arg(batch.batch_id.to_string())
-            .arg(batch.first_serial)
+            .key(self.batch_key(batch.batch_id))
             .arg(packed)
             .arg(version)
             .invoke_async(&mut connection)
             .await
             .context("caching a batch in Redis")?;
+        let _: i64 = redis::cmd("ZADD")
+            .arg(self.ranges_key())
+            .arg(batch.first_serial)
+            .arg(batch.batch_id.to_string())
+            .query_async(&mut connection)
+            .await
+            .context("caching a batch's range in Redis")?;
         Ok(())
+    }
+
+    /// Every batch's first serial (sorted set: batch id scored by its first serial): which batch
+    /// a serial belongs to.
+    fn ranges_key(&self) -> String {
+        self.redis.key("codes:ranges")
+    }
+
+    /// A batch's cached state ("first count issued points from_ms until_ms revoked version"),
+    /// under the batch's own tag with its codes' redeemed markers: batches spread over a
+    /// cluster's nodes.
+    pub fn batch_key(&self, batch_id: BatchId) -> String {
+        self.redis
+            .tagged(&format!("code-batch:{batch_id}"), "state")
+    }
+
+    fn marker_key(&self, batch_id: BatchId, serial: u32) -> String {
+        self.redis.tagged(
+            &format!("code-batch:{batch_id}"),
+            &format!("redeemed:{serial}"),
+        )
+    }
+
+    fn failures_key(&self, user_id: UserId) -> String {
+        self.redis
+            .tagged(&crate::auth::sessions::user_tag(user_id), "code-failures")
     }
 
     /// Issue the next page of a batch (at most `page_size` codes), continuing where the last page
@@ -700,18 +733,50 @@ impl CodeService {
     ) -> anyhow::Result<FastPath> {
         let mut connection = self.redis.connection().await?;
         let forged = self.take_unshared_forged(user_id);
+        // The user's failure limit and which batch the serial is in, at once (each in its own
+        // slot of a cluster); then the batch's step, under the batch's tag.
+        let mut limit_connection = connection.clone();
+        let mut limit = crate::lua::CODE_LIMIT.key(self.failures_key(user_id));
+        limit
+            .arg(now.timestamp_millis())
+            .arg(self.settings.failures_max)
+            .arg(forged)
+            .arg(self.settings.failures_window_ms);
+        let limit = limit.invoke_async::<Vec<String>>(&mut limit_connection);
+        let mut range_connection = connection.clone();
+        let mut find = redis::cmd("ZREVRANGEBYSCORE");
+        find.arg(self.ranges_key())
+            .arg(serial)
+            .arg("-inf")
+            .arg("LIMIT")
+            .arg(0)
+            .arg(1);
+        let range = find.query_async::<Vec<String>>(&mut range_connection);
+        let (limit, range) = tokio::join!(limit, range);
+        let limit = limit.context("running the redemption limit script")?;
+        if limit.first().map(String::as_str) == Some("limited") {
+            let retry_after_ms = limit
+                .get(1)
+                .and_then(|ms| ms.parse().ok())
+                .with_context(|| format!("the limit script answered {limit:?}"))?;
+            return Ok(FastPath::Limited { retry_after_ms });
+        }
+        let Some(batch_id) = range
+            .context("finding a serial's batch")?
+            .into_iter()
+            .next()
+        else {
+            return Ok(FastPath::Miss);
+        };
+        let batch_id: BatchId = Uuid::parse_str(&batch_id).context("a batch id in the ranges")?;
         let answer: Vec<String> = crate::lua::CODE_REDEEM
-            .key(self.redis.key("codes:ranges"))
-            .key(self.redis.key("codes:batches"))
-            .key(self.redis.key(&format!("codes:failures:{user_id}")))
-            .key(self.redis.key(&format!("codes:redeemed:{serial}")))
+            .key(self.batch_key(batch_id))
+            .key(self.marker_key(batch_id, serial))
             .arg(serial)
             .arg(user_id.to_string())
             .arg(now.timestamp_millis())
-            .arg(self.settings.failures_max)
             .arg(self.settings.redis_keep_after_window_ms)
-            .arg(forged)
-            .arg(self.settings.failures_window_ms)
+            .arg(batch_id.to_string())
             .invoke_async(&mut connection)
             .await
             .context("running the redeem script")?;
@@ -768,7 +833,7 @@ impl CodeService {
     async fn count_failure(&self, user_id: UserId) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
         let _failures: i64 = crate::lua::CODE_FAILURE
-            .key(self.redis.key(&format!("codes:failures:{user_id}")))
+            .key(self.failures_key(user_id))
             .arg(self.clock.now_ms())
             .arg(self.settings.failures_window_ms)
             .invoke_async(&mut connection)

@@ -15,6 +15,11 @@ use crate::redis_store::RedisStore;
 pub struct Term {
     pub instance: String,
     pub fencing_token: u64,
+    /// The replication id of the Redis holding the queue when the term began
+    /// ([`crate::redis_store::RedisStore::replication_id`]): a renewal that finds another one
+    /// ends the term, so the next one rebuilds the queue (a promoted replica may lack the last
+    /// tasks queued).
+    pub redis_replication_id: Option<String>,
 }
 
 impl Term {
@@ -92,15 +97,22 @@ impl Leases {
     }
 
     fn leader_key(&self) -> String {
-        self.redis.key("dispatch:leader")
+        self.redis
+            .tagged(crate::tasks::queue::QUEUE_TAG, "dispatch:leader")
     }
 
     fn slots_key(&self, backend: &str) -> String {
-        self.redis.key(&format!("dispatch:slots:{backend}"))
+        self.redis.tagged(
+            crate::tasks::queue::QUEUE_TAG,
+            &format!("dispatch:slots:{backend}"),
+        )
     }
 
     fn queue_key(&self) -> String {
-        self.redis.key(crate::tasks::queue::QUEUE_KEY)
+        self.redis.tagged(
+            crate::tasks::queue::QUEUE_TAG,
+            crate::tasks::queue::QUEUE_KEY,
+        )
     }
 
     /// Try to become the leader. A new term always has a new, larger token.
@@ -120,9 +132,10 @@ impl Leases {
             .await
             .context("taking a fencing token")?
             .get(0);
-        let term = Term {
+        let mut term = Term {
             instance: instance.to_owned(),
             fencing_token: u64::try_from(token).context("a negative fencing token")?,
+            redis_replication_id: None,
         };
         let won: i64 = crate::lua::DISPATCH_LEADER_ACQUIRE
             .key(self.leader_key())
@@ -131,7 +144,13 @@ impl Leases {
             .invoke_async(&mut connection)
             .await
             .context("taking the leader lease")?;
-        Ok((won == 1).then_some(term))
+        if won != 1 {
+            return Ok(None);
+        }
+        // Read after winning and before the term rebuilds the queue: a failover after this is
+        // seen by a renewal.
+        term.redis_replication_id = Some(self.redis.replication_id(&self.leader_key()).await?);
+        Ok(Some(term))
     }
 
     /// Extend our lease; `false` when it is gone (we are no longer the leader).
@@ -144,7 +163,21 @@ impl Leases {
             .invoke_async(&mut connection)
             .await
             .context("renewing the leader lease")?;
-        Ok(renewed == 1)
+        if renewed != 1 {
+            return Ok(false);
+        }
+        if let Some(began_on) = &term.redis_replication_id {
+            let now_on = self.redis.replication_id(&self.leader_key()).await?;
+            if &now_on != began_on {
+                tracing::warn!(
+                    began_on = %began_on,
+                    now_on = %now_on,
+                    "the Redis holding the queue failed over or restarted (its replication id changed); the dispatcher ends its term so the next one rebuilds the queue"
+                );
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     pub async fn resign(&self, term: &Term) -> anyhow::Result<()> {
@@ -176,8 +209,14 @@ impl Leases {
         let mut connection = self.redis.connection().await?;
         let mut invocation = crate::lua::DISPATCH_FILL.key(self.leader_key());
         invocation.key(self.queue_key());
-        invocation.key(self.redis.key(crate::tasks::queue::MODELS_KEY));
-        invocation.key(self.redis.key(crate::pool::HELD_KEY));
+        invocation.key(self.redis.tagged(
+            crate::tasks::queue::QUEUE_TAG,
+            crate::tasks::queue::MODELS_KEY,
+        ));
+        invocation.key(
+            self.redis
+                .tagged(crate::tasks::queue::QUEUE_TAG, crate::pool::HELD_KEY),
+        );
         for name in names {
             invocation.key(self.slots_key(name));
         }

@@ -18,6 +18,10 @@ use crate::clock::Clock;
 use crate::redis_store::RedisStore;
 
 /// The queue's sorted set (under the prefix); the dispatcher's claim script pops it too.
+/// The hash tag of the queue and the dispatcher's keys: the filler takes tasks off the queue
+/// onto servers' slots in one script, so they must be one slot (the queue is one sorted set
+/// anyway: it cannot spread).
+pub const QUEUE_TAG: &str = "queue";
 pub(crate) const QUEUE_KEY: &str = "queue:tasks";
 
 /// The queued tasks' models (hash, under the prefix): the filler routes each task by it.
@@ -90,28 +94,28 @@ impl TaskQueue {
     }
 
     fn queue_key(&self) -> String {
-        self.redis.key(QUEUE_KEY)
+        self.redis.tagged(QUEUE_TAG, QUEUE_KEY)
     }
 
     /// Each queued task's model (task id -> checkpoint), for the dispatcher's filler.
     pub(crate) fn models_key(&self) -> String {
-        self.redis.key(MODELS_KEY)
+        self.redis.tagged(QUEUE_TAG, MODELS_KEY)
     }
 
     fn steps_key(&self) -> String {
-        self.redis.key(STEPS_KEY)
+        self.redis.tagged(QUEUE_TAG, STEPS_KEY)
     }
 
     fn leases_key(&self) -> String {
-        self.redis.key("queue:leases")
+        self.redis.tagged(QUEUE_TAG, "queue:leases")
     }
 
     fn progress_key(&self, task_id: TaskId) -> String {
-        self.redis.key(&format!("task:progress:{task_id}"))
+        self.redis.key(&format!("task-progress:{task_id}"))
     }
 
     fn last_score_key(&self) -> String {
-        self.redis.key("queue:last_score")
+        self.redis.tagged(QUEUE_TAG, "queue:last_score")
     }
 
     /// A score for a new task (later than every earlier one).

@@ -317,10 +317,10 @@ async fn a_hundred_concurrent_registrations_of_one_name_give_one_user() {
 #[tokio::test]
 async fn redis_down_answers_503_naming_it_and_never_lets_anyone_in() {
     let app = spawn_app_with(|settings| {
-        settings.redis.url = secrecy::SecretString::from(format!(
-            "redis://127.0.0.1:{}/0",
-            crate::helpers::dead_port()
-        ));
+        crate::helpers::one_redis_at(
+            settings,
+            format!("redis://127.0.0.1:{}/0", crate::helpers::dead_port()),
+        );
     })
     .await;
     // Registration needs no Redis; login (sessions, limits) does.
@@ -679,6 +679,10 @@ async fn users_create_bootstraps_an_admin_from_the_command_line() {
             app.settings.database.url.expose_secret(),
         )
         .env("ZHIHUI_REDIS__URL", app.settings.redis.url.expose_secret())
+        .env(
+            "ZHIHUI_REDIS__CLUSTER_NODES",
+            app.settings.redis.cluster_nodes.expose_secret(),
+        )
         .env("ZHIHUI_REDIS__KEY_PREFIX", &app.settings.redis.key_prefix)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())

@@ -271,7 +271,11 @@ async fn a_ten_day_streak_across_a_month_end_survives_a_redis_flush() {
     let mut redis = services.redis.connection().await.unwrap();
     for key in ["2027-01", "2027-02"] {
         let bytes: Vec<u8> = redis::cmd("GET")
-            .arg(services.redis.key(&format!("checkins:{carol_id}:{key}")))
+            .arg(
+                services
+                    .redis
+                    .tagged(&format!("u:{carol_id}"), &format!("checkins:{key}")),
+            )
             .query_async(&mut redis)
             .await
             .unwrap();
@@ -288,8 +292,16 @@ async fn a_ten_day_streak_across_a_month_end_survives_a_redis_flush() {
         "{rebuilt:?}"
     );
     let exists: i64 = redis::cmd("EXISTS")
-        .arg(services.redis.key(&format!("checkins:{carol_id}:2027-01")))
-        .arg(services.redis.key(&format!("checkins:{carol_id}:2027-02")))
+        .arg(
+            services
+                .redis
+                .tagged(&format!("u:{carol_id}"), "checkins:2027-01"),
+        )
+        .arg(
+            services
+                .redis
+                .tagged(&format!("u:{carol_id}"), "checkins:2027-02"),
+        )
         .query_async(&mut redis)
         .await
         .unwrap();
@@ -299,7 +311,11 @@ async fn a_ten_day_streak_across_a_month_end_survives_a_redis_flush() {
     // A partial month in Redis (a lone bit set after a flush, no "complete" mark) is not trusted.
     flush_redis(&app).await;
     let _: i64 = redis::cmd("SETBIT")
-        .arg(services.redis.key(&format!("checkins:{carol_id}:2027-02")))
+        .arg(
+            services
+                .redis
+                .tagged(&format!("u:{carol_id}"), "checkins:2027-02"),
+        )
         .arg(4)
         .arg(1)
         .query_async(&mut redis)
@@ -498,11 +514,17 @@ async fn active_users_are_counted_once_per_day_per_process_and_reported() {
         .unwrap();
     assert_eq!(exists, 0, "a remembered user costs no Redis call");
     assert_eq!(other.get_as(&users[0], "/api/v1/me").await.status(), 200);
-    let count: i64 = redis::cmd("PFCOUNT")
-        .arg(&keys)
-        .query_async(&mut redis)
-        .await
-        .unwrap();
+    // A user is in one shard: the shards' counts add up (one PFCOUNT of all the keys would
+    // span slots of a cluster).
+    let mut count = 0;
+    for key in &keys {
+        let shard: i64 = redis::cmd("PFCOUNT")
+            .arg(key)
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        count += shard;
+    }
     assert_eq!(count, 1);
 
     // The next day two of them come back (the admin's report counts the admin too).

@@ -1325,6 +1325,7 @@ async fn one_fill_releases_then_fills_every_free_slot_before_staging_in_queue_or
     let stale = Term {
         instance: term.instance.clone(),
         fencing_token: term.fencing_token + 1,
+        redis_replication_id: term.redis_replication_id.clone(),
     };
     let filled = fill(
         &process,

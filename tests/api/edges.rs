@@ -167,8 +167,7 @@ async fn a_logout_answered_done_survives_a_redis_failover_and_one_that_could_not
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let app = spawn_app_with(|settings| {
-        settings.redis.url =
-            secrecy::SecretString::from(format!("redis://127.0.0.1:{master_port}/0"));
+        crate::helpers::one_redis_at(settings, format!("redis://127.0.0.1:{master_port}/0"));
         settings.redis.revocation_replicas = 1;
         settings.redis.revocation_wait_ms = 300;
         settings.auth.argon2_memory_kib = 1024;
@@ -224,8 +223,7 @@ async fn a_logout_answered_done_survives_a_redis_failover_and_one_that_could_not
         .unwrap();
     let promoted = app
         .another_instance_with(|settings| {
-            settings.redis.url =
-                secrecy::SecretString::from(format!("redis://127.0.0.1:{replica_port}/0"));
+            crate::helpers::one_redis_at(settings, format!("redis://127.0.0.1:{replica_port}/0"));
             // The promoted replica has no replica of its own yet.
             settings.redis.revocation_replicas = 0;
         })
@@ -260,7 +258,7 @@ async fn a_redis_restarted_with_the_repositorys_configuration_keeps_every_sessio
     std::fs::create_dir_all(&directory).unwrap();
     let redis = OwnRedis::start(port, &directory);
     let app = spawn_app_with(|settings| {
-        settings.redis.url = secrecy::SecretString::from(format!("redis://127.0.0.1:{port}/0"));
+        crate::helpers::one_redis_at(settings, format!("redis://127.0.0.1:{port}/0"));
         settings.auth.argon2_memory_kib = 1024;
         settings.auth.argon2_iterations = 1;
     })
@@ -284,6 +282,62 @@ async fn a_redis_restarted_with_the_repositorys_configuration_keeps_every_sessio
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let _ = std::fs::remove_dir_all(&directory);
+}
+
+/// A Redis that restarted (or failed over to a replica) may lack its last writes while looking
+/// complete: a task queued in its last moment is missing from the queue, and nothing looks
+/// flushed. The dispatcher leader's renewal compares the replication id of the Redis holding the
+/// queue with the one its term began on; another one ends the term (the lease is still ours, so
+/// only that check can end it), and the next term rebuilds the queue from the events.
+#[tokio::test]
+async fn a_leader_whose_redis_restarted_ends_its_term_so_the_next_one_rebuilds_the_queue() {
+    let port = crate::helpers::dead_port();
+    let directory = std::env::temp_dir().join(format!("zhihui-redis-{}", uuid::Uuid::now_v7()));
+    std::fs::create_dir_all(&directory).unwrap();
+    let redis = OwnRedis::start(port, &directory);
+    let app = spawn_app_with(|settings| {
+        crate::helpers::one_redis_at(settings, format!("redis://127.0.0.1:{port}/0"));
+    })
+    .await;
+    let services = app.services();
+    let leases = services.dispatcher.leases();
+    let term = leases
+        .acquire("restart-test", 600_000)
+        .await
+        .unwrap()
+        .expect("nobody else leads");
+    assert!(term.redis_replication_id.is_some());
+    assert!(
+        leases.renew(&term, 600_000).await.unwrap(),
+        "the same Redis"
+    );
+
+    let directory = redis.stop().await;
+    let _restarted = OwnRedis::start(port, &directory);
+    let started = std::time::Instant::now();
+    let renewed = loop {
+        match leases.renew(&term, 600_000).await {
+            Ok(renewed) => break renewed,
+            Err(_) if started.elapsed() < Duration::from_secs(20) => tokio::task::yield_now().await,
+            Err(error) => panic!("Redis never came back: {error:#}"),
+        }
+    };
+    assert!(!renewed, "a renewal on a restarted Redis ends the term");
+    assert_eq!(
+        leases.holder().await.unwrap(),
+        Some(term.value()),
+        "the lease survived the restart: the replication id ended the term"
+    );
+    // The term ends as a lost one does (it resigns); the next one starts on the new Redis.
+    leases.resign(&term).await.unwrap();
+    let next = leases
+        .acquire("restart-test", 600_000)
+        .await
+        .unwrap()
+        .expect("the lease is free");
+    assert_ne!(next.redis_replication_id, term.redis_replication_id);
+    assert!(leases.renew(&next, 600_000).await.unwrap());
     let _ = std::fs::remove_dir_all(&directory);
 }
 

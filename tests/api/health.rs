@@ -24,7 +24,7 @@ async fn ready_answers_200_when_postgres_and_redis_answer() {
 async fn ready_answers_503_naming_redis_when_redis_is_unreachable() {
     let port = dead_port();
     let app = spawn_app_with(|settings| {
-        settings.redis.url = SecretString::from(format!("redis://127.0.0.1:{port}/0"));
+        crate::helpers::one_redis_at(settings, format!("redis://127.0.0.1:{port}/0"));
         settings.redis.connect_timeout_ms = 500;
     })
     .await;

@@ -2,7 +2,8 @@
 //! Redis key prefix, sharing the PostgreSQL and Redis started by `scripts/services.sh`.
 //!
 //! `DATABASE_URL` names a database the tests may connect to in order to CREATE DATABASE;
-//! `REDIS_URL` the Redis. Both default to the local services' ports.
+//! `REDIS_URL` the Redis; `REDIS_CLUSTER_NODES`, when set (comma-separated seed URLs), a Redis
+//! Cluster instead (the gate runs the Redis tests both ways). Both default to the local services' ports.
 
 #![allow(clippy::unwrap_used)]
 
@@ -219,6 +220,10 @@ impl TestApp {
             )
             .env("ZHIHUI_DATABASE__MIGRATE_ON_START", "false")
             .env("ZHIHUI_REDIS__URL", self.settings.redis.url.expose_secret())
+            .env(
+                "ZHIHUI_REDIS__CLUSTER_NODES",
+                self.settings.redis.cluster_nodes.expose_secret(),
+            )
             .env("ZHIHUI_REDIS__KEY_PREFIX", &self.settings.redis.key_prefix)
             .env("ZHIHUI_LOG__FILTER", "warn")
             .envs(settings.iter().copied())
@@ -291,6 +296,8 @@ pub fn test_settings(database_name: &str) -> Settings {
     settings.database.pool_max_size = 8;
     settings.redis.url =
         SecretString::from(std::env::var("REDIS_URL").unwrap_or_else(|_| DEFAULT_REDIS_URL.into()));
+    settings.redis.cluster_nodes =
+        SecretString::from(std::env::var("REDIS_CLUSTER_NODES").unwrap_or_default());
     settings.redis.key_prefix = format!("test:{database_name}");
     settings.http.port = 0;
     // Every test comes from 127.0.0.1 on a clock that rarely moves: the per-client limits are
@@ -437,5 +444,45 @@ pub async fn flush_redis(app: &TestApp) {
             .query_async(&mut connection)
             .await
             .unwrap();
+    }
+}
+
+/// Point `settings` at one Redis at `url` (a dead port, a test's own server), cluster or not.
+pub fn one_redis_at(settings: &mut Settings, url: String) {
+    settings.redis.url = SecretString::from(url);
+    settings.redis.cluster_nodes = SecretString::from(String::new());
+}
+
+/// A connection to the Redis (or cluster) of `settings`, apart from any process's own.
+pub async fn redis_of(settings: &Settings) -> zhihui::redis_store::RedisConnection {
+    zhihui::redis_store::RedisStore::new(&settings.redis)
+        .unwrap()
+        .connection()
+        .await
+        .unwrap()
+}
+
+/// `command` sent to the Redis node that holds `key` (its slot's master in a cluster), for what
+/// is per node (`INFO`, `CLIENT LIST`).
+pub async fn on_node_of<T: redis::FromRedisValue>(
+    connection: &mut zhihui::redis_store::RedisConnection,
+    key: &str,
+    command: redis::Cmd,
+) -> T {
+    use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
+    match connection {
+        zhihui::redis_store::RedisConnection::Cluster(cluster) => {
+            let slot: u16 = redis::cmd("CLUSTER")
+                .arg("KEYSLOT")
+                .arg(key)
+                .query_async(cluster)
+                .await
+                .unwrap();
+            let route = Route::new(slot, SlotAddr::Master);
+            let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
+            let value = cluster.route_command(command, routing).await.unwrap();
+            redis::from_redis_value(value).unwrap()
+        }
+        other => command.query_async(other).await.unwrap(),
     }
 }

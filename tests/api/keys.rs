@@ -208,7 +208,7 @@ async fn a_mistyped_key_is_refused_without_asking_any_store() {
     let redis_port = dead_port();
     let pg_port = dead_port();
     let blind = spawn_app_with(move |settings| {
-        settings.redis.url = secrecy::SecretString::from(format!("redis://127.0.0.1:{redis_port}"));
+        crate::helpers::one_redis_at(settings, format!("redis://127.0.0.1:{redis_port}"));
         settings.database.url =
             secrecy::SecretString::from(format!("postgres://zhihui@127.0.0.1:{pg_port}/nothing"));
         settings.database.migrate_on_start = false;

@@ -650,19 +650,14 @@ async fn a_pool_read_before_a_drain_never_undoes_its_hold() {
     let before = pool.seed(&configured).await.unwrap();
     pool.drain("gpu-1", "test").await.unwrap();
     let held = || async {
-        let mut redis = redis::Client::open(secrecy::ExposeSecret::expose_secret(
-            &harness.app.settings.redis.url,
-        ))
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+        let services = harness.app.services();
+        let mut redis = services.redis.connection().await.unwrap();
         let mut names: Vec<String> = redis::cmd("SMEMBERS")
-            .arg(format!(
-                "{}:{}",
-                harness.app.settings.redis.key_prefix,
-                zhihui::pool::HELD_KEY
-            ))
+            .arg(
+                services
+                    .redis
+                    .tagged(zhihui::tasks::queue::QUEUE_TAG, zhihui::pool::HELD_KEY),
+            )
             .query_async(&mut redis)
             .await
             .unwrap();

@@ -8,7 +8,6 @@
 use std::collections::{HashMap, HashSet};
 
 use futures::StreamExt;
-use secrecy::ExposeSecret;
 use serde_json::{Value, json};
 use uuid::Uuid;
 use zhihui::promotions::ClaimEntry;
@@ -685,18 +684,13 @@ async fn the_consumers_blocking_read_never_holds_the_shared_connection() {
         let promotions = services.promotions.clone();
         tokio::spawn(async move { promotions.consume_once("c", Some(3_000)).await })
     };
-    let mut watcher = redis::Client::open(app.settings.redis.url.expose_secret())
-        .unwrap()
-        .get_multiplexed_async_connection()
-        .await
-        .unwrap();
+    let mut watcher = crate::helpers::redis_of(&app.settings).await;
+    let stream = services.promotions.stream_key();
     let started = std::time::Instant::now();
     loop {
-        let info: String = redis::cmd("INFO")
-            .arg("clients")
-            .query_async(&mut watcher)
-            .await
-            .unwrap();
+        let mut info_clients = redis::cmd("INFO");
+        info_clients.arg("clients");
+        let info: String = crate::helpers::on_node_of(&mut watcher, &stream, info_clients).await;
         if info
             .lines()
             .any(|line| line.starts_with("blocked_clients:") && line != "blocked_clients:0")

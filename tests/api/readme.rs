@@ -76,6 +76,10 @@ async fn run_flow(script: &str) -> FlowRun {
         )
         .env("ZHIHUI_DATABASE__MIGRATE_ON_START", "false")
         .env("ZHIHUI_REDIS__URL", settings.redis.url.expose_secret())
+        .env(
+            "ZHIHUI_REDIS__CLUSTER_NODES",
+            settings.redis.cluster_nodes.expose_secret(),
+        )
         .env("ZHIHUI_REDIS__KEY_PREFIX", &settings.redis.key_prefix)
         .env("ZHIHUI_LOG__FILTER", "warn")
         .kill_on_drop(true)

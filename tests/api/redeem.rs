@@ -354,10 +354,10 @@ async fn forged_codes_are_refused_without_postgres_or_redis_and_limited_per_user
     // Both dependencies unreachable: a lookup would fail with a store error, not `Invalid`.
     let app = spawn_codes_app().await;
     let mut settings = app.settings.clone();
-    settings.redis.url = secrecy::SecretString::from(format!(
-        "redis://127.0.0.1:{}/0",
-        crate::helpers::dead_port()
-    ));
+    crate::helpers::one_redis_at(
+        &mut settings,
+        format!("redis://127.0.0.1:{}/0", crate::helpers::dead_port()),
+    );
     settings.database.url = secrecy::SecretString::from(format!(
         "postgres://zhihui@127.0.0.1:{}/nothing",
         crate::helpers::dead_port()
@@ -466,18 +466,16 @@ async fn every_refusal_is_named_and_guessing_is_limited() {
     assert_eq!(redeem(&app, &dan, &stale_codes[0].1).await.status(), 200);
     let services = app.services();
     let mut connection = services.redis.connection().await.unwrap();
-    let cached: String = redis::cmd("HGET")
-        .arg(services.redis.key("codes:batches"))
-        .arg(stale.to_string())
+    let cached: String = redis::cmd("GET")
+        .arg(services.codes.batch_key(stale))
         .query_async(&mut connection)
         .await
         .unwrap();
     let mut fields: Vec<String> = cached.split(' ').map(str::to_owned).collect();
     fields[6] = "1".into();
     fields[7] = (fields[7].parse::<u64>().unwrap() + 1).to_string();
-    let _: i64 = redis::cmd("HSET")
-        .arg(services.redis.key("codes:batches"))
-        .arg(stale.to_string())
+    let _: () = redis::cmd("SET")
+        .arg(services.codes.batch_key(stale))
         .arg(fields.join(" "))
         .query_async(&mut connection)
         .await
@@ -489,9 +487,8 @@ async fn every_refusal_is_named_and_guessing_is_limited() {
     // said before; the batch's last event refuses, and the cache is corrected.
     let (lost, lost_codes) =
         issued_batch(&app, &admin, 2, "5", (now - hours(1), now + hours(3))).await;
-    let before_revocation: String = redis::cmd("HGET")
-        .arg(services.redis.key("codes:batches"))
-        .arg(lost.to_string())
+    let before_revocation: String = redis::cmd("GET")
+        .arg(services.codes.batch_key(lost))
         .query_async(&mut connection)
         .await
         .unwrap();
@@ -503,9 +500,8 @@ async fn every_refusal_is_named_and_guessing_is_limited() {
         )
         .await;
     assert_eq!(revoke.status(), 200);
-    let _: i64 = redis::cmd("HSET")
-        .arg(services.redis.key("codes:batches"))
-        .arg(lost.to_string())
+    let _: () = redis::cmd("SET")
+        .arg(services.codes.batch_key(lost))
         .arg(&before_revocation)
         .query_async(&mut connection)
         .await
@@ -513,9 +509,8 @@ async fn every_refusal_is_named_and_guessing_is_limited() {
     let (_, fay) = user(&app, "fay").await;
     let (status, rule, _) = problem_type(redeem(&app, &fay, &lost_codes[0].1).await).await;
     assert_eq!((status, rule.as_str()), (409, "/problems/code-revoked"));
-    let corrected: String = redis::cmd("HGET")
-        .arg(services.redis.key("codes:batches"))
-        .arg(lost.to_string())
+    let corrected: String = redis::cmd("GET")
+        .arg(services.codes.batch_key(lost))
         .query_async(&mut connection)
         .await
         .unwrap();

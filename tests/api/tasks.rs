@@ -550,11 +550,7 @@ async fn the_queue_is_rebuilt_from_the_events_in_the_same_order() {
 }
 
 pub(crate) async fn flush_prefix(app: &TestApp) {
-    let client = redis::Client::open(
-        secrecy::ExposeSecret::expose_secret(&app.settings.redis.url).to_owned(),
-    )
-    .unwrap();
-    let mut connection = client.get_multiplexed_async_connection().await.unwrap();
+    let mut connection = crate::helpers::redis_of(&app.settings).await;
     let keys: Vec<String> = redis::cmd("KEYS")
         .arg(format!("{}:*", app.settings.redis.key_prefix))
         .query_async(&mut connection)

@@ -19,11 +19,11 @@ use std::time::Instant;
 use anyhow::Context;
 use chrono::NaiveDate;
 use rand::{Rng, SeedableRng};
-use redis::aio::ConnectionManager;
 use secrecy::SecretString;
 use uuid::Uuid;
 use zhihui::clock::Clock;
 use zhihui::configuration::Settings;
+use zhihui::redis_store::RedisConnection;
 use zhihui::redis_store::RedisStore;
 use zhihui::stats::ActiveUsers;
 
@@ -209,7 +209,7 @@ struct Case {
 async fn count_case(
     active: &ActiveUsers,
     population: &Population,
-    connection: &mut ConnectionManager,
+    connection: &mut RedisConnection,
 ) -> anyhow::Result<Case> {
     let started = Instant::now();
     let mut added = 0usize;

@@ -6,6 +6,12 @@
 //!     REDIS_URL=redis://127.0.0.1:56379/0 \
 //!         cargo run --release -p zhihui-bench --bin bench_queue [-- JOBS [CONCURRENCY]]
 //!
+//! With `REDIS_CLUSTER_NODES` (seed URLs of a Redis Cluster, e.g. from
+//! `scripts/services.sh start-redis-cluster`) our side runs a third time, on the cluster, after
+//! BullMQ's, and a second table sets it beside our side on the one node of REDIS_URL (BullMQ
+//! runs on the one node only: its keys of one queue share a hash tag, so a cluster gives it one
+//! node as well).
+//!
 //! Defaults: 50,000 jobs, concurrency 100. Needs `node` (20+) and `npm`: the BullMQ side is
 //! `bench/bullmq/bench.mjs` (BullMQ and ioredis pinned in its `package-lock.json`; `npm ci` runs
 //! first when `node_modules` is missing). Our side runs first, then BullMQ's, one after the
@@ -101,6 +107,8 @@ async fn main() -> anyhow::Result<()> {
     if let Ok(url) = std::env::var("REDIS_URL") {
         settings.redis.url = SecretString::from(url);
     }
+    // The first two sides run on the one node of REDIS_URL (the cluster comes last).
+    settings.redis.cluster_nodes = SecretString::from(String::new());
     settings.redis.key_prefix = format!("bench:{}", Uuid::now_v7().simple());
     let store = RedisStore::new(&settings.redis)?;
     store.ping().await.context("Redis does not answer")?;
@@ -111,7 +119,7 @@ async fn main() -> anyhow::Result<()> {
         settings.redis.key_prefix
     );
 
-    let ours = ours(&settings, &queue, jobs, concurrency, sample).await;
+    let ours = ours_run(&settings, &queue, jobs, concurrency, sample).await;
     // Our keys go before BullMQ runs: it should not share Redis with our leftover tasks.
     let deleted = delete_keys(&store).await;
     let theirs = match (&ours, &deleted) {
@@ -255,6 +263,89 @@ async fn main() -> anyhow::Result<()> {
         "RESULT queue_enqueue_ratio_vs_bullmq_bulk {:.2} x",
         ours.enqueue.per_second / bulk.per_second
     );
+
+    let cluster_nodes = std::env::var("REDIS_CLUSTER_NODES").unwrap_or_default();
+    if !cluster_nodes.trim().is_empty() {
+        let mut on_cluster = settings.clone();
+        on_cluster.redis.cluster_nodes = SecretString::from(cluster_nodes);
+        on_cluster.redis.key_prefix = format!("bench:{}", Uuid::now_v7().simple());
+        let cluster_store = RedisStore::new(&on_cluster.redis)?;
+        cluster_store
+            .ping()
+            .await
+            .context("the Redis Cluster does not answer")?;
+        let cluster_queue = TaskQueue::new(cluster_store.clone(), Clock::System);
+        eprintln!("[ours] again, on the Redis Cluster");
+        let clustered = ours_run(&on_cluster, &cluster_queue, jobs, concurrency, sample).await;
+        let cleaned = delete_keys(&cluster_store).await;
+        let clustered = clustered?;
+        println!("cleanup after our side on the cluster: {}", cleaned?);
+        println!();
+        println!(
+            "{:<26} {:>8} | {:>10} {:>8} {:>8} | {:>10} {:>8} {:>8} | {:>7}",
+            "ours: one node vs cluster",
+            "n",
+            "node/s",
+            "p50 ms",
+            "p99 ms",
+            "cluster/s",
+            "p50 ms",
+            "p99 ms",
+            "ratio"
+        );
+        let pairs = [
+            (
+                "enqueue",
+                "enqueue, one at a time",
+                ours.enqueue,
+                clustered.enqueue,
+            ),
+            (
+                "process",
+                "claim + complete",
+                ours.process,
+                clustered.process,
+            ),
+            (
+                "prioritise",
+                "prioritise a waiting job",
+                ours.prioritise,
+                clustered.prioritise,
+            ),
+            (
+                "cancel",
+                "cancel a waiting job",
+                ours.cancel,
+                clustered.cancel,
+            ),
+        ];
+        for (_, label, node, cluster) in &pairs {
+            println!(
+                "{:<26} {:>8} | {:>10.0} {:>8.2} {:>8.2} | {:>10.0} {:>8.2} {:>8.2} | {:>6.2}x",
+                label,
+                cluster.count,
+                node.per_second,
+                node.p50_ms,
+                node.p99_ms,
+                cluster.per_second,
+                cluster.p50_ms,
+                cluster.p99_ms,
+                cluster.per_second / node.per_second
+            );
+        }
+        println!();
+        for (op, _, node, cluster) in &pairs {
+            println!(
+                "RESULT queue_{op}_cluster_per_second {:.1} ops/s",
+                cluster.per_second
+            );
+            println!("RESULT queue_{op}_cluster_p99 {:.2} ms", cluster.p99_ms);
+            println!(
+                "RESULT queue_{op}_cluster_vs_node_ratio {:.2} x",
+                cluster.per_second / node.per_second
+            );
+        }
+    }
     Ok(())
 }
 
@@ -279,7 +370,7 @@ struct Ours {
     not_moved: usize,
 }
 
-async fn ours(
+async fn ours_run(
     settings: &Settings,
     queue: &TaskQueue,
     jobs: usize,
@@ -557,16 +648,19 @@ fn phase_from_json(json: &Value, name: &str) -> anyhow::Result<Phase> {
 async fn delete_keys(store: &RedisStore) -> anyhow::Result<String> {
     let pattern = format!("{}:*", store.key_prefix());
     let mut connection = store.connection().await?;
-    let deleted: u64 = redis::Script::new(
-        "local deleted = 0 \
-         for _, key in ipairs(redis.call('KEYS', ARGV[1])) do \
-           deleted = deleted + redis.call('DEL', key) \
-         end \
-         return deleted",
-    )
-    .arg(&pattern)
-    .invoke_async(&mut connection)
-    .await
-    .context("cleaning up")?;
+    // KEYS goes to every master of a cluster (answers joined); DEL of many keys is split by slot.
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(&pattern)
+        .query_async(&mut connection)
+        .await
+        .context("listing keys to clean up")?;
+    let mut deleted: u64 = 0;
+    for chunk in keys.chunks(1_000) {
+        deleted += redis::cmd("DEL")
+            .arg(chunk)
+            .query_async::<u64>(&mut connection)
+            .await
+            .context("cleaning up")?;
+    }
     Ok(format!("deleted {deleted} keys under {pattern}"))
 }

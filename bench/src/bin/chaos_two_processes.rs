@@ -1,11 +1,14 @@
 //! Money under chaos, across two `zhihui serve` OS processes (not a benchmark: a soak whose
 //! figures are its outcome). Both processes serve HTTP, run projections and process managers and
 //! may lead the dispatcher; two ComfyUI simulators run the tasks. Users submit tasks, prioritise
-//! and cancel them, each request to a random process (retried on the other, with the same
-//! `Idempotency-Key`, while one is down), while in turn:
+//! and cancel them, redeem codes (each code tried by several users) and claim a flash sale, each
+//! request to a random process (retried on the other, with the same `Idempotency-Key`, while one
+//! is down), while in turn:
 //!
 //! 1. process A is killed with SIGKILL and restarted; 2. process B likewise;
-//! 3. Redis is flushed (`FLUSHDB` of the run's own Redis database);
+//! 3. Redis is flushed (`FLUSHDB` of the run's own Redis database), or, on a Redis Cluster, the
+//!    master holding the queue is killed with SIGKILL (its replica promoted by the cluster) and
+//!    later started again (`CHAOS_REDIS_KILL`, `CHAOS_REDIS_RESTART`);
 //! 4. PostgreSQL is restarted, or its primary killed and the standby promoted (the command in
 //!    `CHAOS_PG_RESTART`: `pg_ctl restart`, or `scripts/services.sh kill-primary` then
 //!    `promote-standby` when `scripts/chaos.sh` runs with `CHAOS_PG_FAILOVER=1`);
@@ -21,7 +24,10 @@
 //!
 //! Variables: DATABASE_URL (a database to CREATE DATABASE from), REDIS_URL (its database number is
 //! flushed: give it one of its own), ZHIHUI_BIN (the `zhihui` binary), CHAOS_PG_RESTART (a shell
-//! command; without it step 4 is skipped and said so).
+//! command; without it step 4 is skipped and said so); for a Redis Cluster
+//! CHAOS_REDIS_CLUSTER_NODES (the seed URLs), CHAOS_REDIS_KILL (a shell command that kills a
+//! master and prints its port) and CHAOS_REDIS_RESTART (a shell command given that port as
+//! `$PORT`).
 
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
@@ -39,6 +45,11 @@ use tokio::sync::Mutex;
 use uuid::Uuid;
 
 const USERS: usize = 20;
+/// Codes in the run's batch; each redemption picks one at random, so most are tried by several
+/// users (one may have it).
+const CODES: usize = 40;
+/// The flash sale's stock: fewer than the users, every one of whom claims.
+const SALE_STOCK: u64 = 8;
 const TASKS_DEFAULT: usize = 220;
 /// Longest the whole run may wait for tasks to end after the load (a hang, not a slow machine).
 const END_WAIT_MAX: Duration = Duration::from_secs(300);
@@ -62,6 +73,7 @@ struct Run {
     bin: String,
     database_url: String,
     redis_url: String,
+    cluster_nodes: String,
     prefix: String,
     backends: String,
     images: String,
@@ -85,6 +97,7 @@ impl Run {
             .env("ZHIHUI_DATABASE__URL", &self.database_url)
             .env("ZHIHUI_DATABASE__POOL_MAX_SIZE", "12")
             .env("ZHIHUI_REDIS__URL", &self.redis_url)
+            .env("ZHIHUI_REDIS__CLUSTER_NODES", &self.cluster_nodes)
             .env("ZHIHUI_REDIS__KEY_PREFIX", &self.prefix)
             .env("ZHIHUI_HTTP__PORT", port.to_string())
             .env("ZHIHUI_HTTP__WORKERS", "2")
@@ -187,6 +200,11 @@ async fn main() -> anyhow::Result<()> {
     let admin_url = std::env::var("DATABASE_URL").context("DATABASE_URL")?;
     let redis_url = std::env::var("REDIS_URL").context("REDIS_URL")?;
     let pg_restart = std::env::var("CHAOS_PG_RESTART").ok();
+    let cluster_nodes = std::env::var("CHAOS_REDIS_CLUSTER_NODES").unwrap_or_default();
+    let redis_kill = std::env::var("CHAOS_REDIS_KILL")
+        .ok()
+        .filter(|_| !cluster_nodes.is_empty());
+    let redis_restart = std::env::var("CHAOS_REDIS_RESTART").ok();
 
     let database = format!("zhihui_chaos_{}", Uuid::now_v7().simple());
     let (admin, connection) = tokio_postgres_connect(&admin_url).await?;
@@ -230,6 +248,7 @@ async fn main() -> anyhow::Result<()> {
         bin,
         database_url,
         redis_url: redis_url.clone(),
+        cluster_nodes: cluster_nodes.clone(),
         prefix: database.clone(),
         backends: sims
             .iter()
@@ -315,6 +334,64 @@ async fn main() -> anyhow::Result<()> {
         users.push((user, token));
     }
 
+    // A batch of codes (issued by the processes' generator) and a flash sale, both open now.
+    let now = chrono::Utc::now();
+    let created = send(&http, &addresses, |http, address| {
+        http.post(format!("{address}/api/v1/admin/code-batches"))
+            .bearer_auth(&admin_token)
+            .json(&json!({"count": CODES, "points": "5", "valid_from": now - chrono::Duration::hours(1),
+                "valid_until": now + chrono::Duration::hours(2), "note": "混沌测试"}))
+    })
+    .await
+    .context("creating a code batch")?;
+    anyhow::ensure!(
+        created.status() == 202,
+        "code batch answered {}",
+        created.status()
+    );
+    let batch: Value = created.json().await?;
+    let batch_id = batch["batch_id"].as_str().context("batch id")?.to_owned();
+    let codes = {
+        let issued_by = Instant::now();
+        loop {
+            let shown: Value = send(&http, &addresses, |http, address| {
+                http.get(format!("{address}/api/v1/admin/code-batches/{batch_id}"))
+                    .bearer_auth(&admin_token)
+            })
+            .await
+            .context("reading the code batch")?
+            .json()
+            .await?;
+            if shown["issued"].as_u64() == Some(CODES as u64) {
+                break;
+            }
+            anyhow::ensure!(
+                issued_by.elapsed() < Duration::from_secs(60),
+                "the batch was never issued: {shown}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        export_codes(&http, &addresses, &admin_token, &batch_id)
+            .await?
+            .into_iter()
+            .map(|(code, _)| code)
+            .collect::<Vec<String>>()
+    };
+    let sale = send(&http, &addresses, |http, address| {
+        http.post(format!("{address}/api/v1/admin/promotions"))
+            .bearer_auth(&admin_token)
+            .json(&json!({"title": "限时抢购", "points": "10", "price": "1", "stock": SALE_STOCK,
+                "starts_at": now - chrono::Duration::hours(1), "ends_at": now + chrono::Duration::hours(2)}))
+    })
+    .await
+    .context("creating the flash sale")?;
+    anyhow::ensure!(sale.status() == 201, "promotion answered {}", sale.status());
+    let sale: Value = sale.json().await?;
+    let promotion_id = sale["promotion_id"]
+        .as_str()
+        .context("promotion id")?
+        .to_owned();
+
     // The faults, in turn, while the load runs.
     let faults_done = Arc::new(AtomicUsize::new(0));
     let fault_log = Arc::new(Mutex::new(Vec::<String>::new()));
@@ -328,6 +405,8 @@ async fn main() -> anyhow::Result<()> {
         let fault_log = fault_log.clone();
         let faults_done = faults_done.clone();
         let redis_url = redis_url.clone();
+        let redis_kill = redis_kill.clone();
+        let redis_restart = redis_restart.clone();
         tokio::spawn(async move {
             let note = |line: String| {
                 let fault_log = fault_log.clone();
@@ -341,7 +420,11 @@ async fn main() -> anyhow::Result<()> {
                 let fault = [
                     "process A killed",
                     "process B killed",
-                    "Redis flushed",
+                    if redis_kill.is_some() {
+                        "Redis master killed"
+                    } else {
+                        "Redis flushed"
+                    },
                     "PostgreSQL",
                     "simulator crashed",
                 ][step];
@@ -368,6 +451,34 @@ async fn main() -> anyhow::Result<()> {
                             }
                         }
                         note(format!("process {name} restarted")).await;
+                    }
+                    2 if redis_kill.is_some() => {
+                        let kill = redis_kill.as_deref().unwrap_or_default();
+                        let killed = tokio::process::Command::new("sh")
+                            .arg("-c")
+                            .arg(kill)
+                            .output()
+                            .await;
+                        let port = killed
+                            .as_ref()
+                            .map(|output| String::from_utf8_lossy(&output.stdout).trim().to_owned())
+                            .unwrap_or_default();
+                        note(format!(
+                            "Redis master on port {port} killed with SIGKILL (`{kill}`)"
+                        ))
+                        .await;
+                        // Down long enough for its replica to be promoted, then back as a replica.
+                        tokio::time::sleep(Duration::from_secs(5)).await;
+                        if let Some(restart) = &redis_restart {
+                            let status = tokio::process::Command::new("sh")
+                                .arg("-c")
+                                .arg(restart)
+                                .env("PORT", &port)
+                                .stdout(Stdio::null())
+                                .status()
+                                .await;
+                            note(format!("Redis node {port} started again ({status:?})")).await;
+                        }
                     }
                     2 => {
                         let flushed = async {
@@ -416,6 +527,10 @@ async fn main() -> anyhow::Result<()> {
     let mut answers: HashMap<String, usize> = HashMap::new();
     let (mut moves_asked, mut cancels_asked) = (0, 0);
     let mut relogin = [false; USERS];
+    // Per code, the users it was answered 200 to; per user, the claim's final answer.
+    let mut redeemed: HashMap<String, HashSet<usize>> = HashMap::new();
+    let mut redeem_answers: HashMap<u16, usize> = HashMap::new();
+    let mut claimed: [Option<u16>; USERS] = [None; USERS];
     while submitted.len() < tasks_total || faults_done.load(Ordering::SeqCst) < 5 {
         let who = rand::rng().random_range(0..USERS);
         // Sessions live in Redis: after the flush every token is gone (401); log in again.
@@ -430,7 +545,39 @@ async fn main() -> anyhow::Result<()> {
             .filter(|(owner, _)| *owner == who)
             .map(|(_, task)| task)
             .collect();
-        if roll < 2 && !mine.is_empty() {
+        if roll == 2 {
+            let code = codes[rand::rng().random_range(0..codes.len())].clone();
+            let key = Uuid::now_v7().to_string();
+            if let Some(answer) = send(&http, &addresses, |http, address| {
+                http.post(format!("{address}/api/v1/codes/redeem"))
+                    .bearer_auth(token)
+                    .header("Idempotency-Key", &key)
+                    .json(&json!({"code": code}))
+            })
+            .await
+            {
+                let status = answer.status().as_u16();
+                relogin[who] = status == 401;
+                *redeem_answers.entry(status).or_default() += 1;
+                if status == 200 {
+                    redeemed.entry(code).or_default().insert(who);
+                }
+            }
+        } else if roll == 3 && claimed[who].is_none() {
+            if let Some(answer) = send(&http, &addresses, |http, address| {
+                http.post(format!("{address}/api/v1/promotions/{promotion_id}/claims"))
+                    .bearer_auth(token)
+                    .json(&json!({}))
+            })
+            .await
+            {
+                let status = answer.status().as_u16();
+                relogin[who] = status == 401;
+                if status == 202 || status == 409 {
+                    claimed[who] = Some(status);
+                }
+            }
+        } else if roll < 2 && !mine.is_empty() {
             let task = mine[rand::rng().random_range(0..mine.len())].clone();
             let action = if roll == 0 { "prioritise" } else { "cancel" };
             let key = Uuid::now_v7().to_string();
@@ -492,6 +639,25 @@ async fn main() -> anyhow::Result<()> {
         .await;
     }
     chaos.await?;
+    // Every user gets to claim the sale once (some may have had no turn during the load).
+    for who in 0..USERS {
+        while claimed[who].is_none() {
+            let answer = send(&http, &addresses, |http, address| {
+                http.post(format!("{address}/api/v1/promotions/{promotion_id}/claims"))
+                    .bearer_auth(&users[who].1)
+                    .json(&json!({}))
+            })
+            .await
+            .context("a claim never answered")?;
+            match answer.status().as_u16() {
+                401 => {
+                    users[who].1 = login(format!("chaos-{who}"), "correct horse battery").await?
+                }
+                status @ (202 | 409) => claimed[who] = Some(status),
+                status => anyhow::bail!("a claim answered {status}"),
+            }
+        }
+    }
     println!(
         "load: {} tasks submitted, {moves_asked} prioritises and {cancels_asked} cancels asked in {:.1} s; answers {answers:?}",
         submitted.len(),
@@ -587,6 +753,57 @@ async fn main() -> anyhow::Result<()> {
         .and_then(|n| n.parse::<usize>().ok())
         .unwrap_or(0);
 
+    // Each code redeemed at most once: answered 200 to one user at most, and the store names
+    // that user; the sale granted exactly its stock.
+    let in_store = export_codes(&http, &addresses, &admin_token, &batch_id).await?;
+    let mut codes_twice = 0;
+    let mut codes_not_in_store = 0;
+    for (code, winners) in &redeemed {
+        if winners.len() > 1 {
+            codes_twice += 1;
+        }
+        let holder = in_store
+            .iter()
+            .find(|(stored, _)| stored == code)
+            .map(|(_, holder)| holder.clone())
+            .unwrap_or_default();
+        if winners.iter().any(|who| users[*who].0 != holder) {
+            codes_not_in_store += 1;
+        }
+    }
+    let redeemed_in_store = in_store
+        .iter()
+        .filter(|(_, holder)| !holder.is_empty())
+        .count();
+    println!(
+        "codes: {} redemptions answered {redeem_answers:?}; {} codes answered 200, {redeemed_in_store} redeemed in the store, {codes_twice} answered 200 to two users, {codes_not_in_store} whose store holder differs",
+        redeem_answers.values().sum::<usize>(),
+        redeemed.len()
+    );
+    let accepted = claimed
+        .iter()
+        .filter(|answer| **answer == Some(202))
+        .count();
+    let settled_by = Instant::now();
+    let granted = loop {
+        let shown: Value = send(&http, &addresses, |http, address| {
+            http.get(format!("{address}/api/v1/admin/promotions/{promotion_id}"))
+                .bearer_auth(&admin_token)
+        })
+        .await
+        .context("reading the sale")?
+        .json()
+        .await?;
+        let granted = shown["granted"].as_u64().unwrap_or(0);
+        if granted >= SALE_STOCK || settled_by.elapsed() > Duration::from_secs(60) {
+            break granted;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    println!(
+        "flash sale: stock {SALE_STOCK}, {USERS} users claimed, {accepted} accepted at the gate, {granted} granted"
+    );
+
     // Each task ended once: its stream holds exactly one end.
     let mut twice = HashSet::new();
     for (_, task) in &submitted {
@@ -614,6 +831,8 @@ async fn main() -> anyhow::Result<()> {
             None => println!("no submit succeeded after \"{fault}\""),
         }
     }
+    println!("RESULT chaos_codes_redeemed_twice {codes_twice} codes");
+    println!("RESULT chaos_sale_granted {granted} of {SALE_STOCK}");
     println!("RESULT chaos_tasks {} tasks", submitted.len());
     println!("RESULT chaos_tasks_not_ended_once {} tasks", twice.len());
     println!("RESULT chaos_repairs {repair_count} repairs");
@@ -629,10 +848,43 @@ async fn main() -> anyhow::Result<()> {
     }
     drop(std::fs::remove_dir_all(&scratch));
     anyhow::ensure!(
-        twice.is_empty() && differences == 0 && pending == 0,
+        twice.is_empty()
+            && differences == 0
+            && pending == 0
+            && codes_twice == 0
+            && codes_not_in_store == 0
+            && granted == SALE_STOCK,
         "the books do not agree"
     );
     Ok(())
+}
+
+/// The batch's codes from the admin CSV export: (code, the user who redeemed it or "").
+async fn export_codes(
+    http: &reqwest::Client,
+    addresses: &[String; 2],
+    admin_token: &str,
+    batch_id: &str,
+) -> anyhow::Result<Vec<(String, String)>> {
+    let csv = send(http, addresses, |http, address| {
+        http.get(format!(
+            "{address}/api/v1/admin/code-batches/{batch_id}/codes.csv"
+        ))
+        .bearer_auth(admin_token)
+    })
+    .await
+    .context("exporting the codes")?
+    .text()
+    .await?;
+    // serial,code,points,valid_from,valid_until,redeemed_by,redeemed_at
+    Ok(csv
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split(',').collect();
+            (fields.len() == 7).then(|| (fields[1].to_owned(), fields[5].to_owned()))
+        })
+        .collect())
 }
 
 async fn tokio_postgres_connect(
