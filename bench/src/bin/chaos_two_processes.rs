@@ -236,7 +236,9 @@ async fn main() -> anyhow::Result<()> {
                 output_dir: scratch.join(format!("sim-{index}")),
                 models: vec!["majicmixRealistic_v7.safetensors".into()],
                 faults: Faults {
-                    step_delay_ms: 10,
+                    // 20 steps of 30 ms: two servers take about 3 tasks/s while about 7/s arrive,
+                    // so a queue builds and prioritises and cancels meet waiting tasks.
+                    step_delay_ms: 30,
                     fast_png: true,
                     ..Faults::default()
                 },
