@@ -148,8 +148,15 @@ impl Leases {
             return Ok(None);
         }
         // Read after winning and before the term rebuilds the queue: a failover after this is
-        // seen by a renewal.
-        term.redis_replication_id = Some(self.redis.replication_id(&self.leader_key()).await?);
+        // seen by a renewal. Unread, the term does not start: the lease is given back at once
+        // rather than held, unused, until it runs out.
+        match self.redis.replication_id(&self.leader_key()).await {
+            Ok(id) => term.redis_replication_id = Some(id),
+            Err(error) => {
+                drop(self.resign(&term).await);
+                return Err(error.context("reading the replication id of the queue's Redis"));
+            }
+        }
         Ok(Some(term))
     }
 
