@@ -196,11 +196,6 @@ impl RedisStore {
         &self.key_prefix
     }
 
-    /// Whether Redis is a cluster (`redis.cluster_nodes`).
-    pub fn is_cluster(&self) -> bool {
-        matches!(*self.target, Target::Cluster { .. })
-    }
-
     /// The shared connection, opened on first use. A failed open is not cached: the next call
     /// tries again.
     pub async fn connection(&self) -> anyhow::Result<RedisConnection> {
@@ -313,31 +308,41 @@ impl RedisStore {
         Ok(())
     }
 
-    /// The replication id of the Redis that holds `key` (its slot's master in a cluster): it
-    /// changes when a replica is promoted in its master's place, or when a Redis restarts, the
-    /// two events after which Redis may lack its last writes while looking complete.
-    pub async fn replication_id(&self, key: &str) -> anyhow::Result<String> {
+    /// `command` on the Redis that holds `key` (its slot's master in a cluster), for what is
+    /// per node (`INFO`, `CLIENT LIST`): on a cluster the client would send a keyless command to
+    /// every node, or to any.
+    pub async fn query_on_node_of<T: redis::FromRedisValue>(
+        &self,
+        key: &str,
+        command: redis::Cmd,
+    ) -> anyhow::Result<T> {
         let mut connection = self.connection().await?;
-        let mut info = redis::cmd("INFO");
-        info.arg("replication");
-        let text: String = match &mut connection {
+        match &mut connection {
             RedisConnection::Cluster(cluster) => {
                 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
                 let route = Route::with_key(key, SlotAddr::Master);
                 let value = cluster
                     .route_command(
-                        info,
+                        command,
                         RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
                     )
-                    .await
-                    .context("reading INFO replication")?;
-                redis::from_redis_value(value).context("INFO replication's answer")?
+                    .await?;
+                Ok(redis::from_redis_value(value)?)
             }
-            other => info
-                .query_async(other)
-                .await
-                .context("reading INFO replication")?,
-        };
+            other => Ok(command.query_async(other).await?),
+        }
+    }
+
+    /// The replication id of the Redis that holds `key` (its slot's master in a cluster): it
+    /// changes when a replica is promoted in its master's place, or when a Redis restarts, the
+    /// two events after which Redis may lack its last writes while looking complete.
+    pub async fn replication_id(&self, key: &str) -> anyhow::Result<String> {
+        let mut info = redis::cmd("INFO");
+        info.arg("replication");
+        let text: String = self
+            .query_on_node_of(key, info)
+            .await
+            .context("reading INFO replication")?;
         text.lines()
             .find_map(|line| line.strip_prefix("master_replid:"))
             .map(|id| id.trim().to_owned())

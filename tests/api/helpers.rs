@@ -461,28 +461,3 @@ pub async fn redis_of(settings: &Settings) -> zhihui::redis_store::RedisConnecti
         .await
         .unwrap()
 }
-
-/// `command` sent to the Redis node that holds `key` (its slot's master in a cluster), for what
-/// is per node (`INFO`, `CLIENT LIST`).
-pub async fn on_node_of<T: redis::FromRedisValue>(
-    connection: &mut zhihui::redis_store::RedisConnection,
-    key: &str,
-    command: redis::Cmd,
-) -> T {
-    use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
-    match connection {
-        zhihui::redis_store::RedisConnection::Cluster(cluster) => {
-            let slot: u16 = redis::cmd("CLUSTER")
-                .arg("KEYSLOT")
-                .arg(key)
-                .query_async(cluster)
-                .await
-                .unwrap();
-            let route = Route::new(slot, SlotAddr::Master);
-            let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route));
-            let value = cluster.route_command(command, routing).await.unwrap();
-            redis::from_redis_value(value).unwrap()
-        }
-        other => command.query_async(other).await.unwrap(),
-    }
-}

@@ -684,13 +684,16 @@ async fn the_consumers_blocking_read_never_holds_the_shared_connection() {
         let promotions = services.promotions.clone();
         tokio::spawn(async move { promotions.consume_once("c", Some(3_000)).await })
     };
-    let mut watcher = crate::helpers::redis_of(&app.settings).await;
     let stream = services.promotions.stream_key();
     let started = std::time::Instant::now();
     loop {
         let mut info_clients = redis::cmd("INFO");
         info_clients.arg("clients");
-        let info: String = crate::helpers::on_node_of(&mut watcher, &stream, info_clients).await;
+        let info: String = services
+            .redis
+            .query_on_node_of(&stream, info_clients)
+            .await
+            .unwrap();
         if info
             .lines()
             .any(|line| line.starts_with("blocked_clients:") && line != "blocked_clients:0")
