@@ -28,6 +28,24 @@ pub fn percentile<T: Copy>(sorted: &[T], p: f64) -> Option<T> {
 }
 
 /// A duration in milliseconds (the unit every benchmark prints).
+/// CPU time (user + system) a process has used so far, in µs (`/proc/<pid>/stat`, 100 Hz ticks):
+/// the server's cost per request, read before and after a span of requests.
+pub fn process_cpu_us(pid: u32) -> anyhow::Result<f64> {
+    use anyhow::Context as _;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .with_context(|| format!("reading /proc/{pid}/stat"))?;
+    // After the name (in parentheses, which may hold spaces): utime and stime are fields 14, 15.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .context("no name in stat")?
+        .1
+        .split_whitespace()
+        .collect();
+    let utime: f64 = fields.get(11).context("utime")?.parse()?;
+    let stime: f64 = fields.get(12).context("stime")?.parse()?;
+    Ok((utime + stime) * 10_000.0)
+}
+
 pub fn ms(duration: std::time::Duration) -> f64 {
     duration.as_secs_f64() * 1_000.0
 }

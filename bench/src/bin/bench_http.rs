@@ -12,6 +12,11 @@
 //!     DATABASE_URL=postgres://zhihui@127.0.0.1:55432/zhihui REDIS_URL=redis://127.0.0.1:56379/0 \
 //!         cargo build --release -p zhihui -p zhihui-bench && \
 //!         target/release/bench_http [SECONDS (default 10)] [CLIENTS (default 64)]
+//!
+//! Then, when `wrk` is installed, the routes of the request path one by one under wrk (2 threads,
+//! 64 connections, SECONDS / 2 each, once the projections caught up), each beside `GET /health`
+//! (the framework's ceiling) measured against the same server in the same run: requests/s, p99,
+//! the share of the ceiling and the server's CPU time per request.
 
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
@@ -90,6 +95,13 @@ async fn user(http: &reqwest::Client, base: &str, index: usize) -> anyhow::Resul
         "register: {}",
         registered.status()
     );
+    login(http, base, index).await
+}
+
+/// Log bench user `index` in: its id and a new token.
+async fn login(http: &reqwest::Client, base: &str, index: usize) -> anyhow::Result<(Uuid, String)> {
+    let credentials =
+        json!({"username": format!("bench{index}"), "password": "correct horse battery staple"});
     let login: Value = http
         .post(format!("{base}/api/v1/auth/login"))
         .json(&credentials)
@@ -227,6 +239,29 @@ async fn run(
     sampler.await?;
     let peak_under_load = peak_kb.load(Ordering::Relaxed) as f64 / 1024.0;
     let high_water = memory_mb(server.pid, "VmHWM")?;
+    // The projections catch up on the load before the routes are measured one by one (their
+    // work would otherwise fall on the first routes).
+    let client = state.pg_pool.get().await?;
+    let mut last = -1_i64;
+    loop {
+        let projected: i64 = client
+            .query_one("SELECT count(*) FROM tasks", &[])
+            .await?
+            .get(0);
+        if projected == last {
+            break;
+        }
+        last = projected;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    drop(client);
+    let external = match wrk_available() {
+        true => external_load(&http, &base, server.pid, seconds).await?,
+        false => {
+            println!("wrk is not installed (apt-get install wrk): no external load generator run");
+            Vec::new()
+        }
+    };
     drop(server.child.start_kill());
     drop(server.child.wait().await);
 
@@ -247,7 +282,7 @@ async fn run(
     println!(
         "server resident memory: peak under load {peak_under_load:.1} MB, high-water mark {high_water:.1} MB (target < {MEMORY_TARGET_MB} MB)"
     );
-    Ok(vec![
+    let mut figures = vec![
         ("http_submit_per_second".into(), submits, "requests/s"),
         ("http_submit_p50".into(), submit_p50, "ms"),
         ("http_submit_p99".into(), submit_p99, "ms"),
@@ -261,7 +296,222 @@ async fn run(
             "MB",
         ),
         ("http_server_rss_high_water".into(), high_water, "MB"),
-    ])
+    ];
+    figures.extend(external);
+    Ok(figures)
+}
+
+fn wrk_available() -> bool {
+    std::process::Command::new("wrk")
+        .arg("--version")
+        .output()
+        .is_ok()
+}
+
+/// Connections wrk holds open, as many as the issue's figures were taken with.
+const WRK_CONNECTIONS: usize = 64;
+
+/// What wrk saw of one route.
+struct WrkRun {
+    per_second: f64,
+    p99_ms: f64,
+    non_2xx: u64,
+    /// The server's CPU time (user + system) per answered request, µs.
+    server_cpu_us: f64,
+}
+
+/// A wrk latency such as `812.00us`, `3.41ms` or `1.02s`, in ms.
+fn wrk_ms(value: &str) -> Option<f64> {
+    let split = value.find(|c: char| c.is_ascii_alphabetic())?;
+    let (number, unit) = value.split_at(split);
+    let number: f64 = number.parse().ok()?;
+    match unit {
+        "us" => Some(number / 1000.0),
+        "ms" => Some(number),
+        "s" => Some(number * 1000.0),
+        "m" => Some(number * 60_000.0),
+        _ => None,
+    }
+}
+
+/// Run wrk (2 threads, [`WRK_CONNECTIONS`]) against `url` for `seconds`, with `args` before it.
+async fn wrk(pid: u32, seconds: u64, args: &[String], url: &str) -> anyhow::Result<WrkRun> {
+    let cpu_before = zhihui::bench_support::process_cpu_us(pid)?;
+    let output = tokio::process::Command::new("wrk")
+        .args([
+            "-t2",
+            &format!("-c{WRK_CONNECTIONS}"),
+            &format!("-d{seconds}s"),
+            "--latency",
+        ])
+        .args(args)
+        .arg(url)
+        .output()
+        .await
+        .context("running wrk")?;
+    let cpu = zhihui::bench_support::process_cpu_us(pid)? - cpu_before;
+    let text = String::from_utf8_lossy(&output.stdout);
+    anyhow::ensure!(output.status.success(), "wrk failed: {text}");
+    let mut run = WrkRun {
+        per_second: 0.0,
+        p99_ms: 0.0,
+        non_2xx: 0,
+        server_cpu_us: 0.0,
+    };
+    let mut requests = 0.0;
+    for line in text.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["Requests/sec:", value] => run.per_second = value.parse()?,
+            ["99%", value] => run.p99_ms = wrk_ms(value).context("wrk's p99")?,
+            ["Non-2xx", "or", "3xx", "responses:", value] => run.non_2xx = value.parse()?,
+            [count, "requests", "in", ..] => requests = count.parse()?,
+            _ => {}
+        }
+    }
+    anyhow::ensure!(requests > 0.0, "wrk made no request: {text}");
+    run.server_cpu_us = cpu / requests;
+    Ok(run)
+}
+
+/// The routes of the request path under an external load generator (wrk), each beside GET
+/// /health (the framework's ceiling on this machine) measured in the same run.
+async fn external_load(
+    http: &reqwest::Client,
+    base: &str,
+    pid: u32,
+    seconds: u64,
+) -> anyhow::Result<Vec<(String, f64, &'static str)>> {
+    // The first bench user (a million points, thousands of tasks queued by now) logs in again
+    // for a token of its own: GET /tasks/{id} and POST /tasks meet a long queue and a user with
+    // thousands of waiting tasks, what made them grow before.
+    let (_, token) = login(http, base, 0).await?;
+    let submitted: Value = http
+        .post(format!("{base}/api/v1/tasks"))
+        .bearer_auth(&token)
+        .json(&json!({"prompt": "一只在雪地里奔跑的红狐狸", "steps": 20}))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    let task_id = submitted["task_id"]
+        .as_str()
+        .context("no task id")?
+        .to_owned();
+    let scratch = std::env::temp_dir().join(format!("bench-http-{}", Uuid::now_v7().simple()));
+    std::fs::create_dir_all(&scratch)?;
+    let post_script = scratch.join("submit.lua");
+    std::fs::write(
+        &post_script,
+        "wrk.method = \"POST\"\n\
+         wrk.headers[\"Content-Type\"] = \"application/json\"\n\
+         wrk.body = '{\"prompt\": \"一只在雪地里奔跑的红狐狸\", \"steps\": 20}'\n",
+    )?;
+    let bearer = vec!["-H".to_owned(), format!("Authorization: Bearer {token}")];
+    let cookie = vec![
+        "-H".to_owned(),
+        format!("Cookie: {}={token}", zhihui::web::SESSION_COOKIE),
+    ];
+    let mut submit_args = bearer.clone();
+    submit_args.extend(["-s".to_owned(), post_script.to_string_lossy().into_owned()]);
+    let cases: Vec<(&str, &str, Vec<String>, String)> = vec![
+        (
+            "health",
+            "GET /health (the ceiling)",
+            Vec::new(),
+            format!("{base}/health"),
+        ),
+        (
+            "me",
+            "GET /api/v1/me",
+            bearer.clone(),
+            format!("{base}/api/v1/me"),
+        ),
+        (
+            "account",
+            "GET /api/v1/account",
+            bearer.clone(),
+            format!("{base}/api/v1/account"),
+        ),
+        (
+            "task",
+            "GET /api/v1/tasks/{id}",
+            bearer.clone(),
+            format!("{base}/api/v1/tasks/{task_id}"),
+        ),
+        (
+            "ledger",
+            "GET /api/v1/account/ledger",
+            bearer.clone(),
+            format!("{base}/api/v1/account/ledger?limit=20"),
+        ),
+        (
+            "generate_page",
+            "GET /generate (web page)",
+            cookie,
+            format!("{base}/generate"),
+        ),
+        (
+            "submit",
+            "POST /api/v1/tasks, one user",
+            submit_args,
+            format!("{base}/api/v1/tasks"),
+        ),
+    ];
+    let seconds = (seconds / 2).max(3);
+    println!();
+    println!("wrk, 2 threads, {WRK_CONNECTIONS} connections, {seconds} s per route, same server:");
+    println!(
+        "| route | per second | p99 ms | share of /health | server CPU µs per request | non-2xx |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let mut figures = Vec::new();
+    let mut ceiling = 0.0;
+    for (key, label, args, url) in cases {
+        let run = wrk(pid, seconds, &args, &url).await?;
+        if key == "health" {
+            ceiling = run.per_second;
+        }
+        let share = if ceiling > 0.0 {
+            run.per_second / ceiling
+        } else {
+            0.0
+        };
+        println!(
+            "| {label} | {:.0} | {:.2} | {:.1} % | {:.0} | {} |",
+            run.per_second,
+            run.p99_ms,
+            share * 100.0,
+            run.server_cpu_us,
+            run.non_2xx
+        );
+        figures.push((
+            format!("http_wrk_{key}_per_second"),
+            run.per_second,
+            "requests/s",
+        ));
+        figures.push((format!("http_wrk_{key}_p99"), run.p99_ms, "ms"));
+        figures.push((
+            format!("http_wrk_{key}_server_cpu"),
+            run.server_cpu_us,
+            "µs",
+        ));
+        figures.push((
+            format!("http_wrk_{key}_non_2xx"),
+            run.non_2xx as f64,
+            "requests",
+        ));
+        if key != "health" {
+            figures.push((
+                format!("http_wrk_{key}_share_of_health"),
+                share * 100.0,
+                "%",
+            ));
+        }
+    }
+    drop(std::fs::remove_dir_all(&scratch));
+    Ok(figures)
 }
 
 /// p50 and p99 of `samples`, in ms.

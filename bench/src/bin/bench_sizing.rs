@@ -37,6 +37,27 @@ use uuid::Uuid;
 use zhihui::bench_support::{Figure, arg};
 use zhihui::configuration::Settings;
 
+/// Redis's own time in its commands since the last reset, µs (`INFO commandstats` usec).
+async fn redis_usec(redis: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<f64> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(redis)
+        .await?;
+    let mut total = 0.0;
+    for line in info.lines() {
+        if let Some(rest) = line.strip_prefix("cmdstat_")
+            && !rest.starts_with("info:")
+            && !rest.starts_with("config|resetstat:")
+            && let Some(usec) = rest
+                .split(',')
+                .find_map(|field| field.split_once("usec=").map(|(_, value)| value))
+        {
+            total += usec.parse::<f64>()?;
+        }
+    }
+    Ok(total)
+}
+
 /// Every Redis command counted since the last reset, by command.
 async fn redis_commands(
     redis: &mut redis::aio::MultiplexedConnection,
@@ -101,18 +122,20 @@ async fn top_statements(pg: &tokio_postgres::Client, units: f64) -> anyhow::Resu
         .join(" | "))
 }
 
-/// Statements of this database since the last reset (the bench's own excluded).
-async fn statements(pg: &tokio_postgres::Client) -> anyhow::Result<u64> {
+/// Statements of this database since the last reset (the bench's own excluded), and their
+/// execution time in ms.
+async fn statements(pg: &tokio_postgres::Client) -> anyhow::Result<(u64, f64)> {
     let row = pg
         .query_one(
-            "SELECT coalesce(sum(calls), 0)::bigint FROM pg_stat_statements s \
+            "SELECT coalesce(sum(calls), 0)::bigint, coalesce(sum(total_exec_time), 0)::float8 \
+               FROM pg_stat_statements s \
                JOIN pg_database d ON d.oid = s.dbid \
               WHERE d.datname = current_database() \
                 AND s.query NOT LIKE '%pg_stat_statements%' AND s.query NOT LIKE '%count(*) FROM events%'",
             &[],
         )
         .await?;
-    Ok(u64::try_from(row.get::<_, i64>(0))?)
+    Ok((u64::try_from(row.get::<_, i64>(0))?, row.get(1)))
 }
 
 async fn events(pg: &tokio_postgres::Client) -> anyhow::Result<u64> {
@@ -120,42 +143,90 @@ async fn events(pg: &tokio_postgres::Client) -> anyhow::Result<u64> {
     Ok(u64::try_from(row.get::<_, i64>(0))?)
 }
 
-/// What the stores saw over a span, per unit, the idle background taken off.
+/// What the server and the stores spent over a span, per unit, the idle background taken off.
 struct Cost {
+    /// The server process's CPU time (user + system), µs.
+    cpu_us: f64,
     redis: f64,
+    /// Redis's own time in those commands, µs.
+    redis_us: f64,
     redis_top: String,
     statements: f64,
+    /// PostgreSQL's execution time of those statements, µs.
+    statement_us: f64,
     statements_top: String,
     events: f64,
+}
+
+/// Counters read at one instant, to subtract.
+struct Reading {
+    cpu_us: f64,
+    redis: u64,
+    redis_us: f64,
+    statements: u64,
+    statement_ms: f64,
 }
 
 struct Meter<'a> {
     redis: &'a mut redis::aio::MultiplexedConnection,
     pg: &'a tokio_postgres::Client,
-    /// Background Redis commands and statements per second of the idle server.
-    idle_redis_per_s: f64,
-    idle_statements_per_s: f64,
+    /// The `zhihui serve` whose CPU time is counted.
+    pid: u32,
+    /// The idle server's background per second (leases, boards).
+    idle: Reading,
 }
 
 /// How long the idle server's background is watched before each part.
 const IDLE: Duration = Duration::from_secs(3);
 
 impl<'a> Meter<'a> {
+    async fn read(
+        redis: &mut redis::aio::MultiplexedConnection,
+        pg: &tokio_postgres::Client,
+        pid: u32,
+    ) -> anyhow::Result<Reading> {
+        let (statements, statement_ms) = statements(pg).await?;
+        Ok(Reading {
+            cpu_us: zhihui::bench_support::process_cpu_us(pid)?,
+            redis: redis_commands(redis).await?.values().sum(),
+            redis_us: redis_usec(redis).await?,
+            statements,
+            statement_ms,
+        })
+    }
+
     /// A meter whose background rates are the idle server's, watched for [`IDLE`].
     async fn after_idle(
         redis: &'a mut redis::aio::MultiplexedConnection,
         pg: &'a tokio_postgres::Client,
+        pid: u32,
     ) -> anyhow::Result<Meter<'a>> {
         reset(redis, pg).await?;
+        let cpu_before = zhihui::bench_support::process_cpu_us(pid)?;
         tokio::time::sleep(IDLE).await;
-        let idle_redis: u64 = redis_commands(redis).await?.values().sum();
-        let idle_statements = statements(pg).await?;
+        let mut idle = Self::read(redis, pg, pid).await?;
+        idle.cpu_us -= cpu_before;
+        let seconds = IDLE.as_secs_f64();
         Ok(Meter {
             redis,
             pg,
-            idle_redis_per_s: idle_redis as f64 / IDLE.as_secs_f64(),
-            idle_statements_per_s: idle_statements as f64 / IDLE.as_secs_f64(),
+            pid,
+            idle: Reading {
+                cpu_us: idle.cpu_us / seconds,
+                redis: idle.redis,
+                redis_us: idle.redis_us / seconds,
+                statements: idle.statements,
+                statement_ms: idle.statement_ms / seconds,
+            },
         })
+    }
+
+    fn idle_redis_per_s(&self) -> f64 {
+        self.idle.redis as f64 / IDLE.as_secs_f64()
+    }
+
+    fn idle_statements_per_s(&self) -> f64 {
+        self.idle.statements as f64 / IDLE.as_secs_f64()
     }
 
     async fn measure<F, Fut>(&mut self, units: usize, work: F) -> anyhow::Result<(Cost, Duration)>
@@ -165,16 +236,16 @@ impl<'a> Meter<'a> {
     {
         let events_before = events(self.pg).await?;
         reset(self.redis, self.pg).await?;
+        let cpu_before = zhihui::bench_support::process_cpu_us(self.pid)?;
         let started = Instant::now();
         work().await?;
         let took = started.elapsed();
+        let seconds = took.as_secs_f64();
+        let after = Self::read(self.redis, self.pg, self.pid).await?;
         let counts = redis_commands(self.redis).await?;
-        let statements_seen = statements(self.pg).await?;
         let statements_top = top_statements(self.pg, units as f64).await?;
         let events_after = events(self.pg).await?;
         let units = units as f64;
-        let total: u64 = counts.values().sum();
-        let background = self.idle_redis_per_s * took.as_secs_f64();
         let mut top: Vec<(&String, &u64)> = counts.iter().collect();
         top.sort_by(|left, right| right.1.cmp(left.1));
         let redis_top = top
@@ -183,14 +254,16 @@ impl<'a> Meter<'a> {
             .map(|(command, calls)| format!("{command} {:.1}", **calls as f64 / units))
             .collect::<Vec<_>>()
             .join(", ");
+        let per_unit =
+            |total: f64, idle_per_s: f64| ((total - idle_per_s * seconds) / units).max(0.0);
         Ok((
             Cost {
-                redis: ((total as f64 - background) / units).max(0.0),
+                cpu_us: per_unit(after.cpu_us - cpu_before, self.idle.cpu_us),
+                redis: per_unit(after.redis as f64, self.idle_redis_per_s()),
+                redis_us: per_unit(after.redis_us, self.idle.redis_us),
                 redis_top,
-                statements: ((statements_seen as f64
-                    - self.idle_statements_per_s * took.as_secs_f64())
-                    / units)
-                    .max(0.0),
+                statements: per_unit(after.statements as f64, self.idle_statements_per_s()),
+                statement_us: per_unit(after.statement_ms, self.idle.statement_ms) * 1000.0,
                 statements_top,
                 events: (events_after - events_before) as f64 / units,
             },
@@ -239,6 +312,7 @@ async fn run(settings: Settings, requests: usize, tasks: usize) -> anyhow::Resul
         .await?;
     let http = reqwest::Client::new();
     let mut figures: Vec<Figure> = Vec::new();
+    let mut route_figures: Vec<Figure> = Vec::new();
 
     // ---- 1. Request kinds, the dispatcher off (tasks stay queued).
     let common: Vec<(&str, &str)> = vec![
@@ -286,22 +360,45 @@ async fn run(settings: Settings, requests: usize, tasks: usize) -> anyhow::Resul
         )
         .await?;
     }
-    let mut meter = Meter::after_idle(&mut redis, &pg).await?;
+    let mut meter = Meter::after_idle(&mut redis, &pg, server.pid).await?;
     println!(
-        "idle zhihui serve (dispatcher off): {:.1} Redis commands/s, {:.1} statements/s (taken off below)",
-        meter.idle_redis_per_s, meter.idle_statements_per_s
+        "idle zhihui serve (dispatcher off): {:.1} Redis commands/s, {:.1} statements/s, {:.0} µs CPU/s (taken off below)",
+        meter.idle_redis_per_s(),
+        meter.idle_statements_per_s(),
+        meter.idle.cpu_us
     );
     println!();
     println!(
-        "{:<28} {:>8} {:>11} {:>8}   top Redis commands per request",
-        "request", "Redis", "statements", "events"
+        "{:<28} {:>8} {:>6} {:>8} {:>11} {:>8} {:>7}   top Redis commands per request",
+        "request", "CPU µs", "Redis", "Redis µs", "statements", "PG µs", "events"
     );
-    let table = |name: &str, cost: &Cost| {
+    let mut table = |name: &str, cost: &Cost| {
         println!(
-            "{name:<28} {:>8.1} {:>11.1} {:>8.2}   {}",
-            cost.redis, cost.statements, cost.events, cost.redis_top
+            "{name:<28} {:>8.0} {:>6.1} {:>8.1} {:>11.1} {:>8.0} {:>7.2}   {}",
+            cost.cpu_us,
+            cost.redis,
+            cost.redis_us,
+            cost.statements,
+            cost.statement_us,
+            cost.events,
+            cost.redis_top
         );
         println!("{:<28} statements: {}", "", cost.statements_top);
+        let key = name
+            .chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() {
+                    c.to_ascii_lowercase()
+                } else {
+                    '_'
+                }
+            })
+            .collect::<String>()
+            .split('_')
+            .filter(|part| !part.is_empty())
+            .collect::<Vec<_>>()
+            .join("_");
+        route_figures.push((format!("sizing_cpu_us_{key}"), cost.cpu_us, "µs"));
     };
 
     let (cost, _) = meter
@@ -400,6 +497,7 @@ async fn run(settings: Settings, requests: usize, tasks: usize) -> anyhow::Resul
             .await?;
         table(label, &cost);
     }
+    figures.append(&mut route_figures);
     drop(server);
 
     // ---- 2. Tasks end to end, the dispatcher on, one simulator with room for 8 at once.
@@ -452,11 +550,12 @@ async fn run(settings: Settings, requests: usize, tasks: usize) -> anyhow::Resul
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let mut meter = Meter::after_idle(&mut redis, &pg).await?;
+    let mut meter = Meter::after_idle(&mut redis, &pg, server.pid).await?;
     println!();
     println!(
         "idle zhihui serve (dispatcher leading one server): {:.1} Redis commands/s, {:.1} statements/s (taken off below)",
-        meter.idle_redis_per_s, meter.idle_statements_per_s
+        meter.idle_redis_per_s(),
+        meter.idle_statements_per_s()
     );
     let succeeded = || async {
         let row = pg
