@@ -199,7 +199,8 @@ pub fn settlement_bound(settings: &crate::configuration::TaskSettings) -> chrono
     chrono::Duration::milliseconds(i64::try_from(bound_ms).unwrap_or(i64::MAX))
 }
 
-/// Fold the log and compare with `accounts`, `ledger_entries`, `users` and `tasks`, and every
+/// Fold the log and compare with `accounts`, `ledger_entries`, `users`, `tasks` (and its per-user
+/// waiting counts), and every
 /// task with its hold and fees; a settlement missing for longer than `settle_within` is a
 /// difference.
 pub async fn verify(
@@ -458,6 +459,14 @@ pub async fn verify(
         .map(tasks::TaskRow::from_row)
         .collect::<anyhow::Result<HashMap<_, _>>>()
         .context("reading a task row")?;
+    let counted = client
+        .query("SELECT user_id, waiting FROM tasks_waiting", &[])
+        .await
+        .context("reading tasks_waiting")?
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect::<HashMap<Uuid, i32>>();
+    task_fold.compare_waiting(&counted, &mut differences);
     // The database's clock: the one `recorded_at` was taken with.
     let now: chrono::DateTime<chrono::Utc> = client
         .query_one("SELECT now()", &[])

@@ -52,6 +52,8 @@ pub const STATUS_STALE_MS: i64 = 10_000;
 /// Queued tasks estimated per read, at most: the estimate replays the queue from its head, so a
 /// task further back gets none (its place still shows).
 pub const ESTIMATE_QUEUE_MAX: usize = 1_000;
+/// How long a read of the queue's head serves estimates (see [`PoolService::queue_head`]).
+pub const QUEUE_HEAD_MAX_AGE: std::time::Duration = std::time::Duration::from_millis(250);
 /// Steps assumed for a queued task whose steps are not beside it in Redis (queued before they
 /// were kept there): the catalog's default.
 const STEPS_UNKNOWN: u32 = 20;
@@ -131,6 +133,16 @@ pub struct PoolService {
     /// The pool as last read here, and when: accepts a model quickly (while younger than
     /// [`POOL_CACHE_MAX_AGE`]); never refuses one.
     cached: Arc<Mutex<Option<(PoolState, std::time::Instant)>>>,
+    /// The queue's head as last read for estimates ([`PoolService::queue_head`]).
+    head: Arc<tokio::sync::Mutex<Option<QueueHead>>>,
+}
+
+/// A read of the queue's first [`ESTIMATE_QUEUE_MAX`] tasks, with their model and steps.
+#[derive(Debug)]
+struct QueueHead {
+    taken: std::time::Instant,
+    tasks: Vec<(uuid::Uuid, Option<String>, Option<u32>)>,
+    index: HashMap<uuid::Uuid, usize>,
 }
 
 impl PoolService {
@@ -148,6 +160,7 @@ impl PoolService {
             leases,
             clock,
             cached: Arc::new(Mutex::new(None)),
+            head: Arc::new(tokio::sync::Mutex::new(None)),
         }
     }
 
@@ -443,21 +456,69 @@ impl PoolService {
         }
     }
 
-    /// Wait estimates for the queue's first tasks, through `through_rank` (0-based; at most
-    /// [`ESTIMATE_QUEUE_MAX`] tasks): the servers in service as the leader last published them
-    /// (their slots' free times, aged since; their measured step times), replayed by
-    /// [`crate::dispatch::estimate::estimate`].
+    /// The queue's head for estimates, as far as `wanted` reaches into it: the last read if it
+    /// is younger than [`QUEUE_HEAD_MAX_AGE`] and holds every wanted task, else a new read.
+    /// One read at a time: requests that arrive during a read wait for it and share it, so
+    /// reading the head (up to [`ESTIMATE_QUEUE_MAX`] tasks) costs a process a few reads a
+    /// second under any load, instead of one per request. An estimate may so be made from a
+    /// head up to that age (a task ahead just dispatched or moved): estimates are a forecast;
+    /// positions are read fresh, and the servers' state is read on each call.
+    async fn queue_head(
+        &self,
+        queue: &crate::tasks::queue::TaskQueue,
+        wanted: &[uuid::Uuid],
+    ) -> anyhow::Result<Vec<(uuid::Uuid, Option<String>, Option<u32>)>> {
+        let mut slot = self.head.lock().await;
+        let reach = |head: &QueueHead| -> Option<usize> {
+            wanted
+                .iter()
+                .map(|task| head.index.get(task).copied())
+                .try_fold(0, |reach, at| at.map(|at| reach.max(at + 1)))
+        };
+        if let Some(head) = slot.as_ref()
+            && head.taken.elapsed() < QUEUE_HEAD_MAX_AGE
+            && let Some(reach) = reach(head)
+        {
+            return Ok(head.tasks[..reach].to_vec());
+        }
+        let tasks = queue.head(ESTIMATE_QUEUE_MAX).await?;
+        let index = tasks
+            .iter()
+            .enumerate()
+            .map(|(at, (task, _, _))| (*task, at))
+            .collect();
+        let head = QueueHead {
+            taken: std::time::Instant::now(),
+            tasks,
+            index,
+        };
+        // A wanted task not in a new read has left the queue, or is beyond the estimated head.
+        let reach = wanted
+            .iter()
+            .filter_map(|task| head.index.get(task))
+            .map(|at| at + 1)
+            .max()
+            .unwrap_or(0);
+        let answer = head.tasks[..reach].to_vec();
+        *slot = Some(head);
+        Ok(answer)
+    }
+
+    /// Wait estimates for queued tasks among the queue's first [`ESTIMATE_QUEUE_MAX`] (a task
+    /// further back gets none): the servers in service as the leader last published them (their
+    /// slots' free times, aged since; their measured step times), replayed over the queue's
+    /// head by [`crate::dispatch::estimate::estimate`].
     pub async fn estimates(
         &self,
         queue: &crate::tasks::queue::TaskQueue,
-        through_rank: u64,
+        wanted: &[uuid::Uuid],
     ) -> anyhow::Result<HashMap<uuid::Uuid, WaitEstimate>> {
         use crate::dispatch::estimate::{ServerOutlook, Waiting, estimate};
 
-        let count = usize::try_from(through_rank.saturating_add(1))
-            .unwrap_or(usize::MAX)
-            .min(ESTIMATE_QUEUE_MAX);
-        let head = queue.head(count).await?;
+        if wanted.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let head = self.queue_head(queue, wanted).await?;
         if head.is_empty() {
             return Ok(HashMap::new());
         }

@@ -125,13 +125,17 @@ impl PositionBoard {
         }
         // One replay of the queue's head for every followed task (bounded by the estimate's
         // own limit); the places stand without it if it cannot be made.
-        let through = snapshot
-            .values()
-            .flatten()
-            .map(|place| place.position)
-            .max();
-        if let (Some(pool), Some(through)) = (&self.inner.estimates, through) {
-            match pool.estimates(&self.inner.queue, through - 1).await {
+        let wanted: Vec<TaskId> = snapshot
+            .iter()
+            .filter(|(_, place)| {
+                place
+                    .as_ref()
+                    .is_some_and(|place| place.position <= crate::pool::ESTIMATE_QUEUE_MAX as u64)
+            })
+            .map(|(task_id, _)| *task_id)
+            .collect();
+        if let (Some(pool), false) = (&self.inner.estimates, wanted.is_empty()) {
+            match pool.estimates(&self.inner.queue, &wanted).await {
                 Ok(estimates) => {
                     for (task_id, place) in &mut snapshot {
                         if let Some(place) = place {

@@ -321,6 +321,10 @@ impl Projector {
             killed.is_err(),
             "the connection survived its own termination"
         );
+        drop(transaction);
+        // A killed process's connections die with its pool: this one is not handed out again
+        // (the pool checks only connections idle for a while, see `postgres::build_pool`).
+        drop(deadpool_postgres::Object::take(client));
         Ok(projected.len())
     }
 

@@ -97,7 +97,7 @@ impl ProjectionName {
         match self {
             ProjectionName::Ledger => &["accounts", "ledger_entries"],
             ProjectionName::Users => &["users"],
-            ProjectionName::Tasks => &["tasks"],
+            ProjectionName::Tasks => &["tasks", "tasks_waiting"],
             ProjectionName::Settlements => &["open_settlements"],
             ProjectionName::Codes => &["code_batches", "redeem_codes"],
             ProjectionName::Checkins => &["checkins"],

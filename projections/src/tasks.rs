@@ -3,6 +3,11 @@
 //! a batch reads the rows of the tasks it touches, folds their events in memory and writes each
 //! touched row once. The `stream_version` guard (in the fold and in the upsert) makes each event
 //! apply at most once.
+//!
+//! `tasks_waiting` (one row per user: tasks submitted or queued) moves with the rows: a task
+//! whose row changes from waiting to not (or back) moves its user's count in the same
+//! transaction, so the count is the rows' own (the batches of a projection apply one at a time,
+//! under its checkpoint's lock).
 
 use std::collections::HashMap;
 
@@ -74,6 +79,7 @@ pub async fn apply(
         return Ok(());
     }
     let mut records: HashMap<TaskId, TaskRecord> = HashMap::new();
+    let mut waiting: HashMap<UserId, i32> = HashMap::new();
     for row in transaction
         .query(
             &format!("SELECT {RECORD_COLUMNS} FROM {table} WHERE task_id = ANY($1)"),
@@ -106,9 +112,40 @@ pub async fn apply(
         if before.as_ref() == Some(&record) {
             continue;
         }
+        let was_waiting = before
+            .as_ref()
+            .is_some_and(|before| is_waiting(before.status));
+        let change = i32::from(is_waiting(record.status)) - i32::from(was_waiting);
+        if change != 0 {
+            *waiting.entry(record.user_id).or_default() += change;
+        }
         write(transaction, &table, &record, updated_at).await?;
     }
+    let (users, changes): (Vec<uuid::Uuid>, Vec<i32>) = waiting
+        .into_iter()
+        .filter(|(_, change)| *change != 0)
+        .map(|(user, change)| (user.as_uuid(), change))
+        .unzip();
+    if !users.is_empty() {
+        let counts = tables.name("tasks_waiting");
+        transaction
+            .execute(
+                &format!(
+                    "INSERT INTO {counts} AS w (user_id, waiting) \
+                     SELECT * FROM unnest($1::uuid[], $2::int[]) \
+                     ON CONFLICT (user_id) DO UPDATE SET waiting = w.waiting + EXCLUDED.waiting"
+                ),
+                &[&users, &changes],
+            )
+            .await
+            .context("counting users' waiting tasks")?;
+    }
     Ok(())
+}
+
+/// Waiting for a server: what the per-user queue limit counts.
+pub fn is_waiting(status: TaskStatus) -> bool {
+    matches!(status, TaskStatus::Submitted | TaskStatus::Queued)
 }
 
 async fn write(

@@ -83,6 +83,37 @@ pub(super) struct TaskFold {
 }
 
 impl TaskFold {
+    /// `tasks_waiting` beside the rows the events make: each user's count of waiting tasks is
+    /// the number of their tasks submitted or queued. A user whose count is 0 may have a row or
+    /// none.
+    pub(super) fn compare_waiting(
+        &self,
+        counted: &HashMap<Uuid, i32>,
+        differences: &mut Vec<Difference>,
+    ) {
+        let mut expected: HashMap<Uuid, i32> = HashMap::new();
+        for row in self.tasks.values().filter_map(|task| task.row.as_ref()) {
+            if matches!(row.status.as_str(), "submitted" | "queued") {
+                *expected.entry(row.user_id).or_default() += 1;
+            }
+        }
+        let users: std::collections::BTreeSet<&Uuid> =
+            expected.keys().chain(counted.keys()).collect();
+        for user in users {
+            let (events, count) = (
+                expected.get(user).copied().unwrap_or(0),
+                counted.get(user).copied().unwrap_or(0),
+            );
+            if events != count {
+                differences.push(Difference {
+                    read_model: "tasks_waiting",
+                    key: user.to_string(),
+                    detail: format!("counts {count} waiting tasks, the events {events}"),
+                });
+            }
+        }
+    }
+
     pub(super) fn task_event(
         &mut self,
         task_id: Uuid,

@@ -177,6 +177,34 @@ const EVENT_COLUMNS: &str = "event_id, stream_id, stream_version, event_type, sc
      payload, metadata, recorded_at, transaction_id::text::bigint AS commit_position, \
      global_position";
 
+/// A window of the global order after ($1, $2), at most $3 events, below the snapshot's horizon,
+/// with whether a transaction at or past the horizon holds newer events back: see
+/// `read_window`. The filter is applied here ($4: 0 every event, 1 streams starting with one of
+/// $5, 2 events of a type in $5): an event it leaves out comes back as its position alone (the
+/// reader still moves past it) instead of its payload and metadata, which a subscription would
+/// only decode to drop. (`EVENT_COLUMNS`, written out: a `const` cannot be built with
+/// `format!`.) No ORDER BY outside: the window's own order comes through the join, and the
+/// reader sorts what it got (a sort here cost more than the read).
+const WINDOW_SQL: &str = "SELECT w.event_id, w.stream_id, w.stream_version, w.event_type, \
+       w.schema_version, \
+       CASE WHEN w.wanted THEN w.payload END AS payload, \
+       CASE WHEN w.wanted THEN w.metadata END AS metadata, \
+       w.recorded_at, w.commit_position, w.global_position, w.wanted, h.held_back \
+  FROM (SELECT COALESCE((SELECT transaction_id FROM events \
+                          ORDER BY transaction_id DESC, global_position DESC LIMIT 1) \
+                        >= pg_snapshot_xmin(pg_current_snapshot()), false) AS held_back) h \
+  LEFT JOIN LATERAL ( \
+       SELECT event_id, stream_id, stream_version, event_type, schema_version, payload, \
+              metadata, recorded_at, transaction_id::text::bigint AS commit_position, \
+              global_position, \
+              CASE $4::smallint WHEN 0 THEN true \
+                                WHEN 1 THEN stream_id ^@ ANY($5::text[]) \
+                                ELSE event_type = ANY($5::text[]) END AS wanted \
+         FROM events \
+        WHERE (transaction_id, global_position) > ($1::bigint::text::xid8, $2::bigint) \
+          AND transaction_id < pg_snapshot_xmin(pg_current_snapshot()) \
+        ORDER BY transaction_id, global_position LIMIT $3) w ON true";
+
 impl PostgresEventStore {
     /// Start the store's background tasks (LISTEN connection, group-commit writers).
     pub fn start(pool: Pool, options: PostgresEventStoreOptions) -> PostgresEventStore {
@@ -309,16 +337,7 @@ impl PostgresEventStore {
         max_count: usize,
         filter: &EventFilter,
     ) -> Result<(AllSlice, bool), EventStoreError> {
-        let mut client = self.inner.pool.get().await.map_err(unavailable)?;
-        // One snapshot for both statements, so the horizon and the "held back" check agree.
-        // Read-only transactions take no transaction id and so never hold anyone's horizon back.
-        let transaction = client
-            .build_transaction()
-            .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
-            .read_only(true)
-            .start()
-            .await
-            .map_err(unavailable)?;
+        let client = self.inner.pool.get().await.map_err(unavailable)?;
         let after = after.unwrap_or(Position {
             commit: 0,
             prepare: 0,
@@ -327,42 +346,56 @@ impl PostgresEventStore {
         let after_prepare =
             i64::try_from(after.prepare).map_err(|_| position_out_of_range(after))?;
         let limit = i64::try_from(max_count).unwrap_or(i64::MAX);
-        let window_sql = format!(
-            "SELECT {EVENT_COLUMNS} FROM events \
-              WHERE (transaction_id, global_position) > ($1::bigint::text::xid8, $2::bigint) \
-                AND transaction_id < pg_snapshot_xmin(pg_current_snapshot()) \
-              ORDER BY transaction_id, global_position LIMIT $3"
-        );
-        let rows = transaction
-            .query(&window_sql, &[&after_commit, &after_prepare, &limit])
+        // One statement, so one snapshot for the window and the "held back" check (they must
+        // agree), and outside a transaction block: read-only, it takes no transaction id and so
+        // never holds anyone's horizon back. One round trip where a transaction took four.
+        // The check is the newest event's transaction, one probe at the end of the index. (An
+        // `EXISTS (... WHERE transaction_id >= horizon)` reads the same, but the planner chose a
+        // sequential scan for it, which finds nothing in the usual case and so read the whole
+        // table on every wake-up of every subscription.) The outer row is there even when the
+        // window is empty: its event columns are then NULL.
+        let statement = client
+            .prepare_cached(WINDOW_SQL)
             .await
             .map_err(unavailable)?;
-        // The newest event's transaction, one probe at the end of the index. (An `EXISTS (...
-        // WHERE transaction_id >= horizon)` reads the same, but the planner chose a sequential
-        // scan for it, which finds nothing in the usual case and so read the whole table on
-        // every wake-up of every subscription.)
-        let held_back: bool = transaction
-            .query_one(
-                "SELECT COALESCE((SELECT transaction_id FROM events \
-                   ORDER BY transaction_id DESC, global_position DESC LIMIT 1) \
-                   >= pg_snapshot_xmin(pg_current_snapshot()), false)",
-                &[],
+        let (kind, list): (i16, &[String]) = match filter {
+            EventFilter::All => (0, &[]),
+            EventFilter::StreamPrefixes(prefixes) => (1, prefixes),
+            EventFilter::EventTypes(types) => (2, types),
+        };
+        let rows = client
+            .query(
+                &statement,
+                &[&after_commit, &after_prepare, &limit, &kind, &list],
             )
             .await
+            .map_err(unavailable)?;
+        let held_back: bool = rows
+            .first()
+            .map(|row| row.try_get("held_back"))
+            .transpose()
             .map_err(unavailable)?
-            .get(0);
-        transaction.commit().await.map_err(unavailable)?;
+            .unwrap_or(false);
+        let empty = rows
+            .first()
+            .is_none_or(|row| row.get::<_, Option<uuid::Uuid>>("event_id").is_none());
+        let rows: &[Row] = if empty { &[] } else { &rows };
 
         let full = rows.len() >= max_count;
-        let mut scanned_to = None;
+        let mut scanned_to: Option<Position> = None;
         let mut events = Vec::with_capacity(rows.len());
-        for row in &rows {
-            let event = event_from_row(row)?;
-            scanned_to = Some(event.position);
-            if filter.matches(&event.stream, &event.event_type) {
-                events.push(event);
+        for row in rows {
+            let position = Position {
+                commit: from_i64(row.try_get("commit_position").map_err(unavailable)?),
+                prepare: from_i64(row.try_get("global_position").map_err(unavailable)?),
+            };
+            scanned_to = scanned_to.max(Some(position));
+            if row.try_get("wanted").map_err(unavailable)? {
+                events.push(event_from_row(row)?);
             }
         }
+        // In the window's order already (see WINDOW_SQL); sorted to be sure of it.
+        events.sort_by_key(|event| event.position);
         Ok((
             AllSlice {
                 events,
@@ -422,8 +455,10 @@ impl EventStore for PostgresEventStore {
             "SELECT {EVENT_COLUMNS} FROM events WHERE stream_id = $1 AND stream_version {comparison} $2 \
               ORDER BY stream_version {order} LIMIT $3"
         );
+        // Six shapes at most, each prepared once per connection.
+        let statement = client.prepare_cached(&sql).await.map_err(unavailable)?;
         let rows = client
-            .query(&sql, &[&stream, &bound, &limit])
+            .query(&statement, &[&stream, &bound, &limit])
             .await
             .map_err(unavailable)?;
         rows.iter().map(event_from_row).collect()
@@ -443,13 +478,16 @@ impl EventStore for PostgresEventStore {
         self.settle().await?;
         let client = self.inner.pool.get().await.map_err(unavailable)?;
         // One statement outside a transaction block: read-only, it takes no transaction id.
-        let row = client
-            .query_opt(
+        let statement = client
+            .prepare_cached(
                 "SELECT transaction_id::text::bigint, global_position FROM events \
                   WHERE transaction_id < pg_snapshot_xmin(pg_current_snapshot()) \
                   ORDER BY transaction_id DESC, global_position DESC LIMIT 1",
-                &[],
             )
+            .await
+            .map_err(unavailable)?;
+        let row = client
+            .query_opt(&statement, &[])
             .await
             .map_err(unavailable)?;
         let Some(row) = row else {

@@ -220,27 +220,27 @@ pub(crate) async fn ledger_page(
     let client = state.pg_pool.get().await.context("getting a connection")?;
     // How far the projection got first, then only rows up to there: a batch committed between
     // the two reads must not leave a gap between the rows and the stream's tail below.
-    let projected_version: Option<i64> = client
-        .query_opt(
-            "SELECT stream_version FROM accounts WHERE user_id = $1",
-            &[&user_id.as_uuid()],
-        )
-        .await
-        .context("reading how far the ledger is projected")?
-        .map(|row| row.get(0));
+    let projected_version: Option<i64> = crate::postgres::query_opt_cached(
+        &client,
+        "SELECT stream_version FROM accounts WHERE user_id = $1",
+        &[&user_id.as_uuid()],
+    )
+    .await
+    .context("reading how far the ledger is projected")?
+    .map(|row| row.get(0));
     let rows = match projected_version {
         None => Vec::new(),
-        Some(projected) => client
-            .query(
-                "SELECT occurred_at, kind, amount, available_after, frozen_after, task_id,
-                        operation_id, reason, correlation_id, stream_version
-                   FROM ledger_entries
-                  WHERE user_id = $1 AND stream_version < $2 AND stream_version <= $3
-                  ORDER BY stream_version DESC LIMIT $4",
-                &[&user_id.as_uuid(), &before, &projected, &(limit + 1)],
-            )
-            .await
-            .context("reading the ledger")?,
+        Some(projected) => crate::postgres::query_cached(
+            &client,
+            "SELECT occurred_at, kind, amount, available_after, frozen_after, task_id,
+                    operation_id, reason, correlation_id, stream_version
+               FROM ledger_entries
+              WHERE user_id = $1 AND stream_version < $2 AND stream_version <= $3
+              ORDER BY stream_version DESC LIMIT $4",
+            &[&user_id.as_uuid(), &before, &projected, &(limit + 1)],
+        )
+        .await
+        .context("reading the ledger")?,
     };
     drop(client);
     // The page's newest entries may not be projected yet: read them from the stream (at most a

@@ -332,13 +332,21 @@ fn whole(field: &str, value: Option<serde_json::Number>) -> Result<Option<i64>, 
 /// The wait estimates of the queued views (one read of the queue's head for them all). An
 /// estimate that cannot be read leaves them without one: the view still answers.
 async fn add_estimates(state: &AppState, views: &mut [TaskView]) {
-    let Some(through) = views.iter().filter_map(|view| view.position).max() else {
+    let wanted: Vec<uuid::Uuid> = views
+        .iter()
+        .filter(|view| {
+            view.position
+                .is_some_and(|position| position <= crate::pool::ESTIMATE_QUEUE_MAX as u64)
+        })
+        .map(|view| view.task_id)
+        .collect();
+    if views.iter().all(|view| view.position.is_none()) {
         return;
-    };
+    }
     let estimates = match state
         .dispatcher
         .backend_pool()
-        .estimates(&state.tasks.queue, through - 1)
+        .estimates(&state.tasks.queue, &wanted)
         .await
     {
         Ok(estimates) => estimates,
@@ -491,13 +499,13 @@ pub(crate) async fn task_view(
 ) -> Result<TaskView, ApiError> {
     let row = {
         let client = state.pg_pool.get().await.context("getting a connection")?;
-        client
-            .query_opt(
-                &format!("SELECT {RECORD_COLUMNS} FROM tasks WHERE task_id = $1"),
-                &[&task_id],
-            )
-            .await
-            .context("reading a task")?
+        crate::postgres::query_opt_cached(
+            &client,
+            &format!("SELECT {RECORD_COLUMNS} FROM tasks WHERE task_id = $1"),
+            &[&task_id],
+        )
+        .await
+        .context("reading a task")?
     };
     let record = match row {
         Some(row) => record_of_row(&row)?,
@@ -596,8 +604,8 @@ pub(crate) async fn task_page(
               WHERE user_id = $1 {filter} AND (submitted_at, task_id) < ($2, $3)
               ORDER BY submitted_at DESC, task_id DESC LIMIT $4"
         );
-        client
-            .query(&sql, &parameters)
+        // A few shapes (with or without a status filter): each prepared once per connection.
+        crate::postgres::query_cached(&client, &sql, &parameters)
             .await
             .context("reading tasks")?
     };

@@ -359,33 +359,33 @@ impl TaskService {
         // the one of the request that won and may still crash.
         let intent_id = Uuid::now_v7();
         let client = self.pool.get().await.context("getting a connection")?;
-        client
-            .execute(
-                "INSERT INTO task_intents (intent_id, kind, task_id, user_id, operation_id, created_at)
+        crate::postgres::execute_cached(
+            &client,
+            "INSERT INTO task_intents (intent_id, kind, task_id, user_id, operation_id, created_at)
                  VALUES ($1, $2, $3, $4, $5, $6)",
-                &[
-                    &intent_id,
-                    &kind.as_str(),
-                    &task_id,
-                    &user_id.as_uuid(),
-                    &operation_id,
-                    &self.clock.now(),
-                ],
-            )
-            .await
-            .context("recording an intent")?;
+            &[
+                &intent_id,
+                &kind.as_str(),
+                &task_id,
+                &user_id.as_uuid(),
+                &operation_id,
+                &self.clock.now(),
+            ],
+        )
+        .await
+        .context("recording an intent")?;
         Ok(intent_id)
     }
 
     pub(crate) async fn end_intent(&self, intent_id: Uuid) -> anyhow::Result<()> {
         let client = self.pool.get().await.context("getting a connection")?;
-        client
-            .execute(
-                "DELETE FROM task_intents WHERE intent_id = $1",
-                &[&intent_id],
-            )
-            .await
-            .context("deleting an intent")?;
+        crate::postgres::execute_cached(
+            &client,
+            "DELETE FROM task_intents WHERE intent_id = $1",
+            &[&intent_id],
+        )
+        .await
+        .context("deleting an intent")?;
         Ok(())
     }
 
@@ -421,33 +421,44 @@ impl TaskService {
         Err(refusal)
     }
 
-    /// Whether the user already has `queued_per_user_max` tasks waiting. The read model finds
-    /// the candidates cheaply; since it may lag (a task that has left the queue may still be
-    /// listed as waiting), a refusal is confirmed on the candidates' streams. A task submitted
-    /// through another process and not yet projected is not counted: the limit is soft.
+    /// Whether the user already has `queued_per_user_max` tasks waiting. The read model's count
+    /// of the user's waiting tasks (`tasks_waiting`, one row) decides an acceptance: one lookup,
+    /// the same however many tasks the user has or had. It may lag (a task that has left the
+    /// queue may still be counted), so a refusal is confirmed on the streams of the tasks the
+    /// read model lists as waiting, at most twice the limit of them. A task submitted through
+    /// another process and not yet projected is not counted: the limit is soft, and only ever
+    /// errs towards accepting.
     async fn at_queue_limit(&self, user_id: UserId) -> anyhow::Result<bool> {
-        let max =
-            usize::try_from(self.catalog.settings().queued_per_user_max).unwrap_or(usize::MAX);
-        let candidates: Vec<TaskId> = {
-            let client = self.pool.get().await.context("getting a connection")?;
-            client
-                .query(
-                    "SELECT task_id FROM tasks WHERE user_id = $1 AND status IN ('submitted', 'queued')",
-                    &[&user_id.as_uuid()],
-                )
-                .await
-                .context("listing waiting tasks")?
-                .iter()
-                .map(|row| row.get(0))
-                .collect()
-        };
-        if candidates.len() < max {
+        let max = self.catalog.settings().queued_per_user_max;
+        let client = self.pool.get().await.context("getting a connection")?;
+        let counted: i32 = crate::postgres::query_opt_cached(
+            &client,
+            "SELECT waiting FROM tasks_waiting WHERE user_id = $1",
+            &[&user_id.as_uuid()],
+        )
+        .await
+        .context("reading the user's waiting count")?
+        .map_or(0, |row| row.get(0));
+        if i64::from(counted) < i64::from(max) {
             return Ok(false);
         }
+        let candidates: Vec<TaskId> = crate::postgres::query_cached(
+            &client,
+            "SELECT task_id FROM tasks \
+              WHERE user_id = $1 AND status IN ('submitted', 'queued') LIMIT $2",
+            &[&user_id.as_uuid(), &(2 * i64::from(max))],
+        )
+        .await
+        .context("listing waiting tasks")?
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+        drop(client);
+        let max = usize::try_from(max).unwrap_or(usize::MAX);
         let mut waiting = 0;
         for task_id in candidates {
             let status = self.load(task_id).await?.status;
-            if matches!(status, TaskStatus::Submitted | TaskStatus::Queued) {
+            if zhihui_projections::tasks::is_waiting(status) {
                 waiting += 1;
                 if waiting >= max {
                     return Ok(true);

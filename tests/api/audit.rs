@@ -148,6 +148,30 @@ async fn audit_verify_finds_tasks_and_holds_that_disagree_with_their_money() {
     );
     assert_eq!(verified.pending_settlements, 0);
 
+    // The user's count of waiting tasks (what the queue limit reads) moved behind the
+    // projection's back: named too, beside what the events say.
+    client
+        .execute(
+            "UPDATE tasks_waiting SET waiting = waiting + 5 WHERE user_id = $1",
+            &[&user_id.as_uuid()],
+        )
+        .await
+        .unwrap();
+    let verified = app.verify(Some(chrono::Duration::zero())).await;
+    let counted = verified
+        .differences
+        .iter()
+        .find(|difference| difference.read_model == "tasks_waiting")
+        .expect("the changed count is a difference");
+    assert_eq!(counted.key, user_id.to_string());
+    // First, third (its row edited, its events still queued) and fourth wait; second was cancelled.
+    assert!(
+        counted
+            .detail
+            .contains("counts 8 waiting tasks, the events 3"),
+        "{counted}"
+    );
+
     // The command names them and fails.
     let output = app.cli(&["audit", "verify"]);
     let stdout = String::from_utf8_lossy(&output.stdout);
