@@ -756,7 +756,9 @@ async fn main() -> anyhow::Result<()> {
         .unwrap_or(0);
 
     // Each code redeemed at most once: answered 200 to one user at most, and the store names
-    // that user; the sale granted exactly its stock.
+    // that user; the sale granted exactly its stock. Sessions live in Redis: a flush ended the
+    // admin's too, so the admin logs in again (its old token would read every answer as 401).
+    let admin_token = login("chaos-admin".into(), "chaos admin password").await?;
     let in_store = export_codes(&http, &addresses, &admin_token, &batch_id).await?;
     let mut codes_twice = 0;
     let mut codes_not_in_store = 0;
@@ -793,6 +795,8 @@ async fn main() -> anyhow::Result<()> {
                 .bearer_auth(&admin_token)
         })
         .await
+        .context("reading the sale")?
+        .error_for_status()
         .context("reading the sale")?
         .json()
         .await?;
@@ -875,6 +879,8 @@ async fn export_codes(
         .bearer_auth(admin_token)
     })
     .await
+    .context("exporting the codes")?
+    .error_for_status()
     .context("exporting the codes")?
     .text()
     .await?;
