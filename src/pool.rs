@@ -504,21 +504,27 @@ impl PoolService {
         Ok(answer)
     }
 
-    /// Wait estimates for queued tasks among the queue's first [`ESTIMATE_QUEUE_MAX`] (a task
-    /// further back gets none): the servers in service as the leader last published them (their
+    /// Wait estimates for queued tasks, given with their 1-based places: those among the
+    /// queue's first [`ESTIMATE_QUEUE_MAX`] get one (a task further back gets none, and is not
+    /// looked for in the head): the servers in service as the leader last published them (their
     /// slots' free times, aged since; their measured step times), replayed over the queue's
     /// head by [`crate::dispatch::estimate::estimate`].
     pub async fn estimates(
         &self,
         queue: &crate::tasks::queue::TaskQueue,
-        wanted: &[uuid::Uuid],
+        places: impl IntoIterator<Item = (uuid::Uuid, u64)>,
     ) -> anyhow::Result<HashMap<uuid::Uuid, WaitEstimate>> {
         use crate::dispatch::estimate::{ServerOutlook, Waiting, estimate};
 
+        let wanted: Vec<uuid::Uuid> = places
+            .into_iter()
+            .filter(|(_, position)| *position <= ESTIMATE_QUEUE_MAX as u64)
+            .map(|(task, _)| task)
+            .collect();
         if wanted.is_empty() {
             return Ok(HashMap::new());
         }
-        let head = self.queue_head(queue, wanted).await?;
+        let head = self.queue_head(queue, &wanted).await?;
         if head.is_empty() {
             return Ok(HashMap::new());
         }

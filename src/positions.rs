@@ -125,17 +125,12 @@ impl PositionBoard {
         }
         // One replay of the queue's head for every followed task (bounded by the estimate's
         // own limit); the places stand without it if it cannot be made.
-        let wanted: Vec<TaskId> = snapshot
+        let places: Vec<(TaskId, u64)> = snapshot
             .iter()
-            .filter(|(_, place)| {
-                place
-                    .as_ref()
-                    .is_some_and(|place| place.position <= crate::pool::ESTIMATE_QUEUE_MAX as u64)
-            })
-            .map(|(task_id, _)| *task_id)
+            .filter_map(|(task_id, place)| place.as_ref().map(|place| (*task_id, place.position)))
             .collect();
-        if let (Some(pool), false) = (&self.inner.estimates, wanted.is_empty()) {
-            match pool.estimates(&self.inner.queue, &wanted).await {
+        if let (Some(pool), false) = (&self.inner.estimates, places.is_empty()) {
+            match pool.estimates(&self.inner.queue, places).await {
                 Ok(estimates) => {
                     for (task_id, place) in &mut snapshot {
                         if let Some(place) = place {

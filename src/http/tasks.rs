@@ -332,21 +332,16 @@ fn whole(field: &str, value: Option<serde_json::Number>) -> Result<Option<i64>, 
 /// The wait estimates of the queued views (one read of the queue's head for them all). An
 /// estimate that cannot be read leaves them without one: the view still answers.
 async fn add_estimates(state: &AppState, views: &mut [TaskView]) {
-    let wanted: Vec<uuid::Uuid> = views
-        .iter()
-        .filter(|view| {
-            view.position
-                .is_some_and(|position| position <= crate::pool::ESTIMATE_QUEUE_MAX as u64)
-        })
-        .map(|view| view.task_id)
-        .collect();
     if views.iter().all(|view| view.position.is_none()) {
         return;
     }
+    let places = views
+        .iter()
+        .filter_map(|view| view.position.map(|position| (view.task_id, position)));
     let estimates = match state
         .dispatcher
         .backend_pool()
-        .estimates(&state.tasks.queue, &wanted)
+        .estimates(&state.tasks.queue, places)
         .await
     {
         Ok(estimates) => estimates,
