@@ -414,7 +414,12 @@ async fn a_real_prometheus_reads_the_dashboard_right_over_two_instances() {
     let images = directory.join("images");
     let first = serve(&app, &backends, &images).await;
     let second = serve(&app, &backends, &images).await;
-    let http = reqwest::Client::new();
+    // No connection kept between requests: the Prometheus queries in between can outlast the
+    // server's keep-alive, and a request sent on a connection the server is closing fails.
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
     let (_, token) = funded_user_via(&app, &http, &first.address, "scraped", "10").await;
     let prometheus = Prometheus::start(&[
         first.address.trim_start_matches("http://").to_owned(),
