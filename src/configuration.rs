@@ -613,6 +613,9 @@ pub struct EventStoreSettings {
     /// PostgreSQL: ceiling of the re-check backoff while an unfinished transaction holds the
     /// global log's horizon back.
     pub held_back_recheck_max_ms: u64,
+    /// PostgreSQL: a subscription with no wake-up for this long reads anyway, so an event whose
+    /// process died between its commit and its notification is late by at most this.
+    pub subscription_idle_recheck_ms: u64,
     /// PostgreSQL: longest `read_all` waits for older in-flight transactions to finish so that
     /// it includes the caller's own committed appends.
     pub read_all_settle_max_ms: u64,
@@ -752,8 +755,9 @@ impl Settings {
         anyhow::ensure!(
             self.event_store.group_commit_max_batch >= 1
                 && self.event_store.group_commit_writers >= 1
-                && self.event_store.subscription_batch_size >= 1,
-            "event_store.group_commit_max_batch, group_commit_writers and subscription_batch_size must be at least 1"
+                && self.event_store.subscription_batch_size >= 1
+                && self.event_store.subscription_idle_recheck_ms >= 1,
+            "event_store.group_commit_max_batch, group_commit_writers, subscription_batch_size and subscription_idle_recheck_ms must be at least 1"
         );
         anyhow::ensure!(
             self.event_store.group_commit_writers < self.database.pool_max_size,

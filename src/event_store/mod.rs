@@ -432,6 +432,7 @@ pub fn from_settings(
                 append_retries_max: settings.event_store.append_retries_max,
                 subscription_batch_size: settings.event_store.subscription_batch_size,
                 held_back_recheck_max_ms: settings.event_store.held_back_recheck_max_ms,
+                subscription_idle_recheck_ms: settings.event_store.subscription_idle_recheck_ms,
                 read_all_settle_max_ms: settings.event_store.read_all_settle_max_ms,
                 listen_config: settings.database.pg_config()?,
                 unknown_outcome_retry_max_ms: settings.database.failover_wait_ms,

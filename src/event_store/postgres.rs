@@ -1,8 +1,9 @@
 //! The PostgreSQL event store (the default).
 //!
-//! Appends go through the SQL function `zhihui_append` (migrations/V1__event_store.sql), which
-//! checks the expected version under a row lock on the stream and reports every expected outcome
-//! as a status instead of raising, so that many appends can share one transaction.
+//! Appends go through the SQL function `zhihui_append` (migrations/V1__event_store.sql; its
+//! body today in V13__leaner_append.sql), which checks the expected version under a row lock on
+//! the stream and reports every expected outcome as a status instead of raising, so that many
+//! appends can share one transaction.
 //!
 //! **Group commit.** Appends are queued to a few writer tasks. Each takes every queued append (up
 //! to `group_commit_max_batch`), sorts them by stream (one lock order, so writers never deadlock),
@@ -17,12 +18,21 @@
 //! already wrote its stream (status `retry`), which keeps each stream's events in stream order in
 //! the global log. See ARCHITECTURE.md.
 //!
-//! **Live delivery.** `zhihui_append` calls `pg_notify('zhihui_events', '<category> <type>')`
-//! (migrations/V5__targeted_wakes.sql); one LISTEN connection per store passes each notification
-//! to every subscription, and a subscription reads again only when one may concern its filter
-//! (any other payload, and every LISTEN reconnect, concerns everyone). While an unfinished
-//! transaction holds the horizon back, a subscription re-checks with a short, capped backoff (it
-//! never skips; it waits).
+//! **Live delivery.** After a commit, the appending process announces what it stored: its own
+//! subscriptions are woken at once, and the LISTEN connection (the notifier) sends
+//! `pg_notify('zhihui_events', '<category> <type>')` for the other processes, many commits'
+//! payloads in one statement, in a transaction that does not wait for its WAL flush. The
+//! notification is not sent from inside the append's transaction (as V5's `zhihui_append` did):
+//! a NOTIFY makes its commit take one lock for the whole cluster and hold it through the WAL
+//! flush, so notifying commits ran one at a time (migrations/V13__leaner_append.sql). A
+//! subscription reads again only when a notification may concern its filter (any other payload,
+//! and every LISTEN reconnect, concerns everyone); its own process's notifications come back too
+//! (the notifier's transaction may have held the horizon back; its end releases what waited
+//! behind it). A process that dies between a
+//! commit and its notification leaves the other processes' subscriptions unwoken: each re-reads
+//! after `subscription_idle_recheck_ms` without a wake-up, so such an event is late by at most
+//! that, never skipped. While an unfinished transaction holds the horizon back, a subscription
+//! re-checks with a short, capped backoff (it never skips; it waits).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -118,6 +128,9 @@ pub struct PostgresEventStoreOptions {
     pub subscription_batch_size: usize,
     /// Ceiling of the re-check backoff while an unfinished transaction holds the horizon back.
     pub held_back_recheck_max_ms: u64,
+    /// A subscription with no wake-up for this long reads anyway (a notification lost with the
+    /// process that committed: see "Live delivery").
+    pub subscription_idle_recheck_ms: u64,
     /// Longest `read_all` waits for transactions older than its caller's appends to finish (they
     /// normally last milliseconds; a stuck one must not stall a read forever).
     pub read_all_settle_max_ms: u64,
@@ -150,6 +163,8 @@ struct Inner {
     appends: Option<mpsc::Sender<AppendRequest>>,
     /// Every NOTIFY (and every LISTEN (re)connect) as a [`Wake`]: each subscription listens.
     wakes: broadcast::Sender<Wake>,
+    /// Commits of this process to announce (wakes here, NOTIFY for the others).
+    announcer: Announcer,
     /// Background tasks (listener, writers), stopped when the store is dropped.
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
@@ -212,9 +227,14 @@ impl PostgresEventStore {
         assert!(options.group_commit_writers >= 1);
         assert!(options.subscription_batch_size >= 1);
         let (wakes, _) = broadcast::channel(WAKE_BACKLOG_MAX);
+        let announcer = Announcer {
+            wakes: wakes.clone(),
+            pending: Arc::new(PendingNotifications::default()),
+        };
         let mut tasks = vec![tokio::spawn(listen(
             options.listen_config.clone(),
             wakes.clone(),
+            announcer.pending.clone(),
         ))];
         let appends = if options.group_commit {
             // Bounded: a flood of appends waits here instead of growing memory without limit.
@@ -224,6 +244,7 @@ impl PostgresEventStore {
             for _ in 0..options.group_commit_writers {
                 tasks.push(tokio::spawn(group_writer(
                     pool.clone(),
+                    announcer.clone(),
                     receiver.clone(),
                     options.group_commit_max_batch,
                     options.append_retries_max,
@@ -240,6 +261,7 @@ impl PostgresEventStore {
                 options,
                 appends,
                 wakes,
+                announcer,
                 tasks,
             }),
         }
@@ -279,7 +301,12 @@ impl PostgresEventStore {
             .await
             .map_err(unavailable)?;
             match interpret(stream, expected, events, &row)? {
-                Interpreted::Done(outcome) => return outcome,
+                Interpreted::Done(outcome) => {
+                    if outcome.is_ok() {
+                        self.inner.announcer.announce(stream, events);
+                    }
+                    return outcome;
+                }
                 Interpreted::RetryInNewerTransaction
                     if retries < self.inner.options.append_retries_max =>
                 {
@@ -526,6 +553,7 @@ async fn run_subscription(
         .options
         .held_back_recheck_max_ms
         .max(HELD_BACK_RECHECK_MIN_MS);
+    let idle_recheck = Duration::from_millis(store.inner.options.subscription_idle_recheck_ms);
     let mut wakes = store.inner.wakes.subscribe();
     let mut caught_up_sent = false;
     let mut held_back_backoff_ms = HELD_BACK_RECHECK_MIN_MS;
@@ -602,6 +630,7 @@ async fn run_subscription(
             held_back_backoff_ms = HELD_BACK_RECHECK_MIN_MS;
             tokio::select! {
                 woken = concerning_wake(&mut wakes, &filter) => if !woken { return },
+                () = tokio::time::sleep(idle_recheck) => {}
                 () = sender.closed() => return,
             }
         }
@@ -621,13 +650,71 @@ async fn concerning_wake(wakes: &mut broadcast::Receiver<Wake>, filter: &EventFi
     }
 }
 
-/// Hold a LISTEN connection; pass on every notification, and wake everyone on every (re)connect
-/// (a commit may have happened while we were not listening, so everyone re-reads).
-async fn listen(config: tokio_postgres::Config, wakes: broadcast::Sender<Wake>) {
+/// Commits to announce: wakes for this process's subscriptions at once, notifications for the
+/// other processes through the notifier ([`listen`]).
+#[derive(Clone)]
+struct Announcer {
+    wakes: broadcast::Sender<Wake>,
+    pending: Arc<PendingNotifications>,
+}
+
+/// Payloads waiting for the notifier, each once however many commits stored such events.
+#[derive(Default)]
+struct PendingNotifications {
+    payloads: std::sync::Mutex<std::collections::BTreeSet<String>>,
+    ready: tokio::sync::Notify,
+}
+
+impl PendingNotifications {
+    fn take(&self) -> Vec<String> {
+        let mut payloads = self
+            .payloads
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        std::mem::take(&mut *payloads).into_iter().collect()
+    }
+
+    fn put_back(&self, unsent: Vec<String>) {
+        self.payloads
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .extend(unsent);
+        self.ready.notify_one();
+    }
+}
+
+impl Announcer {
+    /// `events` were committed to `stream` (or had been: a duplicate append).
+    fn announce(&self, stream: &str, events: &[NewEvent]) {
+        let category = format!("{}-", stream.split('-').next().unwrap_or_default());
+        let mut payloads = self
+            .pending
+            .payloads
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        for event in events {
+            let payload = format!("{category} {}", event.event_type);
+            // No subscription yet is no error.
+            drop(self.wakes.send(Wake::from_payload(&payload)));
+            payloads.insert(payload);
+        }
+        drop(payloads);
+        self.pending.ready.notify_one();
+    }
+}
+
+/// Hold the LISTEN connection; pass on every notification, and wake everyone on every
+/// (re)connect (a commit may have happened while we were not listening, so everyone re-reads).
+/// The same connection is the notifier: it sends this process's pending notifications.
+async fn listen(
+    config: tokio_postgres::Config,
+    wakes: broadcast::Sender<Wake>,
+    pending: Arc<PendingNotifications>,
+) {
     const RECONNECT_BACKOFF_MAX_MS: u64 = 2_000;
     let mut backoff_ms = 50;
     loop {
-        match listen_once(&config, &wakes).await {
+        match listen_once(&config, &wakes, &pending).await {
             Ok(()) => backoff_ms = 50,
             Err(error) => {
                 tracing::warn!(error = %format!("{error:#}"), retry_in_ms = backoff_ms, "event LISTEN connection lost");
@@ -643,6 +730,7 @@ async fn listen(config: tokio_postgres::Config, wakes: broadcast::Sender<Wake>) 
 async fn listen_once(
     config: &tokio_postgres::Config,
     wakes: &broadcast::Sender<Wake>,
+    pending: &PendingNotifications,
 ) -> anyhow::Result<()> {
     let (client, mut connection) = config
         .connect(tokio_postgres::NoTls)
@@ -657,17 +745,46 @@ async fn listen_once(
             }
         }
     });
+    // A notification is no data: its transaction need not wait for the WAL to reach the disk
+    // (what it announces already did).
     client
-        .batch_execute(&format!("LISTEN {NOTIFY_CHANNEL}"))
+        .batch_execute(&format!(
+            "LISTEN {NOTIFY_CHANNEL}; SET synchronous_commit = off"
+        ))
         .await
         .context("LISTEN")?;
+    let notify = client
+        .prepare(&format!(
+            "SELECT pg_notify('{NOTIFY_CHANNEL}', payload) FROM unnest($1::text[]) AS payload"
+        ))
+        .await
+        .context("preparing NOTIFY")?;
     drop(wakes.send(Wake::Anything));
-    while let Some(message) = messages.recv().await {
-        // Notices and other messages carry nothing for us.
-        if let tokio_postgres::AsyncMessage::Notification(notification) =
-            message.context("LISTEN connection")?
-        {
-            drop(wakes.send(Wake::from_payload(notification.payload())));
+    loop {
+        tokio::select! {
+            message = messages.recv() => {
+                let Some(message) = message else { break };
+                // Notices and other messages carry nothing for us. Our own notifications come
+                // back too, and are passed on again: the notifier's transaction may have held
+                // the horizon back for a moment, and its end is what lets a subscription read
+                // the commits behind it without waiting for its backoff.
+                if let tokio_postgres::AsyncMessage::Notification(notification) =
+                    message.context("LISTEN connection")?
+                {
+                    drop(wakes.send(Wake::from_payload(notification.payload())));
+                }
+            }
+            () = pending.ready.notified() => {
+                let payloads = pending.take();
+                if payloads.is_empty() {
+                    continue;
+                }
+                if let Err(error) = client.execute(&notify, &[&payloads]).await {
+                    pending.put_back(payloads);
+                    driver.abort();
+                    return Err(error).context("NOTIFY");
+                }
+            }
         }
     }
     driver.abort();
@@ -677,6 +794,7 @@ async fn listen_once(
 /// One group-commit writer: take a batch from the shared queue, commit it, answer each caller.
 async fn group_writer(
     pool: Pool,
+    announcer: Announcer,
     queue: Arc<Mutex<mpsc::Receiver<AppendRequest>>>,
     max_batch: usize,
     retries_max: u32,
@@ -727,6 +845,9 @@ async fn group_writer(
         for (mut request, result) in batch.into_iter().zip(results) {
             match result {
                 Interpreted::Done(outcome) => {
+                    if outcome.is_ok() {
+                        announcer.announce(&request.stream, &request.events);
+                    }
                     // The caller may have given up (dropped its future); nothing to do then.
                     let _ = request.reply.send(outcome);
                 }

@@ -50,8 +50,19 @@ pub async fn pg_store(group_commit: bool) -> PgStore {
     let settings = test_settings(&create_database().await);
     let pool = zhihui::postgres::build_pool(&settings.database).unwrap();
     zhihui::postgres::migrate(&pool).await.unwrap();
-    let store = PostgresEventStore::start(
-        pool,
+    let store = start_store(&settings, group_commit, 1_000);
+    PgStore { store, settings }
+}
+
+/// A store on `settings`' database (a process of its own: its own pool, LISTEN connection and
+/// writers).
+fn start_store(
+    settings: &zhihui::configuration::Settings,
+    group_commit: bool,
+    subscription_idle_recheck_ms: u64,
+) -> PostgresEventStore {
+    PostgresEventStore::start(
+        zhihui::postgres::build_pool(&settings.database).unwrap(),
         PostgresEventStoreOptions {
             group_commit,
             group_commit_max_batch: 64,
@@ -59,13 +70,13 @@ pub async fn pg_store(group_commit: bool) -> PgStore {
             append_retries_max: 16,
             subscription_batch_size: 100,
             held_back_recheck_max_ms: 20,
+            subscription_idle_recheck_ms,
             // Short: the held-transaction test reads while a transaction is held on purpose.
             read_all_settle_max_ms: 300,
             listen_config: settings.database.pg_config().unwrap(),
             unknown_outcome_retry_max_ms: 30_000,
         },
-    );
-    PgStore { store, settings }
+    )
 }
 
 /// Collect subscription events until `wanted` of them arrived (ignoring other messages).
@@ -268,6 +279,61 @@ async fn two_appends_with_the_same_expected_version_one_wins<S: EventStore>(stor
             .await
             .unwrap();
         assert_eq!(all.len(), 2);
+    }
+}
+
+/// A stream's first appends at once: of two that expect no stream, one creates it and the other
+/// is told it exists; two that expect anything both land, one after the other.
+async fn two_first_appends_to_a_new_stream_one_creates_it<S: EventStore>(store: &S) {
+    for round in 0..10 {
+        let stream = format!("{}first-{round}", prefix());
+        let (left, right) = tokio::join!(
+            store.append(&stream, ExpectedVersion::NoStream, vec![event("L", 0)]),
+            store.append(&stream, ExpectedVersion::NoStream, vec![event("R", 0)]),
+        );
+        let outcomes = [left, right];
+        assert_eq!(
+            outcomes.iter().filter(|outcome| outcome.is_ok()).count(),
+            1,
+            "round {round}: {outcomes:?}"
+        );
+        let loser = outcomes.into_iter().find_map(Result::err).unwrap();
+        assert!(loser.is_wrong_expected_version(), "{loser:?}");
+
+        let stream = format!("{}any-{round}", prefix());
+        let (left, right) = tokio::join!(
+            store.append(
+                &stream,
+                ExpectedVersion::Any,
+                vec![event("L", 0), event("L", 1)]
+            ),
+            store.append(&stream, ExpectedVersion::Any, vec![event("R", 0)]),
+        );
+        let (left, right) = (left.unwrap(), right.unwrap());
+        let all = store
+            .read_stream(&stream, Direction::Forwards, ReadFrom::Start, 10)
+            .await
+            .unwrap();
+        let numbered: Vec<(u64, &str)> = all
+            .iter()
+            .map(|e| (e.stream_version, e.event_type.as_str()))
+            .collect();
+        // Whichever came first, each append's outcome names its own last event.
+        let (left_last, right_last) = if numbered[0].1 == "L" {
+            assert_eq!(numbered, vec![(0, "L"), (1, "L"), (2, "R")]);
+            (&all[1], &all[2])
+        } else {
+            assert_eq!(numbered, vec![(0, "R"), (1, "L"), (2, "L")]);
+            (&all[2], &all[0])
+        };
+        assert_eq!(
+            (left.stream_version, left.position),
+            (left_last.stream_version, left_last.position)
+        );
+        assert_eq!(
+            (right.stream_version, right.position),
+            (right_last.stream_version, right_last.position)
+        );
     }
 }
 
@@ -555,6 +621,7 @@ conformance!(
     a_wrong_expected_version_is_a_typed_conflict,
     a_retried_identical_append_stores_nothing_new,
     two_appends_with_the_same_expected_version_one_wins,
+    two_first_appends_to_a_new_stream_one_creates_it,
     reads_the_global_log_from_a_position_with_filters,
     a_subscription_catches_up_then_follows_live,
     the_head_is_the_last_visible_event_and_a_subscription_from_it_sees_only_new_ones,
@@ -604,6 +671,83 @@ async fn a_notification_without_a_payload_wakes_every_subscription() {
         .unwrap();
     let heard = collect_events(&mut subscription, 1).await;
     assert_eq!(heard[0].stream, stream);
+}
+
+/// Appends through one process wake the subscriptions of another (its notifier's NOTIFY), long
+/// before the other's idle re-read, however many commits the notifier folds together.
+#[tokio::test]
+async fn a_commit_in_one_process_wakes_the_subscriptions_of_another() {
+    let pg = pg_store(true).await;
+    // The subscriber re-reads on its own only after a minute: only a notification wakes it.
+    let subscriber = start_store(&pg.settings, true, 60_000);
+    let prefix = prefix();
+    let head = pg.store.head().await.unwrap();
+    let mut subscription =
+        subscriber.subscribe_all(head, EventFilter::StreamPrefixes(vec![prefix.clone()]));
+    // Caught up (the LISTEN connection is up) before anything is appended.
+    loop {
+        let message = tokio::time::timeout(DELIVERY_TIMEOUT, subscription.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        if matches!(message, SubscriptionMessage::CaughtUp) {
+            break;
+        }
+    }
+    for round in 0..3_u64 {
+        let started = std::time::Instant::now();
+        let streams: Vec<String> = (0..20).map(|n| format!("{prefix}s-{round}-{n}")).collect();
+        let appends = streams.iter().zip(0_u64..).map(|(stream, n)| {
+            pg.store
+                .append(stream, ExpectedVersion::NoStream, vec![event("Told", n)])
+        });
+        futures::future::try_join_all(appends).await.unwrap();
+        let heard = collect_events(&mut subscription, 20).await;
+        assert!(
+            heard
+                .iter()
+                .all(|e| e.stream.starts_with(&format!("{prefix}s-{round}-"))),
+            "{heard:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "round {round}: heard after {:?}",
+            started.elapsed()
+        );
+    }
+}
+
+/// A commit whose notification is never sent (its process died in between; here a transaction
+/// of its own calls `zhihui_append`, which does not notify) is read by every subscription after
+/// its idle re-read: late, never skipped.
+#[tokio::test]
+async fn a_commit_whose_notification_was_lost_is_read_after_the_idle_recheck() {
+    let pg = pg_store(true).await;
+    let subscriber = start_store(&pg.settings, true, 200);
+    let prefix = prefix();
+    let head = pg.store.head().await.unwrap();
+    let mut subscription =
+        subscriber.subscribe_all(head, EventFilter::StreamPrefixes(vec![prefix.clone()]));
+    let client = connect(&pg.settings).await;
+    let event_id = Uuid::now_v7();
+    let row = client
+        .query_one(
+            "SELECT status FROM zhihui_append($1, 1::smallint, -1, $2, $3, $4, $5, $6)",
+            &[
+                &format!("{prefix}unannounced"),
+                &vec![event_id],
+                &vec!["Silent"],
+                &vec![1_i32],
+                &vec![serde_json::json!({"n": 0})],
+                &vec![serde_json::json!({"correlation_id": Uuid::nil(), "causation_id": null, "actor": "system:test"})],
+            ],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, String>("status"), "appended");
+    let heard = collect_events(&mut subscription, 1).await;
+    assert_eq!(heard[0].id, event_id);
 }
 
 // ---------------------------------------------------------------- PostgreSQL hard cases
@@ -884,6 +1028,7 @@ async fn an_append_whose_answer_is_lost_lands_exactly_once() {
                 append_retries_max: 16,
                 subscription_batch_size: 100,
                 held_back_recheck_max_ms: 20,
+                subscription_idle_recheck_ms: 1_000,
                 read_all_settle_max_ms: 300,
                 listen_config: settings.database.pg_config().unwrap(),
                 unknown_outcome_retry_max_ms: 10_000,

@@ -118,6 +118,7 @@ async fn run(
                 append_retries_max: 16,
                 subscription_batch_size: 512,
                 held_back_recheck_max_ms: 50,
+                subscription_idle_recheck_ms: 1_000,
                 read_all_settle_max_ms: 5_000,
                 listen_config: settings.database.pg_config()?,
                 unknown_outcome_retry_max_ms: 30_000,
