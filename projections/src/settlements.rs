@@ -122,63 +122,61 @@ pub async fn apply(
     events: &[ProjectedEvent],
 ) -> anyhow::Result<()> {
     let table = tables.name("open_settlements");
-    for recorded in events {
-        let Some(change) = change_of(recorded)? else {
-            continue;
-        };
-        // Each statement is idempotent, so a batch applied again (it never is: the checkpoint
-        // commits with it) would leave the same rows.
-        match change {
+    let changes: Vec<Change> = events
+        .iter()
+        .map(change_of)
+        .filter_map(Result::transpose)
+        .collect::<anyhow::Result<_>>()?;
+    if changes.is_empty() {
+        return Ok(());
+    }
+    // Each statement is idempotent, so a batch applied again (it never is: the checkpoint
+    // commits with it) would leave the same rows. Prepared once per batch and sent together:
+    // the server runs them in the order sent (the order of the events, which the rules need),
+    // in one round trip instead of two per event.
+    let (open, due, close) = futures::future::try_join3(
+        transaction.prepare(&format!(
+            "INSERT INTO {table} (kind, id, task_id, user_id, opened)
+             VALUES ($1, $2, $3, $4, true)
+             ON CONFLICT (kind, id) DO UPDATE
+                SET opened = true, user_id = EXCLUDED.user_id,
+                    task_id = COALESCE({table}.task_id, EXCLUDED.task_id)"
+        )),
+        transaction.prepare(&format!(
+            "INSERT INTO {table} (kind, id, task_id, due_since)
+             VALUES ($1, $2, $3, $4)
+             ON CONFLICT (kind, id) DO UPDATE
+                SET task_id = EXCLUDED.task_id,
+                    due_since = COALESCE({table}.due_since, EXCLUDED.due_since)"
+        )),
+        transaction.prepare(&format!("DELETE FROM {table} WHERE kind = $1 AND id = $2")),
+    )
+    .await
+    .context("preparing the settlements' statements")?;
+    type Params<'a> = Vec<&'a (dyn tokio_postgres::types::ToSql + Sync)>;
+    let statements: Vec<(&tokio_postgres::Statement, Params<'_>)> = changes
+        .iter()
+        .map(|change| match change {
             Change::Open {
                 kind,
                 id,
                 task_id,
                 user_id,
-            } => {
-                transaction
-                    .execute(
-                        &format!(
-                            "INSERT INTO {table} (kind, id, task_id, user_id, opened)
-                             VALUES ($1, $2, $3, $4, true)
-                             ON CONFLICT (kind, id) DO UPDATE
-                                SET opened = true, user_id = EXCLUDED.user_id,
-                                    task_id = COALESCE({table}.task_id, EXCLUDED.task_id)"
-                        ),
-                        &[&kind, &id, &task_id, &user_id],
-                    )
-                    .await
-                    .context("opening a settlement")?;
-            }
+            } => (&open, vec![kind as _, id as _, task_id as _, user_id as _]),
             Change::Due {
                 kind,
                 id,
                 task_id,
                 at,
-            } => {
-                transaction
-                    .execute(
-                        &format!(
-                            "INSERT INTO {table} (kind, id, task_id, due_since)
-                             VALUES ($1, $2, $3, $4)
-                             ON CONFLICT (kind, id) DO UPDATE
-                                SET task_id = EXCLUDED.task_id,
-                                    due_since = COALESCE({table}.due_since, EXCLUDED.due_since)"
-                        ),
-                        &[&kind, &id, &task_id, &at],
-                    )
-                    .await
-                    .context("marking a settlement due")?;
-            }
-            Change::Close { kind, id } => {
-                transaction
-                    .execute(
-                        &format!("DELETE FROM {table} WHERE kind = $1 AND id = $2"),
-                        &[&kind, &id],
-                    )
-                    .await
-                    .context("closing a settlement")?;
-            }
-        }
-    }
+            } => (&due, vec![kind as _, id as _, task_id as _, at as _]),
+            Change::Close { kind, id } => (&close, vec![kind as _, id as _]),
+        })
+        .collect();
+    let writes = statements
+        .iter()
+        .map(|(statement, params)| transaction.execute(*statement, params));
+    futures::future::try_join_all(writes)
+        .await
+        .context("writing settlements")?;
     Ok(())
 }

@@ -80,6 +80,7 @@ pub async fn apply(
     }
     let mut records: HashMap<TaskId, TaskRecord> = HashMap::new();
     let mut waiting: HashMap<UserId, i32> = HashMap::new();
+    let mut rows = Rows::default();
     for row in transaction
         .query(
             &format!("SELECT {RECORD_COLUMNS} FROM {table} WHERE task_id = ANY($1)"),
@@ -119,8 +120,9 @@ pub async fn apply(
         if change != 0 {
             *waiting.entry(record.user_id).or_default() += change;
         }
-        write(transaction, &table, &record, updated_at).await?;
+        rows.push(&record, updated_at)?;
     }
+    rows.write(transaction, &table).await?;
     let (users, changes): (Vec<uuid::Uuid>, Vec<i32>) = waiting
         .into_iter()
         .filter(|(_, change)| *change != 0)
@@ -148,58 +150,115 @@ pub fn is_waiting(status: TaskStatus) -> bool {
     matches!(status, TaskStatus::Submitted | TaskStatus::Queued)
 }
 
-async fn write(
-    transaction: &tokio_postgres::Transaction<'_>,
-    table: &str,
-    record: &TaskRecord,
-    updated_at: chrono::DateTime<chrono::Utc>,
-) -> anyhow::Result<()> {
-    let spec = serde_json::to_value(&record.spec).context("encoding the task spec")?;
-    let images = serde_json::to_value(&record.images).context("encoding images")?;
-    let prioritised = i32::try_from(record.prioritised).context("a prioritise count")?;
-    let version = i64::try_from(record.version)?;
-    transaction
-        .execute(
-            &format!(
-                "INSERT INTO {table} AS t (task_id, user_id, status, prompt, negative_prompt,
-                        spec, price, queue_score, cancel_requested, prioritised, backend,
-                        prompt_id, images, failure_reason, submitted_at, finished_at,
-                        stream_version, updated_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
-                         $17, $18)
-                 ON CONFLICT (task_id) DO UPDATE SET
-                        status = EXCLUDED.status, queue_score = EXCLUDED.queue_score,
-                        cancel_requested = EXCLUDED.cancel_requested,
-                        prioritised = EXCLUDED.prioritised, backend = EXCLUDED.backend,
-                        prompt_id = EXCLUDED.prompt_id, images = EXCLUDED.images,
-                        failure_reason = EXCLUDED.failure_reason,
-                        finished_at = EXCLUDED.finished_at,
-                        stream_version = EXCLUDED.stream_version,
-                        updated_at = EXCLUDED.updated_at
-                  WHERE t.stream_version < EXCLUDED.stream_version"
-            ),
-            &[
-                &record.task_id,
-                &record.user_id.as_uuid(),
-                &record.status.as_str(),
-                &record.prompt,
-                &record.negative_prompt,
-                &spec,
-                &record.price.as_decimal(),
-                &record.queue_score,
-                &record.cancel_requested,
-                &prioritised,
-                &record.backend,
-                &record.prompt_id,
-                &images,
-                &record.failure_reason,
-                &record.submitted_at,
-                &record.finished_at,
-                &version,
-                &updated_at,
-            ],
-        )
-        .await
-        .with_context(|| format!("writing task {}", record.task_id))?;
-    Ok(())
+/// The batch's changed rows, by column (each task once: a batch writes a task's row once).
+#[derive(Default)]
+struct Rows {
+    task_id: Vec<TaskId>,
+    user_id: Vec<uuid::Uuid>,
+    status: Vec<&'static str>,
+    prompt: Vec<String>,
+    negative_prompt: Vec<String>,
+    spec: Vec<serde_json::Value>,
+    price: Vec<Decimal>,
+    queue_score: Vec<Option<i64>>,
+    cancel_requested: Vec<bool>,
+    prioritised: Vec<i32>,
+    backend: Vec<Option<String>>,
+    prompt_id: Vec<Option<uuid::Uuid>>,
+    images: Vec<serde_json::Value>,
+    failure_reason: Vec<Option<String>>,
+    submitted_at: Vec<chrono::DateTime<chrono::Utc>>,
+    finished_at: Vec<Option<chrono::DateTime<chrono::Utc>>>,
+    stream_version: Vec<i64>,
+    updated_at: Vec<chrono::DateTime<chrono::Utc>>,
+}
+
+impl Rows {
+    fn push(
+        &mut self,
+        record: &TaskRecord,
+        updated_at: chrono::DateTime<chrono::Utc>,
+    ) -> anyhow::Result<()> {
+        self.task_id.push(record.task_id);
+        self.user_id.push(record.user_id.as_uuid());
+        self.status.push(record.status.as_str());
+        self.prompt.push(record.prompt.clone());
+        self.negative_prompt.push(record.negative_prompt.clone());
+        self.spec
+            .push(serde_json::to_value(&record.spec).context("encoding the task spec")?);
+        self.price.push(record.price.as_decimal());
+        self.queue_score.push(record.queue_score);
+        self.cancel_requested.push(record.cancel_requested);
+        self.prioritised
+            .push(i32::try_from(record.prioritised).context("a prioritise count")?);
+        self.backend.push(record.backend.clone());
+        self.prompt_id.push(record.prompt_id);
+        self.images
+            .push(serde_json::to_value(&record.images).context("encoding images")?);
+        self.failure_reason.push(record.failure_reason.clone());
+        self.submitted_at.push(record.submitted_at);
+        self.finished_at.push(record.finished_at);
+        self.stream_version.push(i64::try_from(record.version)?);
+        self.updated_at.push(updated_at);
+        Ok(())
+    }
+
+    /// One upsert for the whole batch (a statement per task cost two round trips each: the
+    /// busiest projection's largest share of its batch).
+    async fn write(
+        &self,
+        transaction: &tokio_postgres::Transaction<'_>,
+        table: &str,
+    ) -> anyhow::Result<()> {
+        if self.task_id.is_empty() {
+            return Ok(());
+        }
+        transaction
+            .execute(
+                &format!(
+                    "INSERT INTO {table} AS t (task_id, user_id, status, prompt, negative_prompt,
+                            spec, price, queue_score, cancel_requested, prioritised, backend,
+                            prompt_id, images, failure_reason, submitted_at, finished_at,
+                            stream_version, updated_at)
+                     SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::text[],
+                            $5::text[], $6::jsonb[], $7::numeric[], $8::bigint[], $9::boolean[],
+                            $10::integer[], $11::text[], $12::uuid[], $13::jsonb[], $14::text[],
+                            $15::timestamptz[], $16::timestamptz[], $17::bigint[],
+                            $18::timestamptz[])
+                     ON CONFLICT (task_id) DO UPDATE SET
+                            status = EXCLUDED.status, queue_score = EXCLUDED.queue_score,
+                            cancel_requested = EXCLUDED.cancel_requested,
+                            prioritised = EXCLUDED.prioritised, backend = EXCLUDED.backend,
+                            prompt_id = EXCLUDED.prompt_id, images = EXCLUDED.images,
+                            failure_reason = EXCLUDED.failure_reason,
+                            finished_at = EXCLUDED.finished_at,
+                            stream_version = EXCLUDED.stream_version,
+                            updated_at = EXCLUDED.updated_at
+                      WHERE t.stream_version < EXCLUDED.stream_version"
+                ),
+                &[
+                    &self.task_id,
+                    &self.user_id,
+                    &self.status,
+                    &self.prompt,
+                    &self.negative_prompt,
+                    &self.spec,
+                    &self.price,
+                    &self.queue_score,
+                    &self.cancel_requested,
+                    &self.prioritised,
+                    &self.backend,
+                    &self.prompt_id,
+                    &self.images,
+                    &self.failure_reason,
+                    &self.submitted_at,
+                    &self.finished_at,
+                    &self.stream_version,
+                    &self.updated_at,
+                ],
+            )
+            .await
+            .with_context(|| format!("writing {} tasks", self.task_id.len()))?;
+        Ok(())
+    }
 }
