@@ -414,7 +414,9 @@ impl CheckInService {
     /// months).
     pub async fn rebuild_all(&self) -> anyhow::Result<(usize, usize)> {
         let users: Vec<Uuid> = {
-            let client = self.pool.get().await.context("getting a connection")?;
+            let client = crate::postgres::checkout(&self.pool)
+                .await
+                .context("getting a connection")?;
             client
                 .query("SELECT DISTINCT user_id FROM checkins", &[])
                 .await
@@ -441,7 +443,9 @@ impl CheckInService {
     ) -> anyhow::Result<Vec<(Uuid, NaiveDate, chrono::DateTime<chrono::Utc>)>> {
         let cutoff = self.clock.now() - after;
         let rows = {
-            let client = self.pool.get().await.context("getting a connection")?;
+            let client = crate::postgres::checkout(&self.pool)
+                .await
+                .context("getting a connection")?;
             client
                 .query(
                     "SELECT user_id, day FROM checkins

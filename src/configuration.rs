@@ -650,6 +650,10 @@ pub struct DatabaseSettings {
     pub url: SecretString,
     /// Connections in the pool. Bounded so many instances cannot exhaust `max_connections`.
     pub pool_max_size: usize,
+    /// Connections in each HTTP worker's own pool (see `worker_local`): a request's statements
+    /// run on connections driven by its worker's thread. At most `http.workers` times this many
+    /// beside `pool_max_size`, opened as the requests need them.
+    pub worker_pool_max_size: usize,
     /// How long a request waits for a pooled connection before failing.
     pub pool_wait_timeout_ms: u64,
     /// How long opening one new connection may take.
@@ -749,8 +753,8 @@ impl Settings {
 
     fn validate(&self) -> anyhow::Result<()> {
         anyhow::ensure!(
-            self.database.pool_max_size >= 1,
-            "database.pool_max_size must be at least 1"
+            self.database.pool_max_size >= 1 && self.database.worker_pool_max_size >= 1,
+            "database.pool_max_size and database.worker_pool_max_size must be at least 1"
         );
         anyhow::ensure!(
             self.event_store.group_commit_max_batch >= 1
@@ -1096,6 +1100,7 @@ mod tests {
         let settings = DatabaseSettings {
             url: SecretString::from("postgres://u:hunter2@localhost/db"),
             pool_max_size: 1,
+            worker_pool_max_size: 1,
             pool_wait_timeout_ms: 1,
             connect_timeout_ms: 1,
             migrate_on_start: true,

@@ -36,3 +36,4 @@ pub mod telemetry;
 pub mod users;
 pub mod web;
 pub mod webhooks;
+pub mod worker_local;

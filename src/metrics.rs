@@ -332,7 +332,9 @@ pub struct PlatformReadings {
 
 /// Read [`PlatformReadings`].
 pub async fn platform_readings(state: &AppState) -> Result<PlatformReadings, ApiError> {
-    let client = state.pg_pool.get().await.context("getting a connection")?;
+    let client = crate::postgres::checkout(&state.pg_pool)
+        .await
+        .context("getting a connection")?;
     let mut by_status: Vec<(String, i64)> = client
         .query("SELECT status, count(*) FROM tasks GROUP BY status", &[])
         .await

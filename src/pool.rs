@@ -594,7 +594,9 @@ impl PoolService {
     pub async fn list(&self) -> anyhow::Result<Vec<BackendView>> {
         let pool = self.load().await?;
         let statuses = self.statuses().await?;
-        let client = self.database.get().await.context("getting a connection")?;
+        let client = crate::postgres::checkout(&self.database)
+            .await
+            .context("getting a connection")?;
         let rows = client
             .query(
                 "SELECT backend,

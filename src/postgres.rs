@@ -9,7 +9,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use deadpool_postgres::{
-    Hook, HookError, Manager, ManagerConfig, Pool, RecyclingMethod, Runtime, Timeouts,
+    Hook, HookError, Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime,
+    Timeouts, WeakPool,
 };
 use tokio_postgres::NoTls;
 
@@ -37,6 +38,73 @@ pub const VERIFY_IDLE_AFTER: Duration = Duration::from_secs(1);
 /// verified: a busy pool's connections were proven by the statement they just ran, and a
 /// backend killed under load closes their sockets, which `is_closed` sees.
 pub fn build_pool(settings: &DatabaseSettings) -> anyhow::Result<Pool> {
+    let pool = pool_of_size(settings, settings.pool_max_size)?;
+    let mut built = BUILT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    built.retain(|(weak, _)| weak.upgrade().is_some());
+    built.push((pool.weak(), settings.clone()));
+    Ok(pool)
+}
+
+/// Every pool [`build_pool`] made that still lives, with its settings: what a worker's twin of
+/// it is built from.
+static BUILT: std::sync::Mutex<Vec<(WeakPool, DatabaseSettings)>> =
+    std::sync::Mutex::new(Vec::new());
+
+thread_local! {
+    /// This HTTP worker's twins of the shared pools (see [`checkout`]).
+    static TWINS: std::cell::RefCell<Vec<(WeakPool, Pool)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Whether `a` and `b` are clones of one pool.
+fn same_pool(a: &Pool, b: &Pool) -> bool {
+    std::ptr::eq(a.manager(), b.manager())
+}
+
+/// A connection of `pool`, for the calling thread: on an HTTP worker's thread from the worker's
+/// own twin of `pool` (`database.worker_pool_max_size` connections, opened there, so their I/O
+/// runs on the thread the request runs on; see [`crate::worker_local`]), elsewhere from `pool`.
+/// The request path checks out its connections here.
+pub async fn checkout(pool: &Pool) -> Result<Object, PoolError> {
+    match twin_of(pool) {
+        Some(twin) => twin.get().await,
+        None => pool.get().await,
+    }
+}
+
+/// This worker's twin of `pool`, made on first use; `None` off a worker thread, or for a pool
+/// not made by [`build_pool`].
+fn twin_of(pool: &Pool) -> Option<Pool> {
+    if !crate::worker_local::on_http_worker() {
+        return None;
+    }
+    TWINS.with(|twins| {
+        let mut twins = twins.borrow_mut();
+        // A twin whose original is gone goes with it.
+        twins.retain(|(original, _)| original.upgrade().is_some());
+        if let Some((_, twin)) = twins.iter().find(|(original, _)| {
+            original
+                .upgrade()
+                .is_some_and(|original| same_pool(&original, pool))
+        }) {
+            return Some(twin.clone());
+        }
+        let settings = BUILT
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .find(|(weak, _)| weak.upgrade().is_some_and(|built| same_pool(&built, pool)))
+            .map(|(_, settings)| settings.clone())?;
+        // Building opens nothing: the first checkout opens a connection, on this thread.
+        let twin = pool_of_size(&settings, settings.worker_pool_max_size).ok()?;
+        twins.push((pool.weak(), twin.clone()));
+        Some(twin)
+    })
+}
+
+fn pool_of_size(settings: &DatabaseSettings, max_size: usize) -> anyhow::Result<Pool> {
     let manager = Manager::from_config(
         settings.pg_config()?,
         NoTls,
@@ -51,7 +119,7 @@ pub fn build_pool(settings: &DatabaseSettings) -> anyhow::Result<Pool> {
         recycle: Some(recycle_timeout),
     };
     Pool::builder(manager)
-        .max_size(settings.pool_max_size)
+        .max_size(max_size)
         .timeouts(timeouts)
         .runtime(Runtime::Tokio1)
         .pre_recycle(Hook::async_fn(move |client, metrics| {

@@ -666,7 +666,9 @@ pub async fn lags(state: &crate::startup::AppState) -> anyhow::Result<Vec<Lag>> 
     ) {
         return Ok(Vec::new());
     }
-    let client = state.pg_pool.get().await.context("getting a connection")?;
+    let client = crate::postgres::checkout(&state.pg_pool)
+        .await
+        .context("getting a connection")?;
     // Every checkpoint in one read, on the connection the counts use.
     let checkpoints: HashMap<String, (i64, i64)> = client
         .query(

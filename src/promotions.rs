@@ -389,7 +389,9 @@ impl PromotionService {
         promotion_id: PromotionId,
     ) -> anyhow::Result<Option<MyClaim>> {
         let row = {
-            let client = self.pool.get().await.context("getting a connection")?;
+            let client = crate::postgres::checkout(&self.pool)
+                .await
+                .context("getting a connection")?;
             client
                 .query_opt(
                     "SELECT claim_id, status, reason FROM promotion_claims
@@ -813,7 +815,9 @@ impl PromotionService {
         };
         if let Some(reason) = reason {
             let parsed = parsed.ok();
-            let client = self.pool.get().await.context("getting a connection")?;
+            let client = crate::postgres::checkout(&self.pool)
+                .await
+                .context("getting a connection")?;
             client
                 .execute(
                     "INSERT INTO promotion_parked_claims
@@ -883,7 +887,9 @@ impl PromotionService {
     ) -> anyhow::Result<Vec<(ClaimId, Uuid, DateTime<Utc>)>> {
         let cutoff = self.clock.now() - after;
         let rows = {
-            let client = self.pool.get().await.context("getting a connection")?;
+            let client = crate::postgres::checkout(&self.pool)
+                .await
+                .context("getting a connection")?;
             client
                 .query(
                     "SELECT claim_id, promotion_id, user_id, accepted_at FROM promotion_claims
@@ -914,7 +920,9 @@ impl PromotionService {
         &self,
         promotion_id: Option<PromotionId>,
     ) -> anyhow::Result<Vec<HashMap<&'static str, String>>> {
-        let client = self.pool.get().await.context("getting a connection")?;
+        let client = crate::postgres::checkout(&self.pool)
+            .await
+            .context("getting a connection")?;
         let rows = client
             .query(
                 "SELECT claim_id, user_id, reason, deliveries, parked_at FROM promotion_parked_claims

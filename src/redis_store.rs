@@ -112,6 +112,13 @@ pub struct ReplicasBehind {
     pub wait_ms: u64,
 }
 
+thread_local! {
+    /// This HTTP worker's twins of the shared connections, by store (see
+    /// [`RedisStore::connection`]).
+    static TWINS: std::cell::RefCell<Vec<(std::sync::Weak<Target>, RedisConnection)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
 #[derive(Clone)]
 pub struct RedisStore {
     target: std::sync::Arc<Target>,
@@ -196,32 +203,59 @@ impl RedisStore {
         &self.key_prefix
     }
 
-    /// The shared connection, opened on first use. A failed open is not cached: the next call
-    /// tries again.
+    /// The shared connection, opened on first use; on an HTTP worker's thread, the worker's own
+    /// twin of it, opened there so its I/O runs on the thread the request runs on (see
+    /// [`crate::worker_local`]). A failed open is not cached: the next call tries again.
     pub async fn connection(&self) -> anyhow::Result<RedisConnection> {
-        let connection = self
-            .connection
-            .get_or_try_init(|| async {
-                match &*self.target {
-                    Target::Node(client) => {
-                        let config = ConnectionManagerConfig::new()
-                            .set_connection_timeout(Some(self.connect_timeout))
-                            .set_response_timeout(Some(self.response_timeout))
-                            .set_number_of_retries(1);
-                        ConnectionManager::new_with_config(client.clone(), config)
-                            .await
-                            .map(RedisConnection::Node)
-                            .context("connecting to Redis")
-                    }
-                    Target::Cluster { client, .. } => client
-                        .get_async_connection()
-                        .await
-                        .map(RedisConnection::Cluster)
-                        .context("connecting to the Redis Cluster"),
-                }
-            })
-            .await?;
+        if crate::worker_local::on_http_worker() {
+            return self.worker_connection().await;
+        }
+        let connection = self.connection.get_or_try_init(|| self.open()).await?;
         Ok(connection.clone())
+    }
+
+    /// This worker's twin of the shared connection.
+    async fn worker_connection(&self) -> anyhow::Result<RedisConnection> {
+        let mine = |twins: &Vec<(std::sync::Weak<Target>, RedisConnection)>| {
+            twins
+                .iter()
+                .find(|(target, _)| std::ptr::eq(target.as_ptr(), &*self.target))
+                .map(|(_, connection)| connection.clone())
+        };
+        if let Some(connection) = TWINS.with(|twins| mine(&twins.borrow())) {
+            return Ok(connection);
+        }
+        let opened = self.open().await?;
+        Ok(TWINS.with(|twins| {
+            let mut twins = twins.borrow_mut();
+            // Twins of stores gone are dropped; two requests that opened one at once keep the
+            // first.
+            twins.retain(|(target, _)| target.strong_count() > 0);
+            mine(&twins).unwrap_or_else(|| {
+                twins.push((std::sync::Arc::downgrade(&self.target), opened.clone()));
+                opened
+            })
+        }))
+    }
+
+    async fn open(&self) -> anyhow::Result<RedisConnection> {
+        match &*self.target {
+            Target::Node(client) => {
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(self.connect_timeout))
+                    .set_response_timeout(Some(self.response_timeout))
+                    .set_number_of_retries(1);
+                ConnectionManager::new_with_config(client.clone(), config)
+                    .await
+                    .map(RedisConnection::Node)
+                    .context("connecting to Redis")
+            }
+            Target::Cluster { client, .. } => client
+                .get_async_connection()
+                .await
+                .map(RedisConnection::Cluster)
+                .context("connecting to the Redis Cluster"),
+        }
     }
 
     /// A connection of its own for blocking reads (`XREADGROUP ... BLOCK`): a blocked read

@@ -457,6 +457,9 @@ impl Application {
         let pages = web::Data::new(crate::web::Web::new(settings)?);
         let pages_enabled = settings.web.enabled;
         let mut server = HttpServer::new(move || {
+            // actix calls this factory on each worker's thread as the worker starts: its
+            // requests then take connections driven on this thread (`worker_local`).
+            crate::worker_local::mark_http_worker();
             let app = App::new();
             let app = if metrics_here {
                 app.route("/metrics", web::get().to(crate::metrics::exposition))

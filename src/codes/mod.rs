@@ -341,7 +341,9 @@ impl CodeService {
 
     /// Redeemed codes of a batch, from the read model.
     pub async fn redeemed_count(&self, batch_id: BatchId) -> anyhow::Result<i64> {
-        let client = self.pool.get().await.context("getting a connection")?;
+        let client = crate::postgres::checkout(&self.pool)
+            .await
+            .context("getting a connection")?;
         Ok(client
             .query_one(
                 "SELECT count(*) FROM redeem_codes WHERE batch_id = $1 AND redeemed_by IS NOT NULL",
@@ -483,7 +485,9 @@ impl CodeService {
     /// allocator's stream (the truth) when the read model has not seen it yet.
     async fn batch_of_serial(&self, serial: u32) -> anyhow::Result<Option<(Batch, u64)>> {
         let candidate: Option<Uuid> = {
-            let client = self.pool.get().await.context("getting a connection")?;
+            let client = crate::postgres::checkout(&self.pool)
+                .await
+                .context("getting a connection")?;
             client
                 .query_opt(
                     "SELECT batch_id FROM code_batches WHERE first_serial <= $1
@@ -912,7 +916,9 @@ impl CodeService {
     ) -> anyhow::Result<Vec<(u32, Uuid, DateTime<Utc>)>> {
         let cutoff = self.clock.now() - after;
         let rows = {
-            let client = self.pool.get().await.context("getting a connection")?;
+            let client = crate::postgres::checkout(&self.pool)
+                .await
+                .context("getting a connection")?;
             client
                 .query(
                     "SELECT serial FROM redeem_codes
@@ -970,7 +976,9 @@ impl CodeService {
     async fn export_page(&self, batch: &Batch, from: u32, to: u32) -> anyhow::Result<Bytes> {
         use std::fmt::Write;
         let redeemed: HashMap<u32, (Uuid, DateTime<Utc>)> = {
-            let client = self.pool.get().await.context("getting a connection")?;
+            let client = crate::postgres::checkout(&self.pool)
+                .await
+                .context("getting a connection")?;
             client
                 .query(
                     "SELECT serial, redeemed_by, redeemed_at FROM redeem_codes

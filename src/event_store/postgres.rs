@@ -281,10 +281,7 @@ impl PostgresEventStore {
         let retry_max = Duration::from_millis(self.inner.options.unknown_outcome_retry_max_ms);
         loop {
             let row = until_known(retry_max, || async {
-                let client = self
-                    .inner
-                    .pool
-                    .get()
+                let client = crate::postgres::checkout(&self.inner.pool)
                     .await
                     .context("getting a connection")?;
                 let statement = client
@@ -326,7 +323,9 @@ impl PostgresEventStore {
     /// KurrentDB gives on `$all`). Waits at most `read_all_settle_max_ms`; then the read returns
     /// what is safe, never more.
     async fn settle(&self) -> Result<(), EventStoreError> {
-        let client = self.inner.pool.get().await.map_err(unavailable)?;
+        let client = crate::postgres::checkout(&self.inner.pool)
+            .await
+            .map_err(unavailable)?;
         let target: Option<i64> = client
             .query_one("SELECT max(transaction_id)::text::bigint FROM events", &[])
             .await
@@ -364,7 +363,9 @@ impl PostgresEventStore {
         max_count: usize,
         filter: &EventFilter,
     ) -> Result<(AllSlice, bool), EventStoreError> {
-        let client = self.inner.pool.get().await.map_err(unavailable)?;
+        let client = crate::postgres::checkout(&self.inner.pool)
+            .await
+            .map_err(unavailable)?;
         let after = after.unwrap_or(Position {
             commit: 0,
             prepare: 0,
@@ -468,7 +469,9 @@ impl EventStore for PostgresEventStore {
         from: ReadFrom,
         max_count: usize,
     ) -> Result<Vec<RecordedEvent>, EventStoreError> {
-        let client = self.inner.pool.get().await.map_err(unavailable)?;
+        let client = crate::postgres::checkout(&self.inner.pool)
+            .await
+            .map_err(unavailable)?;
         let limit = i64::try_from(max_count).unwrap_or(i64::MAX);
         let (comparison, order, bound) = match (direction, from) {
             (Direction::Forwards, ReadFrom::Start) => (">=", "ASC", 0_i64),
@@ -503,7 +506,9 @@ impl EventStore for PostgresEventStore {
 
     async fn head(&self) -> Result<Option<Position>, EventStoreError> {
         self.settle().await?;
-        let client = self.inner.pool.get().await.map_err(unavailable)?;
+        let client = crate::postgres::checkout(&self.inner.pool)
+            .await
+            .map_err(unavailable)?;
         // One statement outside a transaction block: read-only, it takes no transaction id.
         let statement = client
             .prepare_cached(
@@ -869,7 +874,9 @@ async fn group_writer(
 /// Run every append of `batch` pipelined in one transaction and commit once. An error means the
 /// transaction did not commit (or its outcome is unknown) for the whole batch.
 async fn commit_batch(pool: &Pool, batch: &[AppendRequest]) -> anyhow::Result<Vec<Interpreted>> {
-    let mut client = pool.get().await.context("getting a connection")?;
+    let mut client = crate::postgres::checkout(pool)
+        .await
+        .context("getting a connection")?;
     let statement = client
         .prepare_cached(APPEND_SQL)
         .await

@@ -217,7 +217,9 @@ pub(crate) async fn ledger_page(
             message: "is not a cursor this API returned".into(),
         })?,
     };
-    let client = state.pg_pool.get().await.context("getting a connection")?;
+    let client = crate::postgres::checkout(&state.pg_pool)
+        .await
+        .context("getting a connection")?;
     // How far the projection got first, then only rows up to there: a batch committed between
     // the two reads must not leave a gap between the rows and the stream's tail below.
     let projected_version: Option<i64> = crate::postgres::query_opt_cached(

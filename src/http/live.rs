@@ -171,7 +171,9 @@ pub async fn socket(
 
 /// The user's tasks waiting in the queue (from the read model; new ones arrive as notices).
 async fn queued_tasks(state: &AppState, user_id: UserId) -> Result<Vec<TaskId>, ApiError> {
-    let client = state.pg_pool.get().await.map_err(anyhow::Error::new)?;
+    let client = crate::postgres::checkout(&state.pg_pool)
+        .await
+        .map_err(anyhow::Error::new)?;
     let rows = client
         .query(
             "SELECT task_id FROM tasks WHERE user_id = $1 AND status IN ('submitted', 'queued')

@@ -332,7 +332,9 @@ async fn promotion_ids(
     sql: &str,
     parameter: &(dyn tokio_postgres::types::ToSql + Sync),
 ) -> Result<Vec<Uuid>, ApiError> {
-    let client = state.pg_pool.get().await.context("getting a connection")?;
+    let client = crate::postgres::checkout(&state.pg_pool)
+        .await
+        .context("getting a connection")?;
     Ok(client
         .query(sql, &[parameter])
         .await

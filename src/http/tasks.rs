@@ -493,7 +493,9 @@ pub(crate) async fn task_view(
     task_id: TaskId,
 ) -> Result<TaskView, ApiError> {
     let row = {
-        let client = state.pg_pool.get().await.context("getting a connection")?;
+        let client = crate::postgres::checkout(&state.pg_pool)
+            .await
+            .context("getting a connection")?;
         crate::postgres::query_opt_cached(
             &client,
             &format!("SELECT {RECORD_COLUMNS} FROM tasks WHERE task_id = $1"),
@@ -581,7 +583,9 @@ pub(crate) async fn task_page(
     };
     let page_rows = limit + 1;
     let rows = {
-        let client = state.pg_pool.get().await.context("getting a connection")?;
+        let client = crate::postgres::checkout(&state.pg_pool)
+            .await
+            .context("getting a connection")?;
         let owner = owner.as_uuid();
         let status = status.map(|status| status.as_str());
         // Two statements, each served by its own index (`tasks_by_user_newest`,

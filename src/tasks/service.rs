@@ -358,7 +358,9 @@ impl TaskService {
         // duplicate (the same Idempotency-Key with another body) ends its own intent, never
         // the one of the request that won and may still crash.
         let intent_id = Uuid::now_v7();
-        let client = self.pool.get().await.context("getting a connection")?;
+        let client = crate::postgres::checkout(&self.pool)
+            .await
+            .context("getting a connection")?;
         crate::postgres::execute_cached(
             &client,
             "INSERT INTO task_intents (intent_id, kind, task_id, user_id, operation_id, created_at)
@@ -378,7 +380,9 @@ impl TaskService {
     }
 
     pub(crate) async fn end_intent(&self, intent_id: Uuid) -> anyhow::Result<()> {
-        let client = self.pool.get().await.context("getting a connection")?;
+        let client = crate::postgres::checkout(&self.pool)
+            .await
+            .context("getting a connection")?;
         crate::postgres::execute_cached(
             &client,
             "DELETE FROM task_intents WHERE intent_id = $1",
@@ -430,7 +434,9 @@ impl TaskService {
     /// errs towards accepting.
     async fn at_queue_limit(&self, user_id: UserId) -> anyhow::Result<bool> {
         let max = self.catalog.settings().queued_per_user_max;
-        let client = self.pool.get().await.context("getting a connection")?;
+        let client = crate::postgres::checkout(&self.pool)
+            .await
+            .context("getting a connection")?;
         let counted: i32 = crate::postgres::query_opt_cached(
             &client,
             "SELECT waiting FROM tasks_waiting WHERE user_id = $1",
@@ -958,7 +964,9 @@ impl TaskService {
                 i64::try_from(settings.intent_resolve_after_ms).unwrap_or(i64::MAX),
             );
         let rows = {
-            let client = self.pool.get().await.context("getting a connection")?;
+            let client = crate::postgres::checkout(&self.pool)
+                .await
+                .context("getting a connection")?;
             client
                 .query(
                     // Dispatch intents of tasks in flight stay (their dispatcher ends them); they
@@ -1035,7 +1043,9 @@ impl TaskService {
         let mut works: HashMap<TaskId, (String, u32)> = HashMap::new();
         let mut left: HashSet<TaskId> = HashSet::new();
         let mut after = {
-            let mut client = self.pool.get().await.context("getting a connection")?;
+            let mut client = crate::postgres::checkout(&self.pool)
+                .await
+                .context("getting a connection")?;
             let transaction = client
                 .build_transaction()
                 .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
@@ -1144,7 +1154,9 @@ impl TaskService {
             .filter(|task_id| !in_order.iter().any(|(queued, _)| queued == task_id))
             .collect();
         if !unknown.is_empty() {
-            let client = self.pool.get().await.context("getting a connection")?;
+            let client = crate::postgres::checkout(&self.pool)
+                .await
+                .context("getting a connection")?;
             let finished = client
                 .query(
                     "SELECT task_id FROM tasks WHERE task_id = ANY($1) AND status <> 'queued'",

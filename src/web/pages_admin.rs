@@ -237,7 +237,9 @@ pub async fn users(page: Page, query: web::Query<FindQuery>) -> Result<HttpRespo
         }
     }
     let rows = {
-        let client = state.pg_pool.get().await.map_err(anyhow::Error::new)?;
+        let client = crate::postgres::checkout(&state.pg_pool)
+            .await
+            .map_err(anyhow::Error::new)?;
         client
             .query(
                 "SELECT user_id, username, phone, role, registered_at FROM users
@@ -419,10 +421,7 @@ pub async fn change_role(
 
 async fn batches(page: &Page) -> Result<Vec<Value>, WebError> {
     let ids: Vec<Uuid> = {
-        let client = page
-            .state()
-            .pg_pool
-            .get()
+        let client = crate::postgres::checkout(&page.state().pg_pool)
             .await
             .map_err(anyhow::Error::new)?;
         client

@@ -249,7 +249,9 @@ impl WebhookService {
         let url = url.trim();
         safety::check_url(url, &self.allowed).await?;
         let count: i64 = {
-            let client = self.pool.get().await.context("getting a connection")?;
+            let client = crate::postgres::checkout(&self.pool)
+                .await
+                .context("getting a connection")?;
             client
                 .query_one(
                     "SELECT count(*) FROM webhook_endpoints WHERE user_id = $1 AND NOT removed",
@@ -290,7 +292,9 @@ impl WebhookService {
 
     /// A user's endpoints (as the router last recorded them), newest first.
     pub async fn list(&self, user_id: UserId) -> anyhow::Result<Vec<EndpointView>> {
-        let client = self.pool.get().await.context("getting a connection")?;
+        let client = crate::postgres::checkout(&self.pool)
+            .await
+            .context("getting a connection")?;
         let rows = client
             .query(
                 "SELECT endpoint_id, url, event_types, generation, previous_until, disabled_reason,
@@ -370,7 +374,9 @@ impl WebhookService {
         limit: i64,
     ) -> Result<Vec<DeliveryView>, WebhookError> {
         self.owned(Some(owner), endpoint_id).await?;
-        let client = self.pool.get().await.context("getting a connection")?;
+        let client = crate::postgres::checkout(&self.pool)
+            .await
+            .context("getting a connection")?;
         let messages = client
             .query(
                 "SELECT message_id, event_type, status, occurred_at, next_attempt_at, delivered_at
@@ -428,7 +434,9 @@ impl WebhookService {
         range: Option<(DateTime<Utc>, DateTime<Utc>)>,
     ) -> Result<u64, WebhookError> {
         self.owned(Some(owner), endpoint_id).await?;
-        let client = self.pool.get().await.context("getting a connection")?;
+        let client = crate::postgres::checkout(&self.pool)
+            .await
+            .context("getting a connection")?;
         let now = self.clock.now();
         let changed = match (message_id, range) {
             (Some(message_id), _) => client

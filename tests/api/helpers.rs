@@ -294,6 +294,7 @@ pub fn test_settings(database_name: &str) -> Settings {
     let admin_url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.into());
     settings.database.url = SecretString::from(url_with_database(&admin_url, database_name));
     settings.database.pool_max_size = 8;
+    settings.database.worker_pool_max_size = 4;
     settings.redis.url =
         SecretString::from(std::env::var("REDIS_URL").unwrap_or_else(|_| DEFAULT_REDIS_URL.into()));
     settings.redis.cluster_nodes =

@@ -29,3 +29,4 @@ mod settlements;
 mod sockets;
 mod tasks;
 mod webhooks;
+mod worker_local;

@@ -1,0 +1,152 @@
+//! An HTTP worker's own connections (`zhihui::worker_local`): on a thread marked as a worker,
+//! checkouts come from a twin of the shared pool or connection opened there; elsewhere from the
+//! shared one. Each test runs "workers" as threads with a single-threaded runtime of their own,
+//! as actix does.
+
+#![allow(clippy::unwrap_used)]
+
+use secrecy::ExposeSecret;
+use zhihui::postgres::{build_pool, checkout};
+use zhihui::redis_store::RedisStore;
+
+use crate::helpers::{create_database, test_settings};
+
+/// Runs `work` on a new thread with a single-threaded runtime, marked as an HTTP worker's or not.
+/// Awaited, not joined: the shared pool's connections are driven by this test's runtime.
+async fn on_thread<T: Send + 'static>(
+    worker: bool,
+    work: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = T>>> + Send + 'static,
+) -> T {
+    let (done, result) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        if worker {
+            zhihui::worker_local::mark_http_worker();
+        }
+        let value = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(work());
+        let _ = done.send(value);
+    });
+    result.await.expect("the thread finished its work")
+}
+
+async fn backend_pid(pool: &deadpool_postgres::Pool) -> i32 {
+    checkout(pool)
+        .await
+        .unwrap()
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0)
+}
+
+#[tokio::test]
+async fn a_worker_checks_out_from_its_own_twin_and_the_shared_pool_serves_the_rest() {
+    let settings = test_settings(&create_database().await);
+    let shared = build_pool(&settings.database).unwrap();
+
+    // A worker thread: two checkouts, one connection of its own twin, none of the shared pool.
+    let pool = shared.clone();
+    let worker = on_thread(true, move || {
+        Box::pin(async move {
+            let first = backend_pid(&pool).await;
+            let second = backend_pid(&pool).await;
+            let opened_here = pool.status().size;
+            (first, second, opened_here)
+        })
+    })
+    .await;
+    assert_eq!(
+        worker.0, worker.1,
+        "the worker reuses its twin's connection"
+    );
+    assert_eq!(worker.2, 0, "the worker opened nothing in the shared pool");
+
+    // Off a worker thread (this test's runtime, another thread): the shared pool.
+    let here = backend_pid(&shared).await;
+    assert_eq!(shared.status().size, 1);
+    assert_ne!(here, worker.0);
+    let pool = shared.clone();
+    let elsewhere = on_thread(false, move || {
+        Box::pin(async move { backend_pid(&pool).await })
+    })
+    .await;
+    assert_eq!(
+        elsewhere, here,
+        "an unmarked thread takes the shared pool's connection"
+    );
+
+    // Another worker: a twin of its own.
+    let pool = shared.clone();
+    let other = on_thread(true, move || {
+        Box::pin(async move { backend_pid(&pool).await })
+    })
+    .await;
+    assert_ne!(other, worker.0);
+    assert_ne!(other, here);
+}
+
+#[tokio::test]
+async fn a_worker_takes_the_twin_of_the_pool_it_is_given_never_one_of_a_dropped_pool() {
+    let first = test_settings(&create_database().await).database;
+    let second_name = create_database().await;
+    let second = test_settings(&second_name).database;
+    let (before, after) = on_thread(true, move || {
+        Box::pin(async move {
+            async fn current_database(pool: deadpool_postgres::Pool) -> String {
+                checkout(&pool)
+                    .await
+                    .unwrap()
+                    .query_one("SELECT current_database()", &[])
+                    .await
+                    .unwrap()
+                    .get(0)
+            }
+            // The first pool (and its twin's original) is dropped before the second is built.
+            let before = current_database(build_pool(&first).unwrap()).await;
+            let after = current_database(build_pool(&second).unwrap()).await;
+            (before, after)
+        })
+    })
+    .await;
+    assert_ne!(before, after);
+    assert_eq!(after, second_name);
+}
+
+#[tokio::test]
+async fn a_worker_has_its_own_redis_connection_and_others_share_one() {
+    let settings = test_settings(&create_database().await);
+    if !settings.redis.cluster_nodes.expose_secret().is_empty() {
+        // CLIENT ID names the node a cluster routes it to, not one connection.
+        return;
+    }
+    let store = RedisStore::new(&settings.redis).unwrap();
+    async fn client_id(store: &RedisStore) -> i64 {
+        let mut connection = store.connection().await.unwrap();
+        redis::cmd("CLIENT")
+            .arg("ID")
+            .query_async(&mut connection)
+            .await
+            .unwrap()
+    }
+    let here = client_id(&store).await;
+    assert_eq!(client_id(&store).await, here);
+    let shared = store.clone();
+    let elsewhere = on_thread(false, move || {
+        Box::pin(async move { client_id(&shared).await })
+    })
+    .await;
+    assert_eq!(
+        elsewhere, here,
+        "an unmarked thread shares the process's connection"
+    );
+    let mine = store.clone();
+    let (first, second) = on_thread(true, move || {
+        Box::pin(async move { (client_id(&mine).await, client_id(&mine).await) })
+    })
+    .await;
+    assert_eq!(first, second, "a worker reuses its own connection");
+    assert_ne!(first, here, "a worker's connection is not the shared one");
+}
