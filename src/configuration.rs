@@ -629,6 +629,12 @@ pub struct HttpSettings {
     pub port: u16,
     /// actix-web worker threads. Defaults to the number of cores.
     pub workers: Option<usize>,
+    /// Each worker's requests take PostgreSQL and Redis connections of the worker's own, driven
+    /// on its thread (`worker_local`): less CPU per request and more reads per second, but a
+    /// worker busy with CPU-heavy requests (submissions) then also delays the I/O of the others
+    /// on it, so under a mix of both the tail of the cheap ones grows (BENCHMARKS.md). Off: every
+    /// request uses the process's shared connections.
+    pub worker_local_connections: bool,
     /// Serve `GET /metrics` on this port of `host` only (0: the OS chooses), not on `port`: the
     /// API can face users while the metrics stay on an internal port. Unset: on `port`.
     pub metrics_port: Option<u16>,
@@ -650,9 +656,9 @@ pub struct DatabaseSettings {
     pub url: SecretString,
     /// Connections in the pool. Bounded so many instances cannot exhaust `max_connections`.
     pub pool_max_size: usize,
-    /// Connections in each HTTP worker's own pool (see `worker_local`): a request's statements
-    /// run on connections driven by its worker's thread. At most `http.workers` times this many
-    /// beside `pool_max_size`, opened as the requests need them.
+    /// With `http.worker_local_connections`: connections in each HTTP worker's own pool (see
+    /// `worker_local`). At most `http.workers` times this many beside `pool_max_size`, opened
+    /// as the requests need them.
     pub worker_pool_max_size: usize,
     /// How long a request waits for a pooled connection before failing.
     pub pool_wait_timeout_ms: u64,

@@ -456,10 +456,13 @@ impl Application {
         let metrics_here = metrics_port.is_none();
         let pages = web::Data::new(crate::web::Web::new(settings)?);
         let pages_enabled = settings.web.enabled;
+        let worker_local_connections = settings.http.worker_local_connections;
         let mut server = HttpServer::new(move || {
             // actix calls this factory on each worker's thread as the worker starts: its
             // requests then take connections driven on this thread (`worker_local`).
-            crate::worker_local::mark_http_worker();
+            if worker_local_connections {
+                crate::worker_local::mark_http_worker();
+            }
             let app = App::new();
             let app = if metrics_here {
                 app.route("/metrics", web::get().to(crate::metrics::exposition))

@@ -8,14 +8,20 @@
 //! simple authenticated read (`GET /api/v1/account`), and the threads' hand-offs held its rate
 //! below what the work needs (BENCHMARKS.md, "Third pass").
 //!
-//! So a worker thread marks itself ([`mark_http_worker`], from the app factory, which actix runs
-//! on each worker's thread) and the request path then takes its connections from a twin of the
-//! shared pool or connection opened on that thread ([`crate::postgres::checkout`],
-//! [`crate::redis_store::RedisStore::connection`]): the driver task runs where the request runs.
+//! So, with `http.worker_local_connections` on, a worker thread marks itself
+//! ([`mark_http_worker`], from the app factory, which actix runs on each worker's thread) and the
+//! request path then takes its connections from a twin of the shared pool or connection opened
+//! on that thread ([`crate::postgres::checkout`], [`crate::redis_store::RedisStore::connection`]):
+//! the driver task runs where the request runs.
 //! Background work (projections, dispatch, process managers) runs on the main runtime and keeps
 //! the shared ones. A twin is the same kind of connection to the same server with the same
 //! settings, so nothing a request sees changes but the thread its I/O runs on; twins live as long
 //! as their worker thread, and a twin whose original was dropped is never handed out again.
+//!
+//! It is off by default: a worker then also runs its requests' I/O, so one busy with CPU-heavy
+//! requests (a submission renders and checks a workflow) delays the I/O of the cheap ones beside
+//! it, and under such a mix their tail grew past the target of `GET /api/v1/tasks/{id}` (p99
+//! 61–70 ms beside 42–54 ms, `bench_http 10 64`), while reads alone ran up to 1.5x faster.
 
 use std::cell::Cell;
 

@@ -1,7 +1,7 @@
 //! An HTTP worker's own connections (`zhihui::worker_local`): on a thread marked as a worker,
 //! checkouts come from a twin of the shared pool or connection opened there; elsewhere from the
-//! shared one. Each test runs "workers" as threads with a single-threaded runtime of their own,
-//! as actix does.
+//! shared one. The first tests run "workers" as threads with a single-threaded runtime of their
+//! own, as actix does; the last runs two instances with `http.worker_local_connections` on.
 
 #![allow(clippy::unwrap_used)]
 
@@ -149,4 +149,97 @@ async fn a_worker_has_its_own_redis_connection_and_others_share_one() {
     .await;
     assert_eq!(first, second, "a worker reuses its own connection");
     assert_ne!(first, here, "a worker's connection is not the shared one");
+}
+
+/// With `http.worker_local_connections` on, in two instances, one request through each in turn:
+/// a grant, a freeze, a prioritise fee and a cancel move the balance once each (read through the
+/// other instance every time, with a Chinese prompt), and the projected rows agree with the
+/// events.
+#[tokio::test]
+async fn money_moves_once_through_two_instances_on_worker_local_connections() {
+    use serde_json::{Value, json};
+    let a = crate::helpers::spawn_app_with(|settings| {
+        settings.http.worker_local_connections = true;
+    })
+    .await;
+    let b = a.another_instance().await;
+    let user = a.register("local-conn", "correct horse battery").await;
+    let token = b.login("local-conn", "correct horse battery").await;
+    let admin = a.admin_token("admin-local").await;
+    async fn balance_via(app: &crate::helpers::TestApp, token: &str) -> (String, String) {
+        let response = app.get_as(token, "/api/v1/account").await;
+        assert_eq!(response.status(), 200);
+        let body: Value = response.json().await.unwrap();
+        (
+            body["available"].as_str().unwrap().to_owned(),
+            body["frozen"].as_str().unwrap().to_owned(),
+        )
+    }
+    let balance = |app| balance_via(app, &token);
+
+    let granted = a
+        .post(
+            &format!("/api/v1/admin/accounts/{user}/grants"),
+            Some(&admin),
+            &json!({"amount": "100", "reason": "本地连接测试"}),
+        )
+        .await;
+    assert_eq!(granted.status(), 201);
+    assert_eq!(balance(&b).await, ("100.00".into(), "0.00".into()));
+
+    async fn submit_via(app: &crate::helpers::TestApp, token: &str, images: u32) -> String {
+        let submitted = app
+            .post(
+                "/api/v1/tasks",
+                Some(token),
+                &json!({"prompt": "一只在雪地里奔跑的红狐狸", "images": images, "steps": 2}),
+            )
+            .await;
+        assert_eq!(submitted.status(), 201);
+        submitted.json::<Value>().await.unwrap()["task_id"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    }
+    let first = submit_via(&b, &token, 2).await;
+    assert_eq!(balance(&a).await, ("98.00".into(), "2.00".into()));
+    let second = submit_via(&a, &token, 1).await;
+    assert_eq!(balance(&b).await, ("97.00".into(), "3.00".into()));
+
+    // The second moves ahead of the first: a fee, charged once.
+    let prioritised = crate::tasks::act(&b, &token, "prioritise", &second).await;
+    assert_eq!(prioritised.status(), 200);
+    let (available, frozen) = balance(&a).await;
+    assert_eq!(frozen, "3.00");
+    let after_fee = available.parse::<f64>().unwrap();
+    assert!(
+        after_fee < 97.0,
+        "the prioritise fee was charged: {available}"
+    );
+
+    // Both cancelled while queued, each through the other instance: their holds come back.
+    assert_eq!(
+        crate::tasks::act(&a, &token, "cancel", &first)
+            .await
+            .status(),
+        200
+    );
+    assert_eq!(
+        crate::tasks::act(&b, &token, "cancel", &second)
+            .await
+            .status(),
+        200
+    );
+    assert_eq!(
+        balance(&a).await,
+        (format!("{:.2}", after_fee + 3.0), "0.00".into())
+    );
+
+    a.project().await;
+    let verified = a.verify(None).await;
+    assert!(
+        verified.differences.is_empty(),
+        "{:?}",
+        verified.differences
+    );
 }
