@@ -34,7 +34,7 @@ fn long_leases(dispatch: &mut zhihui::configuration::DispatchSettings) {
 }
 
 /// The balance as `GET /api/v1/account` answers it on `app`: (available, frozen).
-async fn balance_via(app: &TestApp, token: &str) -> (String, String) {
+pub(crate) async fn balance_via(app: &TestApp, token: &str) -> (String, String) {
     let response = app.get_as(token, "/api/v1/account").await;
     assert_eq!(response.status(), 200);
     let body: Value = response.json().await.unwrap();

@@ -32,14 +32,22 @@ async fn on_thread<T: Send + 'static>(
     result.await.expect("the thread finished its work")
 }
 
-async fn backend_pid(pool: &deadpool_postgres::Pool) -> i32 {
+/// The one value `sql` answers on a connection checked out of `pool` on this thread.
+async fn ask<T: for<'a> tokio_postgres::types::FromSql<'a>>(
+    pool: &deadpool_postgres::Pool,
+    sql: &str,
+) -> T {
     checkout(pool)
         .await
         .unwrap()
-        .query_one("SELECT pg_backend_pid()", &[])
+        .query_one(sql, &[])
         .await
         .unwrap()
         .get(0)
+}
+
+async fn backend_pid(pool: &deadpool_postgres::Pool) -> i32 {
+    ask(pool, "SELECT pg_backend_pid()").await
 }
 
 #[tokio::test]
@@ -96,13 +104,7 @@ async fn a_worker_takes_the_twin_of_the_pool_it_is_given_never_one_of_a_dropped_
     let (before, after) = on_thread(true, move || {
         Box::pin(async move {
             async fn current_database(pool: deadpool_postgres::Pool) -> String {
-                checkout(&pool)
-                    .await
-                    .unwrap()
-                    .query_one("SELECT current_database()", &[])
-                    .await
-                    .unwrap()
-                    .get(0)
+                ask(&pool, "SELECT current_database()").await
             }
             // The first pool (and its twin's original) is dropped before the second is built.
             let before = current_database(build_pool(&first).unwrap()).await;
@@ -166,16 +168,7 @@ async fn money_moves_once_through_two_instances_on_worker_local_connections() {
     let user = a.register("local-conn", "correct horse battery").await;
     let token = b.login("local-conn", "correct horse battery").await;
     let admin = a.admin_token("admin-local").await;
-    async fn balance_via(app: &crate::helpers::TestApp, token: &str) -> (String, String) {
-        let response = app.get_as(token, "/api/v1/account").await;
-        assert_eq!(response.status(), 200);
-        let body: Value = response.json().await.unwrap();
-        (
-            body["available"].as_str().unwrap().to_owned(),
-            body["frozen"].as_str().unwrap().to_owned(),
-        )
-    }
-    let balance = |app| balance_via(app, &token);
+    let balance = |app| crate::instances::balance_via(app, &token);
 
     let granted = a
         .post(
