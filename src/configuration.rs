@@ -630,10 +630,11 @@ pub struct HttpSettings {
     /// actix-web worker threads. Defaults to the number of cores.
     pub workers: Option<usize>,
     /// Each worker's requests take PostgreSQL and Redis connections of the worker's own, driven
-    /// on its thread (`worker_local`): less CPU per request and more reads per second, but a
-    /// worker busy with CPU-heavy requests (submissions) then also delays the I/O of the others
-    /// on it, so under a mix of both the tail of the cheap ones grows (BENCHMARKS.md). Off: every
-    /// request uses the process's shared connections.
+    /// on its thread (`worker_local`): less CPU per request and more reads per second. The task
+    /// commands (submit, prioritise, cancel) then run on the main runtime with the shared
+    /// connections, so that their CPU does not hold up the I/O of the cheap requests on the
+    /// worker (BENCHMARKS.md, "Fourth pass"). Off: every request runs on its worker with the
+    /// process's shared connections.
     pub worker_local_connections: bool,
     /// Serve `GET /metrics` on this port of `host` only (0: the OS chooses), not on `port`: the
     /// API can face users while the metrics stay on an internal port. Unset: on `port`.

@@ -457,11 +457,12 @@ impl Application {
         let pages = web::Data::new(crate::web::Web::new(settings)?);
         let pages_enabled = settings.web.enabled;
         let worker_local_connections = settings.http.worker_local_connections;
+        let main_runtime = tokio::runtime::Handle::current();
         let mut server = HttpServer::new(move || {
             // actix calls this factory on each worker's thread as the worker starts: its
             // requests then take connections driven on this thread (`worker_local`).
             if worker_local_connections {
-                crate::worker_local::mark_http_worker();
+                crate::worker_local::mark_http_worker(main_runtime.clone());
             }
             let app = App::new();
             let app = if metrics_here {

@@ -18,26 +18,54 @@
 //! settings, so nothing a request sees changes but the thread its I/O runs on; twins live as long
 //! as their worker thread, and a twin whose original was dropped is never handed out again.
 //!
-//! It is off by default: a worker then also runs its requests' I/O, so one busy with CPU-heavy
-//! requests (a submission renders and checks a workflow) delays the I/O of the cheap ones beside
-//! it, and under such a mix their tail grew past the target of `GET /api/v1/tasks/{id}` (p99
-//! 61–70 ms beside 42–54 ms, `bench_http 10 64`), while reads alone ran up to 1.5x faster.
+//! A worker then also runs its requests' I/O, so one busy with CPU-heavy requests would delay
+//! the I/O of the cheap ones beside it: a submission renders and checks a workflow and appends
+//! two events (about 900 µs of CPU), and under `bench_http`'s mix that grew the tail of
+//! `GET /api/v1/tasks/{id}` past its target (p99 61–70 ms beside 42–54 ms). So the task commands
+//! (submit, prioritise, cancel) run on the main runtime ([`off_worker`]) with the shared
+//! connections, as every request did before, and a worker keeps to the cheap requests it answers
+//! on its own connections.
 
-use std::cell::Cell;
+use std::cell::RefCell;
+use std::future::Future;
+
+use tokio::runtime::Handle;
 
 thread_local! {
-    static HTTP_WORKER: Cell<bool> = const { Cell::new(false) };
+    /// On an HTTP worker's thread: the main runtime, where [`off_worker`] sends work.
+    static HTTP_WORKER: RefCell<Option<Handle>> = const { RefCell::new(None) };
 }
 
 /// Marks the calling thread as an HTTP worker's (it runs one single-threaded runtime for the
-/// thread's whole life, so connections opened here are driven here).
-pub fn mark_http_worker() {
-    HTTP_WORKER.with(|flag| flag.set(true));
+/// thread's whole life, so connections opened here are driven here); `main` is the process's
+/// main runtime.
+pub fn mark_http_worker(main: Handle) {
+    HTTP_WORKER.with(|worker| *worker.borrow_mut() = Some(main));
 }
 
 /// Whether the calling thread is an HTTP worker's.
 pub fn on_http_worker() -> bool {
-    HTTP_WORKER.with(Cell::get)
+    HTTP_WORKER.with(|worker| worker.borrow().is_some())
+}
+
+/// Run `work` on the main runtime when called on an HTTP worker, in place otherwise: for
+/// CPU-heavy request work, which would otherwise hold up the socket I/O of the requests its
+/// worker shares a thread with. The work goes on to its end even if the request is dropped
+/// (a client that goes away mid-submit leaves no less done than one that waits).
+pub async fn off_worker<F, T, E>(work: F) -> Result<T, E>
+where
+    F: Future<Output = Result<T, E>> + Send + 'static,
+    T: Send + 'static,
+    E: From<anyhow::Error> + Send + 'static,
+{
+    let Some(main) = HTTP_WORKER.with(|worker| worker.borrow().clone()) else {
+        return work.await;
+    };
+    match main.spawn(work).await {
+        Ok(done) => done,
+        Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+        Err(error) => Err(anyhow::anyhow!("the main runtime is shutting down: {error}").into()),
+    }
 }
 
 #[cfg(test)]
@@ -47,8 +75,10 @@ mod tests {
 
     #[test]
     fn only_a_marked_thread_is_a_worker() {
-        let marked = std::thread::spawn(|| {
-            mark_http_worker();
+        let main = tokio::runtime::Runtime::new().unwrap();
+        let handle = main.handle().clone();
+        let marked = std::thread::spawn(move || {
+            mark_http_worker(handle);
             on_http_worker()
         })
         .join()
@@ -56,5 +86,46 @@ mod tests {
         let unmarked = std::thread::spawn(on_http_worker).join().unwrap();
         assert!(marked);
         assert!(!unmarked);
+    }
+
+    #[test]
+    fn a_worker_runs_its_offloaded_work_on_the_main_runtime_and_others_in_place() {
+        let main = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("main-runtime")
+            .enable_all()
+            .build()
+            .unwrap();
+        let handle = main.handle().clone();
+        let thread_of_work =
+            || async { Ok::<_, anyhow::Error>(std::thread::current().name().map(str::to_owned)) };
+        let on_worker = std::thread::Builder::new()
+            .name("http-worker".into())
+            .spawn(move || {
+                mark_http_worker(handle);
+                let local = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                local.block_on(off_worker(thread_of_work()))
+            })
+            .unwrap()
+            .join()
+            .unwrap()
+            .unwrap();
+        let elsewhere = std::thread::Builder::new()
+            .name("elsewhere".into())
+            .spawn(move || {
+                let local = tokio::runtime::Builder::new_current_thread()
+                    .build()
+                    .unwrap();
+                local.block_on(off_worker(thread_of_work()))
+            })
+            .unwrap()
+            .join()
+            .unwrap()
+            .unwrap();
+        assert_eq!(on_worker.as_deref(), Some("main-runtime"));
+        assert_eq!(elsewhere.as_deref(), Some("elsewhere"));
     }
 }

@@ -450,25 +450,29 @@ pub(crate) async fn submit_and_tell(
     key: Option<&str>,
     metadata: &crate::event_store::EventMetadata,
 ) -> Result<crate::tasks::service::SubmitOutcome, TaskServiceError> {
-    let outcome = state
-        .tasks
-        .submit(user_id, requested, key, metadata)
-        .await?;
-    if let Some(position) = outcome.position {
-        state
-            .notifier
-            .tell(
-                user_id,
-                outcome.task_id,
-                crate::notify::TaskNotice::Position {
-                    position,
-                    estimated_start_at: None,
-                    estimated_end_at: None,
-                },
-            )
-            .await;
-    }
-    Ok(outcome)
+    let (tasks, notifier) = (state.tasks.clone(), state.notifier.clone());
+    let (requested, key, metadata) = (requested.clone(), key.map(str::to_owned), metadata.clone());
+    // Off an HTTP worker's thread: a submission's CPU would hold up the reads beside it.
+    crate::worker_local::off_worker(Box::pin(async move {
+        let outcome = tasks
+            .submit(user_id, &requested, key.as_deref(), &metadata)
+            .await?;
+        if let Some(position) = outcome.position {
+            notifier
+                .tell(
+                    user_id,
+                    outcome.task_id,
+                    crate::notify::TaskNotice::Position {
+                        position,
+                        estimated_start_at: None,
+                        estimated_end_at: None,
+                    },
+                )
+                .await;
+        }
+        Ok(outcome)
+    }))
+    .await
 }
 
 /// One of the caller's tasks.
@@ -678,12 +682,16 @@ pub(crate) async fn prioritise_and_tell(
     key: Option<&str>,
     metadata: &crate::event_store::EventMetadata,
 ) -> Result<crate::tasks::service::PrioritiseOutcome, TaskServiceError> {
-    let outcome = state
-        .tasks
-        .prioritise(user_id, task_id, key, metadata)
-        .await?;
-    state.notifier.queue_moved().await;
-    Ok(outcome)
+    let (tasks, notifier) = (state.tasks.clone(), state.notifier.clone());
+    let (key, metadata) = (key.map(str::to_owned), metadata.clone());
+    crate::worker_local::off_worker(Box::pin(async move {
+        let outcome = tasks
+            .prioritise(user_id, task_id, key.as_deref(), &metadata)
+            .await?;
+        notifier.queue_moved().await;
+        Ok(outcome)
+    }))
+    .await
 }
 
 /// Cancel `user_id`'s task and tell them (and the queue) when it left the queue at once (the API
@@ -694,15 +702,22 @@ pub(crate) async fn cancel_and_tell(
     task_id: TaskId,
     metadata: &crate::event_store::EventMetadata,
 ) -> Result<crate::tasks::service::CancelOutcome, TaskServiceError> {
-    let outcome = state.tasks.cancel(user_id, task_id, metadata).await?;
-    if outcome.status == TaskStatus::Cancelled {
-        state
-            .notifier
-            .tell(user_id, task_id, crate::notify::TaskNotice::Cancelled)
-            .await;
-        state.notifier.queue_moved().await;
-    }
-    Ok(outcome)
+    let (tasks, notifier, metadata) = (
+        state.tasks.clone(),
+        state.notifier.clone(),
+        metadata.clone(),
+    );
+    crate::worker_local::off_worker(Box::pin(async move {
+        let outcome = tasks.cancel(user_id, task_id, &metadata).await?;
+        if outcome.status == TaskStatus::Cancelled {
+            notifier
+                .tell(user_id, task_id, crate::notify::TaskNotice::Cancelled)
+                .await;
+            notifier.queue_moved().await;
+        }
+        Ok(outcome)
+    }))
+    .await
 }
 
 /// Cancel a task: a queued one leaves the queue and its points return (200); a dispatched or

@@ -18,9 +18,10 @@ async fn on_thread<T: Send + 'static>(
     work: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = T>>> + Send + 'static,
 ) -> T {
     let (done, result) = tokio::sync::oneshot::channel();
+    let main = tokio::runtime::Handle::current();
     std::thread::spawn(move || {
         if worker {
-            zhihui::worker_local::mark_http_worker();
+            zhihui::worker_local::mark_http_worker(main);
         }
         let value = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -153,10 +154,11 @@ async fn a_worker_has_its_own_redis_connection_and_others_share_one() {
     assert_ne!(first, here, "a worker's connection is not the shared one");
 }
 
-/// With `http.worker_local_connections` on, in two instances, one request through each in turn:
-/// a grant, a freeze, a prioritise fee and a cancel move the balance once each (read through the
-/// other instance every time, with a Chinese prompt), and the projected rows agree with the
-/// events.
+/// Two instances, one with `http.worker_local_connections` on (its task commands run on its main
+/// runtime, its reads on its workers' own connections) and one with it off (every request on its
+/// worker with the shared connections), one request through each in turn: a grant, a freeze, a
+/// prioritise fee and a cancel move the balance once each (read through the other instance every
+/// time, with a Chinese prompt), and the projected rows agree with the events.
 #[tokio::test]
 async fn money_moves_once_through_two_instances_on_worker_local_connections() {
     use serde_json::{Value, json};
@@ -164,7 +166,9 @@ async fn money_moves_once_through_two_instances_on_worker_local_connections() {
         settings.http.worker_local_connections = true;
     })
     .await;
-    let b = a.another_instance().await;
+    let b = a
+        .another_instance_with(|settings| settings.http.worker_local_connections = false)
+        .await;
     let user = a.register("local-conn", "correct horse battery").await;
     let token = b.login("local-conn", "correct horse battery").await;
     let admin = a.admin_token("admin-local").await;
