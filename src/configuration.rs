@@ -610,6 +610,9 @@ pub struct EventStoreSettings {
     pub append_retries_max: u32,
     /// Events per round trip when subscriptions read the log.
     pub subscription_batch_size: usize,
+    /// PostgreSQL: the newest events of the log kept in memory for this process's
+    /// subscriptions, read once for all of them (`event_store::tail`); 0: each reads alone.
+    pub subscription_tail_events: usize,
     /// PostgreSQL: ceiling of the re-check backoff while an unfinished transaction holds the
     /// global log's horizon back.
     pub held_back_recheck_max_ms: u64,
@@ -762,6 +765,12 @@ impl Settings {
         anyhow::ensure!(
             self.database.pool_max_size >= 1 && self.database.worker_pool_max_size >= 1,
             "database.pool_max_size and database.worker_pool_max_size must be at least 1"
+        );
+        anyhow::ensure!(
+            self.event_store.subscription_tail_events == 0
+                || self.event_store.subscription_tail_events
+                    >= self.event_store.subscription_batch_size,
+            "event_store.subscription_tail_events must be 0 (off) or at least subscription_batch_size"
         );
         anyhow::ensure!(
             self.event_store.group_commit_max_batch >= 1

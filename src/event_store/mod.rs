@@ -12,6 +12,7 @@
 
 pub mod kurrent;
 pub mod postgres;
+mod tail;
 
 use std::fmt;
 
@@ -431,6 +432,7 @@ pub fn from_settings(
                 group_commit_writers: settings.event_store.group_commit_writers,
                 append_retries_max: settings.event_store.append_retries_max,
                 subscription_batch_size: settings.event_store.subscription_batch_size,
+                subscription_tail_events: settings.event_store.subscription_tail_events,
                 held_back_recheck_max_ms: settings.event_store.held_back_recheck_max_ms,
                 subscription_idle_recheck_ms: settings.event_store.subscription_idle_recheck_ms,
                 read_all_settle_max_ms: settings.event_store.read_all_settle_max_ms,

@@ -46,6 +46,7 @@ use tokio_postgres::Row;
 use tokio_postgres::types::ToSql;
 use uuid::Uuid;
 
+use super::tail::{LogTail, Window};
 use super::{
     ActualVersion, AllSlice, AppendOutcome, Direction, EventFilter, EventMetadata, EventStore,
     EventStoreError, ExpectedVersion, NewEvent, Position, ReadFrom, RecordedEvent,
@@ -126,6 +127,8 @@ pub struct PostgresEventStoreOptions {
     pub append_retries_max: u32,
     /// Events fetched per round trip by subscriptions.
     pub subscription_batch_size: usize,
+    /// Events kept in the shared tail of the log (`tail`); 0: every subscription reads alone.
+    pub subscription_tail_events: usize,
     /// Ceiling of the re-check backoff while an unfinished transaction holds the horizon back.
     pub held_back_recheck_max_ms: u64,
     /// A subscription with no wake-up for this long reads anyway (a notification lost with the
@@ -167,6 +170,8 @@ struct Inner {
     announcer: Announcer,
     /// Background tasks (listener, writers), stopped when the store is dropped.
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    /// The newest events, read once for this process's subscriptions (None: each reads alone).
+    tail: Option<LogTail>,
 }
 
 impl Drop for Inner {
@@ -255,6 +260,12 @@ impl PostgresEventStore {
         } else {
             None
         };
+        let tail = (options.subscription_tail_events > 0).then(|| {
+            LogTail::new(
+                options.subscription_tail_events,
+                options.subscription_batch_size,
+            )
+        });
         PostgresEventStore {
             inner: Arc::new(Inner {
                 pool,
@@ -263,6 +274,7 @@ impl PostgresEventStore {
                 wakes,
                 announcer,
                 tasks,
+                tail,
             }),
         }
     }
@@ -435,6 +447,35 @@ impl PostgresEventStore {
     }
 }
 
+impl PostgresEventStore {
+    /// A subscription's window: from the shared tail when its position lies in it (one read
+    /// for all the subscriptions waiting), else read for it alone.
+    async fn read_for_subscription(
+        &self,
+        after: Option<Position>,
+        max_count: usize,
+        filter: &EventFilter,
+    ) -> Result<(AllSlice, bool), EventStoreError> {
+        if let Some(tail) = &self.inner.tail
+            && let Some(read) = tail.read(self, after, max_count, filter).await?
+        {
+            return Ok(read);
+        }
+        self.read_window(after, max_count, filter).await
+    }
+}
+
+impl Window for PostgresEventStore {
+    async fn window(
+        &self,
+        after: Position,
+        max_count: usize,
+    ) -> Result<(AllSlice, bool), EventStoreError> {
+        self.read_window(Some(after), max_count, &EventFilter::All)
+            .await
+    }
+}
+
 impl EventStore for PostgresEventStore {
     async fn append(
         &self,
@@ -574,7 +615,10 @@ async fn run_subscription(
                 Err(broadcast::error::TryRecvError::Closed) => return,
             }
         }
-        let (slice, held_back) = match store.read_window(checkpoint, batch_size, &filter).await {
+        let (slice, held_back) = match store
+            .read_for_subscription(checkpoint, batch_size, &filter)
+            .await
+        {
             Ok(read) => {
                 error_backoff_ms = 10;
                 read

@@ -69,6 +69,7 @@ fn start_store(
             group_commit_writers: 2,
             append_retries_max: 16,
             subscription_batch_size: 100,
+            subscription_tail_events: 400,
             held_back_recheck_max_ms: 20,
             subscription_idle_recheck_ms,
             // Short: the held-transaction test reads while a transaction is held on purpose.
@@ -1027,6 +1028,7 @@ async fn an_append_whose_answer_is_lost_lands_exactly_once() {
                 group_commit_writers: 1,
                 append_retries_max: 16,
                 subscription_batch_size: 100,
+                subscription_tail_events: 400,
                 held_back_recheck_max_ms: 20,
                 subscription_idle_recheck_ms: 1_000,
                 read_all_settle_max_ms: 300,

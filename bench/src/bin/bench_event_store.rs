@@ -117,6 +117,7 @@ async fn run(
                 group_commit_writers: 2,
                 append_retries_max: 16,
                 subscription_batch_size: 512,
+                subscription_tail_events: 2048,
                 held_back_recheck_max_ms: 50,
                 subscription_idle_recheck_ms: 1_000,
                 read_all_settle_max_ms: 5_000,
