@@ -96,35 +96,30 @@ mod tests {
             .enable_all()
             .build()
             .unwrap();
-        let handle = main.handle().clone();
-        let thread_of_work =
-            || async { Ok::<_, anyhow::Error>(std::thread::current().name().map(str::to_owned)) };
-        let on_worker = std::thread::Builder::new()
-            .name("http-worker".into())
-            .spawn(move || {
-                mark_http_worker(handle);
-                let local = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .unwrap();
-                local.block_on(off_worker(thread_of_work()))
-            })
-            .unwrap()
-            .join()
-            .unwrap()
-            .unwrap();
-        let elsewhere = std::thread::Builder::new()
-            .name("elsewhere".into())
-            .spawn(move || {
-                let local = tokio::runtime::Builder::new_current_thread()
-                    .build()
-                    .unwrap();
-                local.block_on(off_worker(thread_of_work()))
-            })
-            .unwrap()
-            .join()
-            .unwrap()
-            .unwrap();
+        // The name of the thread `off_worker`'s work ran on, called on a new thread named
+        // `name` with a runtime of its own, marked as a worker's when given the main runtime.
+        let work_ran_on = |name: &str, main: Option<tokio::runtime::Handle>| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(move || {
+                    if let Some(main) = main {
+                        mark_http_worker(main);
+                    }
+                    tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap()
+                        .block_on(off_worker(async {
+                            Ok::<_, anyhow::Error>(std::thread::current().name().map(str::to_owned))
+                        }))
+                })
+                .unwrap()
+                .join()
+                .unwrap()
+                .unwrap()
+        };
+        let on_worker = work_ran_on("http-worker", Some(main.handle().clone()));
+        let elsewhere = work_ran_on("elsewhere", None);
         assert_eq!(on_worker.as_deref(), Some("main-runtime"));
         assert_eq!(elsewhere.as_deref(), Some("elsewhere"));
     }

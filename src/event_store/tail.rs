@@ -10,9 +10,10 @@
 //!
 //! **Fresh enough.** A subscription reads after taking its wake-ups, and must see every commit
 //! they announce: so it is served only from a fill that *began after it asked* (`fills_begun`
-//! is read before waiting for the tail; a fill done since carries a higher number). Asking
-//! while a fill is under way means waiting for it and then for the next one, which the first of
-//! those waiting runs for all of them.
+//! is read before waiting for the tail; a fill done since carries a higher number), unless the
+//! tail already holds a whole batch after its position (the answer then says the log goes on,
+//! and the subscription asks again at once). Asking while a fill is under way means waiting for
+//! it and then for the next one, which the first of those waiting runs for all of them.
 //!
 //! **Nothing skipped.** A fill reads after the tail's end with the store's gap-safe window (only
 //! finished transactions, below the horizon), so the tail is exactly the log between its start
@@ -98,7 +99,11 @@ impl LogTail {
         match tail.span {
             Some((start, _)) if after < start => return Ok(None),
             Some((_, end)) if after <= end => {
-                if tail.last_fill <= asked_after {
+                // A full batch already in the tail is served as it is: its answer says "more to
+                // come" (not the end of the log), so nothing waits on its being fresh.
+                let held = tail.events.len()
+                    - tail.events.partition_point(|event| event.position <= after);
+                if held < max_count && tail.last_fill <= asked_after {
                     self.fill(&mut tail, window).await?;
                 }
             }
