@@ -199,7 +199,8 @@ const EVENT_COLUMNS: &str = "event_id, stream_id, stream_version, event_type, sc
 
 /// A window of the global order after ($1, $2), at most $3 events, below the snapshot's horizon,
 /// with whether a transaction at or past the horizon holds newer events back: see
-/// `read_window`. The filter is applied here ($4: 0 every event, 1 streams starting with one of
+/// `read_window`, and when the server answering was started (a promoted standby, or a restart,
+/// is another server to the shared tail: `tail.rs`). The filter is applied here ($4: 0 every event, 1 streams starting with one of
 /// $5, 2 events of a type in $5): an event it leaves out comes back as its position alone (the
 /// reader still moves past it) instead of its payload and metadata, which a subscription would
 /// only decode to drop. (`EVENT_COLUMNS`, written out: a `const` cannot be built with
@@ -209,10 +210,12 @@ const WINDOW_SQL: &str = "SELECT w.event_id, w.stream_id, w.stream_version, w.ev
        w.schema_version, \
        CASE WHEN w.wanted THEN w.payload END AS payload, \
        CASE WHEN w.wanted THEN w.metadata END AS metadata, \
-       w.recorded_at, w.commit_position, w.global_position, w.wanted, h.held_back \
+       w.recorded_at, w.commit_position, w.global_position, w.wanted, h.held_back, \
+       h.server_started \
   FROM (SELECT COALESCE((SELECT transaction_id FROM events \
                           ORDER BY transaction_id DESC, global_position DESC LIMIT 1) \
-                        >= pg_snapshot_xmin(pg_current_snapshot()), false) AS held_back) h \
+                        >= pg_snapshot_xmin(pg_current_snapshot()), false) AS held_back, \
+               pg_postmaster_start_time() AS server_started) h \
   LEFT JOIN LATERAL ( \
        SELECT event_id, stream_id, stream_version, event_type, schema_version, payload, \
               metadata, recorded_at, transaction_id::text::bigint AS commit_position, \
@@ -375,6 +378,17 @@ impl PostgresEventStore {
         max_count: usize,
         filter: &EventFilter,
     ) -> Result<(AllSlice, bool), EventStoreError> {
+        let (slice, held_back, _) = self.read_window_on(after, max_count, filter).await?;
+        Ok((slice, held_back))
+    }
+
+    /// [`Self::read_window`], with when the server that answered was started.
+    async fn read_window_on(
+        &self,
+        after: Option<Position>,
+        max_count: usize,
+        filter: &EventFilter,
+    ) -> Result<(AllSlice, bool, DateTime<Utc>), EventStoreError> {
         let client = crate::postgres::checkout(&self.inner.pool)
             .await
             .map_err(unavailable)?;
@@ -416,6 +430,11 @@ impl PostgresEventStore {
             .transpose()
             .map_err(unavailable)?
             .unwrap_or(false);
+        let server_started: DateTime<Utc> = rows
+            .first()
+            .ok_or_else(|| unavailable_msg("the window read returned no row"))?
+            .try_get("server_started")
+            .map_err(unavailable)?;
         let empty = rows
             .first()
             .is_none_or(|row| row.get::<_, Option<uuid::Uuid>>("event_id").is_none());
@@ -443,6 +462,7 @@ impl PostgresEventStore {
                 end_of_log: !full,
             },
             held_back,
+            server_started,
         ))
     }
 }
@@ -470,8 +490,8 @@ impl Window for PostgresEventStore {
         &self,
         after: Position,
         max_count: usize,
-    ) -> Result<(AllSlice, bool), EventStoreError> {
-        self.read_window(Some(after), max_count, &EventFilter::All)
+    ) -> Result<(AllSlice, bool, DateTime<Utc>), EventStoreError> {
+        self.read_window_on(Some(after), max_count, &EventFilter::All)
             .await
     }
 }

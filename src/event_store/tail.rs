@@ -10,10 +10,16 @@
 //!
 //! **Fresh enough.** A subscription reads after taking its wake-ups, and must see every commit
 //! they announce: so it is served only from a fill that *began after it asked* (`fills_begun`
-//! is read before waiting for the tail; a fill done since carries a higher number), unless the
-//! tail already holds a whole batch after its position (the answer then says the log goes on,
-//! and the subscription asks again at once). Asking while a fill is under way means waiting for
-//! it and then for the next one, which the first of those waiting runs for all of them.
+//! is read before waiting for the tail; a fill done since carries a higher number). Asking
+//! while a fill is under way means waiting for it and then for the next one, which the first of
+//! those waiting runs for all of them.
+//!
+//! **Another server.** Every fill also says when the server that answered was started. After a
+//! failover to an asynchronous standby the newest events the tail holds may not exist on the new
+//! primary, whose next events may even take positions the tail has passed: so a fill answered by
+//! another server than the tail's events came from discards the tail (the subscription that asked
+//! reads alone, the next one anchors it afresh). Because every answer comes from a fill begun
+//! after its question, no answer is served from a tail the current server has not confirmed.
 //!
 //! **Nothing skipped.** A fill reads after the tail's end with the store's gap-safe window (only
 //! finished transactions, below the horizon), so the tail is exactly the log between its start
@@ -25,6 +31,7 @@ use std::collections::VecDeque;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use chrono::{DateTime, Utc};
 use tokio::sync::Mutex;
 
 use super::{AllSlice, EventFilter, EventStoreError, Position, RecordedEvent};
@@ -55,15 +62,18 @@ struct Tail {
     at_horizon: bool,
     /// Whether, at the last fill, an unfinished transaction held newer events back.
     held_back: bool,
+    /// When the server the events came from was started (`None`: no events yet).
+    server: Option<DateTime<Utc>>,
 }
 
-/// What a fill reads: the window after a position, at most that many events, every event.
+/// What a fill reads: the window after a position, at most that many events, every event; with
+/// whether newer events are held back and when the server that answered was started.
 pub(super) trait Window {
     fn window(
         &self,
         after: Position,
         max_count: usize,
-    ) -> impl Future<Output = Result<(AllSlice, bool), EventStoreError>> + Send;
+    ) -> impl Future<Output = Result<(AllSlice, bool, DateTime<Utc>), EventStoreError>> + Send;
 }
 
 impl LogTail {
@@ -79,13 +89,14 @@ impl LogTail {
                 last_fill: 0,
                 at_horizon: false,
                 held_back: false,
+                server: None,
             }),
         }
     }
 
     /// The window after `after` (at most `max_count` events, those passing `filter` returned)
     /// from a fill begun after this call, with whether newer events are held back; `None` when
-    /// `after` lies behind the tail (the caller reads for itself).
+    /// `after` lies behind the tail or the fill found another server (the caller reads alone).
     pub(super) async fn read(
         &self,
         window: &impl Window,
@@ -99,19 +110,18 @@ impl LogTail {
         match tail.span {
             Some((start, _)) if after < start => return Ok(None),
             Some((_, end)) if after <= end => {
-                // A full batch already in the tail is served as it is: its answer says "more to
-                // come" (not the end of the log), so nothing waits on its being fresh.
-                let held = tail.events.len()
-                    - tail.events.partition_point(|event| event.position <= after);
-                if held < max_count && tail.last_fill <= asked_after {
-                    self.fill(&mut tail, window).await?;
+                if tail.last_fill <= asked_after && !self.fill(&mut tail, window).await? {
+                    return Ok(None);
                 }
             }
             // Not started, or ahead of its end: the tail moves to `after`.
             _ => {
                 tail.span = Some((after, after));
                 tail.events.clear();
-                self.fill(&mut tail, window).await?;
+                tail.server = None;
+                if !self.fill(&mut tail, window).await? {
+                    return Ok(None);
+                }
             }
         }
         let Some((start, _)) = tail.span else {
@@ -144,12 +154,22 @@ impl LogTail {
         )))
     }
 
-    async fn fill(&self, tail: &mut Tail, window: &impl Window) -> Result<(), EventStoreError> {
+    /// Extend the tail; `false` when another server answered than the one its events came from
+    /// (the tail is then discarded).
+    async fn fill(&self, tail: &mut Tail, window: &impl Window) -> Result<bool, EventStoreError> {
         let number = self.fills_begun.fetch_add(1, Ordering::SeqCst) + 1;
         let Some((start, end)) = tail.span else {
             unreachable!("a fill extends a started tail")
         };
-        let (slice, held_back) = window.window(end, self.fill_max).await?;
+        let (slice, held_back, server) = window.window(end, self.fill_max).await?;
+        if tail.server.is_some_and(|known| known != server) {
+            tracing::info!("the event store's server changed: the shared tail starts afresh");
+            tail.span = None;
+            tail.events.clear();
+            tail.server = None;
+            return Ok(false);
+        }
+        tail.server = Some(server);
         let mut start = start;
         let end = slice.scanned_to.unwrap_or(end);
         // With `EventFilter::All` every scanned event comes back, so the tail has no gaps.
@@ -163,7 +183,7 @@ impl LogTail {
         tail.last_fill = number;
         tail.at_horizon = slice.end_of_log;
         tail.held_back = held_back;
-        Ok(())
+        Ok(true)
     }
 }
 
@@ -188,6 +208,8 @@ mod tests {
         horizon: AtomicUsize,
         holding: std::sync::atomic::AtomicBool,
         reads: AtomicUsize,
+        /// When the server answering was started (seconds): a failover changes it.
+        server: AtomicUsize,
     }
 
     impl FakeLog {
@@ -215,6 +237,14 @@ mod tests {
             if !self.holding.load(Ordering::SeqCst) {
                 self.horizon.store(events.len(), Ordering::SeqCst);
             }
+        }
+
+        /// A failover to an asynchronous standby: the newest events are lost (the log keeps its
+        /// first `kept`), and the new server's next events take the positions they had.
+        fn fail_over(&self, kept: usize) {
+            self.events.lock().unwrap().truncate(kept);
+            self.horizon.store(kept, Ordering::SeqCst);
+            self.server.fetch_add(1, Ordering::SeqCst);
         }
 
         /// An unfinished transaction holds what comes next back, or finishes.
@@ -261,10 +291,16 @@ mod tests {
             &self,
             after: Position,
             max_count: usize,
-        ) -> Result<(AllSlice, bool), EventStoreError> {
+        ) -> Result<(AllSlice, bool, DateTime<Utc>), EventStoreError> {
             self.reads.fetch_add(1, Ordering::SeqCst);
             tokio::task::yield_now().await;
-            Ok(self.direct(Some(after), max_count, &EventFilter::All))
+            let (slice, held_back) = self.direct(Some(after), max_count, &EventFilter::All);
+            let started = self.server.load(Ordering::SeqCst);
+            Ok((
+                slice,
+                held_back,
+                DateTime::UNIX_EPOCH + chrono::Duration::seconds(i64::try_from(started).unwrap()),
+            ))
         }
     }
 
@@ -415,5 +451,36 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(slice, log.direct(ahead, 8, &EventFilter::All).0);
+    }
+
+    #[tokio::test]
+    async fn after_a_failover_nothing_lost_with_the_old_server_is_served() {
+        let log = FakeLog::default();
+        let tail = LogTail::new(64, 16);
+        append_random(&log, &mut rand::rngs::StdRng::seed_from_u64(4), 30);
+        let mut after = None;
+        while let Some((slice, _)) = tail
+            .read(&log, after, 16, &EventFilter::All)
+            .await
+            .unwrap()
+            .filter(|(slice, _)| slice.scanned_to.is_some())
+        {
+            after = slice.scanned_to;
+        }
+        assert_eq!(after.unwrap().prepare, 30, "the tail holds all 30");
+        // The standby had 25 of them; a restarted subscription goes on from its checkpoint on
+        // the new primary, where new events follow.
+        log.fail_over(25);
+        append_random(&log, &mut rand::rngs::StdRng::seed_from_u64(5), 10);
+        let restarted_at = log.direct(None, 25, &EventFilter::All).0.scanned_to;
+        let mut after = restarted_at;
+        for _ in 0..4 {
+            let expected = log.direct(after, 16, &EventFilter::All).0;
+            if let Some((slice, _)) = tail.read(&log, after, 16, &EventFilter::All).await.unwrap() {
+                assert_eq!(slice, expected);
+            }
+            after = expected.scanned_to.or(after);
+        }
+        assert_eq!(after.unwrap().prepare, 35);
     }
 }
