@@ -611,7 +611,8 @@ pub struct EventStoreSettings {
     /// Events per round trip when subscriptions read the log.
     pub subscription_batch_size: usize,
     /// PostgreSQL: the newest events of the log kept in memory for this process's
-    /// subscriptions, read once for all of them (`event_store::tail`); 0: each reads alone.
+    /// subscriptions, read once for all of them (`event_store::tail`); 0 (the default): each
+    /// reads alone. It takes reads off PostgreSQL and adds decoding to the process.
     pub subscription_tail_events: usize,
     /// PostgreSQL: ceiling of the re-check backoff while an unfinished transaction holds the
     /// global log's horizon back.
