@@ -415,7 +415,13 @@ async fn start_instance(
     TestApp {
         address: format!("http://127.0.0.1:{port}"),
         settings,
-        http: reqwest::Client::new(),
+        // An idle connection is dropped after 2 s, before actix's keep-alive (5 s) closes it:
+        // reusing one the server is closing that moment fails the request (IncompleteMessage),
+        // which a test that drives workers for a few seconds between requests once met.
+        http: reqwest::Client::builder()
+            .pool_idle_timeout(std::time::Duration::from_secs(2))
+            .build()
+            .unwrap(),
         clock,
         codes,
         ollama,
