@@ -158,7 +158,7 @@ impl LogTail {
     /// (the tail is then discarded).
     async fn fill(&self, tail: &mut Tail, window: &impl Window) -> Result<bool, EventStoreError> {
         let number = self.fills_begun.fetch_add(1, Ordering::SeqCst) + 1;
-        let Some((start, end)) = tail.span else {
+        let Some((mut start, end)) = tail.span else {
             unreachable!("a fill extends a started tail")
         };
         let (slice, held_back, server) = window.window(end, self.fill_max).await?;
@@ -170,7 +170,6 @@ impl LogTail {
             return Ok(false);
         }
         tail.server = Some(server);
-        let mut start = start;
         let end = slice.scanned_to.unwrap_or(end);
         // With `EventFilter::All` every scanned event comes back, so the tail has no gaps.
         tail.events.extend(slice.events);
