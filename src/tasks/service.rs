@@ -23,7 +23,6 @@ use anyhow::Context;
 use deadpool_postgres::Pool;
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
-use zhihui_domain::DomainEvent;
 use zhihui_domain::account::{Account, AccountCommand, AccountError, Operation, account_stream};
 use zhihui_domain::points::{Amount, Points};
 use zhihui_domain::task::{
@@ -31,6 +30,7 @@ use zhihui_domain::task::{
     TaskEvent, TaskId, TaskState, TaskStatus, TaskSubmitted, task_stream,
 };
 use zhihui_domain::user::UserId;
+use zhihui_domain::{Decider, DomainEvent};
 
 use crate::aggregate::AggregateService;
 use crate::clock::Clock;
@@ -379,6 +379,39 @@ impl TaskService {
         Ok(intent_id)
     }
 
+    /// A submission's intent, written only while the read model counts fewer than
+    /// `queued_per_user_max` waiting tasks of the user: the queue-limit check and the intent in
+    /// one statement. `None` when the count is at the limit; [`TaskService::at_queue_limit`]
+    /// then confirms on the streams before a refusal.
+    async fn begin_submit_intent(
+        &self,
+        task_id: TaskId,
+        user_id: UserId,
+    ) -> anyhow::Result<Option<Uuid>> {
+        let intent_id = Uuid::now_v7();
+        let max = i32::try_from(self.catalog.settings().queued_per_user_max).unwrap_or(i32::MAX);
+        let client = crate::postgres::checkout(&self.pool)
+            .await
+            .context("getting a connection")?;
+        let written = crate::postgres::execute_cached(
+            &client,
+            "INSERT INTO task_intents (intent_id, kind, task_id, user_id, operation_id, created_at)
+             SELECT $1, $2, $3, $4, NULL, $5
+              WHERE COALESCE((SELECT waiting FROM tasks_waiting WHERE user_id = $4), 0) < $6",
+            &[
+                &intent_id,
+                &IntentKind::Submit.as_str(),
+                &task_id,
+                &user_id.as_uuid(),
+                &self.clock.now(),
+                &max,
+            ],
+        )
+        .await
+        .context("recording an intent")?;
+        Ok((written == 1).then_some(intent_id))
+    }
+
     pub(crate) async fn end_intent(&self, intent_id: Uuid) -> anyhow::Result<()> {
         let client = crate::postgres::checkout(&self.pool)
             .await
@@ -425,29 +458,19 @@ impl TaskService {
         Err(refusal)
     }
 
-    /// Whether the user already has `queued_per_user_max` tasks waiting. The read model's count
-    /// of the user's waiting tasks (`tasks_waiting`, one row) decides an acceptance: one lookup,
-    /// the same however many tasks the user has or had. It may lag (a task that has left the
-    /// queue may still be counted), so a refusal is confirmed on the streams of the tasks the
-    /// read model lists as waiting, at most twice the limit of them. A task submitted through
-    /// another process and not yet projected is not counted: the limit is soft, and only ever
-    /// errs towards accepting.
+    /// Whether the user already has `queued_per_user_max` tasks waiting, asked when the read
+    /// model's count of the user's waiting tasks (`tasks_waiting`, one row, read by
+    /// [`TaskService::begin_submit_intent`]) is at the limit: one lookup decides an acceptance,
+    /// the same however many tasks the user has or had. The count may lag (a task that has left
+    /// the queue may still be counted), so a refusal is confirmed here on the streams of the
+    /// tasks the read model lists as waiting, at most twice the limit of them. A task submitted
+    /// through another process and not yet projected is not counted: the limit is soft, and
+    /// only ever errs towards accepting.
     async fn at_queue_limit(&self, user_id: UserId) -> anyhow::Result<bool> {
         let max = self.catalog.settings().queued_per_user_max;
         let client = crate::postgres::checkout(&self.pool)
             .await
             .context("getting a connection")?;
-        let counted: i32 = crate::postgres::query_opt_cached(
-            &client,
-            "SELECT waiting FROM tasks_waiting WHERE user_id = $1",
-            &[&user_id.as_uuid()],
-        )
-        .await
-        .context("reading the user's waiting count")?
-        .map_or(0, |row| row.get(0));
-        if i64::from(counted) < i64::from(max) {
-            return Ok(false);
-        }
         let candidates: Vec<TaskId> = crate::postgres::query_cached(
             &client,
             "SELECT task_id FROM tasks \
@@ -491,12 +514,23 @@ impl TaskService {
             Some(key) => Uuid::new_v5(&SUBMIT_NAMESPACE, format!("{user_id}:{key}").as_bytes()),
             None => Uuid::now_v7(),
         };
-        if idempotency_key.is_some() {
-            let state = self.load(task_id).await?;
-            if state.status != TaskStatus::Unknown {
-                return self.repeated_submit(task_id, &state, &digest).await;
+        // What the task's stream holds now. A task id without a key is fresh (UUIDv7: time and
+        // 74 random bits), so its stream is known to be empty without a read; should it not be,
+        // the append's expected version ("no stream") refuses and the command reads and decides
+        // again. A keyed id is read once here and that state is what the append expects.
+        let loaded = match idempotency_key {
+            Some(_) => {
+                let loaded = command::load::<Task>(&self.store, &task_stream(task_id)).await?;
+                if loaded.state.status != TaskStatus::Unknown {
+                    return self.repeated_submit(task_id, &loaded.state, &digest).await;
+                }
+                loaded
             }
-        }
+            None => command::Loaded {
+                state: Task::initial_state(),
+                version: None,
+            },
+        };
         // Refused before any point moves; a repeat of a recorded submit (above) is answered as
         // recorded whatever the pool says now.
         if let Some(pool) = &self.backend_pool
@@ -507,14 +541,18 @@ impl TaskService {
             });
         }
         let settings = self.catalog.settings();
-        if self.at_queue_limit(user_id).await? {
-            return Err(TaskServiceError::QueueLimit {
-                max: settings.queued_per_user_max,
-            });
-        }
-        let intent = self
-            .begin_intent(IntentKind::Submit, task_id, user_id, None)
-            .await?;
+        let intent = match self.begin_submit_intent(task_id, user_id).await? {
+            Some(intent) => intent,
+            None if self.at_queue_limit(user_id).await? => {
+                return Err(TaskServiceError::QueueLimit {
+                    max: settings.queued_per_user_max,
+                });
+            }
+            None => {
+                self.begin_intent(IntentKind::Submit, task_id, user_id, None)
+                    .await?
+            }
+        };
         let freeze = AccountCommand::Freeze {
             hold_id: task_id,
             amount: checked.price,
@@ -565,7 +603,10 @@ impl TaskService {
             submitted: Box::new(submitted),
             score,
         };
-        match self.execute_task(task_id, &command, metadata).await {
+        match self
+            .execute_task_on(task_id, loaded, &command, metadata)
+            .await
+        {
             Ok(_) => {}
             Err(CommandError::Rejected(TaskError::AlreadySubmitted)) => {
                 // A concurrent retry recorded it first, or the sweeper abandoned it.
