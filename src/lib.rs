@@ -1,6 +1,7 @@
 //! zhihui: the backend of an AI text-to-image cloud platform. See `ARCHITECTURE.md` for the map.
 
 pub mod aggregate;
+pub mod allocator;
 pub mod api_keys;
 pub mod audit;
 pub mod auth;

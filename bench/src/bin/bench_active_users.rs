@@ -35,6 +35,7 @@ const CHUNK: usize = 10_000;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let users: usize = match std::env::args().nth(1) {
         Some(text) => text.parse().context("USERS must be a number")?,
         None => 1_000_000,

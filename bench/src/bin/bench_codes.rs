@@ -53,6 +53,7 @@ const PG_STATS_SETTLE: Duration = Duration::from_secs(11);
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let seconds = zhihui::bench_support::seconds_per_case()?;
     let redis_url =
         std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into());

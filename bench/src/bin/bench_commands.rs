@@ -54,6 +54,7 @@ const SPLIT_CASE: &str = "hot_split";
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let seconds = zhihui::bench_support::seconds_per_case()?;
     zhihui::bench_support::with_fresh_database(
         |settings| {

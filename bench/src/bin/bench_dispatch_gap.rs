@@ -59,6 +59,7 @@ const DEFAULT_STEP_DELAYS_MS: [u64; 2] = [0, 20];
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let mut args = std::env::args().skip(1);
     let tasks: usize = args
         .next()

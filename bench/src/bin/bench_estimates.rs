@@ -57,6 +57,7 @@ fn percentile(values: &mut [f64], fraction: f64) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let mut args = std::env::args().skip(1);
     let count: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(2_000);
     let seed: u64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(1);

@@ -23,6 +23,7 @@ const WRITER_COUNTS: [usize; 3] = [1, 8, 32];
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let seconds = zhihui::bench_support::seconds_per_case()?;
     zhihui::bench_support::with_fresh_database(
         |settings| {

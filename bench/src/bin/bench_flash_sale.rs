@@ -43,6 +43,7 @@ const PERSIST_LIMIT: Duration = Duration::from_secs(300);
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let claims: usize = match std::env::args().nth(1) {
         Some(text) => text.parse().context("CLAIMS must be a number")?,
         None => 20_000,

@@ -43,6 +43,7 @@ const MEMORY_TARGET_MB: f64 = 150.0;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let seconds: u64 = arg(1, "seconds of load")?.unwrap_or(10);
     let clients: usize = arg(2, "concurrent clients")?.unwrap_or(64);
     Box::pin(zhihui::bench_support::with_fresh_database(

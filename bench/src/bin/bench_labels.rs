@@ -31,6 +31,7 @@ use zhihui::labels::Labeller;
 type Case<'a> = Box<dyn Fn() -> anyhow::Result<usize> + 'a>;
 
 fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let mut iterations = 20usize;
     let mut samples = None;
     let mut args = std::env::args().skip(1);

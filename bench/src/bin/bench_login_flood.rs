@@ -33,6 +33,7 @@ use zhihui::configuration::Settings;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let flood: usize = arg(1)?.unwrap_or(1000);
     let seconds: u64 = arg(2)?.unwrap_or(10) as u64;
     zhihui::bench_support::with_fresh_database(

@@ -32,6 +32,7 @@ const PACED_COMMANDS_PER_SECOND: u64 = 1_000;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let seconds = zhihui::bench_support::seconds_per_case()?;
     zhihui::bench_support::with_fresh_database(
         |settings| {

@@ -95,6 +95,7 @@ struct Row {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let jobs: usize = argument(1, "the first argument is the number of jobs")?.unwrap_or(50_000);
     let concurrency: usize = argument(2, "the second argument is the concurrency")?.unwrap_or(100);
     anyhow::ensure!(

@@ -33,6 +33,7 @@ const LOAD_CONCURRENCY: usize = 64;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let mut args = std::env::args().skip(1);
     let events: usize = args
         .next()

@@ -274,6 +274,7 @@ impl<'a> Meter<'a> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let requests = arg(1)?.unwrap_or(200);
     let tasks = arg(2)?.unwrap_or(400);
     zhihui::bench_support::with_fresh_database(

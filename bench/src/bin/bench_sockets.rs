@@ -38,6 +38,7 @@ use zhihui_domain::user::{Role, UserId};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let sockets: usize = arg(1)?.unwrap_or(1000);
     let tasks: usize = arg(2)?.unwrap_or(5);
     let changes: usize = arg(3)?.unwrap_or(50);

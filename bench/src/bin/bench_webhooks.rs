@@ -242,6 +242,7 @@ async fn webhook_leader(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let tasks = arg(1)?.unwrap_or(500);
     zhihui::bench_support::with_fresh_database(
         |settings| {

@@ -192,6 +192,7 @@ async fn send(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    zhihui::allocator::tune();
     let tasks_total: usize = match std::env::args().nth(1) {
         Some(count) => count.parse().context("TASKS must be a number")?,
         None => TASKS_DEFAULT,
