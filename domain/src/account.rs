@@ -17,9 +17,8 @@
 //! Every event carries the balances after it (`available_after`, `frozen_after`): the ledger shows
 //! them, and `audit verify` checks them against a fresh fold.
 
-use std::collections::HashMap;
-
 use chrono::{DateTime, Utc};
+use imbl::HashMap;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -75,6 +74,10 @@ pub enum Operation {
     Credit { kind: CreditKind, amount: Amount },
 }
 
+/// The holds and operations are persistent maps (`imbl`): a clone shares them and costs the same
+/// however long the account's history. The batching actor (`src/aggregate.rs`) clones a hot
+/// stream's state for every batch and every reply; with `std` maps that copied every hold the
+/// user ever had, per request.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct AccountState {
     pub balance: Balance,

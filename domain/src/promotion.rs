@@ -11,9 +11,8 @@
 //! ([`charge_operation_id`]): every step is idempotent, so a claim persisted twice (a consumer
 //! that died before acknowledging it) moves points once.
 
-use std::collections::HashMap;
-
 use chrono::{DateTime, Utc};
+use imbl::HashMap;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -212,7 +211,9 @@ pub struct PromotionState {
     pub promotion_id: PromotionId,
     pub spec: PromotionSpec,
     pub ended_at: Option<DateTime<Utc>>,
-    /// Each user's live claim (reserved or granted), or the last refused one.
+    /// Each user's live claim (reserved or granted), or the last refused one. A persistent map
+    /// (`imbl`), as the account's: the batching actor clones the state per batch and per reply,
+    /// which must not copy every claim of a sale of tens of thousands.
     pub claims: HashMap<UserId, Claim>,
     /// Units taken: claims reserved or granted.
     pub taken: u32,
