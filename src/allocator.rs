@@ -6,11 +6,11 @@
 /// free top of each thread's heap back to the kernel once it exceeds a threshold that starts at
 /// 128 KiB: under load a request's buffers (a rendered workflow, a page of events, response
 /// bodies) were returned and faulted in again on every few requests (`madvise`, page faults and
-/// page clearing were 8–10 % of the server's CPU under `POST /tasks`). Keeping up to 32 MiB of free
-/// top per heap, and serving blocks under 4 MiB from the heaps rather than from fresh mappings,
-/// cut the server's CPU per submission by about a fifth with peak resident memory unchanged
-/// (BENCHMARKS.md, "Fifth pass"). An operator's own `GLIBC_TUNABLES` for malloc win. Does
-/// nothing elsewhere than glibc on Linux.
+/// page clearing were 8–10 % of the server's CPU under `POST /tasks`). Keeping up to 32 MiB of
+/// free top per heap, and serving blocks under 4 MiB from the heaps rather than from fresh
+/// mappings, cut the server's CPU per submission by about a fifth with peak resident memory
+/// unchanged (BENCHMARKS.md, "Fifth pass"). An operator's own `GLIBC_TUNABLES` for malloc win.
+/// Does nothing elsewhere than glibc on Linux.
 pub fn tune() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {

@@ -69,6 +69,16 @@ pub enum CommandError<E> {
     Store(#[from] anyhow::Error),
 }
 
+/// A stream known not to exist yet (its id was just made): the state an append expecting
+/// "no stream" is decided on without reading it. Should it exist after all, that append is
+/// refused and [`execute_on`] reads it and decides again.
+pub fn unwritten<D: Decider>() -> Loaded<D::State> {
+    Loaded {
+        state: D::initial_state(),
+        version: None,
+    }
+}
+
 /// Load and fold a whole stream.
 pub async fn load<D>(store: &AnyEventStore, stream: &str) -> anyhow::Result<Loaded<D::State>>
 where

@@ -35,7 +35,7 @@ use zhihui_domain::user::UserId;
 
 use crate::aggregate::AggregateService;
 use crate::clock::Clock;
-use crate::command::{self, CommandError, Loaded, RetryPolicy};
+use crate::command::{self, CommandError, RetryPolicy};
 use crate::configuration::CodeSettings;
 use crate::event_store::{AnyEventStore, EventMetadata};
 use crate::redis_store::RedisStore;
@@ -649,10 +649,7 @@ impl CodeService {
                 command::execute_on::<CodeRedemption>(
                     &self.store,
                     &stream,
-                    Loaded {
-                        state: None,
-                        version: None,
-                    },
+                    command::unwritten::<CodeRedemption>(),
                     &command,
                     metadata,
                     RetryPolicy::default(),

@@ -203,9 +203,10 @@ const EVENT_COLUMNS: &str = "event_id, stream_id, stream_version, event_type, sc
 /// is another server to the shared tail: `tail.rs`). The filter is applied here ($4: 0 every
 /// event, 1 streams starting with one of $5, 2 events of a type in $5): an event it leaves out
 /// comes back as its position alone (the reader still moves past it) instead of its payload
-/// and metadata, which a subscription would only decode to drop. (`EVENT_COLUMNS`, written out: a `const` cannot be built with
-/// `format!`.) No ORDER BY outside: the window's own order comes through the join, and the
-/// reader sorts what it got (a sort here cost more than the read).
+/// and metadata, which a subscription would only decode to drop. (`EVENT_COLUMNS`, written
+/// out: a `const` cannot be built with `format!`.) No ORDER BY outside: the window's own order
+/// comes through the join, and the reader sorts what it got (a sort here cost more than the
+/// read).
 const WINDOW_SQL: &str = "SELECT w.event_id, w.stream_id, w.stream_version, w.event_type, \
        w.schema_version, \
        CASE WHEN w.wanted THEN w.payload END AS payload, \

@@ -23,6 +23,7 @@ use anyhow::Context;
 use deadpool_postgres::Pool;
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
+use zhihui_domain::DomainEvent;
 use zhihui_domain::account::{Account, AccountCommand, AccountError, Operation, account_stream};
 use zhihui_domain::points::{Amount, Points};
 use zhihui_domain::task::{
@@ -30,7 +31,6 @@ use zhihui_domain::task::{
     TaskEvent, TaskId, TaskState, TaskStatus, TaskSubmitted, task_stream,
 };
 use zhihui_domain::user::UserId;
-use zhihui_domain::{Decider, DomainEvent};
 
 use crate::aggregate::AggregateService;
 use crate::clock::Clock;
@@ -526,10 +526,7 @@ impl TaskService {
                 }
                 loaded
             }
-            None => command::Loaded {
-                state: Task::initial_state(),
-                version: None,
-            },
+            None => command::unwritten::<Task>(),
         };
         // Refused before any point moves; a repeat of a recorded submit (above) is answered as
         // recorded whatever the pool says now.
