@@ -533,6 +533,63 @@ async fn a_refused_duplicate_never_ends_the_intent_of_the_request_that_froze() {
     project_and_verify(&a).await;
 }
 
+/// Retries of one keyed submit spread over two instances, at once and one after another: the
+/// keyed path reads the task's stream before it freezes and appends on what it read, so a retry
+/// that records the task first through the other instance must turn the loser's append into a
+/// repeat (one task, one freeze), a later retry through either instance is answered as recorded,
+/// and the key with another body is refused; a cancel through the other instance returns it all.
+#[tokio::test]
+async fn keyed_submit_retries_over_two_instances_freeze_once() {
+    let a = spawn_app().await;
+    let b = a.another_instance().await;
+    let user = a.register("retry-twice", "correct horse battery").await;
+    let token = b.login("retry-twice", "correct horse battery").await;
+    let admin = a.admin_token("admin-retry-twice").await;
+    grant_via(&a, &admin, &user, "10").await;
+    let body = json!({"prompt": "一只在雪地里奔跑的红狐狸", "images": 2});
+
+    let attempts = futures::future::join_all((0..6).map(|attempt| {
+        let instance = if attempt % 2 == 0 { &a } else { &b };
+        submit(instance, &token, &body, Some("snow-fox-1"))
+    }))
+    .await;
+    let mut task_ids = Vec::new();
+    let mut created = 0;
+    for response in attempts {
+        assert_eq!(response.status(), 201);
+        let answer: Value = response.json().await.unwrap();
+        task_ids.push(answer["task_id"].as_str().unwrap().to_owned());
+        if answer["submitted_now"] == true {
+            created += 1;
+        }
+    }
+    task_ids.dedup();
+    assert_eq!(task_ids.len(), 1, "one task for every retry");
+    assert_eq!(created, 1);
+    assert_balance(&a, &token, "8.00", "2.00").await;
+
+    for instance in [&b, &a] {
+        let again = submit(instance, &token, &body, Some("snow-fox-1")).await;
+        assert_eq!(again.status(), 201);
+        let answer: Value = again.json().await.unwrap();
+        assert_eq!(answer["task_id"], task_ids[0].as_str());
+        assert_eq!(answer["submitted_now"], false);
+    }
+    let other = json!({"prompt": "江南水乡，小桥流水"});
+    let reused = submit(&b, &token, &other, Some("snow-fox-1")).await;
+    assert_eq!(reused.status(), 409);
+    let problem: Value = reused.json().await.unwrap();
+    assert_eq!(problem["type"], "/problems/idempotency-key-reused");
+    assert_balance(&b, &token, "8.00", "2.00").await;
+    let account = account_of(&a, &user).await;
+    assert_eq!(account.holds.len(), 1);
+
+    let cancel = act(&b, &token, "cancel", &task_ids[0]).await;
+    assert_eq!(cancel.status(), 200);
+    assert_balance(&a, &token, "10.00", "0.00").await;
+    project_and_verify(&a).await;
+}
+
 /// The per-user queue limit reads the read model, which may still list a task cancelled through
 /// another instance: a refusal is confirmed on the task streams first.
 #[tokio::test]
