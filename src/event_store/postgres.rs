@@ -541,16 +541,25 @@ impl EventStore for PostgresEventStore {
             (Direction::Backwards, ReadFrom::End) => ("<=", "DESC", i64::MAX),
             (Direction::Backwards, ReadFrom::Version(v)) => ("<=", "DESC", to_i64(v)),
         };
+        // One event (a stream's last, mostly: a balance, a batch's revocation) is asked for with
+        // a literal LIMIT. With `LIMIT $3` PostgreSQL's plan cache prices the generic plan as if
+        // a tenth of the stream were read, finds it dearer than a plan for the values given,
+        // and so plans the statement anew on every call: `pg_stat_statements` showed as many
+        // plans as calls, 53 µs of planning beside 44 µs of execution per `GET /account`.
+        let one = max_count == 1;
+        let limit_sql = if one { "1" } else { "$3" };
         let sql = format!(
             "SELECT {EVENT_COLUMNS} FROM events WHERE stream_id = $1 AND stream_version {comparison} $2 \
-              ORDER BY stream_version {order} LIMIT $3"
+              ORDER BY stream_version {order} LIMIT {limit_sql}"
         );
-        // Six shapes at most, each prepared once per connection.
+        // Twelve shapes at most, each prepared once per connection.
         let statement = client.prepare_cached(&sql).await.map_err(unavailable)?;
-        let rows = client
-            .query(&statement, &[&stream, &bound, &limit])
-            .await
-            .map_err(unavailable)?;
+        let rows = if one {
+            client.query(&statement, &[&stream, &bound]).await
+        } else {
+            client.query(&statement, &[&stream, &bound, &limit]).await
+        }
+        .map_err(unavailable)?;
         rows.iter().map(event_from_row).collect()
     }
 

@@ -151,6 +151,25 @@ async fn appends_and_reads_a_stream_both_ways<S: EventStore>(store: &S) {
     let types: Vec<_> = backwards.iter().map(|e| e.event_type.as_str()).collect();
     assert_eq!(types, ["C", "B"]);
 
+    // One event is asked for by a statement of its own on PostgreSQL: each direction and start.
+    let one = |direction, from| {
+        let stream = stream.clone();
+        async move {
+            store
+                .read_stream(&stream, direction, from, 1)
+                .await
+                .unwrap()
+                .iter()
+                .map(|e| e.event_type.clone())
+                .collect::<Vec<_>>()
+        }
+    };
+    assert_eq!(one(Direction::Backwards, ReadFrom::End).await, ["C"]);
+    assert_eq!(one(Direction::Backwards, ReadFrom::Version(1)).await, ["B"]);
+    assert_eq!(one(Direction::Forwards, ReadFrom::Start).await, ["A"]);
+    assert_eq!(one(Direction::Forwards, ReadFrom::Version(2)).await, ["C"]);
+    assert!(one(Direction::Forwards, ReadFrom::End).await.is_empty());
+
     let from_middle = store
         .read_stream(&stream, Direction::Forwards, ReadFrom::Version(1), 100)
         .await
