@@ -27,13 +27,67 @@ pub fn percentile<T: Copy>(sorted: &[T], p: f64) -> Option<T> {
     sorted.get(((last as f64) * p).round() as usize).copied()
 }
 
-/// A duration in milliseconds (the unit every benchmark prints).
 /// CPU time (user + system) a process has used so far, in µs (`/proc/<pid>/stat`, 100 Hz ticks):
 /// the server's cost per request, read before and after a span of requests.
 pub fn process_cpu_us(pid: u32) -> anyhow::Result<f64> {
     use anyhow::Context as _;
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .with_context(|| format!("reading /proc/{pid}/stat"))?;
+    stat_cpu_us(&stat)
+}
+
+/// CPU time used so far by every process whose name is `name` (`postgres`: the server and all
+/// its backends and workers; `redis-server`), in µs. A process that ends between two readings
+/// takes its time with it, so read around a span in which the processes stay (a pool's backends).
+pub fn processes_cpu_us(name: &str) -> anyhow::Result<f64> {
+    let mut total = 0.0;
+    for entry in std::fs::read_dir("/proc")? {
+        let path = entry?.path();
+        let is_pid = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()));
+        if !is_pid {
+            continue;
+        }
+        // A process may end while being read: skip it.
+        let Ok(stat) = std::fs::read_to_string(path.join("stat")) else {
+            continue;
+        };
+        let named = stat
+            .split_once('(')
+            .and_then(|(_, rest)| rest.rsplit_once(')'))
+            .is_some_and(|(comm, _)| comm == name);
+        if named {
+            total += stat_cpu_us(&stat)?;
+        }
+    }
+    Ok(total)
+}
+
+/// Busy time of the whole machine so far (every core's user, nice, system, irq, softirq and
+/// steal time in `/proc/stat`), in µs: with [`process_cpu_us`], what a request costs besides
+/// the server.
+pub fn machine_busy_us() -> anyhow::Result<f64> {
+    use anyhow::Context as _;
+    let stat = std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
+    let line = stat.lines().next().context("empty /proc/stat")?;
+    let ticks: Vec<f64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .context("parsing /proc/stat")?;
+    // user nice system idle iowait irq softirq steal ...
+    let busy: f64 = [0, 1, 2, 5, 6, 7]
+        .iter()
+        .filter_map(|&i| ticks.get(i))
+        .sum();
+    Ok(busy * 10_000.0)
+}
+
+fn stat_cpu_us(stat: &str) -> anyhow::Result<f64> {
+    use anyhow::Context as _;
     // After the name (in parentheses, which may hold spaces): utime and stime are fields 14, 15.
     let fields: Vec<&str> = stat
         .rsplit_once(')')
@@ -46,6 +100,7 @@ pub fn process_cpu_us(pid: u32) -> anyhow::Result<f64> {
     Ok((utime + stime) * 10_000.0)
 }
 
+/// A duration in milliseconds (the unit every benchmark prints).
 pub fn ms(duration: std::time::Duration) -> f64 {
     duration.as_secs_f64() * 1_000.0
 }

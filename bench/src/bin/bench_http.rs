@@ -16,7 +16,9 @@
 //! Then, when `wrk` is installed, the routes of the request path one by one under wrk (2 threads,
 //! 64 connections, SECONDS / 2 each, once the projections caught up), each beside `GET /health`
 //! (the framework's ceiling) measured against the same server in the same run: requests/s, p99,
-//! the share of the ceiling and the server's CPU time per request.
+//! the share of the ceiling, and CPU time per request: the server's, PostgreSQL's (every
+//! `postgres` process), Redis's and the whole machine's (the rest is wrk and the kernel), each
+//! read from `/proc` around the route's run.
 
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
@@ -319,6 +321,12 @@ struct WrkRun {
     non_2xx: u64,
     /// The server's CPU time (user + system) per answered request, µs.
     server_cpu_us: f64,
+    /// PostgreSQL's (every `postgres` process: backends, autovacuum, WAL writer) per request, µs.
+    postgres_cpu_us: f64,
+    /// Redis's per request, µs.
+    redis_cpu_us: f64,
+    /// The whole machine's busy time per request (server, stores, wrk, kernel), µs.
+    machine_us: f64,
 }
 
 /// A wrk latency such as `812.00us`, `3.41ms` or `1.02s`, in ms.
@@ -337,7 +345,11 @@ fn wrk_ms(value: &str) -> Option<f64> {
 
 /// Run wrk (2 threads, [`WRK_CONNECTIONS`]) against `url` for `seconds`, with `args` before it.
 async fn wrk(pid: u32, seconds: u64, args: &[String], url: &str) -> anyhow::Result<WrkRun> {
-    let cpu_before = zhihui::bench_support::process_cpu_us(pid)?;
+    use zhihui::bench_support::{machine_busy_us, process_cpu_us, processes_cpu_us};
+    let cpu_before = process_cpu_us(pid)?;
+    let postgres_before = processes_cpu_us("postgres")?;
+    let redis_before = processes_cpu_us("redis-server")?;
+    let machine_before = machine_busy_us()?;
     let output = tokio::process::Command::new("wrk")
         .args([
             "-t2",
@@ -350,7 +362,10 @@ async fn wrk(pid: u32, seconds: u64, args: &[String], url: &str) -> anyhow::Resu
         .output()
         .await
         .context("running wrk")?;
-    let cpu = zhihui::bench_support::process_cpu_us(pid)? - cpu_before;
+    let cpu = process_cpu_us(pid)? - cpu_before;
+    let postgres = processes_cpu_us("postgres")? - postgres_before;
+    let redis = processes_cpu_us("redis-server")? - redis_before;
+    let machine = machine_busy_us()? - machine_before;
     let text = String::from_utf8_lossy(&output.stdout);
     anyhow::ensure!(output.status.success(), "wrk failed: {text}");
     let mut run = WrkRun {
@@ -358,6 +373,9 @@ async fn wrk(pid: u32, seconds: u64, args: &[String], url: &str) -> anyhow::Resu
         p99_ms: 0.0,
         non_2xx: 0,
         server_cpu_us: 0.0,
+        postgres_cpu_us: 0.0,
+        redis_cpu_us: 0.0,
+        machine_us: 0.0,
     };
     let mut requests = 0.0;
     for line in text.lines() {
@@ -372,6 +390,9 @@ async fn wrk(pid: u32, seconds: u64, args: &[String], url: &str) -> anyhow::Resu
     }
     anyhow::ensure!(requests > 0.0, "wrk made no request: {text}");
     run.server_cpu_us = cpu / requests;
+    run.postgres_cpu_us = postgres / requests;
+    run.redis_cpu_us = redis / requests;
+    run.machine_us = machine / requests;
     Ok(run)
 }
 
@@ -464,9 +485,9 @@ async fn external_load(
     println!();
     println!("wrk, 2 threads, {WRK_CONNECTIONS} connections, {seconds} s per route, same server:");
     println!(
-        "| route | per second | p99 ms | share of /health | server CPU µs per request | non-2xx |"
+        "| route | per second | p99 ms | share of /health | CPU µs per request: server | PostgreSQL | Redis | machine | non-2xx |"
     );
-    println!("|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     let mut figures = Vec::new();
     let mut ceiling = 0.0;
     for (key, label, args, url) in cases {
@@ -480,11 +501,14 @@ async fn external_load(
             0.0
         };
         println!(
-            "| {label} | {:.0} | {:.2} | {:.1} % | {:.0} | {} |",
+            "| {label} | {:.0} | {:.2} | {:.1} % | {:.0} | {:.0} | {:.0} | {:.0} | {} |",
             run.per_second,
             run.p99_ms,
             share * 100.0,
             run.server_cpu_us,
+            run.postgres_cpu_us,
+            run.redis_cpu_us,
+            run.machine_us,
             run.non_2xx
         );
         figures.push((
@@ -498,6 +522,13 @@ async fn external_load(
             run.server_cpu_us,
             "µs",
         ));
+        figures.push((
+            format!("http_wrk_{key}_postgres_cpu"),
+            run.postgres_cpu_us,
+            "µs",
+        ));
+        figures.push((format!("http_wrk_{key}_redis_cpu"), run.redis_cpu_us, "µs"));
+        figures.push((format!("http_wrk_{key}_machine"), run.machine_us, "µs"));
         figures.push((
             format!("http_wrk_{key}_non_2xx"),
             run.non_2xx as f64,
