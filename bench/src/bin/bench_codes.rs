@@ -570,7 +570,10 @@ async fn setup_naive(state: &AppState, count: u32) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One naive redemption: the code row locked, checked, marked; the account credited.
+/// One naive redemption: the code row locked, checked, marked; the account credited. Its
+/// statements are prepared once per connection, as any pool with a statement cache does (sent
+/// unprepared, each cost a Parse round trip and a plan per call: 116 µs of planning per
+/// redemption in `pg_stat_statements`, a handicap no real implementation would carry).
 async fn naive_redeem(
     pool: &deadpool_postgres::Pool,
     serial: i32,
@@ -578,12 +581,14 @@ async fn naive_redeem(
 ) -> anyhow::Result<bool> {
     let mut client = pool.get().await?;
     let transaction = client.transaction().await?;
-    let row = transaction
-        .query_opt(
+    let lock = transaction
+        .prepare_cached(
             "SELECT points, redeemed_by, revoked, valid_from <= now() AND now() < valid_until
                FROM naive.codes WHERE serial = $1 FOR UPDATE",
-            &[&serial],
         )
+        .await?;
+    let row = transaction
+        .query_opt(&lock, &[&serial])
         .await?
         .context("no such code")?;
     let points: rust_decimal::Decimal = row.get(0);
@@ -592,27 +597,32 @@ async fn naive_redeem(
         transaction.rollback().await?;
         return Ok(false);
     }
-    transaction
-        .execute(
+    let mark = transaction
+        .prepare_cached(
             "UPDATE naive.codes SET redeemed_by = $2, redeemed_at = now() WHERE serial = $1",
-            &[&serial, &user],
+        )
+        .await?;
+    transaction.execute(&mark, &[&serial, &user]).await?;
+    let credit = transaction
+        .prepare_cached(
+            "INSERT INTO naive.accounts (user_id, available) VALUES ($1, $2)
+             ON CONFLICT (user_id) DO UPDATE
+             SET available = naive.accounts.available + EXCLUDED.available
+             RETURNING available",
         )
         .await?;
     let available: rust_decimal::Decimal = transaction
-        .query_one(
-            "INSERT INTO naive.accounts (user_id, available) VALUES ($1, $2)
-             ON CONFLICT (user_id) DO UPDATE SET available = naive.accounts.available + EXCLUDED.available
-             RETURNING available",
-            &[&user, &points],
-        )
+        .query_one(&credit, &[&user, &points])
         .await?
         .get(0);
-    transaction
-        .execute(
+    let record = transaction
+        .prepare_cached(
             "INSERT INTO naive.ledger (user_id, serial, amount, available_after, at)
              VALUES ($1, $2, $3, $4, now())",
-            &[&user, &serial, &points, &available],
         )
+        .await?;
+    transaction
+        .execute(&record, &[&user, &serial, &points, &available])
         .await?;
     transaction.commit().await?;
     Ok(true)

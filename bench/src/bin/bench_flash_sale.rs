@@ -466,6 +466,7 @@ async fn create_naive(pool: &deadpool_postgres::Pool, stock: u32) -> anyhow::Res
 
 /// One claim the seed's way: one per user (the primary key), the stock decremented only while
 /// above zero, the account credited; all in one transaction. False when sold out or claimed.
+/// Its statements are prepared once per connection, as any pool with a statement cache does.
 async fn naive_claim(
     pool: &deadpool_postgres::Pool,
     promotion: Uuid,
@@ -473,35 +474,36 @@ async fn naive_claim(
 ) -> anyhow::Result<bool> {
     let mut client = pool.get().await?;
     let transaction = client.transaction().await?;
-    let inserted = transaction
-        .execute(
+    let claim = transaction
+        .prepare_cached(
             "INSERT INTO naive.claims (promotion_id, user_id, at) VALUES ($1, $2, now())
              ON CONFLICT DO NOTHING",
-            &[&promotion, &user],
         )
         .await?;
+    let inserted = transaction.execute(&claim, &[&promotion, &user]).await?;
     if inserted == 0 {
         return Ok(false);
     }
-    let decremented = transaction
-        .query_opt(
+    let decrement = transaction
+        .prepare_cached(
             "UPDATE naive.promotions SET stock = stock - 1 WHERE id = $1 AND stock > 0
              RETURNING points",
-            &[&promotion],
         )
         .await?;
+    let decremented = transaction.query_opt(&decrement, &[&promotion]).await?;
     let Some(row) = decremented else {
         transaction.rollback().await?;
         return Ok(false);
     };
     let points: rust_decimal::Decimal = row.get(0);
-    transaction
-        .execute(
+    let credit = transaction
+        .prepare_cached(
             "INSERT INTO naive.accounts (user_id, available) VALUES ($1, $2)
-             ON CONFLICT (user_id) DO UPDATE SET available = naive.accounts.available + EXCLUDED.available",
-            &[&user, &points],
+             ON CONFLICT (user_id) DO UPDATE
+             SET available = naive.accounts.available + EXCLUDED.available",
         )
         .await?;
+    transaction.execute(&credit, &[&user, &points]).await?;
     transaction.commit().await?;
     Ok(true)
 }
