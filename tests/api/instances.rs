@@ -22,7 +22,9 @@ use crate::dispatch::{
     drive_until, drive_until_connected, drive_until_idle, harness_with, status_of, submit_task,
 };
 use crate::helpers::{TestApp, spawn_app};
-use crate::tasks::{account_of, act, metadata, project_and_verify, submit, task_events};
+use crate::tasks::{
+    account_of, act, metadata, one_task_from_retries, project_and_verify, submit, task_events,
+};
 
 /// These tests step the dispatcher only between requests, and on a loaded machine a run of
 /// requests outlasted the dispatch harness's 1 s leases: the leader lost its lease and the test
@@ -553,26 +555,14 @@ async fn keyed_submit_retries_over_two_instances_freeze_once() {
         submit(instance, &token, &body, Some("snow-fox-1"))
     }))
     .await;
-    let mut task_ids = Vec::new();
-    let mut created = 0;
-    for response in attempts {
-        assert_eq!(response.status(), 201);
-        let answer: Value = response.json().await.unwrap();
-        task_ids.push(answer["task_id"].as_str().unwrap().to_owned());
-        if answer["submitted_now"] == true {
-            created += 1;
-        }
-    }
-    task_ids.dedup();
-    assert_eq!(task_ids.len(), 1, "one task for every retry");
-    assert_eq!(created, 1);
+    let task_id = one_task_from_retries(attempts).await;
     assert_balance(&a, &token, "8.00", "2.00").await;
 
     for instance in [&b, &a] {
         let again = submit(instance, &token, &body, Some("snow-fox-1")).await;
         assert_eq!(again.status(), 201);
         let answer: Value = again.json().await.unwrap();
-        assert_eq!(answer["task_id"], task_ids[0].as_str());
+        assert_eq!(answer["task_id"], task_id.as_str());
         assert_eq!(answer["submitted_now"], false);
     }
     let other = json!({"prompt": "江南水乡，小桥流水"});
@@ -584,7 +574,7 @@ async fn keyed_submit_retries_over_two_instances_freeze_once() {
     let account = account_of(&a, &user).await;
     assert_eq!(account.holds.len(), 1);
 
-    let cancel = act(&b, &token, "cancel", &task_ids[0]).await;
+    let cancel = act(&b, &token, "cancel", &task_id).await;
     assert_eq!(cancel.status(), 200);
     assert_balance(&a, &token, "10.00", "0.00").await;
     project_and_verify(&a).await;

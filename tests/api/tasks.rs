@@ -64,6 +64,25 @@ pub(crate) async fn submit(
     request.send().await.unwrap()
 }
 
+/// The answers to concurrent retries of one keyed submit: every one 201 with the same task,
+/// exactly one of them the submit that created it. Returns that task's id.
+pub(crate) async fn one_task_from_retries(answers: Vec<reqwest::Response>) -> String {
+    let mut task_ids = Vec::new();
+    let mut created = 0;
+    for response in answers {
+        assert_eq!(response.status(), 201);
+        let answer: Value = response.json().await.unwrap();
+        task_ids.push(answer["task_id"].as_str().unwrap().to_owned());
+        if answer["submitted_now"] == true {
+            created += 1;
+        }
+    }
+    task_ids.dedup();
+    assert_eq!(task_ids.len(), 1, "one task for every retry: {task_ids:?}");
+    assert_eq!(created, 1, "one retry created it");
+    task_ids.remove(0)
+}
+
 pub(crate) async fn submitted_id(app: &TestApp, token: &str, prompt: &str) -> String {
     let response = submit(app, token, &json!({"prompt": prompt}), None).await;
     assert_eq!(response.status(), 201);
@@ -275,19 +294,7 @@ async fn a_retried_submit_creates_one_task_and_one_freeze() {
     let attempts =
         futures::future::join_all((0..8).map(|_| submit(&app, &token, &body, Some("submit-1"))))
             .await;
-    let mut task_ids = Vec::new();
-    let mut created = 0;
-    for response in attempts {
-        assert_eq!(response.status(), 201);
-        let answer: Value = response.json().await.unwrap();
-        task_ids.push(answer["task_id"].as_str().unwrap().to_owned());
-        if answer["submitted_now"] == true {
-            created += 1;
-        }
-    }
-    task_ids.dedup();
-    assert_eq!(task_ids.len(), 1, "one task for every retry");
-    assert_eq!(created, 1);
+    one_task_from_retries(attempts).await;
     let account = account_of(&app, &user).await;
     assert_eq!(account.holds.len(), 1);
     assert_eq!(account.balance.frozen, Points::whole(2));
