@@ -306,6 +306,77 @@ async fn a_retried_submit_creates_one_task_and_one_freeze() {
     assert_eq!(problem["type"], "/problems/idempotency-key-reused");
 }
 
+/// Where a prioritise puts a task, from the queue's scores alone: the full jump when its gap has
+/// an integer, fewer places when it has none, the front when the jump reaches it, and no room
+/// when every gap ahead is spent.
+#[tokio::test]
+async fn a_prioritise_target_jumps_as_far_as_the_scores_ahead_allow() {
+    use zhihui::tasks::queue::{FRONT_STEP, PrioritiseTarget};
+    let app = spawn_app().await;
+    let queue = &app.services().tasks.queue;
+    let queued = |scores: &[i64]| {
+        let scores = scores.to_vec();
+        async move {
+            let mut ids = Vec::new();
+            for score in scores {
+                let id = Uuid::now_v7();
+                queue.enqueue(id, score, None).await.unwrap();
+                ids.push(id);
+            }
+            ids
+        }
+    };
+    let target = |id| async move { queue.prioritise_target(id, 10).await.unwrap() };
+    let emptied = || async {
+        for (id, _) in queue.entries().await.unwrap() {
+            queue.remove(id).await.unwrap();
+        }
+    };
+
+    // Twelve ahead, spaced: ten places, between the scores of ranks 1 and 2.
+    let spaced: Vec<i64> = (1..=13).map(|n| n * 100).collect();
+    let ids = queued(&spaced).await;
+    assert_eq!(
+        target(ids[12]).await,
+        PrioritiseTarget::Ahead {
+            rank: 12,
+            to_score: 250,
+            places: 10
+        }
+    );
+    assert_eq!(target(ids[0]).await, PrioritiseTarget::AlreadyFirst);
+    assert_eq!(target(Uuid::now_v7()).await, PrioritiseTarget::NotQueued);
+    // Three ahead: the jump reaches the front.
+    assert_eq!(
+        target(ids[3]).await,
+        PrioritiseTarget::Ahead {
+            rank: 3,
+            to_score: 100 - FRONT_STEP,
+            places: 3
+        }
+    );
+    emptied().await;
+
+    // No integer between ranks 1 and 2, nor 2 and 3: eight places, between ranks 3 and 4.
+    let ids = queued(&[
+        100, 200, 201, 202, 300, 400, 500, 600, 700, 800, 900, 1000, 1100,
+    ])
+    .await;
+    assert_eq!(
+        target(ids[12]).await,
+        PrioritiseTarget::Ahead {
+            rank: 12,
+            to_score: 251,
+            places: 8
+        }
+    );
+    emptied().await;
+
+    // Every gap ahead spent.
+    let ids = queued(&(100..=112).collect::<Vec<i64>>()).await;
+    assert_eq!(target(ids[12]).await, PrioritiseTarget::NoRoom);
+}
+
 #[tokio::test]
 async fn prioritise_moves_ahead_of_ten_and_charges_once() {
     let app = spawn_app().await;
