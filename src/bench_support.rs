@@ -27,77 +27,85 @@ pub fn percentile<T: Copy>(sorted: &[T], p: f64) -> Option<T> {
     sorted.get(((last as f64) * p).round() as usize).copied()
 }
 
+/// Clock ticks per second of `/proc`'s CPU times (USER_HZ, fixed at 100 for Linux userland).
+const USER_HZ: f64 = 100.0;
+
+/// A process's or thread's name and the CPU time (user + system) it has used so far, in µs, from
+/// its `/proc/<pid>/stat` (or `/proc/<pid>/task/<tid>/stat`) line; `None` when malformed.
+pub fn parse_proc_stat(stat: &str) -> Option<(&str, f64)> {
+    // "pid (comm) state ...": comm may hold spaces and parentheses, so it ends at the last ')'.
+    let open = stat.find('(')?;
+    let close = stat.rfind(')')?;
+    let name = stat.get(open + 1..close)?;
+    let fields: Vec<&str> = stat.get(close + 1..)?.split_whitespace().collect();
+    // After the name: state is field 3 of the line, utime 14 and stime 15.
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((name, (utime + stime) * 1_000_000.0 / USER_HZ))
+}
+
 /// CPU time (user + system) a process has used so far, in µs (`/proc/<pid>/stat`, 100 Hz ticks):
 /// the server's cost per request, read before and after a span of requests.
 pub fn process_cpu_us(pid: u32) -> anyhow::Result<f64> {
     use anyhow::Context as _;
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .with_context(|| format!("reading /proc/{pid}/stat"))?;
-    stat_cpu_us(&stat)
+    parse_proc_stat(&stat)
+        .map(|(_, cpu_us)| cpu_us)
+        .with_context(|| format!("parsing /proc/{pid}/stat"))
 }
 
 /// CPU time used so far by every process whose name is `name` (`postgres`: the server and all
-/// its backends and workers; `redis-server`), in µs. A process that ends between two readings
-/// takes its time with it, so read around a span in which the processes stay (a pool's backends).
-pub fn processes_cpu_us(name: &str) -> anyhow::Result<f64> {
-    let mut total = 0.0;
-    for entry in std::fs::read_dir("/proc")? {
-        let path = entry?.path();
-        let is_pid = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()));
-        if !is_pid {
-            continue;
-        }
-        // A process may end while being read: skip it.
-        let Ok(stat) = std::fs::read_to_string(path.join("stat")) else {
+/// its backends and workers; `redis-server`), in µs; `None` when none runs on this host (a
+/// remote server is not counted). A process that ends between two readings takes its time with
+/// it, so read around a span in which the processes stay (a pool's backends).
+pub fn processes_cpu_us(name: &str) -> anyhow::Result<Option<f64>> {
+    use anyhow::Context as _;
+    let mut total = None;
+    for entry in std::fs::read_dir("/proc").context("reading /proc")? {
+        // A process may end while being read, and not every entry is one: skip those.
+        let Ok(stat) = std::fs::read_to_string(entry?.path().join("stat")) else {
             continue;
         };
-        let named = stat
-            .split_once('(')
-            .and_then(|(_, rest)| rest.rsplit_once(')'))
-            .is_some_and(|(comm, _)| comm == name);
-        if named {
-            total += stat_cpu_us(&stat)?;
+        if let Some((comm, cpu_us)) = parse_proc_stat(&stat)
+            && comm == name
+        {
+            *total.get_or_insert(0.0) += cpu_us;
         }
     }
     Ok(total)
 }
 
-/// Busy time of the whole machine so far (every core's user, nice, system, irq, softirq and
-/// steal time in `/proc/stat`), in µs: with [`process_cpu_us`], what a request costs besides
-/// the server.
-pub fn machine_busy_us() -> anyhow::Result<f64> {
+/// The whole machine's CPU time so far (`/proc/stat`, every core), in µs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct MachineCpu {
+    /// User, nice, system, irq, softirq and steal time.
+    pub busy_us: f64,
+    /// Busy, idle and iowait time together.
+    pub total_us: f64,
+}
+
+/// Read [`MachineCpu`]: with [`process_cpu_us`], what a request costs besides the server.
+pub fn machine_cpu_us() -> anyhow::Result<MachineCpu> {
     use anyhow::Context as _;
     let stat = std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
-    let line = stat.lines().next().context("empty /proc/stat")?;
-    let ticks: Vec<f64> = line
+    let ticks: Vec<f64> = stat
+        .lines()
+        .next()
+        .context("empty /proc/stat")?
         .split_whitespace()
         .skip(1)
         .map(str::parse)
         .collect::<Result<_, _>>()
         .context("parsing /proc/stat")?;
     // user nice system idle iowait irq softirq steal ...
-    let busy: f64 = [0, 1, 2, 5, 6, 7]
-        .iter()
-        .filter_map(|&i| ticks.get(i))
-        .sum();
-    Ok(busy * 10_000.0)
-}
-
-fn stat_cpu_us(stat: &str) -> anyhow::Result<f64> {
-    use anyhow::Context as _;
-    // After the name (in parentheses, which may hold spaces): utime and stime are fields 14, 15.
-    let fields: Vec<&str> = stat
-        .rsplit_once(')')
-        .context("no name in stat")?
-        .1
-        .split_whitespace()
-        .collect();
-    let utime: f64 = fields.get(11).context("utime")?.parse()?;
-    let stime: f64 = fields.get(12).context("stime")?.parse()?;
-    Ok((utime + stime) * 10_000.0)
+    let total: f64 = ticks.iter().take(8).sum();
+    let idle = ticks.get(3).copied().unwrap_or(0.0) + ticks.get(4).copied().unwrap_or(0.0);
+    let us = 1_000_000.0 / USER_HZ;
+    Ok(MachineCpu {
+        busy_us: (total - idle) * us,
+        total_us: total * us,
+    })
 }
 
 /// A duration in milliseconds (the unit every benchmark prints).

@@ -431,9 +431,6 @@ struct CpuTimes {
     cores: usize,
 }
 
-/// Clock ticks per second of /proc's CPU times (USER_HZ, fixed at 100 for Linux userland).
-const USER_HZ: f64 = 100.0;
-
 impl CpuTimes {
     async fn read(redis: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<CpuTimes> {
         let mut times = CpuTimes::default();
@@ -443,28 +440,18 @@ impl CpuTimes {
             let Ok(stat) = std::fs::read_to_string(entry?.path().join("stat")) else {
                 continue;
             };
-            let Some((name, seconds)) = parse_stat(&stat) else {
+            let Some((name, cpu_us)) = zhihui::bench_support::parse_proc_stat(&stat) else {
                 continue;
             };
+            let seconds = cpu_us / 1_000_000.0;
             if name.starts_with(SIM_THREAD_PREFIX) || name.starts_with("actix") {
                 times.simulators += seconds;
             } else {
                 times.zhihui += seconds;
             }
         }
-        let mut postgres = None;
-        for entry in std::fs::read_dir("/proc").context("reading /proc")? {
-            let path = entry?.path();
-            let Ok(stat) = std::fs::read_to_string(path.join("stat")) else {
-                continue;
-            };
-            if let Some((name, seconds)) = parse_stat(&stat)
-                && name == "postgres"
-            {
-                *postgres.get_or_insert(0.0) += seconds;
-            }
-        }
-        times.postgres = postgres;
+        times.postgres =
+            zhihui::bench_support::processes_cpu_us("postgres")?.map(|cpu_us| cpu_us / 1_000_000.0);
         let info: String = redis::cmd("INFO")
             .arg("cpu")
             .query_async(redis)
@@ -479,19 +466,9 @@ impl CpuTimes {
             .iter()
             .filter_map(|key| values.get(key))
             .sum();
-        let machine = std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
-        let fields: Vec<f64> = machine
-            .lines()
-            .next()
-            .unwrap_or("")
-            .split_whitespace()
-            .skip(1)
-            .filter_map(|field| field.parse().ok())
-            .collect();
-        // user nice system idle iowait irq softirq steal ...
-        let idle = fields.get(3).copied().unwrap_or(0.0) + fields.get(4).copied().unwrap_or(0.0);
-        times.machine_total = fields.iter().take(8).sum::<f64>() / USER_HZ;
-        times.machine_busy = times.machine_total - idle / USER_HZ;
+        let machine = zhihui::bench_support::machine_cpu_us()?;
+        times.machine_total = machine.total_us / 1_000_000.0;
+        times.machine_busy = machine.busy_us / 1_000_000.0;
         times.cores = std::thread::available_parallelism().map_or(1, usize::from);
         Ok(times)
     }
@@ -514,19 +491,6 @@ impl CpuTimes {
             cores: self.cores,
         }
     }
-}
-
-/// A /proc `stat` line's command name and its user + system CPU seconds.
-fn parse_stat(stat: &str) -> Option<(String, f64)> {
-    // "pid (comm) state ..."; comm may hold spaces and parentheses: it ends at the last ')'.
-    let open = stat.find('(')?;
-    let close = stat.rfind(')')?;
-    let name = stat.get(open + 1..close)?.to_owned();
-    let fields: Vec<&str> = stat.get(close + 2..)?.split_whitespace().collect();
-    // After the name: state is field 3 of the whole line, utime 14 and stime 15.
-    let utime: f64 = fields.get(11)?.parse().ok()?;
-    let stime: f64 = fields.get(12)?.parse().ok()?;
-    Some((name, (utime + stime) / USER_HZ))
 }
 
 /// p50, p99 and max of `samples`, in ms.

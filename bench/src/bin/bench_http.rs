@@ -345,11 +345,13 @@ fn wrk_ms(value: &str) -> Option<f64> {
 
 /// Run wrk (2 threads, [`WRK_CONNECTIONS`]) against `url` for `seconds`, with `args` before it.
 async fn wrk(pid: u32, seconds: u64, args: &[String], url: &str) -> anyhow::Result<WrkRun> {
-    use zhihui::bench_support::{machine_busy_us, process_cpu_us, processes_cpu_us};
+    use zhihui::bench_support::{machine_cpu_us, process_cpu_us, processes_cpu_us};
+    // No such process on this host (a remote store): nothing of it is counted.
+    let of = |name| processes_cpu_us(name).map(|cpu_us| cpu_us.unwrap_or(0.0));
     let cpu_before = process_cpu_us(pid)?;
-    let postgres_before = processes_cpu_us("postgres")?;
-    let redis_before = processes_cpu_us("redis-server")?;
-    let machine_before = machine_busy_us()?;
+    let postgres_before = of("postgres")?;
+    let redis_before = of("redis-server")?;
+    let machine_before = machine_cpu_us()?.busy_us;
     let output = tokio::process::Command::new("wrk")
         .args([
             "-t2",
@@ -363,9 +365,9 @@ async fn wrk(pid: u32, seconds: u64, args: &[String], url: &str) -> anyhow::Resu
         .await
         .context("running wrk")?;
     let cpu = process_cpu_us(pid)? - cpu_before;
-    let postgres = processes_cpu_us("postgres")? - postgres_before;
-    let redis = processes_cpu_us("redis-server")? - redis_before;
-    let machine = machine_busy_us()? - machine_before;
+    let postgres = of("postgres")? - postgres_before;
+    let redis = of("redis-server")? - redis_before;
+    let machine = machine_cpu_us()?.busy_us - machine_before;
     let text = String::from_utf8_lossy(&output.stdout);
     anyhow::ensure!(output.status.success(), "wrk failed: {text}");
     let mut run = WrkRun {
