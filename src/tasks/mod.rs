@@ -1,8 +1,10 @@
 //! Text-to-image tasks: the catalog check of a submit (`catalog`), translation through Ollama
-//! (`translate`), the ComfyUI workflow template (`workflow`), the Redis queue (`queue`) and the
-//! service that ties them to the account and task streams (`service`).
+//! (`translate`), the ComfyUI workflow template (`workflow`), the Redis queue (`queue`), the
+//! service that ties them to the account and task streams (`service`) and the grouped deletes of
+//! its intents (`intent_ends`).
 
 pub mod catalog;
+pub mod intent_ends;
 pub mod queue;
 pub mod service;
 pub mod translate;

@@ -39,6 +39,7 @@ use crate::configuration::TaskSettings;
 use crate::event_store::{AnyEventStore, EventFilter, EventMetadata, EventStore};
 use crate::pool::PoolService;
 use crate::tasks::catalog::{Catalog, FieldError, RequestedTask};
+use crate::tasks::intent_ends::IntentEnds;
 use crate::tasks::queue::{PrioritiseTarget, TaskQueue};
 use crate::tasks::translate::Translator;
 use crate::tasks::workflow::Workflows;
@@ -221,6 +222,8 @@ pub struct TaskService {
     /// The servers' pool: a submit for a model none offers is refused (`None`: not checked,
     /// for tools that build a service without a pool).
     backend_pool: Option<PoolService>,
+    /// Deletes finished requests' intents, many in one statement.
+    intent_ends: IntentEnds,
 }
 
 /// A digest of what the user asked (not of the random seed drawn for them), to tell a retry from
@@ -250,7 +253,7 @@ impl TaskService {
         Ok(TaskService {
             store,
             accounts,
-            pool,
+            pool: pool.clone(),
             queue,
             catalog: Catalog::new(settings),
             workflows: Arc::new(Workflows::new()?),
@@ -259,6 +262,7 @@ impl TaskService {
             retry: RetryPolicy::default(),
             crash_point: None,
             backend_pool: None,
+            intent_ends: IntentEnds::new(pool.clone()),
         })
     }
 
@@ -412,18 +416,10 @@ impl TaskService {
         Ok((written == 1).then_some(intent_id))
     }
 
+    /// Delete an intent: its request is done. Returns once the row is gone; requests that end
+    /// together share one statement (`intent_ends`).
     pub(crate) async fn end_intent(&self, intent_id: Uuid) -> anyhow::Result<()> {
-        let client = crate::postgres::checkout(&self.pool)
-            .await
-            .context("getting a connection")?;
-        crate::postgres::execute_cached(
-            &client,
-            "DELETE FROM task_intents WHERE intent_id = $1",
-            &[&intent_id],
-        )
-        .await
-        .context("deleting an intent")?;
-        Ok(())
+        self.intent_ends.end(intent_id).await
     }
 
     /// Run a paying account command (freeze, charge) of a request with an intent; on a refusal

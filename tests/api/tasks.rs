@@ -643,6 +643,61 @@ pub(crate) async fn flush_prefix(app: &TestApp) {
     }
 }
 
+/// Requests that end their intents together share one `DELETE`, and each end returns only once
+/// its own row is gone: the sweeper, `audit` and other processes see what they saw when every
+/// request deleted its own.
+#[tokio::test]
+async fn intents_ended_together_share_one_statement_and_each_end_waits_for_its_row() {
+    let app = spawn_app().await;
+    let client = crate::helpers::connect(&app.settings).await;
+    let remaining = async |ids: &[Uuid]| -> i64 {
+        client
+            .query_one(
+                "SELECT count(*) FROM task_intents WHERE intent_id = ANY($1)",
+                &[&ids],
+            )
+            .await
+            .unwrap()
+            .get(0)
+    };
+    let ids: Vec<Uuid> = (0..21).map(|_| Uuid::now_v7()).collect();
+    for id in &ids {
+        client
+            .execute(
+                "INSERT INTO task_intents (intent_id, kind, task_id, user_id, created_at) \
+                 VALUES ($1, 'submit', $2, $3, now())",
+                &[id, &Uuid::now_v7(), &Uuid::now_v7()],
+            )
+            .await
+            .unwrap();
+    }
+    let ends = zhihui::tasks::intent_ends::IntentEnds::new(
+        zhihui::postgres::build_pool(&app.settings.database).unwrap(),
+    );
+
+    // One alone: its own statement, and its row is gone when it returns.
+    ends.end(ids[0]).await.unwrap();
+    assert_eq!(ends.statements(), 1);
+    assert_eq!(remaining(&ids[..1]).await, 0);
+    assert_eq!(remaining(&ids[1..]).await, 20);
+    // Twenty at once. This test's runtime has one thread, so all twenty are handed over before
+    // the deleting task runs: one statement for all of them, each gone when its end returns.
+    futures::future::join_all(ids[1..].iter().map(async |id| {
+        ends.end(*id).await.unwrap();
+        assert_eq!(
+            remaining(&[*id]).await,
+            0,
+            "returned before its row was gone"
+        );
+    }))
+    .await;
+    assert_eq!(ends.statements(), 2);
+    assert_eq!(remaining(&ids).await, 0);
+    // An intent already gone (its request raced the sweeper): nothing to do, no error.
+    ends.end(ids[0]).await.unwrap();
+    assert_eq!(ends.statements(), 3);
+}
+
 #[tokio::test]
 async fn a_crash_after_freezing_leaves_an_orphan_hold_that_the_sweeper_releases() {
     let app = spawn_app().await;
