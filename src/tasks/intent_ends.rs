@@ -59,12 +59,12 @@ impl IntentEnds {
         // Unbounded: every entry is a caller waiting for its answer, so the channel holds at most
         // as many as there are requests in flight.
         if self.sender().send(Ending { intent_id, done }).is_err() {
-            return self.delete(&[intent_id]).await;
+            return delete(&self.pool, &self.statements, &[intent_id]).await;
         }
         match answer.await {
             Ok(result) => result.map_err(anyhow::Error::msg),
             // The task stopped with its runtime before answering: the row may or may not be gone.
-            Err(_) => self.delete(&[intent_id]).await,
+            Err(_) => delete(&self.pool, &self.statements, &[intent_id]).await,
         }
     }
 
@@ -80,42 +80,47 @@ impl IntentEnds {
             return running.clone();
         }
         let (started, receiver) = mpsc::unbounded_channel();
-        tokio::spawn(self.clone().run(receiver));
+        // The task holds the pool, not the sender: when every clone of this is dropped, its
+        // channel closes and the task ends (with the pool's connections).
+        tokio::spawn(run(self.pool.clone(), self.statements.clone(), receiver));
         *sender = Some(started.clone());
         started
     }
+}
 
-    async fn run(self, mut receiver: mpsc::UnboundedReceiver<Ending>) {
-        let mut group = Vec::new();
-        while receiver
-            .recv_many(&mut group, INTENTS_PER_STATEMENT_MAX)
+async fn run(
+    pool: Pool,
+    statements: Arc<AtomicU64>,
+    mut receiver: mpsc::UnboundedReceiver<Ending>,
+) {
+    let mut group = Vec::new();
+    while receiver
+        .recv_many(&mut group, INTENTS_PER_STATEMENT_MAX)
+        .await
+        > 0
+    {
+        let ids: Vec<Uuid> = group.iter().map(|ending| ending.intent_id).collect();
+        let result = delete(&pool, &statements, &ids)
             .await
-            > 0
-        {
-            let ids: Vec<Uuid> = group.iter().map(|ending| ending.intent_id).collect();
-            let result = self
-                .delete(&ids)
-                .await
-                .map_err(|error| crate::telemetry::error_chain(&error));
-            for ending in group.drain(..) {
-                // A caller that went away needs no answer.
-                let _ = ending.done.send(result.clone());
-            }
+            .map_err(|error| crate::telemetry::error_chain(&error));
+        for ending in group.drain(..) {
+            // A caller that went away needs no answer.
+            let _ = ending.done.send(result.clone());
         }
     }
+}
 
-    async fn delete(&self, intent_ids: &[Uuid]) -> anyhow::Result<()> {
-        let client = crate::postgres::checkout(&self.pool)
-            .await
-            .context("getting a connection")?;
-        self.statements.fetch_add(1, Ordering::Relaxed);
-        crate::postgres::execute_cached(
-            &client,
-            "DELETE FROM task_intents WHERE intent_id = ANY($1)",
-            &[&intent_ids],
-        )
+async fn delete(pool: &Pool, statements: &AtomicU64, intent_ids: &[Uuid]) -> anyhow::Result<()> {
+    let client = crate::postgres::checkout(pool)
         .await
-        .context("deleting intents")?;
-        Ok(())
-    }
+        .context("getting a connection")?;
+    statements.fetch_add(1, Ordering::Relaxed);
+    crate::postgres::execute_cached(
+        &client,
+        "DELETE FROM task_intents WHERE intent_id = ANY($1)",
+        &[&intent_ids],
+    )
+    .await
+    .context("deleting intents")?;
+    Ok(())
 }
