@@ -3,8 +3,8 @@
 //! A request that writes to two streams records an intent first (`task_intents`, see
 //! `service.rs`) and deletes it when it is done. Each used to run a `DELETE` of its own: a
 //! statement, a transaction and a WAL flush per submission, and with them a round trip's CPU on
-//! both sides. Taking that statement out of a submission raised `bench_http`'s submissions by
-//! 8-14 % (BENCHMARKS.md, "Eighth pass").
+//! both sides. Taking that statement out of a submission altogether raised `bench_http`'s
+//! submissions by a median of 10 % (BENCHMARKS.md, "Eighth pass").
 //!
 //! So a request hands its intent's id to a task that deletes, and waits for its answer. The task
 //! deletes everything handed to it since its last statement in one `DELETE … = ANY($1)`. Under

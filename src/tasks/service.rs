@@ -251,9 +251,10 @@ impl TaskService {
         clock: Clock,
     ) -> anyhow::Result<TaskService> {
         Ok(TaskService {
+            intent_ends: IntentEnds::new(pool.clone()),
             store,
             accounts,
-            pool: pool.clone(),
+            pool,
             queue,
             catalog: Catalog::new(settings),
             workflows: Arc::new(Workflows::new()?),
@@ -262,7 +263,6 @@ impl TaskService {
             retry: RetryPolicy::default(),
             crash_point: None,
             backend_pool: None,
-            intent_ends: IntentEnds::new(pool.clone()),
         })
     }
 
