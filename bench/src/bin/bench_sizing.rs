@@ -20,6 +20,12 @@
 //!
 //! Needs its own Redis (its statistics are reset) and `pg_stat_statements` preloaded, as
 //! `scripts/services.sh` starts them.
+//!
+//! With `BENCH_ALLOCATIONS=1` (root, and `perf` from Debian's `linux-perf`), part 1 also counts the
+//! server's heap allocations per request: uprobes on glibc's `malloc`, `calloc`, `realloc` and
+//! `posix_memalign` (every allocation Rust's system allocator makes goes through one of them),
+//! counted by `perf stat` attached to the server. A probe costs a trap into the kernel on every
+//! call, so the CPU column of such a run is inflated: read CPU from a run without it.
 
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
@@ -156,6 +162,140 @@ struct Cost {
     statement_us: f64,
     statements_top: String,
     events: f64,
+    /// Heap allocations by the server (None unless BENCH_ALLOCATIONS=1).
+    allocations: Option<f64>,
+}
+
+/// glibc's allocation entry points: every allocation of Rust's system allocator goes through one.
+const ALLOCATION_PROBES: [&str; 4] = ["malloc", "calloc", "realloc", "posix_memalign"];
+
+/// How long `perf stat` is given to attach before the work starts (what it counts meanwhile is
+/// the idle background, taken off with the rest of it).
+const PERF_ATTACH: Duration = Duration::from_millis(300);
+
+/// Heap allocations of the server, counted by `perf stat` on uprobes on its glibc's allocator.
+/// The probes are removed when this is dropped.
+struct Allocations {
+    pid: u32,
+    /// The idle server's allocations per second.
+    idle_per_s: f64,
+}
+
+/// A `perf stat` attached to the server, counting until stopped.
+struct Counting {
+    child: std::process::Child,
+    started: Instant,
+}
+
+fn perf() -> std::process::Command {
+    std::process::Command::new("perf")
+}
+
+fn remove_allocation_probes() {
+    // Quiet: there are none the first time.
+    drop(
+        perf()
+            .args(["probe", "-q", "-d", "probe_libc:*"])
+            .stderr(std::process::Stdio::null())
+            .output(),
+    );
+}
+
+impl Allocations {
+    /// Probe the glibc the server maps (its path from `/proc/PID/maps`).
+    fn probe(pid: u32) -> anyhow::Result<Allocations> {
+        let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
+        let libc = maps
+            .lines()
+            .filter_map(|line| line.split_whitespace().nth(5))
+            .find(|path| path.contains("/libc.so"))
+            .context("the server maps no glibc: its allocations cannot be probed")?
+            .to_owned();
+        // A run stopped early leaves its probes behind: start from none.
+        remove_allocation_probes();
+        let mut add = perf();
+        add.args(["probe", "-q", "-x", &libc]);
+        for function in ALLOCATION_PROBES {
+            add.args(["-a", function]);
+        }
+        let added = add
+            .output()
+            .context("running perf (Debian's linux-perf) to count allocations")?;
+        anyhow::ensure!(
+            added.status.success(),
+            "perf probe on {libc} failed (BENCH_ALLOCATIONS needs root): {}",
+            String::from_utf8_lossy(&added.stderr).trim()
+        );
+        Ok(Allocations {
+            pid,
+            idle_per_s: 0.0,
+        })
+    }
+
+    async fn start(&self) -> anyhow::Result<Counting> {
+        let events = ALLOCATION_PROBES
+            .iter()
+            .map(|function| format!("probe_libc:{function}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let started = Instant::now();
+        let child = perf()
+            .args([
+                "stat",
+                "-x",
+                ",",
+                "-e",
+                &events,
+                "-p",
+                &self.pid.to_string(),
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .context("starting perf stat")?;
+        tokio::time::sleep(PERF_ATTACH).await;
+        Ok(Counting { child, started })
+    }
+}
+
+impl Drop for Allocations {
+    fn drop(&mut self) {
+        remove_allocation_probes();
+    }
+}
+
+impl Counting {
+    /// Stop counting: the allocations counted, and over how many seconds.
+    fn stop(self) -> anyhow::Result<(f64, f64)> {
+        let seconds = self.started.elapsed().as_secs_f64();
+        // perf stat prints its counts when interrupted.
+        let interrupted = std::process::Command::new("kill")
+            .args(["-INT", &self.child.id().to_string()])
+            .status()?;
+        anyhow::ensure!(interrupted.success(), "could not interrupt perf stat");
+        let output = self.child.wait_with_output()?;
+        let printed = String::from_utf8_lossy(&output.stderr);
+        let mut total = 0.0;
+        let mut probes = 0;
+        // CSV lines: count,unit,event,...
+        for line in printed.lines() {
+            let fields: Vec<&str> = line.split(',').collect();
+            if let [count, _, event, ..] = fields.as_slice()
+                && event.starts_with("probe_libc:")
+            {
+                total += count
+                    .parse::<f64>()
+                    .with_context(|| format!("perf stat printed {line:?}"))?;
+                probes += 1;
+            }
+        }
+        anyhow::ensure!(
+            probes == ALLOCATION_PROBES.len(),
+            "perf stat counted {probes} probes of {}: {printed}",
+            ALLOCATION_PROBES.len()
+        );
+        Ok((total, seconds))
+    }
 }
 
 /// Counters read at one instant, to subtract.
@@ -174,6 +314,13 @@ struct Meter<'a> {
     pid: u32,
     /// The idle server's background per second (leases, boards).
     idle: Reading,
+    /// Counts the server's allocations, when asked to.
+    allocations: Option<Allocations>,
+}
+
+/// Whether this run counts allocations (`BENCH_ALLOCATIONS=1`).
+fn counting_allocations() -> bool {
+    std::env::var("BENCH_ALLOCATIONS").is_ok_and(|value| value == "1")
 }
 
 /// How long the idle server's background is watched before each part.
@@ -201,16 +348,30 @@ impl<'a> Meter<'a> {
         pg: &'a tokio_postgres::Client,
         pid: u32,
     ) -> anyhow::Result<Meter<'a>> {
+        let mut allocations = if counting_allocations() {
+            Some(Allocations::probe(pid)?)
+        } else {
+            None
+        };
+        let counting = match &allocations {
+            Some(allocations) => Some(allocations.start().await?),
+            None => None,
+        };
         reset(redis, pg).await?;
         let cpu_before = zhihui::bench_support::process_cpu_us(pid)?;
         tokio::time::sleep(IDLE).await;
         let mut idle = Self::read(redis, pg, pid).await?;
         idle.cpu_us -= cpu_before;
+        if let (Some(allocations), Some(counting)) = (&mut allocations, counting) {
+            let (counted, seconds) = counting.stop()?;
+            allocations.idle_per_s = counted / seconds;
+        }
         let seconds = IDLE.as_secs_f64();
         Ok(Meter {
             redis,
             pg,
             pid,
+            allocations,
             idle: Reading {
                 cpu_us: idle.cpu_us / seconds,
                 redis: idle.redis,
@@ -236,10 +397,21 @@ impl<'a> Meter<'a> {
     {
         let events_before = events(self.pg).await?;
         reset(self.redis, self.pg).await?;
+        let counting = match &self.allocations {
+            Some(allocations) => Some(allocations.start().await?),
+            None => None,
+        };
         let cpu_before = zhihui::bench_support::process_cpu_us(self.pid)?;
         let started = Instant::now();
         work().await?;
         let took = started.elapsed();
+        let allocations = match (&self.allocations, counting) {
+            (Some(allocations), Some(counting)) => {
+                let (counted, seconds) = counting.stop()?;
+                Some(((counted - allocations.idle_per_s * seconds) / units as f64).max(0.0))
+            }
+            _ => None,
+        };
         let seconds = took.as_secs_f64();
         let after = Self::read(self.redis, self.pg, self.pid).await?;
         let counts = redis_commands(self.redis).await?;
@@ -266,6 +438,7 @@ impl<'a> Meter<'a> {
                 statement_us: per_unit(after.statement_ms, self.idle.statement_ms) * 1000.0,
                 statements_top,
                 events: (events_after - events_before) as f64 / units,
+                allocations,
             },
             took,
         ))
@@ -368,14 +541,23 @@ async fn run(settings: Settings, requests: usize, tasks: usize) -> anyhow::Resul
         meter.idle_statements_per_s(),
         meter.idle.cpu_us
     );
+    if let Some(allocations) = &meter.allocations {
+        println!(
+            "counting allocations: the idle server makes {:.0}/s (taken off below); the probes inflate the CPU column",
+            allocations.idle_per_s
+        );
+    }
     println!();
     println!(
-        "{:<28} {:>8} {:>6} {:>8} {:>11} {:>8} {:>7}   top Redis commands per request",
-        "request", "CPU µs", "Redis", "Redis µs", "statements", "PG µs", "events"
+        "{:<28} {:>8} {:>6} {:>8} {:>11} {:>8} {:>7} {:>7}   top Redis commands per request",
+        "request", "CPU µs", "Redis", "Redis µs", "statements", "PG µs", "events", "allocs"
     );
     let mut table = |name: &str, cost: &Cost| {
+        let allocations = cost
+            .allocations
+            .map_or_else(|| "-".to_owned(), |count| format!("{count:.0}"));
         println!(
-            "{name:<28} {:>8.0} {:>6.1} {:>8.1} {:>11.1} {:>8.0} {:>7.2}   {}",
+            "{name:<28} {:>8.0} {:>6.1} {:>8.1} {:>11.1} {:>8.0} {:>7.2} {allocations:>7}   {}",
             cost.cpu_us,
             cost.redis,
             cost.redis_us,
@@ -399,7 +581,13 @@ async fn run(settings: Settings, requests: usize, tasks: usize) -> anyhow::Resul
             .filter(|part| !part.is_empty())
             .collect::<Vec<_>>()
             .join("_");
-        route_figures.push((format!("sizing_cpu_us_{key}"), cost.cpu_us, "µs"));
+        // A run that counts allocations reports them, not its CPU (which the probes inflate).
+        match cost.allocations {
+            Some(count) => {
+                route_figures.push((format!("sizing_allocations_{key}"), count, "allocations"))
+            }
+            None => route_figures.push((format!("sizing_cpu_us_{key}"), cost.cpu_us, "µs")),
+        }
     };
 
     let (cost, _) = meter
@@ -610,6 +798,10 @@ async fn run(settings: Settings, requests: usize, tasks: usize) -> anyhow::Resul
         cost.statements,
         cost.events
     );
+    if let Some(count) = cost.allocations {
+        println!("server allocations per task end to end: {count:.0}");
+        figures.push(("sizing_allocations_per_task".into(), count, "allocations"));
+    }
     println!("top Redis commands per task: {}", cost.redis_top);
     println!("top statements per task: {}", cost.statements_top);
     println!(
@@ -624,7 +816,9 @@ async fn run(settings: Settings, requests: usize, tasks: usize) -> anyhow::Resul
         "statements",
     ));
     figures.push(("sizing_events_per_task".into(), cost.events, "events"));
-    figures.push(("sizing_tasks_end_to_end".into(), per_second, "tasks/s"));
+    if cost.allocations.is_none() {
+        figures.push(("sizing_tasks_end_to_end".into(), per_second, "tasks/s"));
+    }
     drop(server);
     sim.stop().await;
     drop(std::fs::remove_dir_all(&scratch));
