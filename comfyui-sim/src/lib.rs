@@ -89,6 +89,14 @@ impl std::fmt::Debug for Simulator {
     }
 }
 
+/// A simulator dropped without `stop` (a test that ends, or panics) takes its scratch directory
+/// with it too: each left one behind in the system's temporary directory.
+impl Drop for Simulator {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.scratch);
+    }
+}
+
 impl Simulator {
     /// Bind, start the HTTP/WS server and the prompt worker. Must run inside a tokio runtime.
     pub async fn start(config: SimConfig) -> anyhow::Result<Simulator> {
@@ -195,7 +203,7 @@ impl Simulator {
     /// Shut down for good and remove the scratch directory (output files stay).
     pub async fn stop(self) {
         self.crash().await;
-        let _ = std::fs::remove_dir_all(&self.scratch);
+        // The scratch directory goes with `self` (Drop).
     }
 
     /// The GPU's idle spells so far (taken): each from a prompt's end to the start of the next
