@@ -196,7 +196,7 @@ struct ShownEvent<'a> {
     actor: &'a str,
     correlation_id: Uuid,
     causation_id: Option<Uuid>,
-    payload: &'a serde_json::Value,
+    payload: &'a zhihui_domain::event::Payload,
 }
 
 fn write_event(out: &mut impl Write, event: &RecordedEvent, json: bool) -> anyhow::Result<()> {
@@ -230,7 +230,8 @@ fn write_event(out: &mut impl Write, event: &RecordedEvent, json: bool) -> anyho
                 .to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             event.metadata.actor,
             event.metadata.correlation_id,
-            event.payload
+            // Compact, keys in order, whatever spacing the store gave the text back with.
+            event.payload.to_value()
         )?;
     }
     Ok(())

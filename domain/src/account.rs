@@ -607,7 +607,7 @@ impl DomainEvent for AccountEvent {
         1
     }
 
-    fn to_payload(&self) -> serde_json::Value {
+    fn to_payload(&self) -> crate::event::Payload {
         match self {
             AccountEvent::Granted(e) => payload_of(e),
             AccountEvent::Frozen(e) => payload_of(e),
@@ -622,7 +622,7 @@ impl DomainEvent for AccountEvent {
     fn from_stored(
         event_type: &str,
         schema_version: u32,
-        payload: &serde_json::Value,
+        payload: &crate::event::Payload,
     ) -> Result<AccountEvent, DecodeError> {
         if !ACCOUNT_EVENT_TYPES.contains(&event_type) {
             return Err(DecodeError::UnknownType {
@@ -929,7 +929,7 @@ mod tests {
             assert_eq!(back, event);
         }
         assert_eq!(
-            granted(100).to_payload()["amount"],
+            granted(100).to_payload().to_value()["amount"],
             serde_json::json!("100.00")
         );
     }

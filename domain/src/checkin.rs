@@ -188,7 +188,7 @@ impl DomainEvent for CheckInEvent {
         1
     }
 
-    fn to_payload(&self) -> serde_json::Value {
+    fn to_payload(&self) -> crate::event::Payload {
         let CheckInEvent::CheckedIn(e) = self;
         payload_of(e)
     }
@@ -196,7 +196,7 @@ impl DomainEvent for CheckInEvent {
     fn from_stored(
         event_type: &str,
         schema_version: u32,
-        payload: &serde_json::Value,
+        payload: &crate::event::Payload,
     ) -> Result<CheckInEvent, DecodeError> {
         match event_type {
             "CheckedIn" => {

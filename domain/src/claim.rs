@@ -155,7 +155,7 @@ impl DomainEvent for ClaimEvent {
         1
     }
 
-    fn to_payload(&self) -> serde_json::Value {
+    fn to_payload(&self) -> crate::event::Payload {
         match self {
             ClaimEvent::Claimed(payload) => payload_of(payload),
             ClaimEvent::OrphanReleased(payload) => payload_of(payload),
@@ -165,7 +165,7 @@ impl DomainEvent for ClaimEvent {
     fn from_stored(
         event_type: &str,
         schema_version: u32,
-        payload: &serde_json::Value,
+        payload: &crate::event::Payload,
     ) -> Result<ClaimEvent, DecodeError> {
         match event_type {
             "IdentifierClaimed" => {

@@ -560,7 +560,7 @@ impl DomainEvent for PoolEvent {
         1
     }
 
-    fn to_payload(&self) -> serde_json::Value {
+    fn to_payload(&self) -> crate::event::Payload {
         match self {
             PoolEvent::Added(e) => payload_of(e),
             PoolEvent::Drained(e) | PoolEvent::Resumed(e) | PoolEvent::Removed(e) => payload_of(e),
@@ -572,7 +572,7 @@ impl DomainEvent for PoolEvent {
     fn from_stored(
         event_type: &str,
         schema_version: u32,
-        payload: &serde_json::Value,
+        payload: &crate::event::Payload,
     ) -> Result<PoolEvent, DecodeError> {
         expect_version(event_type, schema_version, 1)?;
         match event_type {

@@ -473,7 +473,7 @@ impl DomainEvent for PromotionEvent {
         1
     }
 
-    fn to_payload(&self) -> serde_json::Value {
+    fn to_payload(&self) -> crate::event::Payload {
         match self {
             PromotionEvent::Created(e) => payload_of(e),
             PromotionEvent::Ended(e) => payload_of(e),
@@ -487,7 +487,7 @@ impl DomainEvent for PromotionEvent {
     fn from_stored(
         event_type: &str,
         schema_version: u32,
-        payload: &serde_json::Value,
+        payload: &crate::event::Payload,
     ) -> Result<PromotionEvent, DecodeError> {
         expect_version(event_type, schema_version, 1)?;
         Ok(match event_type {

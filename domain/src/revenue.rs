@@ -161,7 +161,7 @@ impl DomainEvent for RevenueEvent {
         1
     }
 
-    fn to_payload(&self) -> serde_json::Value {
+    fn to_payload(&self) -> crate::event::Payload {
         let RevenueEvent::Recorded(recorded) = self;
         payload_of(recorded)
     }
@@ -169,7 +169,7 @@ impl DomainEvent for RevenueEvent {
     fn from_stored(
         event_type: &str,
         schema_version: u32,
-        payload: &serde_json::Value,
+        payload: &crate::event::Payload,
     ) -> Result<RevenueEvent, DecodeError> {
         if event_type != "RevenueRecorded" {
             return Err(DecodeError::UnknownType {

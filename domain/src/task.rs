@@ -129,8 +129,10 @@ pub struct TaskSubmitted {
     pub prompt_used: String,
     pub negative_prompt_used: String,
     pub price: Amount,
-    /// The rendered ComfyUI workflow (API format), checked; posted as it is.
-    pub workflow: serde_json::Value,
+    /// The rendered ComfyUI workflow (API format), checked; posted as it is. Kept as its text:
+    /// only a dispatcher looks inside it, and every other reader of the event (the projections,
+    /// a task's view) would otherwise build its whole graph on each read.
+    pub workflow: crate::event::JsonText,
     /// A digest of the request, to tell a retry (same `Idempotency-Key`, same request) from a
     /// reuse of the key for another request.
     pub request_digest: String,
@@ -816,7 +818,7 @@ impl DomainEvent for TaskEvent {
         1
     }
 
-    fn to_payload(&self) -> serde_json::Value {
+    fn to_payload(&self) -> crate::event::Payload {
         match self {
             TaskEvent::Submitted(e) => payload_of(e),
             TaskEvent::Queued(e) => payload_of(e),
@@ -836,7 +838,7 @@ impl DomainEvent for TaskEvent {
     fn from_stored(
         event_type: &str,
         schema_version: u32,
-        payload: &serde_json::Value,
+        payload: &crate::event::Payload,
     ) -> Result<TaskEvent, DecodeError> {
         if !TASK_EVENT_TYPES.contains(&event_type) {
             return Err(DecodeError::UnknownType {
@@ -906,7 +908,7 @@ pub(crate) mod tests {
             prompt_used: "(8k),a cat".into(),
             negative_prompt_used: ",bad face".into(),
             price: Amount::whole(1),
-            workflow: serde_json::json!({}),
+            workflow: serde_json::json!({}).into(),
             request_digest: "d".into(),
             at: at(),
         })

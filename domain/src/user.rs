@@ -626,7 +626,7 @@ impl DomainEvent for UserEvent {
         1
     }
 
-    fn to_payload(&self) -> serde_json::Value {
+    fn to_payload(&self) -> crate::event::Payload {
         match self {
             UserEvent::Registered(payload) => payload_of(payload),
             UserEvent::PasswordChanged(payload) => payload_of(payload),
@@ -640,7 +640,7 @@ impl DomainEvent for UserEvent {
     fn from_stored(
         event_type: &str,
         schema_version: u32,
-        payload: &serde_json::Value,
+        payload: &crate::event::Payload,
     ) -> Result<UserEvent, DecodeError> {
         if !matches!(
             event_type,
@@ -1059,7 +1059,8 @@ mod tests {
             "phone": null,
             "role": "user",
             "registered_at": "2027-01-15T08:00:00Z"
-        });
+        })
+        .into();
         let event = UserEvent::from_stored("UserRegistered", 1, &payload).unwrap();
         let state = User::fold(&[event]);
         assert!(matches!(state, UserState::Registered(user) if user.role == Role::User));

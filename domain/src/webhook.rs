@@ -290,7 +290,7 @@ impl DomainEvent for EndpointEvent {
         1
     }
 
-    fn to_payload(&self) -> serde_json::Value {
+    fn to_payload(&self) -> crate::event::Payload {
         match self {
             EndpointEvent::Registered(e) => payload_of(e),
             EndpointEvent::SecretRotated(e) => payload_of(e),
@@ -302,7 +302,7 @@ impl DomainEvent for EndpointEvent {
     fn from_stored(
         event_type: &str,
         schema_version: u32,
-        payload: &serde_json::Value,
+        payload: &crate::event::Payload,
     ) -> Result<EndpointEvent, DecodeError> {
         expect_version(event_type, schema_version, 1)?;
         match event_type {

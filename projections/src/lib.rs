@@ -30,7 +30,7 @@ pub struct ProjectedEvent {
     pub stream_version: u64,
     pub event_type: String,
     pub schema_version: u32,
-    pub payload: serde_json::Value,
+    pub payload: zhihui_domain::event::Payload,
     pub actor: String,
     pub correlation_id: Uuid,
     pub recorded_at: DateTime<Utc>,

@@ -21,6 +21,7 @@ use kurrentdb::{
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use uuid::Uuid;
+use zhihui_domain::event::Payload;
 
 use super::{
     ActualVersion, AllSlice, AppendOutcome, Direction, EventFilter, EventMetadata, EventStore,
@@ -132,9 +133,14 @@ pub fn recorded_from_parts(
     position: kurrentdb::Position,
     created: DateTime<Utc>,
 ) -> Result<RecordedEvent, EventStoreError> {
-    let payload: serde_json::Value = serde_json::from_slice(data).map_err(|error| {
-        EventStoreError::Unavailable(anyhow::anyhow!("event {id}: payload is not JSON: {error}"))
-    })?;
+    let payload = std::str::from_utf8(data)
+        .map_err(anyhow::Error::new)
+        .and_then(|text| Ok(Payload::from_json(text.to_owned())?))
+        .map_err(|error| {
+            EventStoreError::Unavailable(anyhow::anyhow!(
+                "event {id}: payload is not JSON: {error}"
+            ))
+        })?;
     let stored: StoredMetadata = serde_json::from_slice(custom_metadata).map_err(|error| {
         EventStoreError::Unavailable(anyhow::anyhow!(
             "event {id}: metadata is not zhihui's: {error}"
@@ -470,7 +476,7 @@ mod tests {
             id: Uuid::from_u128(42),
             event_type: "PointsGranted".into(),
             schema_version: 2,
-            payload: serde_json::json!({"amount": "10.00"}),
+            payload: serde_json::json!({"amount": "10.00"}).into(),
             metadata: metadata(),
         };
         event_data(&event).expect("valid event data");

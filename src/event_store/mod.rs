@@ -84,7 +84,7 @@ pub struct NewEvent {
     pub event_type: String,
     /// Version of the payload's schema for this type; old versions are upcast on load.
     pub schema_version: u32,
-    pub payload: serde_json::Value,
+    pub payload: zhihui_domain::event::Payload,
     pub metadata: EventMetadata,
 }
 
@@ -112,7 +112,7 @@ pub struct RecordedEvent {
     pub stream: String,
     pub event_type: String,
     pub schema_version: u32,
-    pub payload: serde_json::Value,
+    pub payload: zhihui_domain::event::Payload,
     pub metadata: EventMetadata,
     /// When the store recorded it (the store's clock).
     pub recorded_at: DateTime<Utc>,

@@ -43,8 +43,9 @@ use deadpool_postgres::{GenericClient, Pool};
 use futures::stream::BoxStream;
 use tokio::sync::{Mutex, broadcast, mpsc, oneshot};
 use tokio_postgres::Row;
-use tokio_postgres::types::ToSql;
+use tokio_postgres::types::{FromSql, IsNull, ToSql, Type, to_sql_checked};
 use uuid::Uuid;
+use zhihui_domain::event::Payload;
 
 use super::tail::{LogTail, Window};
 use super::{
@@ -1000,8 +1001,8 @@ struct AppendParams<'a> {
     ids: Vec<Uuid>,
     types: Vec<&'a str>,
     schema_versions: Vec<i32>,
-    payloads: Vec<&'a serde_json::Value>,
-    metadata: Vec<serde_json::Value>,
+    payloads: Vec<JsonText<&'a str>>,
+    metadata: Vec<JsonText<String>>,
 }
 
 impl<'a> AppendParams<'a> {
@@ -1025,11 +1026,18 @@ impl<'a> AppendParams<'a> {
                 .iter()
                 .map(|event| i32::try_from(event.schema_version).unwrap_or(i32::MAX))
                 .collect(),
-            payloads: events.iter().map(|event| &event.payload).collect(),
+            payloads: events
+                .iter()
+                .map(|event| JsonText(event.payload.as_str()))
+                .collect(),
             metadata: events
                 .iter()
                 .map(|event| {
-                    serde_json::to_value(&event.metadata).unwrap_or(serde_json::Value::Null)
+                    // Ids, names and times only: it always serializes.
+                    JsonText(
+                        serde_json::to_string(&event.metadata)
+                            .unwrap_or_else(|_| "null".to_owned()),
+                    )
                 })
                 .collect(),
         }
@@ -1092,10 +1100,60 @@ fn interpret(
     })
 }
 
+/// JSON text as a `jsonb` (or `json`) value, both ways: events go to and come from the log as
+/// their text, decoded only into their own types (never into a JSON tree on the way).
+#[derive(Debug)]
+struct JsonText<S>(S);
+
+impl<S: AsRef<str> + std::fmt::Debug + Sync> ToSql for JsonText<S> {
+    fn to_sql(
+        &self,
+        ty: &Type,
+        out: &mut bytes::BytesMut,
+    ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        // jsonb's binary format is a version byte (1), then the text; json's is the text.
+        if *ty == Type::JSONB {
+            out.extend_from_slice(&[1]);
+        }
+        out.extend_from_slice(self.0.as_ref().as_bytes());
+        Ok(IsNull::No)
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        matches!(*ty, Type::JSON | Type::JSONB)
+    }
+
+    to_sql_checked!();
+}
+
+impl<'a> FromSql<'a> for JsonText<&'a str> {
+    fn from_sql(
+        ty: &Type,
+        raw: &'a [u8],
+    ) -> Result<JsonText<&'a str>, Box<dyn std::error::Error + Sync + Send>> {
+        let text = if *ty == Type::JSONB {
+            match raw.split_first() {
+                Some((1, text)) => text,
+                _ => return Err("a jsonb value of an unknown format version".into()),
+            }
+        } else {
+            raw
+        };
+        Ok(JsonText(std::str::from_utf8(text)?))
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        matches!(*ty, Type::JSON | Type::JSONB)
+    }
+}
+
 fn event_from_row(row: &Row) -> Result<RecordedEvent, EventStoreError> {
-    let metadata: serde_json::Value = row.try_get("metadata").map_err(unavailable)?;
-    let metadata: EventMetadata = serde_json::from_value(metadata)
+    let metadata: JsonText<&str> = row.try_get("metadata").map_err(unavailable)?;
+    let metadata: EventMetadata = serde_json::from_str(metadata.0)
         .map_err(|error| unavailable_msg(format!("stored metadata is malformed: {error}")))?;
+    let payload: JsonText<&str> = row.try_get("payload").map_err(unavailable)?;
+    let payload = Payload::from_json(payload.0.to_owned())
+        .map_err(|error| unavailable_msg(format!("a stored payload is not JSON: {error}")))?;
     let schema_version: i32 = row.try_get("schema_version").map_err(unavailable)?;
     let recorded_at: DateTime<Utc> = row.try_get("recorded_at").map_err(unavailable)?;
     Ok(RecordedEvent {
@@ -1103,7 +1161,7 @@ fn event_from_row(row: &Row) -> Result<RecordedEvent, EventStoreError> {
         stream: row.try_get("stream_id").map_err(unavailable)?,
         event_type: row.try_get("event_type").map_err(unavailable)?,
         schema_version: u32::try_from(schema_version).unwrap_or(0),
-        payload: row.try_get("payload").map_err(unavailable)?,
+        payload,
         metadata,
         recorded_at,
         stream_version: from_i64(row.try_get("stream_version").map_err(unavailable)?),

@@ -220,7 +220,7 @@ mod tests {
                 stream: stream.into(),
                 event_type: event_type.into(),
                 schema_version: 1,
-                payload: serde_json::json!({"n": n, "说明": "第几个事件"}),
+                payload: serde_json::json!({"n": n, "说明": "第几个事件"}).into(),
                 metadata: EventMetadata {
                     correlation_id: uuid::Uuid::nil(),
                     causation_id: None,

@@ -309,7 +309,7 @@ impl TaskService {
         let loaded =
             command::load_inspecting::<Task>(&self.store, &task_stream(task_id), |event| {
                 if let TaskEvent::Submitted(submitted) = event {
-                    workflow = Some(submitted.workflow.clone());
+                    workflow = Some(submitted.workflow.to_value());
                 }
             })
             .await?;
@@ -588,7 +588,7 @@ impl TaskService {
             prompt_used,
             negative_prompt_used,
             price: checked.price,
-            workflow,
+            workflow: workflow.into(),
             request_digest: digest.clone(),
             at: self.clock.now(),
         };

@@ -301,7 +301,10 @@ async fn a_hundred_concurrent_registrations_of_one_name_give_one_user() {
         .await
         .unwrap();
     assert_eq!(registered.events.len(), 1);
-    assert_eq!(registered.events[0].payload["username"], "popular");
+    assert_eq!(
+        registered.events[0].payload.to_value()["username"],
+        "popular"
+    );
     let claim = store
         .read_stream(
             "user-name-popular",

@@ -393,7 +393,7 @@ async fn a_poison_event_stops_the_projection_naming_it_and_nothing_after_it_is_a
                 id: Uuid::now_v7(),
                 event_type: "PointsGranted".into(),
                 schema_version: 1,
-                payload: json!({"operation_id": "not a uuid"}),
+                payload: json!({"operation_id": "not a uuid"}).into(),
                 metadata: metadata("test"),
             }],
         )

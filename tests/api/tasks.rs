@@ -172,7 +172,7 @@ async fn a_submit_freezes_its_price_translates_renders_and_queues() {
     };
     assert_eq!(submitted.prompt_used, format!("{PREFIX}EN(一只猫)"));
     assert_eq!(submitted.negative_prompt_used, format!("blurry{SUFFIX}"));
-    let workflow = &submitted.workflow;
+    let workflow = &submitted.workflow.to_value();
     assert_eq!(workflow["6"]["inputs"]["text"], submitted.prompt_used);
     assert_eq!(workflow["5"]["inputs"]["height"], 768);
     assert_eq!(workflow["5"]["inputs"]["batch_size"], 2);
@@ -215,7 +215,7 @@ async fn a_hostile_prompt_renders_the_same_graph_with_the_text_inside_its_string
     let plain = submitted_id(&app, &token, "cat").await;
     let nasty = submitted_id(&app, &token, hostile).await;
     let workflow_of = |events: Vec<TaskEvent>| match &events[0] {
-        TaskEvent::Submitted(submitted) => submitted.workflow.clone(),
+        TaskEvent::Submitted(submitted) => submitted.workflow.to_value(),
         other => panic!("first event {other:?}"),
     };
     let plain = workflow_of(task_events(&app, &plain).await);

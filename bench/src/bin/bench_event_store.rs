@@ -183,7 +183,7 @@ fn event(n: u64) -> NewEvent {
         id: Uuid::now_v7(),
         event_type: "BenchmarkEventAppended".into(),
         schema_version: 1,
-        payload: serde_json::json!({ "n": n }),
+        payload: serde_json::json!({ "n": n }).into(),
         metadata: EventMetadata {
             correlation_id: Uuid::now_v7(),
             causation_id: None,

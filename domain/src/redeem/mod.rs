@@ -178,7 +178,7 @@ impl DomainEvent for SerialsEvent {
         1
     }
 
-    fn to_payload(&self) -> serde_json::Value {
+    fn to_payload(&self) -> crate::event::Payload {
         let SerialsEvent::Reserved(e) = self;
         payload_of(e)
     }
@@ -186,7 +186,7 @@ impl DomainEvent for SerialsEvent {
     fn from_stored(
         event_type: &str,
         schema_version: u32,
-        payload: &serde_json::Value,
+        payload: &crate::event::Payload,
     ) -> Result<SerialsEvent, DecodeError> {
         match event_type {
             "CodeSerialsReserved" => {
@@ -496,7 +496,7 @@ impl DomainEvent for BatchEvent {
         1
     }
 
-    fn to_payload(&self) -> serde_json::Value {
+    fn to_payload(&self) -> crate::event::Payload {
         match self {
             BatchEvent::Created(e) => payload_of(e),
             BatchEvent::Issued(e) => payload_of(e),
@@ -507,7 +507,7 @@ impl DomainEvent for BatchEvent {
     fn from_stored(
         event_type: &str,
         schema_version: u32,
-        payload: &serde_json::Value,
+        payload: &crate::event::Payload,
     ) -> Result<BatchEvent, DecodeError> {
         expect_version(event_type, schema_version, 1)?;
         match event_type {
@@ -609,7 +609,7 @@ impl DomainEvent for RedemptionEvent {
         1
     }
 
-    fn to_payload(&self) -> serde_json::Value {
+    fn to_payload(&self) -> crate::event::Payload {
         let RedemptionEvent::Redeemed(e) = self;
         payload_of(e)
     }
@@ -617,7 +617,7 @@ impl DomainEvent for RedemptionEvent {
     fn from_stored(
         event_type: &str,
         schema_version: u32,
-        payload: &serde_json::Value,
+        payload: &crate::event::Payload,
     ) -> Result<RedemptionEvent, DecodeError> {
         match event_type {
             "CodeRedeemed" => {
