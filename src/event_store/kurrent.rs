@@ -133,14 +133,9 @@ pub fn recorded_from_parts(
     position: kurrentdb::Position,
     created: DateTime<Utc>,
 ) -> Result<RecordedEvent, EventStoreError> {
-    let payload = std::str::from_utf8(data)
-        .map_err(anyhow::Error::new)
-        .and_then(|text| Ok(Payload::from_json(text.to_owned())?))
-        .map_err(|error| {
-            EventStoreError::Unavailable(anyhow::anyhow!(
-                "event {id}: payload is not JSON: {error}"
-            ))
-        })?;
+    let payload: Payload = serde_json::from_slice(data).map_err(|error| {
+        EventStoreError::Unavailable(anyhow::anyhow!("event {id}: payload is not JSON: {error}"))
+    })?;
     let stored: StoredMetadata = serde_json::from_slice(custom_metadata).map_err(|error| {
         EventStoreError::Unavailable(anyhow::anyhow!(
             "event {id}: metadata is not zhihui's: {error}"

@@ -43,7 +43,7 @@ use deadpool_postgres::{GenericClient, Pool};
 use futures::stream::BoxStream;
 use tokio::sync::{Mutex, broadcast, mpsc, oneshot};
 use tokio_postgres::Row;
-use tokio_postgres::types::{FromSql, IsNull, ToSql, Type, to_sql_checked};
+use tokio_postgres::types::{Json, ToSql};
 use uuid::Uuid;
 use zhihui_domain::event::Payload;
 
@@ -1001,8 +1001,9 @@ struct AppendParams<'a> {
     ids: Vec<Uuid>,
     types: Vec<&'a str>,
     schema_versions: Vec<i32>,
-    payloads: Vec<JsonText<&'a str>>,
-    metadata: Vec<JsonText<String>>,
+    // tokio-postgres's `Json` serializes into its buffer: a payload writes its text as it is.
+    payloads: Vec<Json<&'a Payload>>,
+    metadata: Vec<Json<&'a EventMetadata>>,
 }
 
 impl<'a> AppendParams<'a> {
@@ -1026,20 +1027,8 @@ impl<'a> AppendParams<'a> {
                 .iter()
                 .map(|event| i32::try_from(event.schema_version).unwrap_or(i32::MAX))
                 .collect(),
-            payloads: events
-                .iter()
-                .map(|event| JsonText(event.payload.as_str()))
-                .collect(),
-            metadata: events
-                .iter()
-                .map(|event| {
-                    // Ids, names and times only: it always serializes.
-                    JsonText(
-                        serde_json::to_string(&event.metadata)
-                            .unwrap_or_else(|_| "null".to_owned()),
-                    )
-                })
-                .collect(),
+            payloads: events.iter().map(|event| Json(&event.payload)).collect(),
+            metadata: events.iter().map(|event| Json(&event.metadata)).collect(),
         }
     }
 
@@ -1100,59 +1089,14 @@ fn interpret(
     })
 }
 
-/// JSON text as a `jsonb` (or `json`) value, both ways: events go to and come from the log as
-/// their text, decoded only into their own types (never into a JSON tree on the way).
-#[derive(Debug)]
-struct JsonText<S>(S);
-
-impl<S: AsRef<str> + std::fmt::Debug + Sync> ToSql for JsonText<S> {
-    fn to_sql(
-        &self,
-        ty: &Type,
-        out: &mut bytes::BytesMut,
-    ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
-        // jsonb's binary format is a version byte (1), then the text; json's is the text.
-        if *ty == Type::JSONB {
-            out.extend_from_slice(&[1]);
-        }
-        out.extend_from_slice(self.0.as_ref().as_bytes());
-        Ok(IsNull::No)
-    }
-
-    fn accepts(ty: &Type) -> bool {
-        matches!(*ty, Type::JSON | Type::JSONB)
-    }
-
-    to_sql_checked!();
-}
-
-impl<'a> FromSql<'a> for JsonText<&'a str> {
-    fn from_sql(
-        ty: &Type,
-        raw: &'a [u8],
-    ) -> Result<JsonText<&'a str>, Box<dyn std::error::Error + Sync + Send>> {
-        let text = if *ty == Type::JSONB {
-            match raw.split_first() {
-                Some((1, text)) => text,
-                _ => return Err("a jsonb value of an unknown format version".into()),
-            }
-        } else {
-            raw
-        };
-        Ok(JsonText(std::str::from_utf8(text)?))
-    }
-
-    fn accepts(ty: &Type) -> bool {
-        matches!(*ty, Type::JSON | Type::JSONB)
-    }
-}
-
 fn event_from_row(row: &Row) -> Result<RecordedEvent, EventStoreError> {
-    let metadata: JsonText<&str> = row.try_get("metadata").map_err(unavailable)?;
-    let metadata: EventMetadata = serde_json::from_str(metadata.0)
+    // Both decoded from the row's bytes, never into a JSON tree on the way: the metadata into its
+    // type, the payload kept as its text.
+    let Json(metadata): Json<EventMetadata> = row
+        .try_get("metadata")
         .map_err(|error| unavailable_msg(format!("stored metadata is malformed: {error}")))?;
-    let payload: JsonText<&str> = row.try_get("payload").map_err(unavailable)?;
-    let payload = Payload::from_json(payload.0.to_owned())
+    let Json(payload): Json<Payload> = row
+        .try_get("payload")
         .map_err(|error| unavailable_msg(format!("a stored payload is not JSON: {error}")))?;
     let schema_version: i32 = row.try_get("schema_version").map_err(unavailable)?;
     let recorded_at: DateTime<Utc> = row.try_get("recorded_at").map_err(unavailable)?;
