@@ -8,6 +8,8 @@
 //! recorded and refunded only after its prioritise is abandoned. A task abandoned before it was
 //! recorded may see its freeze later (a slow request): the row then opens already owed.
 
+use std::collections::HashMap;
+
 use anyhow::Context;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
@@ -19,7 +21,9 @@ use crate::accounts::account_user_id;
 use crate::{ProjectedEvent, Tables};
 
 /// What one event does to the rows.
-enum Change {
+#[doc(hidden)]
+#[derive(Debug, Clone)]
+pub enum Change {
     /// A freeze or a charge: the row is open on this account.
     Open {
         kind: &'static str,
@@ -121,61 +125,154 @@ pub async fn apply(
     tables: &Tables,
     events: &[ProjectedEvent],
 ) -> anyhow::Result<()> {
-    let table = tables.name("open_settlements");
     let changes: Vec<Change> = events
         .iter()
         .map(change_of)
         .filter_map(Result::transpose)
         .collect::<anyhow::Result<_>>()?;
+    apply_changes(transaction, tables, &changes).await
+}
+
+/// A row of `open_settlements`: its kind and id.
+type Key = (&'static str, Uuid);
+
+/// One row's net change over a batch (see [`fold`]).
+#[derive(Debug, Default)]
+struct Net {
+    /// A close came: the row is deleted before anything after it is written.
+    deleted: bool,
+    /// Anything after the last close: the row is then written.
+    written: bool,
+    opened: bool,
+    /// The last open's account.
+    user_id: Option<Uuid>,
+    /// The last due's task: it replaces the row's.
+    due_task_id: Option<Uuid>,
+    /// The first open's task (a fee has none): it fills the row's only where that has none.
+    open_task_id: Option<Uuid>,
+    /// The first due's time: it fills the row's only where that has none.
+    due_since: Option<DateTime<Utc>>,
+}
+
+/// The rows to delete and the rows to write of a batch of changes, one entry per row: what
+/// applying the changes one by one, in order, leaves, given the rules of each (an open sets
+/// `opened`, the account, and the task where the row has none; a due sets the task and the due
+/// time where the row has none; a close deletes the row). A close makes whatever came before it
+/// in the batch moot; what comes after starts from no row.
+fn fold(changes: &[Change]) -> (Vec<Key>, Vec<(Key, Net)>) {
+    let mut order: Vec<Key> = Vec::new();
+    let mut nets: HashMap<Key, Net> = HashMap::new();
+    for change in changes {
+        let key = match change {
+            Change::Open { kind, id, .. } | Change::Due { kind, id, .. } => (*kind, *id),
+            Change::Close { kind, id } => (*kind, *id),
+        };
+        let net = nets.entry(key).or_insert_with(|| {
+            order.push(key);
+            Net::default()
+        });
+        match change {
+            Change::Open {
+                task_id, user_id, ..
+            } => {
+                net.written = true;
+                net.opened = true;
+                net.user_id = Some(*user_id);
+                net.open_task_id = net.open_task_id.or(*task_id);
+            }
+            Change::Due { task_id, at, .. } => {
+                net.written = true;
+                net.due_task_id = Some(*task_id);
+                net.due_since = net.due_since.or(Some(*at));
+            }
+            Change::Close { .. } => {
+                *net = Net {
+                    deleted: true,
+                    ..Net::default()
+                }
+            }
+        }
+    }
+    let deletes = order
+        .iter()
+        .filter(|key| nets[*key].deleted)
+        .copied()
+        .collect();
+    let writes = order
+        .into_iter()
+        .filter_map(|key| {
+            let net = nets.remove(&key)?;
+            net.written.then_some((key, net))
+        })
+        .collect();
+    (deletes, writes)
+}
+
+/// Apply `changes`, in their order, as two statements whatever their number: the deletes, then
+/// one upsert of every row written (see [`fold`]). A due's task replaces the row's, an open's
+/// only fills it, so the upsert tells them apart by the due time, which every due brings.
+#[doc(hidden)]
+pub async fn apply_changes(
+    transaction: &tokio_postgres::Transaction<'_>,
+    tables: &Tables,
+    changes: &[Change],
+) -> anyhow::Result<()> {
     if changes.is_empty() {
         return Ok(());
     }
+    let table = tables.name("open_settlements");
+    let (deletes, writes) = fold(changes);
     // Each statement is idempotent, so a batch applied again (it never is: the checkpoint
-    // commits with it) would leave the same rows. Prepared once per batch and sent together:
-    // the server runs them in the order sent (the order of the events, which the rules need),
-    // in one round trip instead of two per event.
-    let (open, due, close) = futures::future::try_join3(
-        transaction.prepare(&format!(
-            "INSERT INTO {table} (kind, id, task_id, user_id, opened)
-             VALUES ($1, $2, $3, $4, true)
-             ON CONFLICT (kind, id) DO UPDATE
-                SET opened = true, user_id = EXCLUDED.user_id,
-                    task_id = COALESCE({table}.task_id, EXCLUDED.task_id)"
-        )),
-        transaction.prepare(&format!(
-            "INSERT INTO {table} (kind, id, task_id, due_since)
-             VALUES ($1, $2, $3, $4)
-             ON CONFLICT (kind, id) DO UPDATE
-                SET task_id = EXCLUDED.task_id,
-                    due_since = COALESCE({table}.due_since, EXCLUDED.due_since)"
-        )),
-        transaction.prepare(&format!("DELETE FROM {table} WHERE kind = $1 AND id = $2")),
-    )
-    .await
-    .context("preparing the settlements' statements")?;
-    type Params<'a> = Vec<&'a (dyn tokio_postgres::types::ToSql + Sync)>;
-    let statements: Vec<(&tokio_postgres::Statement, Params<'_>)> = changes
+    // commits with it) would leave the same rows. Sent together, they run in the order sent.
+    let delete_kinds: Vec<&str> = deletes.iter().map(|(kind, _)| *kind).collect();
+    let delete_ids: Vec<Uuid> = deletes.iter().map(|(_, id)| *id).collect();
+    let delete = async {
+        if deletes.is_empty() {
+            return Ok(0);
+        }
+        transaction
+            .execute(
+                &format!(
+                    "DELETE FROM {table} AS s USING unnest($1::text[], $2::uuid[]) AS d(kind, id)
+                      WHERE s.kind = d.kind AND s.id = d.id"
+                ),
+                &[&delete_kinds, &delete_ids],
+            )
+            .await
+    };
+    let kinds: Vec<&str> = writes.iter().map(|((kind, _), _)| *kind).collect();
+    let ids: Vec<Uuid> = writes.iter().map(|((_, id), _)| *id).collect();
+    let task_ids: Vec<Option<Uuid>> = writes
         .iter()
-        .map(|change| match change {
-            Change::Open {
-                kind,
-                id,
-                task_id,
-                user_id,
-            } => (&open, vec![kind as _, id as _, task_id as _, user_id as _]),
-            Change::Due {
-                kind,
-                id,
-                task_id,
-                at,
-            } => (&due, vec![kind as _, id as _, task_id as _, at as _]),
-            Change::Close { kind, id } => (&close, vec![kind as _, id as _]),
-        })
+        .map(|(_, net)| net.due_task_id.or(net.open_task_id))
         .collect();
-    let writes = statements
-        .iter()
-        .map(|(statement, params)| transaction.execute(*statement, params));
-    futures::future::try_join_all(writes)
+    let user_ids: Vec<Option<Uuid>> = writes.iter().map(|(_, net)| net.user_id).collect();
+    let opened: Vec<bool> = writes.iter().map(|(_, net)| net.opened).collect();
+    let due_since: Vec<Option<DateTime<Utc>>> =
+        writes.iter().map(|(_, net)| net.due_since).collect();
+    let write = async {
+        if writes.is_empty() {
+            return Ok(0);
+        }
+        transaction
+            .execute(
+                &format!(
+                    "INSERT INTO {table} AS s (kind, id, task_id, user_id, opened, due_since)
+                     SELECT * FROM unnest($1::text[], $2::uuid[], $3::uuid[], $4::uuid[],
+                                          $5::bool[], $6::timestamptz[])
+                     ON CONFLICT (kind, id) DO UPDATE
+                        SET opened = s.opened OR EXCLUDED.opened,
+                            user_id = COALESCE(EXCLUDED.user_id, s.user_id),
+                            task_id = CASE WHEN EXCLUDED.due_since IS NOT NULL
+                                           THEN EXCLUDED.task_id
+                                           ELSE COALESCE(s.task_id, EXCLUDED.task_id) END,
+                            due_since = COALESCE(s.due_since, EXCLUDED.due_since)"
+                ),
+                &[&kinds, &ids, &task_ids, &user_ids, &opened, &due_since],
+            )
+            .await
+    };
+    futures::future::try_join(delete, write)
         .await
         .context("writing settlements")?;
     Ok(())
