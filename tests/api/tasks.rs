@@ -1007,3 +1007,69 @@ async fn spawn_app_with_big_queue() -> TestApp {
     })
     .await
 }
+
+/// A task submitted a moment ago is read from its stream (the tasks read model rarely has it
+/// yet), any other from the read model. Told apart by a read model row changed by hand after
+/// both were projected: the fresh task's view does not show the change, the keyed task's (its id
+/// a UUIDv5, which carries no time, so never fresh) does. Another user gets 404 for either.
+#[tokio::test]
+async fn a_task_just_submitted_is_read_from_its_stream_and_an_older_one_from_the_read_model() {
+    let app = spawn_app().await;
+    let (_, token) = funded_user(&app, "xiaoming", "100").await;
+    let (_, stranger) = funded_user(&app, "xiaohong", "10").await;
+    let keyed = submit(
+        &app,
+        &token,
+        &json!({"prompt": "月光下的竹林"}),
+        Some("bamboo-1"),
+    )
+    .await;
+    assert_eq!(keyed.status(), 201);
+    let keyed: Value = keyed.json().await.unwrap();
+    let keyed = keyed["task_id"].as_str().unwrap().to_owned();
+    let client = crate::helpers::connect(&app.settings).await;
+    let changed = "读模型里改过的提示词";
+    // The fresh task's reads must come within the window of its submission: a machine too busy
+    // for that tries again with a new task.
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        let submitted_at = std::time::Instant::now();
+        let fresh = submitted_id(&app, &token, "一只在雪山上的白猫").await;
+        app.project().await;
+        client
+            .execute("UPDATE tasks SET prompt = $1", &[&changed])
+            .await
+            .unwrap();
+        let view: Value = app
+            .get_as(&token, &format!("/api/v1/tasks/{fresh}"))
+            .await
+            .json()
+            .await
+            .unwrap();
+        // The window is `FRESH_TASK_MS` in `src/http/tasks.rs`, one second.
+        let within = submitted_at.elapsed() < Duration::from_millis(900);
+        if !within {
+            assert!(attempts < 5, "five attempts each slower than the window");
+            continue;
+        }
+        assert_eq!(view["prompt"], "一只在雪山上的白猫", "{view}");
+        assert_eq!(view["status"], "queued");
+        let other = app
+            .get_as(&stranger, &format!("/api/v1/tasks/{fresh}"))
+            .await;
+        assert_eq!(other.status(), 404);
+        break;
+    }
+    let view: Value = app
+        .get_as(&token, &format!("/api/v1/tasks/{keyed}"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(view["prompt"], changed, "{view}");
+    let other = app
+        .get_as(&stranger, &format!("/api/v1/tasks/{keyed}"))
+        .await;
+    assert_eq!(other.status(), 404);
+}
