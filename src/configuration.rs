@@ -606,6 +606,9 @@ pub struct EventStoreSettings {
     pub group_commit_max_batch: usize,
     /// PostgreSQL: writer tasks committing batches in parallel (each holds a pooled connection).
     pub group_commit_writers: usize,
+    /// PostgreSQL: a group-commit batch as one statement (`zhihui_append_batch`) rather than
+    /// one `zhihui_append` per append.
+    pub group_commit_one_statement: bool,
     /// PostgreSQL: re-queues of an append that met a newer transaction on its stream.
     pub append_retries_max: u32,
     /// Events per round trip when subscriptions read the log.

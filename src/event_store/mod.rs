@@ -430,6 +430,7 @@ pub fn from_settings(
                 group_commit: settings.event_store.group_commit,
                 group_commit_max_batch: settings.event_store.group_commit_max_batch,
                 group_commit_writers: settings.event_store.group_commit_writers,
+                group_commit_one_statement: settings.event_store.group_commit_one_statement,
                 append_retries_max: settings.event_store.append_retries_max,
                 subscription_batch_size: settings.event_store.subscription_batch_size,
                 subscription_tail_events: settings.event_store.subscription_tail_events,

@@ -123,6 +123,9 @@ pub struct PostgresEventStoreOptions {
     pub group_commit_max_batch: usize,
     /// Writer tasks (each a pooled connection) committing batches in parallel.
     pub group_commit_writers: usize,
+    /// A batch of appends as one `zhihui_append_batch` statement; off: one `zhihui_append` per
+    /// append, pipelined (the design before it, kept to compare and to fall back on).
+    pub group_commit_one_statement: bool,
     /// How often an append that met a newer transaction on its stream is re-queued before it
     /// fails; each retry runs in a fresh, newer transaction, so one retry nearly always suffices.
     pub append_retries_max: u32,
@@ -194,6 +197,10 @@ struct AppendRequest {
 const APPEND_SQL: &str = "SELECT status, version, last_position, last_transaction \
      FROM zhihui_append($1, $2, $3, $4, $5, $6, $7, $8)";
 
+/// A group-commit batch of appends to distinct streams, one row per append (`n`: its place).
+const APPEND_BATCH_SQL: &str = "SELECT n, status, version, last_position, last_transaction \
+     FROM zhihui_append_batch($1, $2, $3, $4, $5, $6, $7, $8, $9)";
+
 const EVENT_COLUMNS: &str = "event_id, stream_id, stream_version, event_type, schema_version, \
      payload, metadata, recorded_at, transaction_id::text::bigint AS commit_position, \
      global_position";
@@ -259,6 +266,7 @@ impl PostgresEventStore {
                     options.group_commit_max_batch,
                     options.append_retries_max,
                     Duration::from_millis(options.unknown_outcome_retry_max_ms),
+                    options.group_commit_one_statement,
                 )));
             }
             Some(sender)
@@ -877,6 +885,7 @@ async fn group_writer(
     max_batch: usize,
     retries_max: u32,
     unknown_outcome_retry_max: Duration,
+    one_statement: bool,
 ) {
     let mut carried_over: Vec<AppendRequest> = Vec::new();
     loop {
@@ -898,7 +907,7 @@ async fn group_writer(
         }
         // One lock order for every writer: no deadlocks between concurrent batches.
         batch.sort_by(|left, right| left.stream.cmp(&right.stream));
-        let results = match commit_batch(&pool, &batch).await {
+        let results = match commit_batch(&pool, &batch, one_statement).await {
             Ok(results) => results,
             Err(error) => {
                 tracing::debug!(error = %format!("{error:#}"), size = batch.len(), "group commit failed; appending one by one");
@@ -908,7 +917,7 @@ async fn group_writer(
                 for request in &batch {
                     results.push(
                         until_known(unknown_outcome_retry_max, || {
-                            commit_batch(&pool, std::slice::from_ref(request))
+                            commit_batch(&pool, std::slice::from_ref(request), one_statement)
                         })
                         .await
                         .map_or_else(
@@ -944,12 +953,76 @@ async fn group_writer(
     }
 }
 
-/// Run every append of `batch` pipelined in one transaction and commit once. An error means the
-/// transaction did not commit (or its outcome is unknown) for the whole batch.
-async fn commit_batch(pool: &Pool, batch: &[AppendRequest]) -> anyhow::Result<Vec<Interpreted>> {
+/// Run every append of `batch` in one transaction and commit once: a batch of one as a single
+/// `zhihui_append` statement; a larger one as one `zhihui_append_batch` statement (three
+/// statements inside whatever the batch's size, where one `zhihui_append` per append ran four or
+/// five each: `migrations/V14__append_batch.sql`), or, without `one_statement`, as one
+/// `zhihui_append` per append, pipelined. An error means the transaction did not commit (or its
+/// outcome is unknown) for the whole batch.
+async fn commit_batch(
+    pool: &Pool,
+    batch: &[AppendRequest],
+    one_statement: bool,
+) -> anyhow::Result<Vec<Interpreted>> {
     let mut client = crate::postgres::checkout(pool)
         .await
         .context("getting a connection")?;
+    if let [request] = batch {
+        // A batch of one is a single statement: its own transaction, without BEGIN/COMMIT trips.
+        let statement = client
+            .prepare_cached(APPEND_SQL)
+            .await
+            .context("preparing append")?;
+        let params = AppendParams::new(&request.stream, request.expected, &request.events);
+        let row = client
+            .query_one(&statement, &params.as_refs())
+            .await
+            .context("appending")?;
+        return interpret_all(batch, &[row]);
+    }
+    if !one_statement {
+        return commit_pipelined(&mut client, batch).await;
+    }
+    let statement = client
+        .prepare_cached(APPEND_BATCH_SQL)
+        .await
+        .context("preparing the batch append")?;
+    let params = BatchParams::new(batch);
+    let transaction = client.transaction().await.context("BEGIN")?;
+    let rows = transaction
+        .query(&statement, &params.as_refs())
+        .await
+        .context("appending a batch")?;
+    // One answer per append, by its place in the batch.
+    let mut answers: Vec<Option<Row>> = (0..batch.len()).map(|_| None).collect();
+    for row in rows {
+        let n: i32 = row.try_get("n").context("an answer's place")?;
+        let slot = usize::try_from(n)
+            .ok()
+            .and_then(|n| n.checked_sub(1))
+            .and_then(|index| answers.get_mut(index))
+            .filter(|slot| slot.is_none())
+            .with_context(|| {
+                format!("zhihui_append_batch answered for place {n} unasked or twice")
+            })?;
+        *slot = Some(row);
+    }
+    let rows = answers
+        .into_iter()
+        .collect::<Option<Vec<Row>>>()
+        .context("zhihui_append_batch left an append unanswered")?;
+    // Interpret before COMMIT: an unknown status aborts the whole batch rather than committing
+    // appends whose callers would be told they failed.
+    let results = interpret_all(batch, &rows)?;
+    transaction.commit().await.context("COMMIT")?;
+    Ok(results)
+}
+
+/// `batch` as one `zhihui_append` per append, pipelined in one transaction.
+async fn commit_pipelined(
+    client: &mut deadpool_postgres::Client,
+    batch: &[AppendRequest],
+) -> anyhow::Result<Vec<Interpreted>> {
     let statement = client
         .prepare_cached(APPEND_SQL)
         .await
@@ -960,14 +1033,6 @@ async fn commit_batch(pool: &Pool, batch: &[AppendRequest]) -> anyhow::Result<Ve
         .collect();
     let param_refs: Vec<Vec<&(dyn ToSql + Sync)>> =
         params.iter().map(AppendParams::as_refs).collect();
-    if let [refs] = param_refs.as_slice() {
-        // A batch of one is a single statement: its own transaction, without BEGIN/COMMIT trips.
-        let row = client
-            .query_one(&statement, refs)
-            .await
-            .context("appending")?;
-        return interpret_all(batch, &[row]);
-    }
     let transaction = client.transaction().await.context("BEGIN")?;
     // Issued together, tokio-postgres pipelines them: one round trip for the batch.
     let rows = futures::future::try_join_all(
@@ -977,8 +1042,7 @@ async fn commit_batch(pool: &Pool, batch: &[AppendRequest]) -> anyhow::Result<Ve
     )
     .await
     .context("appending")?;
-    // Interpret before COMMIT: an unknown status aborts the whole batch rather than committing
-    // appends whose callers would be told they failed.
+    // Interpret before COMMIT, as above.
     let results = interpret_all(batch, &rows)?;
     transaction.commit().await.context("COMMIT")?;
     Ok(results)
@@ -1049,6 +1113,66 @@ impl<'a> AppendParams<'a> {
 enum Interpreted {
     Done(Result<AppendOutcome, EventStoreError>),
     RetryInNewerTransaction,
+}
+
+/// A batch's appends as `zhihui_append_batch` takes them: one entry per append, its events laid
+/// end to end.
+struct BatchParams<'a> {
+    streams: Vec<&'a str>,
+    expected_kinds: Vec<i16>,
+    expected_versions: Vec<i64>,
+    counts: Vec<i32>,
+    ids: Vec<Uuid>,
+    types: Vec<&'a str>,
+    schema_versions: Vec<i32>,
+    payloads: Vec<Json<&'a Payload>>,
+    metadata: Vec<Json<&'a EventMetadata>>,
+}
+
+impl<'a> BatchParams<'a> {
+    fn new(batch: &'a [AppendRequest]) -> Self {
+        let events = batch.iter().map(|request| request.events.len()).sum();
+        let mut params = BatchParams {
+            streams: Vec::with_capacity(batch.len()),
+            expected_kinds: Vec::with_capacity(batch.len()),
+            expected_versions: Vec::with_capacity(batch.len()),
+            counts: Vec::with_capacity(batch.len()),
+            ids: Vec::with_capacity(events),
+            types: Vec::with_capacity(events),
+            schema_versions: Vec::with_capacity(events),
+            payloads: Vec::with_capacity(events),
+            metadata: Vec::with_capacity(events),
+        };
+        for request in batch {
+            let one = AppendParams::new(&request.stream, request.expected, &request.events);
+            params.streams.push(one.stream);
+            params.expected_kinds.push(one.expected_kind);
+            params.expected_versions.push(one.expected_version);
+            params
+                .counts
+                .push(i32::try_from(request.events.len()).unwrap_or(i32::MAX));
+            params.ids.extend(one.ids);
+            params.types.extend(one.types);
+            params.schema_versions.extend(one.schema_versions);
+            params.payloads.extend(one.payloads);
+            params.metadata.extend(one.metadata);
+        }
+        params
+    }
+
+    fn as_refs(&self) -> Vec<&(dyn ToSql + Sync)> {
+        vec![
+            &self.streams,
+            &self.expected_kinds,
+            &self.expected_versions,
+            &self.counts,
+            &self.ids,
+            &self.types,
+            &self.schema_versions,
+            &self.payloads,
+            &self.metadata,
+        ]
+    }
 }
 
 fn interpret(

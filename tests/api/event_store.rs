@@ -67,6 +67,7 @@ fn start_store(
             group_commit,
             group_commit_max_batch: 64,
             group_commit_writers: 2,
+            group_commit_one_statement: true,
             append_retries_max: 16,
             subscription_batch_size: 100,
             subscription_tail_events: 400,
@@ -1045,6 +1046,7 @@ async fn an_append_whose_answer_is_lost_lands_exactly_once() {
                 group_commit,
                 group_commit_max_batch: 64,
                 group_commit_writers: 1,
+                group_commit_one_statement: true,
                 append_retries_max: 16,
                 subscription_batch_size: 100,
                 subscription_tail_events: 400,
@@ -1150,4 +1152,246 @@ async fn an_event_id_reused_in_another_stream_is_refused() {
         matches!(reused, Err(EventStoreError::EventIdReused { event_id }) if event_id == shared.id),
         "{reused:?}"
     );
+}
+
+/// One append of the batch-append oracle test: a stream (without its namespace), what it
+/// expects, and its events as logical numbers (each namespace maps them to ids of its own).
+#[derive(Debug, Clone)]
+struct LogicalAppend {
+    stream: String,
+    kind: i16,
+    expected_version: i64,
+    events: Vec<u64>,
+}
+
+/// `zhihui_append_batch` (one statement for a group-commit batch) must answer and store exactly
+/// what `zhihui_append`, called once per append in the batch's order, does. Both run the same
+/// random batches in one database, each in its own namespace of streams and event ids: appends
+/// that create, extend, expect wrongly or expect a stream that is not there (kinds 0-3), batches
+/// with two appends to one stream, retries of stored appends (`duplicate`) and event ids reused
+/// on another stream (`id_reused`). Answers are compared per append, then every stream's row
+/// and every event, in the log's order.
+#[tokio::test]
+async fn a_batch_append_answers_and_stores_what_one_append_after_another_does() {
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    let settings = test_settings(&create_database().await);
+    let pool = zhihui::postgres::build_pool(&settings.database).unwrap();
+    zhihui::postgres::migrate(&pool).await.unwrap();
+    let mut client = connect(&settings).await;
+    let seed = 20_261_127_u64;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let namespaces = [("o-", Uuid::now_v7()), ("c-", Uuid::now_v7())];
+    let id = |namespace: Uuid, n: u64| Uuid::new_v5(&namespace, &n.to_le_bytes());
+    // What the oracle's streams hold, to aim expectations near the truth.
+    let mut versions: std::collections::HashMap<String, i64> = Default::default();
+    let mut stored: Vec<LogicalAppend> = Vec::new();
+    let mut next_event = 0_u64;
+    let mut fast_batches = 0;
+    // Answers given by batches of distinct streams (the others go one by one by design).
+    let mut seen: HashSet<String> = HashSet::new();
+    for round in 0..300 {
+        let size = rng.random_range(2..=8);
+        let mut batch = Vec::new();
+        for _ in 0..size {
+            let roll = rng.random_range(0..100);
+            if roll < 6 && !stored.is_empty() {
+                // A retry of a stored append, as a writer resends one whose answer was lost.
+                let mut again = stored[rng.random_range(0..stored.len())].clone();
+                again.kind = 0;
+                batch.push(again);
+                continue;
+            }
+            let stream = format!("s{:02}", rng.random_range(0..60));
+            let current = versions.get(&stream).copied().unwrap_or(-1);
+            let kind = rng.random_range(0..4_i16);
+            let expected_version = match kind {
+                2 if rng.random_bool(0.7) => current.max(0),
+                2 => current + rng.random_range(1..3),
+                _ => -1,
+            };
+            let events = if roll < 9 && !stored.is_empty() {
+                // Another append's event ids on this stream.
+                stored[rng.random_range(0..stored.len())].events.clone()
+            } else {
+                let count = rng.random_range(1..=3);
+                next_event += count;
+                (next_event - count..next_event).collect()
+            };
+            batch.push(LogicalAppend {
+                stream,
+                kind,
+                expected_version,
+                events,
+            });
+        }
+        // The writer's lock order; stable, so two appends to one stream keep theirs.
+        batch.sort_by(|left, right| left.stream.cmp(&right.stream));
+
+        let mut answers = Vec::new();
+        for (index, (prefix, namespace)) in namespaces.iter().enumerate() {
+            let transaction = client.transaction().await.unwrap();
+            let mut rows: Vec<(String, i64, bool)> = Vec::new();
+            let ids = |append: &LogicalAppend| -> Vec<Uuid> {
+                append.events.iter().map(|n| id(*namespace, *n)).collect()
+            };
+            let types = |append: &LogicalAppend| -> Vec<String> {
+                append
+                    .events
+                    .iter()
+                    .map(|n| format!("T{}", n % 5))
+                    .collect()
+            };
+            let payloads = |append: &LogicalAppend| -> Vec<serde_json::Value> {
+                append
+                    .events
+                    .iter()
+                    .map(|n| serde_json::json!({ "n": n }))
+                    .collect()
+            };
+            if index == 0 {
+                for append in &batch {
+                    let row = transaction
+                        .query_one(
+                            "SELECT status, version, last_position FROM zhihui_append($1, $2, $3, $4, $5, $6, $7, $8)",
+                            &[
+                                &format!("{prefix}{}", append.stream),
+                                &append.kind,
+                                &append.expected_version,
+                                &ids(append),
+                                &types(append),
+                                &vec![1_i32; append.events.len()],
+                                &payloads(append),
+                                &vec![serde_json::json!({}); append.events.len()],
+                            ],
+                        )
+                        .await
+                        .unwrap();
+                    rows.push((
+                        row.get(0),
+                        row.get(1),
+                        row.get::<_, Option<i64>>(2).is_some(),
+                    ));
+                }
+            } else {
+                let streams: Vec<String> = batch
+                    .iter()
+                    .map(|append| format!("{prefix}{}", append.stream))
+                    .collect();
+                let kinds: Vec<i16> = batch.iter().map(|append| append.kind).collect();
+                let expected: Vec<i64> =
+                    batch.iter().map(|append| append.expected_version).collect();
+                let counts: Vec<i32> = batch
+                    .iter()
+                    .map(|append| i32::try_from(append.events.len()).unwrap())
+                    .collect();
+                let all_ids: Vec<Uuid> = batch.iter().flat_map(ids).collect();
+                let all_types: Vec<String> = batch.iter().flat_map(types).collect();
+                let all_payloads: Vec<serde_json::Value> =
+                    batch.iter().flat_map(payloads).collect();
+                let schema_versions = vec![1_i32; all_ids.len()];
+                let metadata = vec![serde_json::json!({}); all_ids.len()];
+                let found = transaction
+                    .query(
+                        "SELECT n, status, version, last_position FROM zhihui_append_batch($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                        &[
+                            &streams,
+                            &kinds,
+                            &expected,
+                            &counts,
+                            &all_ids,
+                            &all_types,
+                            &schema_versions,
+                            &all_payloads,
+                            &metadata,
+                        ],
+                    )
+                    .await
+                    .unwrap();
+                let mut by_place: Vec<Option<(String, i64, bool)>> = vec![None; batch.len()];
+                for row in found {
+                    let n = usize::try_from(row.get::<_, i32>(0)).unwrap();
+                    assert!(
+                        by_place[n - 1].is_none(),
+                        "round {round}: place {n} answered twice"
+                    );
+                    by_place[n - 1] = Some((
+                        row.get(1),
+                        row.get(2),
+                        row.get::<_, Option<i64>>(3).is_some(),
+                    ));
+                }
+                rows = by_place
+                    .into_iter()
+                    .map(|answer| answer.expect("every append answered"))
+                    .collect();
+            }
+            transaction.commit().await.unwrap();
+            answers.push(rows);
+        }
+        assert_eq!(
+            answers[0], answers[1],
+            "round {round} (seed {seed}): one append after another, then the batch, for {batch:?}"
+        );
+        let unique_streams: HashSet<&str> =
+            batch.iter().map(|append| append.stream.as_str()).collect();
+        if unique_streams.len() == batch.len() {
+            fast_batches += 1;
+            seen.extend(answers[1].iter().map(|(status, _, _)| status.clone()));
+        }
+        for (append, (status, version, _)) in batch.iter().zip(&answers[0]) {
+            if status == "appended" {
+                versions.insert(append.stream.clone(), *version);
+                stored.push(append.clone());
+            }
+        }
+    }
+    assert!(
+        fast_batches > 100,
+        "only {fast_batches} batches took the one-statement path"
+    );
+    for status in ["appended", "conflict", "duplicate", "id_reused"] {
+        assert!(
+            seen.contains(status),
+            "no batch of distinct streams answered {status}: {seen:?}"
+        );
+    }
+
+    let listing = |prefix: &'static str| {
+        let client = &client;
+        async move {
+            let streams: Vec<(String, i64)> = client
+                .query(
+                    "SELECT substr(stream_id, 3), version FROM streams WHERE stream_id LIKE $1 ORDER BY stream_id",
+                    &[&format!("{prefix}%")],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|row| (row.get(0), row.get(1)))
+                .collect();
+            let events: Vec<(String, i64, String, serde_json::Value)> = client
+                .query(
+                    "SELECT substr(stream_id, 3), stream_version, event_type, payload FROM events
+                      WHERE stream_id LIKE $1 ORDER BY global_position",
+                    &[&format!("{prefix}%")],
+                )
+                .await
+                .unwrap()
+                .iter()
+                .map(|row| (row.get(0), row.get(1), row.get(2), row.get(3)))
+                .collect();
+            (streams, events)
+        }
+    };
+    let oracle = listing("o-").await;
+    let batched = listing("c-").await;
+    assert!(
+        oracle.1.len() > 300,
+        "only {} events stored",
+        oracle.1.len()
+    );
+    assert_eq!(oracle.0, batched.0, "the streams' rows differ");
+    assert_eq!(oracle.1, batched.1, "the events differ");
 }

@@ -1,6 +1,7 @@
 //! Benchmark of event-store appends on PostgreSQL: 1, 8 and 32 concurrent writers, one event per
 //! append, each writer on its own stream with an exact expected version, with and without group
-//! commit, beside a baseline in the same run: plain single-row `INSERT`s (one transaction each,
+//! commit (a batch as one `zhihui_append_batch` statement, the default, and as one
+//! `zhihui_append` per append, pipelined, the design before it), beside a baseline in the same run: plain single-row `INSERT`s (one transaction each,
 //! a primary key on (stream, version), the same payload), the least a durable append can cost.
 //! Prints events/s and p50/p99 latency, then one `RESULT <name> <value> <unit>` line per figure.
 //!
@@ -109,13 +110,21 @@ async fn run(
             "us",
         ));
     }
-    for group_commit in [false, true] {
+    // The group-commit batch as one statement (the default) beside the design before it: one
+    // `zhihui_append` per append, pipelined in the batch's transaction.
+    let mut pipelined_per_second = Vec::new();
+    for (mode, group_commit, one_statement) in [
+        ("single", false, true),
+        ("group_pipelined", true, false),
+        ("group_commit", true, true),
+    ] {
         let store = PostgresEventStore::start(
             pool.clone(),
             PostgresEventStoreOptions {
                 group_commit,
                 group_commit_max_batch: 256,
                 group_commit_writers: 2,
+                group_commit_one_statement: one_statement,
                 append_retries_max: 16,
                 subscription_batch_size: 512,
                 subscription_tail_events: 2048,
@@ -144,12 +153,17 @@ async fn run(
                     }
                 })
                 .await?;
-            let mode = if group_commit {
-                "group_commit"
-            } else {
-                "single"
-            };
             print_case(mode, writers, events_per_second, p50, p99);
+            if mode == "group_pipelined" {
+                pipelined_per_second.push(events_per_second);
+            }
+            if mode == "group_commit" {
+                results.push((
+                    format!("append_group_commit_{writers}w_ratio_vs_pipelined"),
+                    events_per_second / pipelined_per_second[case],
+                    "x",
+                ));
+            }
             results.push((
                 format!("append_{mode}_{writers}w_ratio_vs_raw_insert"),
                 events_per_second / raw_per_second[case],
