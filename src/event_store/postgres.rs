@@ -1072,12 +1072,7 @@ struct AppendParams<'a> {
 
 impl<'a> AppendParams<'a> {
     fn new(stream: &'a str, expected: ExpectedVersion, events: &'a [NewEvent]) -> Self {
-        let (expected_kind, expected_version) = match expected {
-            ExpectedVersion::Any => (0, -1),
-            ExpectedVersion::NoStream => (1, -1),
-            ExpectedVersion::Exact(version) => (2, to_i64(version)),
-            ExpectedVersion::StreamExists => (3, -1),
-        };
+        let (expected_kind, expected_version) = expected_params(expected);
         AppendParams {
             stream,
             expected_kind,
@@ -1115,6 +1110,17 @@ enum Interpreted {
     RetryInNewerTransaction,
 }
 
+/// An expectation as the SQL functions take it: its kind (0 any, 1 no stream, 2 exact, 3 stream
+/// exists) and the exact version (-1 when there is none).
+fn expected_params(expected: ExpectedVersion) -> (i16, i64) {
+    match expected {
+        ExpectedVersion::Any => (0, -1),
+        ExpectedVersion::NoStream => (1, -1),
+        ExpectedVersion::Exact(version) => (2, to_i64(version)),
+        ExpectedVersion::StreamExists => (3, -1),
+    }
+}
+
 /// A batch's appends as `zhihui_append_batch` takes them: one entry per append, its events laid
 /// end to end.
 struct BatchParams<'a> {
@@ -1143,19 +1149,24 @@ impl<'a> BatchParams<'a> {
             payloads: Vec::with_capacity(events),
             metadata: Vec::with_capacity(events),
         };
+        // Straight into the batch's columns, with no columns of each append's own on the way.
         for request in batch {
-            let one = AppendParams::new(&request.stream, request.expected, &request.events);
-            params.streams.push(one.stream);
-            params.expected_kinds.push(one.expected_kind);
-            params.expected_versions.push(one.expected_version);
+            let (kind, version) = expected_params(request.expected);
+            params.streams.push(&request.stream);
+            params.expected_kinds.push(kind);
+            params.expected_versions.push(version);
             params
                 .counts
                 .push(i32::try_from(request.events.len()).unwrap_or(i32::MAX));
-            params.ids.extend(one.ids);
-            params.types.extend(one.types);
-            params.schema_versions.extend(one.schema_versions);
-            params.payloads.extend(one.payloads);
-            params.metadata.extend(one.metadata);
+            for event in &request.events {
+                params.ids.push(event.id);
+                params.types.push(&event.event_type);
+                params
+                    .schema_versions
+                    .push(i32::try_from(event.schema_version).unwrap_or(i32::MAX));
+                params.payloads.push(Json(&event.payload));
+                params.metadata.push(Json(&event.metadata));
+            }
         }
         params
     }

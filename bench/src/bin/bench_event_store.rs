@@ -1,8 +1,9 @@
 //! Benchmark of event-store appends on PostgreSQL: 1, 8 and 32 concurrent writers, one event per
 //! append, each writer on its own stream with an exact expected version, with and without group
 //! commit (a batch as one `zhihui_append_batch` statement, the default, and as one
-//! `zhihui_append` per append, pipelined, the design before it), beside a baseline in the same run: plain single-row `INSERT`s (one transaction each,
-//! a primary key on (stream, version), the same payload), the least a durable append can cost.
+//! `zhihui_append` per append, pipelined, the design before it), beside a baseline in the same
+//! run: plain single-row `INSERT`s (one transaction each, a primary key on (stream, version), the
+//! same payload), the least a durable append can cost.
 //! Prints events/s and p50/p99 latency, then one `RESULT <name> <value> <unit>` line per figure.
 //!
 //!     DATABASE_URL=postgres://zhihui@127.0.0.1:55432/zhihui \
