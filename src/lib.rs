@@ -1,40 +1,21 @@
 //! zhihui: the backend of an AI text-to-image cloud platform. See `ARCHITECTURE.md` for the map.
+//!
+//! The crate is built in floors, and its modules only ever import from their own floor or one
+//! below: the edges (`http`, `web`, `cli`, `startup`, and `state`, the services they share) use
+//! the features (`identity`, `tasks`, `dispatch`, `labels`, `points`, `webhooks`), which use the
+//! foundations (`platform`), which use the pure domain (`zhihui-domain`).
 
-pub mod aggregate;
-pub mod allocator;
-pub mod api_keys;
-pub mod audit;
-pub mod auth;
-pub mod bench_support;
-pub mod checkins;
-pub mod cli;
-pub mod clock;
-pub mod codes;
-pub mod command;
-pub mod configuration;
+pub mod platform;
+
 pub mod dispatch;
-pub mod event_store;
-pub mod http;
-pub mod inspect;
+pub mod identity;
 pub mod labels;
-pub mod leader;
-pub mod lua;
-pub mod metrics;
-pub mod notify;
-pub mod pool;
-pub mod positions;
-pub mod postgres;
-pub mod projector;
-pub mod promotions;
-pub mod redis_store;
-pub mod replay;
-pub mod revenue;
-pub mod settlements;
-pub mod startup;
-pub mod stats;
+pub mod points;
 pub mod tasks;
-pub mod telemetry;
-pub mod users;
-pub mod web;
 pub mod webhooks;
-pub mod worker_local;
+
+pub mod cli;
+pub mod http;
+pub mod startup;
+pub mod state;
+pub mod web;

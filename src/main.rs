@@ -3,7 +3,7 @@
 use clap::Parser;
 
 fn main() -> std::process::ExitCode {
-    zhihui::allocator::tune();
+    zhihui::platform::allocator::tune();
     let cli = zhihui::cli::Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -9,13 +9,13 @@ use zhihui_domain::points::Amount;
 use zhihui_domain::redeem::{Batch, BatchSpec};
 
 use crate::cli::CodesCommand;
-use crate::configuration::Settings;
-use crate::event_store::EventMetadata;
-use crate::startup::AppState;
+use crate::platform::configuration::Settings;
+use crate::platform::event_store::EventMetadata;
+use crate::state::AppState;
 
 fn state(settings: &Settings) -> anyhow::Result<AppState> {
-    let pool = crate::postgres::build_pool(&settings.database)?;
-    AppState::build(settings, pool, crate::startup::Overrides::default())
+    let pool = crate::platform::postgres::build_pool(&settings.database)?;
+    AppState::build(settings, pool, crate::state::Overrides::default())
 }
 
 fn metadata(command: &str) -> EventMetadata {
@@ -86,7 +86,7 @@ pub async fn run(settings: &Settings, command: CodesCommand) -> anyhow::Result<(
                 .create_batch(Uuid::now_v7(), spec, &metadata("issue"))
                 .await
                 .map_err(|error| anyhow::anyhow!("{error}"))?;
-            let issuer = crate::codes::issuer::CodeIssuer::new(codes.clone());
+            let issuer = crate::points::codes::issuer::CodeIssuer::new(codes.clone());
             let pages = issuer.issue_batch(batch.batch_id, None).await?;
             let (batch, _) = codes
                 .batch(batch.batch_id)

@@ -16,19 +16,19 @@ use zhihui_domain::user::{UserId, Username};
 use zhihui_projections::ProjectionName;
 use zhihui_projections::accounts::{kind_of, reason_of};
 
-use crate::command::STREAM_READ_PAGE_MAX;
-use crate::configuration::Settings;
-use crate::event_store::{
+use crate::cli::replay::{ReplayProgress, replay as replay_projection};
+use crate::platform::command::STREAM_READ_PAGE_MAX;
+use crate::platform::configuration::Settings;
+use crate::platform::event_store::{
     AnyEventStore, Direction, EventFilter, EventStore, ReadFrom, RecordedEvent, SubscriptionMessage,
 };
-use crate::replay::{ReplayProgress, replay as replay_projection};
 
 async fn connect(settings: &Settings) -> anyhow::Result<(deadpool_postgres::Pool, AnyEventStore)> {
-    let pool = crate::postgres::build_pool(&settings.database)?;
+    let pool = crate::platform::postgres::build_pool(&settings.database)?;
     if settings.database.migrate_on_start {
-        crate::postgres::migrate(&pool).await?;
+        crate::platform::postgres::migrate(&pool).await?;
     }
-    let store = crate::event_store::from_settings(settings, pool.clone())?;
+    let store = crate::platform::event_store::from_settings(settings, pool.clone())?;
     Ok((pool, store))
 }
 
@@ -67,10 +67,10 @@ async fn resolve_user(
     let username = Username::parse(user).map_err(|error| {
         anyhow::anyhow!("{user:?} is neither a user id nor a username: {error}")
     })?;
-    let users = crate::users::Users::new(
+    let users = crate::identity::users::Users::new(
         store.clone(),
-        crate::clock::Clock::System,
-        crate::command::RetryPolicy::default(),
+        crate::platform::clock::Clock::System,
+        crate::platform::command::RetryPolicy::default(),
         std::time::Duration::from_millis(settings.auth.orphan_claim_release_ms),
     );
     let found = users

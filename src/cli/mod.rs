@@ -1,5 +1,10 @@
 //! The `zhihui` command line: one closed enum of subcommands, each a thin call into the library.
 
+pub mod audit;
+pub mod codes;
+pub mod inspect;
+pub mod replay;
+
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -8,7 +13,7 @@ use clap::{Parser, Subcommand};
 
 use zhihui_projections::ProjectionName;
 
-use crate::configuration::{LogFormat, Settings};
+use crate::platform::configuration::{LogFormat, Settings};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -320,7 +325,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(format) = cli.log_format {
         settings.log.format = format;
     }
-    crate::telemetry::init(&settings.log)?;
+    crate::platform::telemetry::init(&settings.log)?;
     match cli.command {
         Command::Serve => {
             let application = crate::startup::Application::build(&settings).await?;
@@ -347,14 +352,16 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                     kind,
                     json,
                 },
-        } => crate::inspect::audit_account(&settings, &user, since, kind.as_deref(), json).await,
+        } => {
+            crate::cli::inspect::audit_account(&settings, &user, since, kind.as_deref(), json).await
+        }
         Command::Audit {
             command: AuditCommand::Repairs { since, json },
         } => audit_repairs(&settings, since, json).await,
         Command::Audit {
             command: AuditCommand::Code { code },
-        } => crate::codes::cli::audit_code(&settings, &code).await,
-        Command::Codes { command } => Box::pin(crate::codes::cli::run(&settings, command)).await,
+        } => crate::cli::codes::audit_code(&settings, &code).await,
+        Command::Codes { command } => Box::pin(crate::cli::codes::run(&settings, command)).await,
         Command::Checkins {
             command: CheckinsCommand::Rebuild { user },
         } => checkins_rebuild(&settings, user).await,
@@ -371,10 +378,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
             projection,
             batch_size,
             quiet,
-        } => crate::inspect::replay(&settings, projection, batch_size, quiet).await,
+        } => crate::cli::inspect::replay(&settings, projection, batch_size, quiet).await,
         Command::Events {
             command: EventsCommand::Show { stream, json },
-        } => crate::inspect::events_show(&settings, &stream, json).await,
+        } => crate::cli::inspect::events_show(&settings, &stream, json).await,
         Command::Events {
             command:
                 EventsCommand::Tail {
@@ -383,14 +390,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
                     count,
                     json,
                 },
-        } => crate::inspect::events_tail(&settings, from_start, stream_prefixes, count, json).await,
+        } => {
+            crate::cli::inspect::events_tail(&settings, from_start, stream_prefixes, count, json)
+                .await
+        }
         Command::Queue {
             command: QueueCommand::Rebuild,
         } => queue_rebuild(&settings).await,
         Command::Backends { command } => Box::pin(backends(&settings, command)).await,
         Command::Migrate => {
-            let pool = crate::postgres::build_pool(&settings.database)?;
-            let report = crate::postgres::migrate(&pool).await?;
+            let pool = crate::platform::postgres::build_pool(&settings.database)?;
+            let report = crate::platform::postgres::migrate(&pool).await?;
             if report.applied.is_empty() {
                 tracing::info!("no pending migrations");
             } else {
@@ -428,15 +438,15 @@ async fn create_user(
         anyhow::ensure!(first == second, "the two passwords differ");
         first
     };
-    let password = crate::auth::password::PlainPassword::parse(&raw_password)
+    let password = crate::identity::password::PlainPassword::parse(&raw_password)
         .map_err(|message| anyhow::anyhow!("password: {message}"))?;
 
-    let pool = crate::postgres::build_pool(&settings.database)?;
+    let pool = crate::platform::postgres::build_pool(&settings.database)?;
     if settings.database.migrate_on_start {
-        crate::postgres::migrate(&pool).await?;
+        crate::platform::postgres::migrate(&pool).await?;
     }
-    let state = crate::startup::AppState::build(settings, pool, Default::default())?;
-    let metadata = crate::event_store::EventMetadata {
+    let state = crate::state::AppState::build(settings, pool, Default::default())?;
+    let metadata = crate::platform::event_store::EventMetadata {
         correlation_id: uuid::Uuid::now_v7(),
         causation_id: None,
         actor: "cli:users-create".into(),
@@ -465,9 +475,8 @@ async fn create_user(
 async fn queue_rebuild(settings: &Settings) -> anyhow::Result<()> {
     use std::io::Write;
 
-    let pool = crate::postgres::build_pool(&settings.database)?;
-    let state =
-        crate::startup::AppState::build(settings, pool, crate::startup::Overrides::default())?;
+    let pool = crate::platform::postgres::build_pool(&settings.database)?;
+    let state = crate::state::AppState::build(settings, pool, crate::state::Overrides::default())?;
     let report = state.tasks.rebuild_queue().await?;
     writeln!(
         std::io::stdout().lock(),
@@ -631,8 +640,8 @@ async fn audit_repairs(
 ) -> anyhow::Result<()> {
     use std::io::Write;
 
-    let pool = crate::postgres::build_pool(&settings.database)?;
-    let repairs = crate::settlements::repairs(&pool, since).await?;
+    let pool = crate::platform::postgres::build_pool(&settings.database)?;
+    let repairs = crate::points::settlements::repairs(&pool, since).await?;
     let mut out = std::io::stdout().lock();
     if json {
         serde_json::to_writer_pretty(&mut out, &repairs).context("writing JSON")?;
@@ -676,17 +685,17 @@ async fn audit_repairs(
 async fn audit_verify(settings: &Settings) -> anyhow::Result<()> {
     use std::io::Write;
 
-    let pool = crate::postgres::build_pool(&settings.database)?;
-    let store = crate::event_store::from_settings(settings, pool.clone())?;
+    let pool = crate::platform::postgres::build_pool(&settings.database)?;
+    let store = crate::platform::event_store::from_settings(settings, pool.clone())?;
     let client = pool.get().await.context("connecting to PostgreSQL")?;
-    let crate::audit::Verified {
+    let crate::cli::audit::Verified {
         events_read,
         differences,
         pending_settlements,
-    } = crate::audit::verify(
+    } = crate::cli::audit::verify(
         &store,
         &client,
-        crate::audit::settlement_bound(&settings.tasks),
+        crate::cli::audit::settlement_bound(&settings.tasks),
     )
     .await?;
     let mut out = std::io::stdout().lock();
@@ -708,9 +717,9 @@ async fn audit_verify(settings: &Settings) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn app_state(settings: &Settings) -> anyhow::Result<crate::startup::AppState> {
-    let pool = crate::postgres::build_pool(&settings.database)?;
-    crate::startup::AppState::build(settings, pool, crate::startup::Overrides::default())
+fn app_state(settings: &Settings) -> anyhow::Result<crate::state::AppState> {
+    let pool = crate::platform::postgres::build_pool(&settings.database)?;
+    crate::state::AppState::build(settings, pool, crate::state::Overrides::default())
 }
 
 async fn checkins_rebuild(settings: &Settings, user: Option<uuid::Uuid>) -> anyhow::Result<()> {
@@ -825,7 +834,7 @@ async fn stats_active_users(
     let state = app_state(settings)?;
     let to = to.unwrap_or_else(|| state.active_users.today());
     let from = from.unwrap_or(to - chrono::Duration::days(6));
-    crate::stats::check_range(from, to)
+    crate::identity::active_users::check_range(from, to)
         .map_err(|(field, message)| anyhow::anyhow!("--{field}: {message}"))?;
     let report = state.active_users.report(from, to).await?;
     let mut out = std::io::stdout().lock();

@@ -21,9 +21,9 @@ use anyhow::Context;
 use deadpool_postgres::Pool;
 use zhihui_projections::{ProjectionName, Tables};
 
-use crate::configuration::ProjectionSettings;
-use crate::event_store::{AnyEventStore, EventStore, Position};
-use crate::projector::{Projector, position_from_sql, position_to_sql};
+use crate::platform::configuration::ProjectionSettings;
+use crate::platform::event_store::{AnyEventStore, EventStore, Position};
+use crate::platform::projector::{Projector, position_from_sql, position_to_sql};
 
 /// What a replay did.
 #[derive(Debug, Clone)]
@@ -279,7 +279,7 @@ async fn build(
     applied_before: u64,
     progress: &mut dyn ReplayProgress,
 ) -> anyhow::Result<u64> {
-    let filter = crate::event_store::filter_of(projection);
+    let filter = crate::platform::event_store::filter_of(projection);
     let read = |after: Option<Position>| {
         let store = store.clone();
         let filter = filter.clone();
@@ -354,11 +354,11 @@ pub async fn swap(
     // after this transaction has written and so holds an id, would wait on ourselves).
     let mut gap = Vec::new();
     if live > rebuilt {
-        let filter = crate::event_store::filter_of(projection);
+        let filter = crate::platform::event_store::filter_of(projection);
         let mut after = rebuilt;
         while after < live {
             let slice = store
-                .read_all(after, crate::audit::VERIFY_READ_PAGE_MAX, &filter)
+                .read_all(after, crate::cli::audit::VERIFY_READ_PAGE_MAX, &filter)
                 .await
                 .context("reading the gap")?;
             let Some(scanned_to) = slice.scanned_to.filter(|to| Some(*to) != after) else {
@@ -376,7 +376,10 @@ pub async fn swap(
     let checkpoint = live.max(rebuilt);
     let gap_count = gap.len() as u64;
     if !gap.is_empty() {
-        let projected: Vec<_> = gap.iter().map(crate::projector::to_projected).collect();
+        let projected: Vec<_> = gap
+            .iter()
+            .map(crate::platform::projector::to_projected)
+            .collect();
         projection
             .apply(&transaction, &Tables::REBUILD, &projected)
             .await

@@ -202,7 +202,9 @@ mod tests {
     }
 
     fn labelled(keep_original: bool, bytes: &[u8], task: TaskId, index: usize) -> LabelledImage {
-        let mut settings = crate::configuration::Settings::defaults().unwrap().labels;
+        let mut settings = crate::platform::configuration::Settings::defaults()
+            .unwrap()
+            .labels;
         settings.keep_original = keep_original;
         Labeller::new(&settings)
             .unwrap()

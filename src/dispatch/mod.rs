@@ -4,9 +4,7 @@
 //! `saga/` (the saga that drives every task from the queue to settled points, one file per step).
 
 pub mod comfy;
-pub mod estimate;
 pub mod images;
-pub mod lease;
 pub mod saga;
 pub mod socket;
 

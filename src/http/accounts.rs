@@ -13,11 +13,11 @@ use zhihui_domain::account::{AccountCommand, AccountError, AccountEvent, account
 use zhihui_domain::points::Amount;
 use zhihui_domain::user::UserId;
 
-use crate::command::CommandError;
-use crate::event_store::{Direction, EventStore, ReadFrom, RecordedEvent};
 use crate::http::extract::{Admin, Authenticated};
 use crate::http::{ApiError, event_metadata};
-use crate::startup::AppState;
+use crate::platform::command::CommandError;
+use crate::platform::event_store::{Direction, EventStore, ReadFrom, RecordedEvent};
+use crate::state::AppState;
 
 /// Most ledger entries per page: one screen, and a bounded query.
 pub const LEDGER_PAGE_MAX: i64 = 100;
@@ -217,12 +217,12 @@ pub(crate) async fn ledger_page(
             message: "is not a cursor this API returned".into(),
         })?,
     };
-    let client = crate::postgres::checkout(&state.pg_pool)
+    let client = crate::platform::postgres::checkout(&state.pg_pool)
         .await
         .context("getting a connection")?;
     // How far the projection got first, then only rows up to there: a batch committed between
     // the two reads must not leave a gap between the rows and the stream's tail below.
-    let projected_version: Option<i64> = crate::postgres::query_opt_cached(
+    let projected_version: Option<i64> = crate::platform::postgres::query_opt_cached(
         &client,
         "SELECT stream_version FROM accounts WHERE user_id = $1",
         &[&user_id.as_uuid()],
@@ -232,7 +232,7 @@ pub(crate) async fn ledger_page(
     .map(|row| row.get(0));
     let rows = match projected_version {
         None => Vec::new(),
-        Some(projected) => crate::postgres::query_cached(
+        Some(projected) => crate::platform::postgres::query_cached(
             &client,
             "SELECT occurred_at, kind, amount, available_after, frozen_after, task_id,
                     operation_id, reason, correlation_id, stream_version
@@ -405,7 +405,7 @@ pub(crate) async fn grant_points(
     user_id: UserId,
     body: &GrantRequest,
     operation_id: Uuid,
-    metadata: crate::event_store::EventMetadata,
+    metadata: crate::platform::event_store::EventMetadata,
 ) -> Result<GrantResponse, ApiError> {
     let amount = Amount::parse(body.amount).map_err(|error| ApiError::Validation {
         field: "amount".into(),
@@ -436,13 +436,13 @@ pub(crate) async fn grant_points(
     let granted_now = !handled.new_events.is_empty();
     if granted_now {
         // A hint for the user's open pages; the ledger is the truth.
-        let envelope = crate::notify::Envelope::Credited {
+        let envelope = crate::platform::notify::Envelope::Credited {
             user_id: user_id.as_uuid(),
             amount: two_places(amount.as_decimal()).to_string(),
             reason: reason.to_owned(),
         };
         if let Err(error) = state.notifier.publish(&envelope).await {
-            tracing::warn!(error = %crate::telemetry::error_chain(&error), "credit not announced");
+            tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "credit not announced");
         }
     }
     Ok(GrantResponse {
@@ -456,7 +456,7 @@ pub(crate) async fn grant_points(
 /// Where each projection stands (admins).
 #[utoipa::path(
     get, path = "/api/v1/admin/projections", tag = "admin", security(("bearer" = [])),
-    responses((status = 200, body = [crate::projector::ProjectionStatus]), (status = 403, body = crate::http::problem::Problem))
+    responses((status = 200, body = [crate::platform::projector::ProjectionStatus]), (status = 403, body = crate::http::problem::Problem))
 )]
 pub async fn projections(
     state: web::Data<AppState>,
@@ -465,7 +465,7 @@ pub async fn projections(
     let mut statuses = Vec::new();
     for projection in zhihui_projections::ProjectionName::ALL {
         let mut status =
-            crate::projector::stored_status(&state.pg_pool, projection.as_str()).await?;
+            crate::platform::projector::stored_status(&state.pg_pool, projection.as_str()).await?;
         let here = state
             .projection_statuses
             .lock()

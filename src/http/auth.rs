@@ -8,13 +8,13 @@ use serde::{Deserialize, Serialize};
 use zhihui_domain::claim::Identifier;
 use zhihui_domain::user::{PhoneNumber, RegisteredUser, Role, Username};
 
-use crate::auth::GuardState;
-use crate::auth::password::PlainPassword;
-use crate::auth::phone_codes::{SendOutcome, VerifyOutcome};
 use crate::http::extract::Authenticated;
 use crate::http::users::{UserView, register_error};
 use crate::http::{ApiError, event_metadata, retry_after};
-use crate::startup::AppState;
+use crate::identity::GuardState;
+use crate::identity::password::PlainPassword;
+use crate::identity::phone_codes::{SendOutcome, VerifyOutcome};
+use crate::state::AppState;
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct RegisterRequest {
@@ -272,7 +272,7 @@ async fn code_login(
     state: &AppState,
     phone: &str,
     code: &str,
-    metadata: &crate::event_store::EventMetadata,
+    metadata: &crate::platform::event_store::EventMetadata,
 ) -> Result<RegisteredUser, ApiError> {
     let phone = parse_phone(phone)?;
     verify_code(state, &phone, code).await?;
@@ -331,7 +331,7 @@ pub(crate) async fn send_login_code(
     phone: &str,
 ) -> Result<CodeSent, ApiError> {
     let phone = parse_phone(phone)?;
-    if state.auth_settings.code_sender == crate::configuration::CodeSenderKind::Disabled {
+    if state.auth_settings.code_sender == crate::platform::configuration::CodeSenderKind::Disabled {
         return Err(ApiError::Refused {
             status: actix_web::http::StatusCode::SERVICE_UNAVAILABLE,
             rule: "phone-login-disabled",
@@ -406,7 +406,7 @@ pub async fn logout(
 
 /// The limit scope of a request's client: its address (see `http.client_ip_from_forwarded`).
 fn client_scope(state: &AppState, request: &HttpRequest) -> String {
-    crate::auth::admission::client_ip(request, state.http_settings.client_ip_from_forwarded)
+    crate::identity::admission::client_ip(request, state.http_settings.client_ip_from_forwarded)
         .map_or_else(|| "client:unknown".to_owned(), |ip| format!("client:{ip}"))
 }
 
@@ -420,12 +420,14 @@ async fn admit(
     detail: &str,
 ) -> Result<(), ApiError> {
     match state.limits.admit(scope, max, window).await? {
-        crate::auth::admission::Admission::Admitted => Ok(()),
-        crate::auth::admission::Admission::Full { retry_at } => Err(ApiError::TooManyRequests {
-            rule,
-            detail: format!("{detail} (at most {max}); again at {retry_at}"),
-            retry_at,
-            retry_after_s: retry_after(&state.clock, retry_at),
-        }),
+        crate::identity::admission::Admission::Admitted => Ok(()),
+        crate::identity::admission::Admission::Full { retry_at } => {
+            Err(ApiError::TooManyRequests {
+                rule,
+                detail: format!("{detail} (at most {max}); again at {retry_at}"),
+                retry_at,
+                retry_after_s: retry_after(&state.clock, retry_at),
+            })
+        }
     }
 }

@@ -8,8 +8,8 @@ use zhihui_domain::pool::{NewBackend, PoolBackend, PoolError};
 
 use crate::http::ApiError;
 use crate::http::extract::Admin;
-use crate::pool::{BackendView, PoolServiceError, state_of};
-use crate::startup::AppState;
+use crate::state::AppState;
+use crate::tasks::pool::{BackendView, PoolServiceError, state_of};
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct AddBackendRequest {

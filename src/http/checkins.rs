@@ -6,10 +6,10 @@ use chrono::NaiveDate;
 use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
 
-use crate::checkins::parse_month;
 use crate::http::extract::{Admin, Authenticated};
 use crate::http::{ApiError, event_metadata};
-use crate::startup::AppState;
+use crate::points::checkins::parse_month;
+use crate::state::AppState;
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct CheckInResponse {
@@ -142,7 +142,7 @@ fn parse_day(field: &str, text: &str) -> Result<NaiveDate, ApiError> {
     })
 }
 
-/// The range a report asks for, checked ([`crate::stats::check_range`]).
+/// The range a report asks for, checked ([`crate::identity::active_users::check_range`]).
 fn report_range(
     from: Option<&str>,
     to: Option<&str>,
@@ -156,9 +156,11 @@ fn report_range(
         Some(from) => parse_day("from", from)?,
         None => to - chrono::Duration::days(6),
     };
-    crate::stats::check_range(from, to).map_err(|(field, message)| ApiError::Validation {
-        field: field.into(),
-        message,
+    crate::identity::active_users::check_range(from, to).map_err(|(field, message)| {
+        ApiError::Validation {
+            field: field.into(),
+            message,
+        }
     })?;
     Ok((from, to))
 }

@@ -9,10 +9,10 @@ use uuid::Uuid;
 use zhihui_domain::points::Amount;
 use zhihui_domain::redeem::{Batch, BatchError, BatchSpec, SerialsError};
 
-use crate::codes::{BatchCommandError, RedeemError};
 use crate::http::extract::{Admin, Authenticated};
 use crate::http::{ApiError, event_metadata};
-use crate::startup::AppState;
+use crate::points::codes::{BatchCommandError, RedeemError};
+use crate::state::AppState;
 
 /// Longest revocation reason.
 pub const REVOKE_REASON_LENGTH_MAX: usize = 200;
@@ -268,7 +268,7 @@ pub(crate) async fn create_batch_of(
     _admin: &Admin,
     batch_id: Uuid,
     body: &BatchRequest,
-    metadata: &crate::event_store::EventMetadata,
+    metadata: &crate::platform::event_store::EventMetadata,
 ) -> Result<BatchView, ApiError> {
     let points = Amount::parse(body.points).map_err(|error| ApiError::Validation {
         field: "points".into(),
@@ -349,7 +349,7 @@ pub(crate) async fn revoke_batch(
     _admin: &Admin,
     batch_id: Uuid,
     reason: &str,
-    metadata: &crate::event_store::EventMetadata,
+    metadata: &crate::platform::event_store::EventMetadata,
 ) -> Result<BatchView, ApiError> {
     let reason = reason.trim();
     if reason.is_empty() || reason.chars().count() > REVOKE_REASON_LENGTH_MAX {
@@ -383,7 +383,7 @@ pub async fn export(
     let file_name = format!("codes-{}.csv", batch.batch_id);
     let body = futures::StreamExt::map(state.codes.export(batch), |chunk| {
         chunk.map_err(|error| {
-            tracing::error!(error = %crate::telemetry::error_chain(&error), "code export failed mid-stream");
+            tracing::error!(error = %crate::platform::telemetry::error_chain(&error), "code export failed mid-stream");
             actix_web::error::ErrorInternalServerError("export failed")
         })
     });

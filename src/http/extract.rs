@@ -10,9 +10,9 @@ use actix_web::{FromRequest, HttpRequest, web};
 use futures::future::LocalBoxFuture;
 use zhihui_domain::user::{Role, UserId};
 
-use crate::auth::sessions::Session;
 use crate::http::ApiError;
-use crate::startup::AppState;
+use crate::identity::sessions::Session;
+use crate::state::AppState;
 use zhihui_domain::api_key::Scope;
 
 /// A caller with a valid token.
@@ -157,7 +157,7 @@ async fn key_session(
         .authenticate(token)
         .await
         .map_err(|refusal| match refusal {
-            crate::api_keys::KeyRefusal::Unexpected(error) => ApiError::from(error),
+            crate::identity::api_keys::KeyRefusal::Unexpected(error) => ApiError::from(error),
             refusal => ApiError::Unauthorized {
                 rule: "invalid-key",
                 detail: refusal.to_string(),
@@ -188,8 +188,8 @@ async fn key_session(
         )
         .await?
     {
-        crate::auth::admission::Admission::Admitted => {}
-        crate::auth::admission::Admission::Full { retry_at } => {
+        crate::identity::admission::Admission::Admitted => {}
+        crate::identity::admission::Admission::Full { retry_at } => {
             return Err(ApiError::TooManyRequests {
                 rule: "key-rate-limited",
                 detail: format!(

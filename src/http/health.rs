@@ -7,7 +7,7 @@ use actix_web::{HttpResponse, web};
 use serde::Serialize;
 
 use crate::http::ApiError;
-use crate::startup::AppState;
+use crate::state::AppState;
 
 /// How long one dependency check may take before it counts as failed. Shorter than typical
 /// load-balancer probe timeouts so that the 503 arrives, rather than a probe time-out.
@@ -26,14 +26,15 @@ pub async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError>
     let timeout = Duration::from_millis(READY_CHECK_TIMEOUT_MS);
     let kurrentdb = async {
         match &state.event_store {
-            crate::event_store::AnyEventStore::Kurrent(store) => {
-                Some(tokio::time::timeout(timeout, crate::event_store::kurrent::ping(store)).await)
-            }
-            crate::event_store::AnyEventStore::Postgres(_) => None,
+            crate::platform::event_store::AnyEventStore::Kurrent(store) => Some(
+                tokio::time::timeout(timeout, crate::platform::event_store::kurrent::ping(store))
+                    .await,
+            ),
+            crate::platform::event_store::AnyEventStore::Postgres(_) => None,
         }
     };
     let (postgres, redis, kurrentdb) = tokio::join!(
-        tokio::time::timeout(timeout, crate::postgres::ping(&state.pg_pool)),
+        tokio::time::timeout(timeout, crate::platform::postgres::ping(&state.pg_pool)),
         tokio::time::timeout(timeout, state.redis.ping()),
         kurrentdb,
     );
@@ -46,7 +47,7 @@ pub async fn ready(state: web::Data<AppState>) -> Result<HttpResponse, ApiError>
         match outcome {
             Ok(Ok(())) => {}
             Ok(Err(error)) => {
-                tracing::warn!(dependency = name, error = %crate::telemetry::error_chain(&error), "readiness check failed");
+                tracing::warn!(dependency = name, error = %crate::platform::telemetry::error_chain(&error), "readiness check failed");
                 failed.push(name.to_string());
             }
             Err(_elapsed) => {

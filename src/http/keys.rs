@@ -8,11 +8,11 @@ use uuid::Uuid;
 use zhihui_domain::api_key::Scope;
 use zhihui_domain::user::{ApiKey, UserError, UserId};
 
-use crate::api_keys::{KeyView, NewKey};
 use crate::http::extract::{Admin, Authenticated};
 use crate::http::{ApiError, event_metadata};
-use crate::startup::AppState;
-use crate::users::RegisterError;
+use crate::identity::api_keys::{KeyView, NewKey};
+use crate::identity::users::RegisterError;
+use crate::state::AppState;
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]

@@ -1,11 +1,10 @@
 //! What users watch and fetch live: `GET /api/v1/ws` (notifications about their own tasks) and
 //! `GET /api/v1/images/{id}` (their images, served by zhihui; never a ComfyUI address).
 //!
-//! The socket listens to this process's [`crate::notify::NotificationHub`], so it hears what any
+//! The socket listens to this process's [`crate::platform::notify::NotificationHub`], so it hears what any
 //! process publishes, and passes on only what concerns its user. Queue positions come from the
-//! process's [`crate::positions::PositionBoard`]: one Redis read per queue change for all sockets.
+//! process's [`crate::tasks::positions::PositionBoard`]: one Redis read per queue change for all sockets.
 
-use std::collections::HashMap;
 use std::time::Duration;
 
 use actix_web::{HttpRequest, HttpResponse, web};
@@ -18,64 +17,9 @@ use zhihui_domain::user::UserId;
 
 use crate::http::ApiError;
 use crate::http::extract::{Authenticated, bearer_token, session_of};
-use crate::notify::{Envelope, TaskNotice};
-use crate::startup::AppState;
+use crate::platform::notify::{Envelope, SocketPlace, TaskNotice};
+use crate::state::AppState;
 
-/// The user sockets open in this process, counted per user: a user opens at most
-/// `http.sockets_per_user_max` (each costs a task, a subscription and Redis reads).
-#[derive(Debug, Clone)]
-pub struct UserSockets {
-    open: std::sync::Arc<std::sync::Mutex<HashMap<UserId, usize>>>,
-    per_user_max: usize,
-}
-
-/// One open socket's place in [`UserSockets`], given back when dropped.
-#[derive(Debug)]
-pub struct SocketPlace {
-    open: std::sync::Arc<std::sync::Mutex<HashMap<UserId, usize>>>,
-    user_id: UserId,
-}
-
-impl UserSockets {
-    pub fn new(per_user_max: usize) -> UserSockets {
-        UserSockets {
-            open: std::sync::Arc::new(std::sync::Mutex::new(HashMap::new())),
-            per_user_max,
-        }
-    }
-
-    /// A place for one more socket of `user_id`, `None` when the user has the most already.
-    pub fn take(&self, user_id: UserId) -> Option<SocketPlace> {
-        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
-        let count = open.entry(user_id).or_insert(0);
-        if *count >= self.per_user_max {
-            return None;
-        }
-        *count += 1;
-        Some(SocketPlace {
-            open: self.open.clone(),
-            user_id,
-        })
-    }
-
-    /// Sockets of `user_id` open in this process.
-    pub fn count(&self, user_id: UserId) -> usize {
-        let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
-        open.get(&user_id).copied().unwrap_or(0)
-    }
-}
-
-impl Drop for SocketPlace {
-    fn drop(&mut self) {
-        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(count) = open.get_mut(&self.user_id) {
-            *count = count.saturating_sub(1);
-            if *count == 0 {
-                open.remove(&self.user_id);
-            }
-        }
-    }
-}
 /// Queued tasks followed per socket, at most (the per-user queue limit is far below).
 pub const WATCHED_TASKS_MAX: usize = 256;
 
@@ -171,7 +115,7 @@ pub async fn socket(
 
 /// The user's tasks waiting in the queue (from the read model; new ones arrive as notices).
 async fn queued_tasks(state: &AppState, user_id: UserId) -> Result<Vec<TaskId>, ApiError> {
-    let client = crate::postgres::checkout(&state.pg_pool)
+    let client = crate::platform::postgres::checkout(&state.pg_pool)
         .await
         .map_err(anyhow::Error::new)?;
     let rows = client
@@ -225,17 +169,17 @@ fn closing(description: &str) -> Option<actix_ws::CloseReason> {
 #[allow(clippy::too_many_arguments)]
 async fn follow(
     state: std::sync::Arc<AppState>,
-    session: crate::auth::sessions::Session,
+    session: crate::identity::sessions::Session,
     _place: SocketPlace,
     mut user_socket: actix_ws::Session,
     mut messages: actix_ws::MessageStream,
     mut notifications: broadcast::Receiver<Envelope>,
-    mut snapshots: broadcast::Receiver<std::sync::Arc<crate::positions::Snapshot>>,
+    mut snapshots: broadcast::Receiver<std::sync::Arc<crate::tasks::positions::Snapshot>>,
     watched: Vec<TaskId>,
 ) {
     let user_id = session.user_id;
     // The queued tasks followed, with the place last told of each.
-    let mut following = crate::positions::Following::new(state.positions.clone());
+    let mut following = crate::tasks::positions::Following::new(state.positions.clone());
     for task_id in watched {
         following.add(task_id);
     }
@@ -259,7 +203,7 @@ async fn follow(
                     }
                 }
                 Err(error) => {
-                    tracing::debug!(error = %crate::telemetry::error_chain(&error), "queue positions unavailable");
+                    tracing::debug!(error = %crate::platform::telemetry::error_chain(&error), "queue positions unavailable");
                 }
             }
         }
@@ -304,7 +248,7 @@ async fn follow(
                     Ok(false) => break closing("session ended"),
                     Ok(true) => {}
                     Err(error) => {
-                        tracing::debug!(error = %crate::telemetry::error_chain(&error), "session check failed; checked again at the next ping");
+                        tracing::debug!(error = %crate::platform::telemetry::error_chain(&error), "session check failed; checked again at the next ping");
                     }
                 }
                 if user_socket.ping(b"").await.is_err() {
@@ -373,12 +317,12 @@ async fn follow(
 /// Tell the places that changed; tasks that left the queue are forgotten.
 async fn tell_positions(
     user_socket: &mut actix_ws::Session,
-    following: &mut crate::positions::Following,
-    snapshot: &crate::positions::Snapshot,
+    following: &mut crate::tasks::positions::Following,
+    snapshot: &crate::tasks::positions::Snapshot,
 ) -> Result<(), actix_ws::Closed> {
     for (task_id, place) in following.changes(snapshot) {
         let (estimated_start_at, estimated_end_at) = match place.estimate {
-            Some(crate::pool::WaitEstimate::At { start, end }) => (Some(start), Some(end)),
+            Some(crate::tasks::pool::WaitEstimate::At { start, end }) => (Some(start), Some(end)),
             _ => (None, None),
         };
         let notice = TaskNotice::Position {

@@ -10,7 +10,6 @@ pub mod extract;
 mod health;
 pub(crate) mod keys;
 mod live;
-pub use live::{SocketPlace, UserSockets};
 mod openapi;
 pub mod problem;
 pub(crate) mod promotions;
@@ -25,8 +24,8 @@ use uuid::Uuid;
 pub use openapi::ApiDoc;
 pub use problem::ApiError;
 
-use crate::clock::Clock;
-use crate::event_store::EventMetadata;
+use crate::platform::clock::Clock;
+use crate::platform::event_store::EventMetadata;
 
 /// Largest JSON body accepted. Requests here are small forms; a bigger body is a mistake or abuse.
 pub const JSON_BODY_BYTES_MAX: usize = 64 * 1024;

@@ -7,8 +7,8 @@ use serde_json::{Value, json};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
 
-use crate::configuration::TaskSettings;
-use crate::startup::AppState;
+use crate::platform::configuration::TaskSettings;
+use crate::state::AppState;
 
 #[derive(Debug, OpenApi)]
 #[openapi(
@@ -235,7 +235,7 @@ fn constrain_inputs(document: &mut Value) {
     )});
     let phone_code = json!({"pattern": format!(
         "^[0-9]{{{}}}$",
-        crate::auth::phone_codes::CODE_DIGITS
+        crate::identity::phone_codes::CODE_DIGITS
     )});
     let stock = json!({"minimum": 1, "maximum": zhihui_domain::promotion::STOCK_MAX});
     for (schema, property, rule) in [

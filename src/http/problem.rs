@@ -57,7 +57,7 @@ impl From<anyhow::Error> for ApiError {
     fn from(error: anyhow::Error) -> ApiError {
         if error.chain().any(|cause| {
             cause
-                .downcast_ref::<crate::auth::password::HasherBusy>()
+                .downcast_ref::<crate::identity::password::HasherBusy>()
                 .is_some()
         }) {
             return ApiError::TooManyRequests {
@@ -79,13 +79,15 @@ impl From<anyhow::Error> for ApiError {
         });
         let event_store_down = error.chain().any(|cause| {
             matches!(
-                cause.downcast_ref::<crate::event_store::EventStoreError>(),
-                Some(crate::event_store::EventStoreError::Unavailable(_))
+                cause.downcast_ref::<crate::platform::event_store::EventStoreError>(),
+                Some(crate::platform::event_store::EventStoreError::Unavailable(
+                    _
+                ))
             )
         });
         let replicas_behind = error.chain().any(|cause| {
             cause
-                .downcast_ref::<crate::redis_store::ReplicasBehind>()
+                .downcast_ref::<crate::platform::redis_store::ReplicasBehind>()
                 .is_some()
         });
         let dependency = match (redis_down, event_store_down, replicas_behind) {
@@ -94,7 +96,7 @@ impl From<anyhow::Error> for ApiError {
             (false, false, true) => "redis-replicas",
             (false, false, false) => return ApiError::Unexpected(error),
         };
-        tracing::warn!(error = %crate::telemetry::error_chain(&error), dependency, "dependency unavailable");
+        tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), dependency, "dependency unavailable");
         ApiError::Unavailable {
             dependencies: vec![dependency.to_owned()],
         }
@@ -224,7 +226,7 @@ impl ResponseError for ApiError {
 
     fn error_response(&self) -> HttpResponse {
         if let ApiError::Unexpected(error) = self {
-            tracing::error!(error = %crate::telemetry::error_chain(error), "request failed");
+            tracing::error!(error = %crate::platform::telemetry::error_chain(error), "request failed");
         }
         let mut response = HttpResponse::build(self.status_code());
         response.content_type("application/problem+json");
@@ -254,7 +256,7 @@ mod tests {
 
     #[test]
     fn a_busy_hasher_is_a_429_with_retry_after_not_a_500() {
-        let error = anyhow::Error::new(crate::auth::password::HasherBusy).context("logging in");
+        let error = anyhow::Error::new(crate::identity::password::HasherBusy).context("logging in");
         let api = ApiError::from(error);
         assert_eq!(api.status_code(), StatusCode::TOO_MANY_REQUESTS);
         let response = api.error_response();

@@ -10,11 +10,11 @@ use uuid::Uuid;
 use zhihui_domain::points::Amount;
 use zhihui_domain::promotion::{PromotionCommand, PromotionError, PromotionSpec, PromotionState};
 
-use crate::command::CommandError;
 use crate::http::extract::{Admin, Authenticated};
 use crate::http::{ApiError, event_metadata};
-use crate::promotions::ClaimError;
-use crate::startup::AppState;
+use crate::platform::command::CommandError;
+use crate::points::promotions::ClaimError;
+use crate::state::AppState;
 
 const PROMOTION_NAMESPACE: Uuid = Uuid::from_u128(0x51a3_e7c2_08d4_4f61_a2b9_6e0d_13c5_78f4);
 
@@ -157,7 +157,7 @@ pub(crate) async fn create_promotion(
     _admin: &Admin,
     promotion_id: Uuid,
     body: &PromotionRequest,
-    metadata: crate::event_store::EventMetadata,
+    metadata: crate::platform::event_store::EventMetadata,
 ) -> Result<PromotionView, ApiError> {
     let amount = |field: &str, value: Decimal| {
         Amount::parse(value).map_err(|error| ApiError::Validation {
@@ -260,7 +260,7 @@ pub(crate) async fn change_promotion(
     _admin: &Admin,
     promotion_id: Uuid,
     change: PromotionChange,
-    metadata: crate::event_store::EventMetadata,
+    metadata: crate::platform::event_store::EventMetadata,
 ) -> Result<PromotionView, ApiError> {
     let at = state.clock.now();
     let command = match change {
@@ -332,7 +332,7 @@ async fn promotion_ids(
     sql: &str,
     parameter: &(dyn tokio_postgres::types::ToSql + Sync),
 ) -> Result<Vec<Uuid>, ApiError> {
-    let client = crate::postgres::checkout(&state.pg_pool)
+    let client = crate::platform::postgres::checkout(&state.pg_pool)
         .await
         .context("getting a connection")?;
     Ok(client

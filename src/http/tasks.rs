@@ -12,11 +12,11 @@ use zhihui_domain::task::{TaskEvent, TaskId, TaskImage, TaskStatus, task_stream}
 use zhihui_domain::task_record::TaskRecord;
 use zhihui_projections::tasks::{RECORD_COLUMNS, record_of_row};
 
-use crate::event_store::{Direction, EventStore, ReadFrom};
 use crate::http::accounts::idempotency_key;
 use crate::http::extract::{Admin, Authenticated};
 use crate::http::{ApiError, event_metadata};
-use crate::startup::AppState;
+use crate::platform::event_store::{Direction, EventStore, ReadFrom};
+use crate::state::AppState;
 use crate::tasks::catalog::RequestedTask;
 use crate::tasks::service::TaskServiceError;
 
@@ -286,7 +286,7 @@ pub(crate) async fn record_from_events(
 /// A task folded from its stream up to `version` (all of it when `None`): a view as of an event,
 /// the same on every replay.
 pub(crate) async fn record_at(
-    store: &crate::event_store::AnyEventStore,
+    store: &crate::platform::event_store::AnyEventStore,
     task_id: TaskId,
     version: Option<u64>,
 ) -> anyhow::Result<Option<TaskRecord>> {
@@ -295,7 +295,7 @@ pub(crate) async fn record_at(
             &task_stream(task_id),
             Direction::Forwards,
             ReadFrom::Start,
-            crate::command::STREAM_READ_PAGE_MAX,
+            crate::platform::command::STREAM_READ_PAGE_MAX,
         )
         .await
         .context("reading a task stream")?;
@@ -346,21 +346,23 @@ async fn add_estimates(state: &AppState, views: &mut [TaskView]) {
     {
         Ok(estimates) => estimates,
         Err(error) => {
-            tracing::debug!(error = %crate::telemetry::error_chain(&error), "wait estimates unavailable");
+            tracing::debug!(error = %crate::platform::telemetry::error_chain(&error), "wait estimates unavailable");
             return;
         }
     };
     for view in views.iter_mut().filter(|view| view.position.is_some()) {
         match estimates.get(&view.task_id) {
-            Some(crate::pool::WaitEstimate::At { start, end }) => {
+            Some(crate::tasks::pool::WaitEstimate::At { start, end }) => {
                 view.estimated_start_at = Some(*start);
                 view.estimated_end_at = Some(*end);
             }
-            Some(crate::pool::WaitEstimate::Unknown(why)) => view.estimate_note = Some(why.clone()),
+            Some(crate::tasks::pool::WaitEstimate::Unknown(why)) => {
+                view.estimate_note = Some(why.clone())
+            }
             None => {
                 view.estimate_note = Some(format!(
                     "only the first {} queued tasks are estimated",
-                    crate::pool::ESTIMATE_QUEUE_MAX
+                    crate::tasks::pool::ESTIMATE_QUEUE_MAX
                 ));
             }
         }
@@ -448,12 +450,12 @@ pub(crate) async fn submit_and_tell(
     user_id: zhihui_domain::user::UserId,
     requested: &RequestedTask,
     key: Option<&str>,
-    metadata: &crate::event_store::EventMetadata,
+    metadata: &crate::platform::event_store::EventMetadata,
 ) -> Result<crate::tasks::service::SubmitOutcome, TaskServiceError> {
     let (tasks, notifier) = (state.tasks.clone(), state.notifier.clone());
     let (requested, key, metadata) = (requested.clone(), key.map(str::to_owned), metadata.clone());
     // Off an HTTP worker's thread: a submission's CPU would hold up the reads beside it.
-    crate::worker_local::off_worker(Box::pin(async move {
+    crate::platform::worker_local::off_worker(Box::pin(async move {
         let outcome = tasks
             .submit(user_id, &requested, key.as_deref(), &metadata)
             .await?;
@@ -462,7 +464,7 @@ pub(crate) async fn submit_and_tell(
                 .tell(
                     user_id,
                     outcome.task_id,
-                    crate::notify::TaskNotice::Position {
+                    crate::platform::notify::TaskNotice::Position {
                         position,
                         estimated_start_at: None,
                         estimated_end_at: None,
@@ -523,10 +525,10 @@ pub(crate) async fn task_view(
         return task_view_from_stream(state, owner, task_id).await;
     }
     let row = {
-        let client = crate::postgres::checkout(&state.pg_pool)
+        let client = crate::platform::postgres::checkout(&state.pg_pool)
             .await
             .context("getting a connection")?;
-        crate::postgres::query_opt_cached(
+        crate::platform::postgres::query_opt_cached(
             &client,
             &format!("SELECT {RECORD_COLUMNS} FROM tasks WHERE task_id = $1"),
             &[&task_id],
@@ -613,7 +615,7 @@ pub(crate) async fn task_page(
     };
     let page_rows = limit + 1;
     let rows = {
-        let client = crate::postgres::checkout(&state.pg_pool)
+        let client = crate::platform::postgres::checkout(&state.pg_pool)
             .await
             .context("getting a connection")?;
         let owner = owner.as_uuid();
@@ -634,7 +636,7 @@ pub(crate) async fn task_page(
               ORDER BY submitted_at DESC, task_id DESC LIMIT $4"
         );
         // A few shapes (with or without a status filter): each prepared once per connection.
-        crate::postgres::query_cached(&client, &sql, &parameters)
+        crate::platform::postgres::query_cached(&client, &sql, &parameters)
             .await
             .context("reading tasks")?
     };
@@ -706,11 +708,11 @@ pub(crate) async fn prioritise_and_tell(
     user_id: zhihui_domain::user::UserId,
     task_id: TaskId,
     key: Option<&str>,
-    metadata: &crate::event_store::EventMetadata,
+    metadata: &crate::platform::event_store::EventMetadata,
 ) -> Result<crate::tasks::service::PrioritiseOutcome, TaskServiceError> {
     let (tasks, notifier) = (state.tasks.clone(), state.notifier.clone());
     let (key, metadata) = (key.map(str::to_owned), metadata.clone());
-    crate::worker_local::off_worker(Box::pin(async move {
+    crate::platform::worker_local::off_worker(Box::pin(async move {
         let outcome = tasks
             .prioritise(user_id, task_id, key.as_deref(), &metadata)
             .await?;
@@ -726,18 +728,22 @@ pub(crate) async fn cancel_and_tell(
     state: &AppState,
     user_id: zhihui_domain::user::UserId,
     task_id: TaskId,
-    metadata: &crate::event_store::EventMetadata,
+    metadata: &crate::platform::event_store::EventMetadata,
 ) -> Result<crate::tasks::service::CancelOutcome, TaskServiceError> {
     let (tasks, notifier, metadata) = (
         state.tasks.clone(),
         state.notifier.clone(),
         metadata.clone(),
     );
-    crate::worker_local::off_worker(Box::pin(async move {
+    crate::platform::worker_local::off_worker(Box::pin(async move {
         let outcome = tasks.cancel(user_id, task_id, &metadata).await?;
         if outcome.status == TaskStatus::Cancelled {
             notifier
-                .tell(user_id, task_id, crate::notify::TaskNotice::Cancelled)
+                .tell(
+                    user_id,
+                    task_id,
+                    crate::platform::notify::TaskNotice::Cancelled,
+                )
                 .await;
             notifier.queue_moved().await;
         }

@@ -10,8 +10,8 @@ use zhihui_domain::user::{RegisteredUser, Role, UserCommand, UserError, UserId};
 use crate::http::auth::{parse_password, parse_phone, verify_code};
 use crate::http::extract::{Admin, Authenticated, ensure_owner};
 use crate::http::{ApiError, event_metadata};
-use crate::startup::AppState;
-use crate::users::RegisterError;
+use crate::identity::users::RegisterError;
+use crate::state::AppState;
 
 /// A user as the API shows it. Never carries the password hash.
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -258,7 +258,7 @@ pub(crate) async fn change_role_of(
     _admin: &Admin,
     user_id: UserId,
     role: Role,
-    metadata: &crate::event_store::EventMetadata,
+    metadata: &crate::platform::event_store::EventMetadata,
 ) -> Result<zhihui_domain::user::RegisteredUser, ApiError> {
     let before = existing_user(state, user_id).await?;
     let command = UserCommand::ChangeRole {

@@ -10,7 +10,7 @@ use zhihui_domain::webhook::{EndpointCommand, WebhookEventType};
 
 use crate::http::extract::Authenticated;
 use crate::http::{ApiError, event_metadata};
-use crate::startup::AppState;
+use crate::state::AppState;
 use crate::webhooks::{DeliveryView, EndpointView, EndpointWithSecret, WebhookError};
 
 /// Messages one page of the delivery log shows, at most.

@@ -19,9 +19,9 @@ use chrono::NaiveDate;
 use uuid::Uuid;
 use zhihui_domain::checkin::day_of;
 
-use crate::clock::Clock;
-use crate::configuration::StatsSettings;
-use crate::redis_store::RedisStore;
+use crate::platform::clock::Clock;
+use crate::platform::configuration::StatsSettings;
+use crate::platform::redis_store::RedisStore;
 
 /// Days one report may span (PFCOUNT merges one key per day).
 pub const REPORT_DAYS_MAX: i64 = 400;
@@ -126,7 +126,7 @@ impl ActiveUsers {
             return;
         }
         if let Err(error) = self.record(today, &[user_id]).await {
-            tracing::warn!(error = %crate::telemetry::error_chain(&error), "active user not counted");
+            tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "active user not counted");
             let mut remembered = self
                 .remembered
                 .lock()

@@ -24,10 +24,10 @@ use uuid::Uuid;
 use zhihui_domain::api_key::{MalformedKey, ParsedKey, Scope, new_key};
 use zhihui_domain::user::{ApiKey, RegisteredUser, Role, UserCommand, UserId};
 
-use crate::clock::Clock;
-use crate::event_store::EventMetadata;
-use crate::redis_store::RedisStore;
-use crate::users::{RegisterError, Users};
+use crate::identity::users::{RegisterError, Users};
+use crate::platform::clock::Clock;
+use crate::platform::event_store::EventMetadata;
+use crate::platform::redis_store::RedisStore;
 
 /// How long Redis keeps a valid key's answer: bounds how long a revoke whose cache deletion
 /// failed can go unseen.
@@ -249,7 +249,7 @@ impl ApiKeys {
                 created_at: key.created_at,
                 expires_at: key.expires_at,
                 revoked_at: key.revoked_at,
-                last_used_at: used.map(crate::clock::from_unix_ms),
+                last_used_at: used.map(crate::platform::clock::from_unix_ms),
                 requests_per_minute: key.requests_per_minute,
                 state: if key.revoked_at.is_some() {
                     "revoked"
@@ -340,7 +340,7 @@ impl ApiKeys {
             anyhow::Ok(())
         };
         if let Err(error) = written.await {
-            tracing::debug!(error = %crate::telemetry::error_chain(&error), "a key's last use not noted");
+            tracing::debug!(error = %crate::platform::telemetry::error_chain(&error), "a key's last use not noted");
         }
     }
 }

@@ -2,10 +2,13 @@
 //! phone codes, and the brute-force limits on both login paths. Authorization (who may call which
 //! endpoint) is the HTTP extractors' job, in `crate::http::extract`.
 
+pub mod active_users;
 pub mod admission;
+pub mod api_keys;
 pub mod password;
 pub mod phone_codes;
 pub mod sessions;
+pub mod users;
 
 use std::time::Duration;
 
@@ -13,8 +16,8 @@ use anyhow::Context;
 use chrono::{DateTime, Utc};
 use zhihui_domain::user::Username;
 
-use crate::clock::Clock;
-use crate::redis_store::RedisStore;
+use crate::platform::clock::Clock;
+use crate::platform::redis_store::RedisStore;
 
 /// How long Redis keeps a username's failure counter after its last failure.
 pub const LOGIN_FAILURES_KEEP_MS: u64 = 24 * 60 * 60 * 1000;
@@ -48,19 +51,19 @@ impl PasswordGuard {
 
     async fn call(&self, username: &Username, operation: &str) -> anyhow::Result<GuardState> {
         let mut connection = self.redis.connection().await?;
-        let (status, value): (String, i64) = crate::lua::LOGIN_FAILURES
+        let (status, value): (String, i64) = crate::platform::lua::LOGIN_FAILURES
             .key(self.redis.key(&format!("login-failures:{username}")))
             .arg(operation)
             .arg(self.clock.now_ms())
             .arg(self.failures_max)
-            .arg(crate::clock::millis(self.lockout))
+            .arg(crate::platform::clock::millis(self.lockout))
             .arg(LOGIN_FAILURES_KEEP_MS)
             .invoke_async(&mut connection)
             .await
             .context("updating the password failure counter")?;
         Ok(match status.as_str() {
             "locked" => GuardState::Locked {
-                until: crate::clock::from_unix_ms(value),
+                until: crate::platform::clock::from_unix_ms(value),
             },
             _ => GuardState::Open,
         })

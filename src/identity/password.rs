@@ -24,7 +24,7 @@ use secrecy::{ExposeSecret, SecretString};
 use tokio::sync::Semaphore;
 use zhihui_domain::user::PasswordHash;
 
-use crate::configuration::AuthSettings;
+use crate::platform::configuration::AuthSettings;
 
 /// Shortest password: NIST SP 800-63B's minimum for user-chosen secrets.
 pub const PASSWORD_LENGTH_MIN: usize = 8;
@@ -271,7 +271,9 @@ mod tests {
 
     #[tokio::test]
     async fn past_the_queue_bound_a_check_is_refused_at_once_not_queued() {
-        let mut settings = crate::configuration::Settings::load(None).unwrap().auth;
+        let mut settings = crate::platform::configuration::Settings::load(None)
+            .unwrap()
+            .auth;
         settings.argon2_memory_kib = 1024;
         settings.argon2_iterations = 1;
         settings.password_queue_max = 1;
@@ -315,7 +317,9 @@ mod tests {
 
     #[tokio::test]
     async fn a_hash_verifies_its_password_only_and_unknown_users_never_verify() {
-        let settings = crate::configuration::Settings::load(None).unwrap().auth;
+        let settings = crate::platform::configuration::Settings::load(None)
+            .unwrap()
+            .auth;
         let passwords = Passwords::new(&settings).unwrap();
         let hash = passwords
             .hash(&PlainPassword::parse("correct horse").unwrap())
@@ -343,7 +347,9 @@ mod tests {
     #[tokio::test]
     async fn hashes_interoperate_with_the_argon2_crates_own_hasher_and_older_parameters() {
         use argon2::password_hash::{PasswordHasher as _, PasswordVerifier as _};
-        let settings = crate::configuration::Settings::load(None).unwrap().auth;
+        let settings = crate::platform::configuration::Settings::load(None)
+            .unwrap()
+            .auth;
         let passwords = Passwords::new(&settings).unwrap();
         // A hash stored before (the crate allocating its own memory), with other parameters.
         let older = Params::new(4_096, 3, 1, None).unwrap();

@@ -18,9 +18,9 @@ use rand::Rng;
 use sha2::{Digest, Sha256};
 use zhihui_domain::user::PhoneNumber;
 
-use crate::clock::{Clock, from_unix_ms, millis};
-use crate::configuration::AuthSettings;
-use crate::redis_store::RedisStore;
+use crate::platform::clock::{Clock, from_unix_ms, millis};
+use crate::platform::configuration::AuthSettings;
+use crate::platform::redis_store::RedisStore;
 
 /// Digits in a code: one in a million per guess, and 5 guesses before a lock.
 pub const CODE_DIGITS: u32 = 6;
@@ -136,7 +136,7 @@ impl PhoneCodes {
         let now_ms = self.clock.now_ms();
         let day = (now_ms + self.day_utc_offset_ms).div_euclid(DAY_MS);
         let mut connection = self.redis.connection().await?;
-        let (status, at_ms): (String, i64) = crate::lua::PHONE_CODE_SEND
+        let (status, at_ms): (String, i64) = crate::platform::lua::PHONE_CODE_SEND
             .key(self.state_key(phone))
             .arg(now_ms)
             .arg(day)
@@ -176,7 +176,7 @@ impl PhoneCodes {
     /// Check a submitted code; a right one is used up.
     pub async fn verify(&self, phone: &PhoneNumber, code: &str) -> anyhow::Result<VerifyOutcome> {
         let mut connection = self.redis.connection().await?;
-        let (status, value): (String, i64) = crate::lua::PHONE_CODE_VERIFY
+        let (status, value): (String, i64) = crate::platform::lua::PHONE_CODE_VERIFY
             .key(self.state_key(phone))
             .arg(self.clock.now_ms())
             .arg(code_digest(phone, code.trim()))

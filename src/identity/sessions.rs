@@ -5,7 +5,7 @@
 //! makes it unguessable, and Redis stores only the token's SHA-256 digest, so a copy of the Redis
 //! data does not hand out sessions. A forged token naming someone else's id matches no digest. Each use slides the expiry to `now + idle ttl`; an
 //! expired session is deleted on its next use. The expiry is checked against the application clock
-//! (see `crate::clock`); the Redis TTL set alongside is a longer safety net that reclaims memory.
+//! (see `crate::platform::clock`); the Redis TTL set alongside is a longer safety net that reclaims memory.
 //!
 //! Each user's session keys are also kept in a set, so that a password or role change can revoke
 //! all of them at once.
@@ -21,8 +21,8 @@ use sha2::{Digest, Sha256};
 use uuid::Uuid;
 use zhihui_domain::user::{Role, UserId};
 
-use crate::clock::{Clock, from_unix_ms, millis};
-use crate::redis_store::RedisStore;
+use crate::platform::clock::{Clock, from_unix_ms, millis};
+use crate::platform::redis_store::RedisStore;
 
 /// Random bytes in a token: 256 bits, far beyond guessing.
 pub const TOKEN_BYTES: usize = 32;
@@ -43,7 +43,7 @@ pub struct Session {
     /// Digest of the token, the handle to revoke exactly this session.
     pub token_digest: String,
     /// The API key this caller came with (`None`: a person's session).
-    pub key: Option<crate::api_keys::KeyGrant>,
+    pub key: Option<crate::identity::api_keys::KeyGrant>,
 }
 
 #[derive(Debug, Clone)]
@@ -117,7 +117,7 @@ impl Sessions {
         let token = URL_SAFE_NO_PAD.encode(bytes);
         let digest = token_digest(&token);
         let mut connection = self.redis.connection().await?;
-        let expires_at_ms: i64 = crate::lua::SESSION_CREATE
+        let expires_at_ms: i64 = crate::platform::lua::SESSION_CREATE
             .key(self.session_key(user_id, &digest))
             .key(self.user_sessions_key(user_id))
             .key(self.revoked_epoch_key(user_id))
@@ -152,7 +152,7 @@ impl Sessions {
         digest: String,
     ) -> anyhow::Result<Option<Session>> {
         let mut connection = self.redis.connection().await?;
-        let touched: Option<(String, String, i64)> = crate::lua::SESSION_TOUCH
+        let touched: Option<(String, String, i64)> = crate::platform::lua::SESSION_TOUCH
             .key(self.session_key(user_id, &digest))
             .key(self.user_sessions_key(user_id))
             .arg(self.clock.now_ms())
@@ -266,7 +266,7 @@ impl Sessions {
     /// Revoke one session (logout). True when it existed.
     pub async fn revoke(&self, session: &Session) -> anyhow::Result<bool> {
         let mut connection = self.redis.connection().await?;
-        let removed: i64 = crate::lua::SESSION_REVOKE
+        let removed: i64 = crate::platform::lua::SESSION_REVOKE
             .key(self.session_key(session.user_id, &session.token_digest))
             .key(self.user_sessions_key(session.user_id))
             .invoke_async(&mut connection)
@@ -288,7 +288,7 @@ impl Sessions {
             .query_async(&mut connection)
             .await
             .context("taking a credentials epoch")?;
-        let revoked: u64 = crate::lua::SESSIONS_REVOKE_USER
+        let revoked: u64 = crate::platform::lua::SESSIONS_REVOKE_USER
             .key(self.user_sessions_key(user_id))
             .key(self.revoked_epoch_key(user_id))
             .arg(epoch)

@@ -15,10 +15,10 @@ use zhihui_domain::user::{
     PhoneNumber, RegisteredUser, Role, User, UserCommand, UserError, UserId, UserState, Username,
 };
 
-use crate::auth::password::{Passwords, PlainPassword};
-use crate::clock::Clock;
-use crate::command::{CommandError, RetryPolicy, execute, load};
-use crate::event_store::{AnyEventStore, EventMetadata};
+use crate::identity::password::{Passwords, PlainPassword};
+use crate::platform::clock::Clock;
+use crate::platform::command::{CommandError, RetryPolicy, execute, load};
+use crate::platform::event_store::{AnyEventStore, EventMetadata};
 
 /// Times a registration tries to take a name: the first try, and one more after releasing an
 /// orphan claim. A third would mean the orphan was replaced by a live claim: the name is taken.

@@ -21,7 +21,7 @@ use secrecy::ExposeSecret;
 use uuid::Uuid;
 use zhihui_domain::task::TaskId;
 
-use crate::configuration::{LabelSettings, PngCompression};
+use crate::platform::configuration::{LabelSettings, PngCompression};
 use mark::Mark;
 use metadata::{AigcLabel, PNG_KEYWORD, XMP_KEYWORD};
 
@@ -322,7 +322,9 @@ mod tests {
     use super::*;
 
     fn labeller(customise: impl FnOnce(&mut LabelSettings)) -> Labeller {
-        let mut settings = crate::configuration::Settings::defaults().unwrap().labels;
+        let mut settings = crate::platform::configuration::Settings::defaults()
+            .unwrap()
+            .labels;
         customise(&mut settings);
         Labeller::new(&settings).unwrap()
     }
@@ -355,7 +357,7 @@ mod tests {
     #[test]
     fn png_jpeg_and_webp_keep_their_format_and_size_and_carry_a_label_that_checks_out() {
         let labeller = labeller(|_| {});
-        let key = crate::configuration::DEVELOPMENT_LABEL_KEY.as_bytes();
+        let key = crate::platform::configuration::DEVELOPMENT_LABEL_KEY.as_bytes();
         let task = Uuid::now_v7();
         for (format, kind) in [
             (image::ImageFormat::Png, "image/png"),

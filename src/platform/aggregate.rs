@@ -24,8 +24,8 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use zhihui_domain::{Decider, DomainEvent};
 
-use crate::command::{CommandError, RetryPolicy, to_new_events};
-use crate::event_store::{
+use crate::platform::command::{CommandError, RetryPolicy, to_new_events};
+use crate::platform::event_store::{
     AnyEventStore, EventMetadata, EventStore, EventStoreError, ExpectedVersion,
 };
 
@@ -317,7 +317,7 @@ where
                     // Another process appended: catch up from our base and decide again.
                     let (state, version) = self.catch_up(base.0, base.1).await?;
                     self.state = Some((state, version));
-                    crate::command::backoff(self.retry, attempt).await;
+                    crate::platform::command::backoff(self.retry, attempt).await;
                 }
                 Err(error) => {
                     // Unknown whether it landed: forget the cache, the next batch reloads.
@@ -344,7 +344,8 @@ where
         version: Option<u64>,
     ) -> anyhow::Result<(D::State, Option<u64>)> {
         let loaded =
-            crate::command::catch_up::<D>(&self.store, &self.stream, state, version).await?;
+            crate::platform::command::catch_up::<D>(&self.store, &self.stream, state, version)
+                .await?;
         Ok((loaded.state, loaded.version))
     }
 }

@@ -13,7 +13,7 @@ use rand::Rng;
 use uuid::Uuid;
 use zhihui_domain::{Decider, DomainEvent};
 
-use crate::event_store::{
+use crate::platform::event_store::{
     AnyEventStore, Direction, EventMetadata, EventStore, EventStoreError, ExpectedVersion,
     NewEvent, ReadFrom,
 };

@@ -56,8 +56,8 @@ pub async fn still_leading(lock_connection: &LeaderLock) -> anyhow::Result<()> {
 /// far the subscription has scanned (`None` when it only said it caught up).
 #[derive(Debug)]
 pub struct SubscriptionBatch {
-    pub events: Vec<crate::event_store::RecordedEvent>,
-    pub scanned_to: Option<crate::event_store::Position>,
+    pub events: Vec<crate::platform::event_store::RecordedEvent>,
+    pub scanned_to: Option<crate::platform::event_store::Position>,
 }
 
 /// Wait for the subscription's next message, checking every `lock_check` that the lock is still
@@ -66,13 +66,16 @@ pub struct SubscriptionBatch {
 pub async fn next_batch(
     subscription: &mut futures::stream::BoxStream<
         'static,
-        Result<crate::event_store::SubscriptionMessage, crate::event_store::EventStoreError>,
+        Result<
+            crate::platform::event_store::SubscriptionMessage,
+            crate::platform::event_store::EventStoreError,
+        >,
     >,
     lock_connection: &LeaderLock,
     lock_check: std::time::Duration,
     batch_max: usize,
 ) -> anyhow::Result<SubscriptionBatch> {
-    use crate::event_store::SubscriptionMessage;
+    use crate::platform::event_store::SubscriptionMessage;
     use futures::StreamExt;
 
     let first = loop {

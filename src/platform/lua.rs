@@ -8,8 +8,13 @@ use redis::Script;
 
 macro_rules! script {
     ($name:ident, $file:literal) => {
-        pub static $name: LazyLock<Script> =
-            LazyLock::new(|| Script::new(include_str!(concat!("../lua/", $file))));
+        pub static $name: LazyLock<Script> = LazyLock::new(|| {
+            Script::new(include_str!(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/lua/",
+                $file
+            )))
+        });
     };
 }
 

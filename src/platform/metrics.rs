@@ -24,7 +24,7 @@ use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use zhihui_domain::task::TaskStatus;
 
 use crate::http::ApiError;
-use crate::startup::AppState;
+use crate::state::AppState;
 
 /// Histogram buckets of durations, 1 ms to 10 min: HTTP answers and appends sit at the bottom,
 /// tasks (seconds to minutes on a GPU) at the top.
@@ -246,10 +246,10 @@ pub fn handle() -> &'static PrometheusHandle {
 
 /// The process's counters and histograms whose label values are all known, at zero.
 pub fn start_at_zero(store_kind: &'static str) {
-    for kind in crate::settlements::RepairKind::ALL {
+    for kind in crate::points::settlements::RepairKind::ALL {
         metrics::counter!("zhihui_settlement_repairs_total", "kind" => kind.as_str()).increment(0);
     }
-    for kind in crate::notify::TaskNotice::KINDS {
+    for kind in crate::platform::notify::TaskNotice::KINDS {
         metrics::counter!("zhihui_notifications_sent_total", "kind" => *kind).increment(0);
     }
     // Recorded by whichever process leads the dispatcher: every process has the series.
@@ -327,12 +327,12 @@ pub struct PlatformReadings {
     pub tasks_by_status: Vec<(String, i64)>,
     pub points_frozen: rust_decimal::Decimal,
     pub queue_depth: u64,
-    pub projection_lags: Vec<crate::projector::Lag>,
+    pub projection_lags: Vec<crate::platform::projector::Lag>,
 }
 
 /// Read [`PlatformReadings`].
 pub async fn platform_readings(state: &AppState) -> Result<PlatformReadings, ApiError> {
-    let client = crate::postgres::checkout(&state.pg_pool)
+    let client = crate::platform::postgres::checkout(&state.pg_pool)
         .await
         .context("getting a connection")?;
     let mut by_status: Vec<(String, i64)> = client
@@ -364,7 +364,7 @@ pub async fn platform_readings(state: &AppState) -> Result<PlatformReadings, Api
         tasks_by_status: by_status,
         points_frozen: frozen,
         queue_depth: depth,
-        projection_lags: crate::projector::lags(state).await?,
+        projection_lags: crate::platform::projector::lags(state).await?,
     })
 }
 

@@ -17,7 +17,7 @@ use uuid::Uuid;
 use zhihui_domain::task::TaskId;
 use zhihui_domain::user::UserId;
 
-use crate::redis_store::RedisStore;
+use crate::platform::redis_store::RedisStore;
 
 /// Notifications buffered per process for slow sockets; a socket that falls further behind skips
 /// ahead (and re-reads what it cares about).
@@ -150,14 +150,14 @@ impl Notifier {
                 metrics::counter!("zhihui_notifications_sent_total", "kind" => kind).increment(1)
             }
             Err(error) => {
-                tracing::warn!(%task_id, error = %crate::telemetry::error_chain(&error), "notification not sent");
+                tracing::warn!(%task_id, error = %crate::platform::telemetry::error_chain(&error), "notification not sent");
             }
         }
     }
 
     pub async fn queue_moved(&self) {
         if let Err(error) = self.publish(&Envelope::QueueMoved).await {
-            tracing::warn!(error = %crate::telemetry::error_chain(&error), "queue notification not sent");
+            tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "queue notification not sent");
         }
     }
 }
@@ -213,7 +213,7 @@ impl NotificationHub {
                 None => match self.open().await {
                     Ok(connection) => connection,
                     Err(error) => {
-                        tracing::warn!(error = %crate::telemetry::error_chain(&error), "notification hub cannot subscribe; retrying");
+                        tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "notification hub cannot subscribe; retrying");
                         tokio::time::sleep(HUB_RETRY).await;
                         continue;
                     }
@@ -232,6 +232,66 @@ impl NotificationHub {
             }
             tracing::warn!("notification subscription ended; subscribing again");
             tokio::time::sleep(HUB_RETRY).await;
+        }
+    }
+}
+
+/// The user sockets open in this process, counted per user: a user opens at most
+/// `http.sockets_per_user_max` (each costs a task, a subscription and Redis reads).
+#[derive(Debug, Clone)]
+pub struct UserSockets {
+    open: std::sync::Arc<
+        std::sync::Mutex<std::collections::HashMap<zhihui_domain::user::UserId, usize>>,
+    >,
+    per_user_max: usize,
+}
+
+/// One open socket's place in [`UserSockets`], given back when dropped.
+#[derive(Debug)]
+pub struct SocketPlace {
+    open: std::sync::Arc<
+        std::sync::Mutex<std::collections::HashMap<zhihui_domain::user::UserId, usize>>,
+    >,
+    user_id: zhihui_domain::user::UserId,
+}
+
+impl UserSockets {
+    pub fn new(per_user_max: usize) -> UserSockets {
+        UserSockets {
+            open: std::sync::Arc::new(std::sync::Mutex::new(std::collections::HashMap::new())),
+            per_user_max,
+        }
+    }
+
+    /// A place for one more socket of `user_id`, `None` when the user has the most already.
+    pub fn take(&self, user_id: zhihui_domain::user::UserId) -> Option<SocketPlace> {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let count = open.entry(user_id).or_insert(0);
+        if *count >= self.per_user_max {
+            return None;
+        }
+        *count += 1;
+        Some(SocketPlace {
+            open: self.open.clone(),
+            user_id,
+        })
+    }
+
+    /// Sockets of `user_id` open in this process.
+    pub fn count(&self, user_id: zhihui_domain::user::UserId) -> usize {
+        let open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        open.get(&user_id).copied().unwrap_or(0)
+    }
+}
+
+impl Drop for SocketPlace {
+    fn drop(&mut self) {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(count) = open.get_mut(&self.user_id) {
+            *count = count.saturating_sub(1);
+            if *count == 0 {
+                open.remove(&self.user_id);
+            }
         }
     }
 }

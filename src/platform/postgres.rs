@@ -14,7 +14,7 @@ use deadpool_postgres::{
 };
 use tokio_postgres::NoTls;
 
-use crate::configuration::DatabaseSettings;
+use crate::platform::configuration::DatabaseSettings;
 
 mod embedded {
     refinery::embed_migrations!("migrations");
@@ -65,7 +65,7 @@ fn same_pool(a: &Pool, b: &Pool) -> bool {
 
 /// A connection of `pool`, for the calling thread: on an HTTP worker's thread from the worker's
 /// own twin of `pool` (`database.worker_pool_max_size` connections, opened there, so their I/O
-/// runs on the thread the request runs on; see [`crate::worker_local`]), elsewhere from `pool`.
+/// runs on the thread the request runs on; see [`crate::platform::worker_local`]), elsewhere from `pool`.
 /// The request path checks out its connections here.
 pub async fn checkout(pool: &Pool) -> Result<Object, PoolError> {
     match twin_of(pool) {
@@ -77,7 +77,7 @@ pub async fn checkout(pool: &Pool) -> Result<Object, PoolError> {
 /// This worker's twin of `pool`, made on first use; `None` off a worker thread, or for a pool
 /// not made by [`build_pool`].
 fn twin_of(pool: &Pool) -> Option<Pool> {
-    if !crate::worker_local::on_http_worker() {
+    if !crate::platform::worker_local::on_http_worker() {
         return None;
     }
     TWINS.with(|twins| {

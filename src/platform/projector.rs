@@ -23,8 +23,10 @@ use deadpool_postgres::Pool;
 use serde::Serialize;
 use zhihui_projections::{ProjectedEvent, ProjectionName, Reads, Tables};
 
-use crate::configuration::ProjectionSettings;
-use crate::event_store::{AnyEventStore, EventFilter, EventStore, Position, RecordedEvent};
+use crate::platform::configuration::ProjectionSettings;
+use crate::platform::event_store::{
+    AnyEventStore, EventFilter, EventStore, Position, RecordedEvent,
+};
 
 /// Why a runner must not go on with a batch: retrying cannot help, so these are never retried.
 #[derive(Debug, thiserror::Error)]
@@ -184,7 +186,7 @@ impl Projector {
     }
 
     fn filter(&self) -> EventFilter {
-        crate::event_store::filter_of(self.projection)
+        crate::platform::event_store::filter_of(self.projection)
     }
 
     /// Lock the checkpoint row (creating it first) inside `transaction`.
@@ -384,7 +386,7 @@ impl Projector {
                     tracing::warn!(
                         projection = %self.checkpoint_name,
                         attempt,
-                        error = %crate::telemetry::error_chain(&error),
+                        error = %crate::platform::telemetry::error_chain(&error),
                         "a projection batch failed; retrying"
                     );
                     last_error = Some(error);
@@ -393,7 +395,7 @@ impl Projector {
             }
         }
         if let Some(error) = &last_error {
-            tracing::warn!(projection = %self.checkpoint_name, error = %crate::telemetry::error_chain(error), "looking for the poison event");
+            tracing::warn!(projection = %self.checkpoint_name, error = %crate::platform::telemetry::error_chain(error), "looking for the poison event");
         }
         // One by one, to name the event that fails (those before it are applied, in order).
         let mut position = checkpoint;
@@ -412,7 +414,7 @@ impl Projector {
                     event.stream_version,
                     event.stream,
                     event.position,
-                    crate::telemetry::error_chain(&error)
+                    crate::platform::telemetry::error_chain(&error)
                 );
                 tracing::error!(projection = %self.checkpoint_name, %reason, "projection stopped on a poison event");
                 self.stop(&reason).await?;
@@ -446,8 +448,11 @@ impl Projector {
     pub async fn run(self, statuses: Statuses) -> anyhow::Result<()> {
         let takeover_check = Duration::from_millis(self.settings.takeover_check_ms);
         loop {
-            let lock_connection = match crate::leader::try_lead(&self.pool, &self.leader_name())
-                .await
+            let lock_connection = match crate::platform::leader::try_lead(
+                &self.pool,
+                &self.leader_name(),
+            )
+            .await
             {
                 Ok(Some(connection)) => connection,
                 Ok(None) => {
@@ -456,7 +461,7 @@ impl Projector {
                     continue;
                 }
                 Err(error) => {
-                    tracing::warn!(projection = %self.checkpoint_name, error = %crate::telemetry::error_chain(&error), "cannot reach PostgreSQL to lead");
+                    tracing::warn!(projection = %self.checkpoint_name, error = %crate::platform::telemetry::error_chain(&error), "cannot reach PostgreSQL to lead");
                     tokio::time::sleep(takeover_check).await;
                     continue;
                 }
@@ -465,22 +470,22 @@ impl Projector {
             match self.lead(&lock_connection, &statuses).await {
                 Ok(()) => {}
                 Err(error) if matches!(Halt::of(&error), Some(Halt::Stopped { .. })) => {
-                    crate::leader::resign(lock_connection);
+                    crate::platform::leader::resign(lock_connection);
                     self.publish(&statuses, true, None).await;
                     return Err(error);
                 }
                 Err(error) => {
-                    tracing::warn!(projection = %self.checkpoint_name, error = %crate::telemetry::error_chain(&error), "projection runner restarts");
+                    tracing::warn!(projection = %self.checkpoint_name, error = %crate::platform::telemetry::error_chain(&error), "projection runner restarts");
                     tokio::time::sleep(takeover_check).await;
                 }
             }
-            crate::leader::resign(lock_connection);
+            crate::platform::leader::resign(lock_connection);
         }
     }
 
     async fn lead(
         &self,
-        lock_connection: &crate::leader::LeaderLock,
+        lock_connection: &crate::platform::leader::LeaderLock,
         statuses: &Statuses,
     ) -> anyhow::Result<()> {
         let mut checkpoint = self.checkpoint().await?;
@@ -489,7 +494,7 @@ impl Projector {
         let mut last_refresh = tokio::time::Instant::now();
         self.publish(statuses, true, None).await;
         loop {
-            let batch = crate::leader::next_batch(
+            let batch = crate::platform::leader::next_batch(
                 &mut subscription,
                 lock_connection,
                 takeover_check,
@@ -659,14 +664,14 @@ pub struct Lag {
 
 /// Every projection's lag. PostgreSQL event store only (the events are in the same database):
 /// with KurrentDB the list is empty, and the projections' own `last_lag_ms` still tells.
-pub async fn lags(state: &crate::startup::AppState) -> anyhow::Result<Vec<Lag>> {
+pub async fn lags(state: &crate::state::AppState) -> anyhow::Result<Vec<Lag>> {
     if !matches!(
         state.event_store,
-        crate::event_store::AnyEventStore::Postgres(_)
+        crate::platform::event_store::AnyEventStore::Postgres(_)
     ) {
         return Ok(Vec::new());
     }
-    let client = crate::postgres::checkout(&state.pg_pool)
+    let client = crate::platform::postgres::checkout(&state.pg_pool)
         .await
         .context("getting a connection")?;
     // Every checkpoint in one read, on the connection the counts use.

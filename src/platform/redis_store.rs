@@ -24,7 +24,7 @@ use redis::{Cmd, Pipeline, RedisFuture, Value};
 use secrecy::ExposeSecret;
 use tokio::sync::OnceCell;
 
-use crate::configuration::RedisSettings;
+use crate::platform::configuration::RedisSettings;
 
 /// A connection to one Redis or to a cluster; every command of zhihui goes through one.
 #[derive(Clone)]
@@ -205,9 +205,9 @@ impl RedisStore {
 
     /// The shared connection, opened on first use; on an HTTP worker's thread, the worker's own
     /// twin of it, opened there so its I/O runs on the thread the request runs on (see
-    /// [`crate::worker_local`]). A failed open is not cached: the next call tries again.
+    /// [`crate::platform::worker_local`]). A failed open is not cached: the next call tries again.
     pub async fn connection(&self) -> anyhow::Result<RedisConnection> {
-        if crate::worker_local::on_http_worker() {
+        if crate::platform::worker_local::on_http_worker() {
             return self.worker_connection().await;
         }
         let connection = self.connection.get_or_try_init(|| self.open()).await?;

@@ -4,7 +4,7 @@
 
 use tracing_subscriber::{EnvFilter, fmt, prelude::*};
 
-use crate::configuration::{LogFormat, LogSettings};
+use crate::platform::configuration::{LogFormat, LogSettings};
 
 /// Install the global subscriber. Call once, from `main`; tests install none (or their own).
 pub fn init(settings: &LogSettings) -> anyhow::Result<()> {

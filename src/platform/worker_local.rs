@@ -11,7 +11,7 @@
 //! So, with `http.worker_local_connections` on, a worker thread marks itself
 //! ([`mark_http_worker`], from the app factory, which actix runs on each worker's thread) and the
 //! request path then takes its connections from a twin of the shared pool or connection opened
-//! on that thread ([`crate::postgres::checkout`], [`crate::redis_store::RedisStore::connection`]):
+//! on that thread ([`crate::platform::postgres::checkout`], [`crate::platform::redis_store::RedisStore::connection`]):
 //! the driver task runs where the request runs.
 //! Background work (projections, dispatch, process managers) runs on the main runtime and keeps
 //! the shared ones. A twin is the same kind of connection to the same server with the same

@@ -25,12 +25,12 @@ use zhihui_domain::revenue::{
 use zhihui_domain::{Decider, DomainEvent};
 use zhihui_projections::accounts::account_user_id;
 
-use crate::configuration::ProjectionSettings;
-use crate::event_store::{
+use crate::platform::configuration::ProjectionSettings;
+use crate::platform::event_store::{
     AnyEventStore, Direction, EventFilter, EventMetadata, EventStore, EventStoreError,
     ExpectedVersion, NewEvent, Position, ReadFrom, RecordedEvent,
 };
-use crate::projector::BatchOutcome;
+use crate::platform::projector::BatchOutcome;
 
 /// Name of the hint row and of the leader lock.
 pub const REVENUE_RECORDER: &str = "process:revenue";
@@ -152,7 +152,8 @@ impl RevenueRecorder {
 
     async fn reload(&self, cursor: &mut Cursor) -> anyhow::Result<()> {
         let (state, version) = Self::load_state(&self.store).await?;
-        let hint = crate::projector::stored_position(&self.pool, REVENUE_RECORDER).await?;
+        let hint =
+            crate::platform::projector::stored_position(&self.pool, REVENUE_RECORDER).await?;
         let recorded_through = state.recorded_through.map(to_position);
         cursor.scanned_to = recorded_through.max(hint);
         cursor.state = state;
@@ -206,7 +207,8 @@ impl RevenueRecorder {
             appended = self.append_movements(cursor, &movements).await?;
         }
         cursor.scanned_to = Some(scanned_to);
-        crate::projector::store_position(&self.pool, REVENUE_RECORDER, scanned_to).await?;
+        crate::platform::projector::store_position(&self.pool, REVENUE_RECORDER, scanned_to)
+            .await?;
         Ok(appended)
     }
 
@@ -280,7 +282,11 @@ impl RevenueRecorder {
     pub async fn run(self) -> anyhow::Result<()> {
         let takeover_check = Duration::from_millis(self.settings.takeover_check_ms);
         loop {
-            let lock_connection = match crate::leader::try_lead(&self.pool, REVENUE_RECORDER).await
+            let lock_connection = match crate::platform::leader::try_lead(
+                &self.pool,
+                REVENUE_RECORDER,
+            )
+            .await
             {
                 Ok(Some(connection)) => connection,
                 Ok(None) => {
@@ -288,7 +294,7 @@ impl RevenueRecorder {
                     continue;
                 }
                 Err(error) => {
-                    tracing::warn!(error = %crate::telemetry::error_chain(&error), "cannot reach PostgreSQL to lead the revenue recorder");
+                    tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "cannot reach PostgreSQL to lead the revenue recorder");
                     tokio::time::sleep(takeover_check).await;
                     continue;
                 }
@@ -297,27 +303,30 @@ impl RevenueRecorder {
             match self.lead(&lock_connection).await {
                 Ok(()) => {}
                 Err(error) if error.chain().any(|cause| cause.is::<RevenueStopped>()) => {
-                    tracing::error!(error = %crate::telemetry::error_chain(&error), "revenue recorder stopped");
-                    crate::leader::resign(lock_connection);
+                    tracing::error!(error = %crate::platform::telemetry::error_chain(&error), "revenue recorder stopped");
+                    crate::platform::leader::resign(lock_connection);
                     return Err(error);
                 }
                 Err(error) => {
-                    tracing::warn!(error = %crate::telemetry::error_chain(&error), "revenue recorder restarts");
+                    tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "revenue recorder restarts");
                     self.cursor.lock().await.loaded = false;
                     tokio::time::sleep(takeover_check).await;
                 }
             }
-            crate::leader::resign(lock_connection);
+            crate::platform::leader::resign(lock_connection);
         }
     }
 
-    async fn lead(&self, lock_connection: &crate::leader::LeaderLock) -> anyhow::Result<()> {
+    async fn lead(
+        &self,
+        lock_connection: &crate::platform::leader::LeaderLock,
+    ) -> anyhow::Result<()> {
         let mut cursor = self.cursor.lock().await;
         self.reload(&mut cursor).await?;
         let mut subscription = self.store.subscribe_all(cursor.scanned_to, Self::filter());
         let takeover_check = Duration::from_millis(self.settings.takeover_check_ms);
         loop {
-            let batch = crate::leader::next_batch(
+            let batch = crate::platform::leader::next_batch(
                 &mut subscription,
                 lock_connection,
                 takeover_check,

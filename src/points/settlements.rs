@@ -32,10 +32,10 @@ use serde::Serialize;
 use uuid::Uuid;
 use zhihui_domain::user::UserId;
 
-use crate::checkins::CheckInService;
-use crate::clock::Clock;
-use crate::codes::CodeService;
-use crate::promotions::PromotionService;
+use crate::platform::clock::Clock;
+use crate::points::checkins::CheckInService;
+use crate::points::codes::CodeService;
+use crate::points::promotions::PromotionService;
 use crate::tasks::service::TaskService;
 
 /// Owed settlements handled per pass: bounds one pass's work (the rest come next pass).
@@ -205,7 +205,7 @@ impl SettlementReconciler {
             let moves = match reconciled {
                 Ok((_state, moves)) => moves,
                 Err(error) => {
-                    tracing::warn!(%task_id, ?operation_id, error = %crate::telemetry::error_chain(&error), "settlement reconciler could not repair");
+                    tracing::warn!(%task_id, ?operation_id, error = %crate::platform::telemetry::error_chain(&error), "settlement reconciler could not repair");
                     report.failures += 1;
                     continue;
                 }
@@ -247,7 +247,7 @@ impl SettlementReconciler {
     /// Credits that a request died before making: redeemed codes, then check-in bonuses. Each
     /// source's failure is counted and left for the next pass; the other still runs.
     async fn repair_credits(&self, report: &mut PassReport) -> anyhow::Result<()> {
-        let metadata = crate::event_store::EventMetadata {
+        let metadata = crate::platform::event_store::EventMetadata {
             correlation_id: Uuid::now_v7(),
             causation_id: None,
             actor: RECONCILER_ACTOR.into(),
@@ -321,7 +321,7 @@ impl SettlementReconciler {
             let repairs = match made {
                 Ok(repairs) => repairs,
                 Err(error) => {
-                    tracing::warn!(error = %crate::telemetry::error_chain(&error), "settlement reconciler could not repair credits");
+                    tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "settlement reconciler could not repair credits");
                     report.failures += 1;
                     continue;
                 }
@@ -367,25 +367,25 @@ impl SettlementReconciler {
     /// Run forever: lead when no other process does, one pass every `settlement_interval_ms`.
     pub async fn run(self) {
         loop {
-            match crate::leader::try_lead(&self.pool, LEADER_NAME).await {
+            match crate::platform::leader::try_lead(&self.pool, LEADER_NAME).await {
                 Ok(Some(lock)) => {
                     if let Err(error) = self.lead(&lock).await {
-                        tracing::warn!(error = %crate::telemetry::error_chain(&error), "settlement reconciler stopped leading");
+                        tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "settlement reconciler stopped leading");
                     }
-                    crate::leader::resign(lock);
+                    crate::platform::leader::resign(lock);
                 }
                 Ok(None) => {}
                 Err(error) => {
-                    tracing::warn!(error = %crate::telemetry::error_chain(&error), "settlement reconciler could not try the lock");
+                    tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "settlement reconciler could not try the lock");
                 }
             }
             tokio::time::sleep(self.interval).await;
         }
     }
 
-    async fn lead(&self, lock: &crate::leader::LeaderLock) -> anyhow::Result<()> {
+    async fn lead(&self, lock: &crate::platform::leader::LeaderLock) -> anyhow::Result<()> {
         loop {
-            crate::leader::still_leading(lock).await?;
+            crate::platform::leader::still_leading(lock).await?;
             match self.reconcile_once().await {
                 Ok(report) if report.failures > 0 => {
                     tracing::warn!(
@@ -395,7 +395,7 @@ impl SettlementReconciler {
                 }
                 Ok(_) => {}
                 Err(error) => {
-                    tracing::warn!(error = %crate::telemetry::error_chain(&error), "settlement reconciler pass failed");
+                    tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "settlement reconciler pass failed");
                 }
             }
             tokio::time::sleep(self.interval).await;

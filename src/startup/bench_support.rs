@@ -7,14 +7,14 @@ use anyhow::Context;
 use secrecy::SecretString;
 use uuid::Uuid;
 
-use crate::configuration::Settings;
+use crate::platform::configuration::Settings;
 
 /// One figure: name, value, unit.
 pub type Figure = (String, f64, &'static str);
 
 /// Metadata of the events a benchmark makes.
-pub fn metadata() -> crate::event_store::EventMetadata {
-    crate::event_store::EventMetadata {
+pub fn metadata() -> crate::platform::event_store::EventMetadata {
+    crate::platform::event_store::EventMetadata {
         correlation_id: Uuid::now_v7(),
         causation_id: None,
         actor: "bench".into(),
@@ -173,7 +173,7 @@ where
 
 /// Grant each account stream a million points (the benchmarks' accounts never run dry).
 pub async fn fund(
-    accounts: &crate::aggregate::AggregateService<zhihui_domain::account::Account>,
+    accounts: &crate::platform::aggregate::AggregateService<zhihui_domain::account::Account>,
     streams: &[String],
 ) -> anyhow::Result<()> {
     for stream in streams {
@@ -214,12 +214,12 @@ pub fn freeze_release_pair() -> [zhihui_domain::account::AccountCommand; 2] {
 /// Every projection and the revenue recorder caught up, then `audit verify` over everything;
 /// prints the first differences and the summary line.
 pub async fn project_and_audit(
-    state: &crate::startup::AppState,
+    state: &crate::state::AppState,
     settings: &Settings,
-) -> anyhow::Result<crate::audit::Verified> {
+) -> anyhow::Result<crate::cli::audit::Verified> {
     use secrecy::ExposeSecret;
     for projection in zhihui_projections::ProjectionName::ALL {
-        crate::projector::Projector::live(
+        crate::platform::projector::Projector::live(
             projection,
             state.pg_pool.clone(),
             state.event_store.clone(),
@@ -228,7 +228,7 @@ pub async fn project_and_audit(
         .catch_up()
         .await?;
     }
-    crate::revenue::RevenueRecorder::new(
+    crate::points::revenue::RevenueRecorder::new(
         state.event_store.clone(),
         state.pg_pool.clone(),
         settings.projections.clone(),
@@ -239,10 +239,10 @@ pub async fn project_and_audit(
         tokio_postgres::connect(settings.database.url.expose_secret(), tokio_postgres::NoTls)
             .await?;
     tokio::spawn(connection);
-    let verified = crate::audit::verify(
+    let verified = crate::cli::audit::verify(
         &state.event_store,
         &client,
-        crate::audit::settlement_bound(&settings.tasks),
+        crate::cli::audit::settlement_bound(&settings.tasks),
     )
     .await?;
     for difference in verified.differences.iter().take(10) {
@@ -258,7 +258,7 @@ pub async fn project_and_audit(
 }
 
 /// Delete every Redis key under the run's prefix.
-pub async fn clean_redis(state: &crate::startup::AppState) -> anyhow::Result<()> {
+pub async fn clean_redis(state: &crate::state::AppState) -> anyhow::Result<()> {
     let mut connection = state.redis.connection().await?;
     let keys: Vec<String> = redis::cmd("KEYS")
         .arg(format!("{}*", state.redis.key_prefix()))

@@ -1,282 +1,20 @@
 //! The composition root: [`Application::build`] wires settings into pools, stores and the HTTP
 //! server; `main` only parses the command line and calls it. Port 0 binds a free port (tests).
 
+pub mod bench_support;
+
+use crate::state::{AppState, Overrides};
+
 use std::net::TcpListener;
-use std::sync::Arc;
 use std::time::Duration;
 
 use actix_web::{App, HttpServer, dev::Server, web};
 use anyhow::Context;
-use deadpool_postgres::Pool;
 
-use zhihui_domain::account::Account;
 use zhihui_projections::ProjectionName;
 
-use crate::aggregate::AggregateService;
-use crate::auth::PasswordGuard;
-use crate::auth::password::Passwords;
-use crate::auth::phone_codes::{CodeSender, LogCodeSender, PhoneCodes};
-use crate::auth::sessions::Sessions;
-use crate::clock::Clock;
-use crate::codes::CodeService;
-use crate::command::RetryPolicy;
-use crate::configuration::{AuthSettings, CodeSenderKind, Settings};
-use crate::dispatch::Dispatcher;
-use crate::dispatch::images::ImageStore;
-use crate::dispatch::lease::Leases;
-use crate::event_store::AnyEventStore;
-use crate::notify::{NotificationHub, Notifier};
-use crate::pool::PoolService;
-use crate::projector::{Projector, Statuses};
-use crate::redis_store::RedisStore;
-use crate::tasks::queue::TaskQueue;
-use crate::tasks::service::TaskService;
-use crate::tasks::translate::Translator;
-use crate::users::Users;
-
-/// What every request handler (and every CLI command) may use: the services, built once.
-#[derive(Debug, Clone)]
-pub struct AppState {
-    pub pg_pool: Pool,
-    pub redis: RedisStore,
-    pub event_store: AnyEventStore,
-    pub clock: Clock,
-    pub users: Users,
-    /// API keys: made, listed, revoked, checked on every request that carries one.
-    pub api_keys: crate::api_keys::ApiKeys,
-    /// Webhook endpoints and their deliveries.
-    pub webhooks: crate::webhooks::WebhookService,
-    pub passwords: Passwords,
-    pub password_guard: PasswordGuard,
-    pub sessions: Sessions,
-    pub phone_codes: PhoneCodes,
-    pub auth_settings: AuthSettings,
-    /// Points accounts: batched, serialised command handling per account stream.
-    pub accounts: AggregateService<Account>,
-    /// Statuses of this process's projection runners.
-    pub projection_statuses: Statuses,
-    /// Tasks: submit, prioritise, cancel, claim, the queue and the intent sweeper.
-    pub tasks: TaskService,
-    /// Publishes notifications to users (any process's sockets).
-    pub notifier: Notifier,
-    /// This process's end of the notification channel (user WebSockets listen here).
-    pub hub: NotificationHub,
-    /// Downloaded images.
-    pub images: ImageStore,
-    /// The dispatcher of this process (runs only while it holds the leader lease).
-    pub dispatcher: Dispatcher,
-    /// Redeem codes: batches and redemption.
-    pub codes: CodeService,
-    /// Daily check-in: bonus, month view, streak.
-    pub checkins: crate::checkins::CheckInService,
-    /// Daily active users (counted by the authentication extractors).
-    pub active_users: crate::stats::ActiveUsers,
-    /// Flash-sale promotions: the gate and the claims consumer.
-    pub promotions: crate::promotions::PromotionService,
-    pub http_settings: crate::configuration::HttpSettings,
-    /// The user sockets open in this process, per user (capped).
-    pub user_sockets: crate::http::UserSockets,
-    /// Queue positions for this process's sockets: one Redis read per queue change.
-    pub positions: crate::positions::PositionBoard,
-    /// Admission limits per client and overall (logins, code requests).
-    pub limits: crate::auth::admission::Limits,
-}
-
-/// What tests (and only tests) replace: the clock and the code sender.
-#[derive(Debug, Clone, Default)]
-pub struct Overrides {
-    pub clock: Clock,
-    pub code_sender: Option<Arc<dyn CodeSender>>,
-}
-
-impl AppState {
-    /// End one session (logout) and close its sockets, in every process.
-    pub async fn end_session(
-        &self,
-        session: &crate::auth::sessions::Session,
-    ) -> anyhow::Result<()> {
-        self.sessions.revoke(session).await?;
-        self.announce_sessions_ended(session.user_id, Some(session.token_digest.clone()))
-            .await;
-        Ok(())
-    }
-
-    /// End every session of a user (a password or role change) and close their sockets.
-    pub async fn end_sessions(&self, user_id: zhihui_domain::user::UserId) -> anyhow::Result<u64> {
-        let ended = self.sessions.revoke_all(user_id).await?;
-        self.announce_sessions_ended(user_id, None).await;
-        Ok(ended)
-    }
-
-    /// A hint: a socket that misses it finds its session gone at its next ping.
-    async fn announce_sessions_ended(
-        &self,
-        user_id: zhihui_domain::user::UserId,
-        token_digest: Option<String>,
-    ) {
-        let envelope = crate::notify::Envelope::SessionsEnded {
-            user_id: user_id.as_uuid(),
-            token_digest,
-        };
-        if let Err(error) = self.notifier.publish(&envelope).await {
-            tracing::warn!(error = %crate::telemetry::error_chain(&error), "session end not announced");
-        }
-    }
-
-    /// Build every service from the settings. Connects lazily: nothing here needs the network.
-    pub fn build(
-        settings: &Settings,
-        pg_pool: Pool,
-        overrides: Overrides,
-    ) -> anyhow::Result<AppState> {
-        let redis = RedisStore::new(&settings.redis)?;
-        let event_store = crate::event_store::from_settings(settings, pg_pool.clone())?;
-        let clock = overrides.clock;
-        let auth = &settings.auth;
-        let code_sender = overrides
-            .code_sender
-            .unwrap_or_else(|| match auth.code_sender {
-                // Disabled: `POST /auth/code` refuses before any code is made; the log sender
-                // stands in and is never reached.
-                CodeSenderKind::Log | CodeSenderKind::Disabled => Arc::new(LogCodeSender),
-            });
-        let accounts = AggregateService::new(
-            event_store.clone(),
-            RetryPolicy::default(),
-            Duration::from_millis(settings.accounts.actor_idle_ms),
-        );
-        let leases = Leases::new(redis.clone(), pg_pool.clone());
-        let pool = PoolService::new(
-            event_store.clone(),
-            redis.clone(),
-            pg_pool.clone(),
-            leases.clone(),
-            clock.clone(),
-        );
-        let tasks = TaskService::new(
-            event_store.clone(),
-            accounts.clone(),
-            pg_pool.clone(),
-            TaskQueue::new(redis.clone(), clock.clone()),
-            settings.tasks.clone(),
-            Translator::new(settings.translation.clone(), redis.clone())?,
-            clock.clone(),
-        )?
-        .with_backend_pool(pool.clone());
-        let notifier = Notifier::new(redis.clone());
-        let images = ImageStore::new(&settings.dispatch.images_directory);
-        let dispatcher = Dispatcher::new(
-            tasks.clone(),
-            event_store.clone(),
-            pg_pool.clone(),
-            leases,
-            notifier.clone(),
-            images.clone(),
-            crate::labels::Labeller::new(&settings.labels)?,
-            clock.clone(),
-            settings.dispatch.clone(),
-            pool.clone(),
-        )?;
-        let codes = CodeService::new(
-            event_store.clone(),
-            accounts.clone(),
-            pg_pool.clone(),
-            redis.clone(),
-            clock.clone(),
-            settings.codes.clone(),
-        )?;
-        let checkins = crate::checkins::CheckInService::new(
-            event_store.clone(),
-            accounts.clone(),
-            pg_pool.clone(),
-            redis.clone(),
-            clock.clone(),
-            &settings.checkins,
-            auth.day_utc_offset_minutes,
-        )?;
-        let active_users = crate::stats::ActiveUsers::new(
-            redis.clone(),
-            clock.clone(),
-            settings.stats.clone(),
-            auth.day_utc_offset_minutes,
-        );
-        let promotions = crate::promotions::PromotionService::new(
-            event_store.clone(),
-            AggregateService::new(
-                event_store.clone(),
-                RetryPolicy::default(),
-                Duration::from_millis(settings.accounts.actor_idle_ms),
-            ),
-            accounts.clone(),
-            pg_pool.clone(),
-            redis.clone(),
-            clock.clone(),
-            notifier.clone(),
-            settings.promotions.clone(),
-        );
-        let users = Users::new(
-            event_store.clone(),
-            clock.clone(),
-            RetryPolicy::default(),
-            Duration::from_millis(auth.orphan_claim_release_ms),
-        );
-        let api_keys = crate::api_keys::ApiKeys::new(
-            redis.clone(),
-            users.clone(),
-            clock.clone(),
-            settings.api_keys.requests_per_minute,
-            settings.api_keys.requests_per_minute_max,
-        );
-        let webhooks = crate::webhooks::WebhookService::new(
-            event_store.clone(),
-            pg_pool.clone(),
-            clock.clone(),
-            settings.webhooks.clone(),
-        )?;
-        let positions = crate::positions::PositionBoard::new(
-            tasks.queue.clone(),
-            Some(dispatcher.backend_pool().clone()),
-        );
-        Ok(AppState {
-            positions,
-            limits: crate::auth::admission::Limits::new(redis.clone(), clock.clone()),
-            codes,
-            checkins,
-            active_users,
-            promotions,
-            notifier,
-            hub: NotificationHub::new(redis.clone()),
-            images,
-            dispatcher,
-            users,
-            api_keys,
-            webhooks,
-            passwords: Passwords::new(auth)?,
-            password_guard: PasswordGuard::new(
-                redis.clone(),
-                clock.clone(),
-                auth.password_failures_max,
-                Duration::from_millis(auth.password_lockout_ms),
-            ),
-            sessions: Sessions::new(
-                redis.clone(),
-                clock.clone(),
-                Duration::from_millis(auth.session_idle_ttl_ms),
-            ),
-            phone_codes: PhoneCodes::new(redis.clone(), clock.clone(), code_sender, auth),
-            auth_settings: auth.clone(),
-            http_settings: settings.http.clone(),
-            user_sockets: crate::http::UserSockets::new(settings.http.sockets_per_user_max),
-            accounts,
-            tasks,
-            projection_statuses: Statuses::default(),
-            pg_pool,
-            redis,
-            event_store,
-            clock,
-        })
-    }
-}
+use crate::platform::configuration::Settings;
+use crate::platform::projector::Projector;
 
 pub struct Application {
     port: u16,
@@ -309,16 +47,16 @@ impl Application {
         settings: &Settings,
         overrides: Overrides,
     ) -> anyhow::Result<Application> {
-        let pg_pool = crate::postgres::build_pool(&settings.database)?;
+        let pg_pool = crate::platform::postgres::build_pool(&settings.database)?;
         if settings.database.migrate_on_start {
-            let report = crate::postgres::migrate(&pg_pool).await?;
+            let report = crate::platform::postgres::migrate(&pg_pool).await?;
             tracing::info!(applied = ?report.applied, "migrations up to date");
         }
         let state = web::Data::new(AppState::build(settings, pg_pool, overrides)?);
         // Installed before anything records: a counter registered at zero before the recorder
         // exists is lost (the dispatcher, on a thread of its own, follows its servers at once).
-        crate::metrics::handle();
-        crate::metrics::start_at_zero(state.event_store.kind());
+        crate::platform::metrics::handle();
+        crate::platform::metrics::start_at_zero(state.event_store.kind());
         let mut background = Vec::new();
         if settings.projections.enabled {
             for projection in ProjectionName::ALL {
@@ -331,23 +69,23 @@ impl Application {
                 let statuses = state.projection_statuses.clone();
                 background.push(tokio::spawn(async move {
                     if let Err(error) = projector.run(statuses).await {
-                        tracing::error!(projection = projection.as_str(), error = %crate::telemetry::error_chain(&error), "projection runner stopped");
+                        tracing::error!(projection = projection.as_str(), error = %crate::platform::telemetry::error_chain(&error), "projection runner stopped");
                     }
                 }));
             }
         }
         if settings.process_managers.enabled {
-            let recorder = crate::revenue::RevenueRecorder::new(
+            let recorder = crate::points::revenue::RevenueRecorder::new(
                 state.event_store.clone(),
                 state.pg_pool.clone(),
                 settings.projections.clone(),
             );
             background.push(tokio::spawn(async move {
                 if let Err(error) = recorder.run().await {
-                    tracing::error!(error = %crate::telemetry::error_chain(&error), "revenue recorder stopped");
+                    tracing::error!(error = %crate::platform::telemetry::error_chain(&error), "revenue recorder stopped");
                 }
             }));
-            let reconciler = crate::settlements::SettlementReconciler::new(
+            let reconciler = crate::points::settlements::SettlementReconciler::new(
                 state.tasks.clone(),
                 state.codes.clone(),
                 state.checkins.clone(),
@@ -374,7 +112,7 @@ impl Application {
                 )?;
                 background.push(tokio::spawn(deliveries.run()));
             }
-            let issuer = crate::codes::issuer::CodeIssuer::new(state.codes.clone());
+            let issuer = crate::points::codes::issuer::CodeIssuer::new(state.codes.clone());
             background.push(tokio::spawn(issuer.run()));
             // The queue is derived: put it back from the events at start (Redis may have been
             // flushed or restarted), retrying until Redis answers; then sweep crashed requests.
@@ -388,7 +126,7 @@ impl Application {
                             break;
                         }
                         Err(error) => {
-                            tracing::warn!(error = %crate::telemetry::error_chain(&error), "task queue rebuild failed; retrying");
+                            tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "task queue rebuild failed; retrying");
                             tokio::time::sleep(retry).await;
                         }
                     }
@@ -403,7 +141,7 @@ impl Application {
             let configured = settings.dispatch.parsed_backends()?;
             background.push(tokio::spawn(async move {
                 if let Err(error) = pool.warn_of_differences(&configured).await {
-                    tracing::warn!(error = %crate::telemetry::error_chain(&error), "could not compare dispatch.backends with the pool");
+                    tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "could not compare dispatch.backends with the pool");
                 }
             }));
         }
@@ -439,9 +177,10 @@ impl Application {
                     .port();
                 let state = state.clone();
                 let server = HttpServer::new(move || {
-                    App::new()
-                        .app_data(state.clone())
-                        .route("/metrics", web::get().to(crate::metrics::exposition))
+                    App::new().app_data(state.clone()).route(
+                        "/metrics",
+                        web::get().to(crate::platform::metrics::exposition),
+                    )
                 })
                 .workers(1)
                 .disable_signals()
@@ -462,11 +201,14 @@ impl Application {
             // actix calls this factory on each worker's thread as the worker starts: its
             // requests then take connections driven on this thread (`worker_local`).
             if worker_local_connections {
-                crate::worker_local::mark_http_worker(main_runtime.clone());
+                crate::platform::worker_local::mark_http_worker(main_runtime.clone());
             }
             let app = App::new();
             let app = if metrics_here {
-                app.route("/metrics", web::get().to(crate::metrics::exposition))
+                app.route(
+                    "/metrics",
+                    web::get().to(crate::platform::metrics::exposition),
+                )
             } else {
                 app
             };
@@ -482,7 +224,9 @@ impl Application {
             // marked identity and left alone); every answer with its security headers.
             app.wrap(actix_web::middleware::from_fn(crate::web::security_headers))
                 .wrap(actix_web::middleware::Compress::default())
-                .wrap(actix_web::middleware::from_fn(crate::metrics::record_http))
+                .wrap(actix_web::middleware::from_fn(
+                    crate::platform::metrics::record_http,
+                ))
                 .wrap(
                     // The request line with secrets in its query redacted (a browser's socket
                     // sends its bearer token as `?token=`).

@@ -6,7 +6,7 @@ use rust_decimal::Decimal;
 use zhihui_domain::points::Amount;
 use zhihui_domain::task::{PromptText, TaskSpec};
 
-use crate::configuration::TaskSettings;
+use crate::platform::configuration::TaskSettings;
 
 /// Largest seed: 2^53 - 1, so that JavaScript clients read it exactly.
 pub const SEED_MAX: u64 = (1 << 53) - 1;
@@ -257,7 +257,7 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-    use crate::configuration::Settings;
+    use crate::platform::configuration::Settings;
 
     fn catalog() -> Catalog {
         Catalog::new(Settings::load(None).unwrap().tasks)

@@ -102,7 +102,7 @@ async fn run(
         let ids: Vec<Uuid> = group.iter().map(|ending| ending.intent_id).collect();
         let result = delete(&pool, &statements, &ids)
             .await
-            .map_err(|error| crate::telemetry::error_chain(&error));
+            .map_err(|error| crate::platform::telemetry::error_chain(&error));
         for ending in group.drain(..) {
             // A caller that went away needs no answer.
             let _ = ending.done.send(result.clone());
@@ -111,11 +111,11 @@ async fn run(
 }
 
 async fn delete(pool: &Pool, statements: &AtomicU64, intent_ids: &[Uuid]) -> anyhow::Result<()> {
-    let client = crate::postgres::checkout(pool)
+    let client = crate::platform::postgres::checkout(pool)
         .await
         .context("getting a connection")?;
     statements.fetch_add(1, Ordering::Relaxed);
-    crate::postgres::execute_cached(
+    crate::platform::postgres::execute_cached(
         &client,
         "DELETE FROM task_intents WHERE intent_id = ANY($1)",
         &[&intent_ids],

@@ -4,7 +4,10 @@
 //! its intents (`intent_ends`).
 
 pub mod catalog;
+pub mod estimate;
 pub mod intent_ends;
+pub mod pool;
+pub mod positions;
 pub mod queue;
 pub mod service;
 pub mod translate;

@@ -27,12 +27,12 @@ use zhihui_domain::pool::{
     PoolState,
 };
 
-use crate::clock::Clock;
-use crate::command::{self, CommandError, RetryPolicy};
-use crate::configuration::BackendSettings;
-use crate::dispatch::lease::Leases;
-use crate::event_store::{AnyEventStore, EventMetadata};
-use crate::redis_store::RedisStore;
+use crate::platform::clock::Clock;
+use crate::platform::command::{self, CommandError, RetryPolicy};
+use crate::platform::configuration::BackendSettings;
+use crate::platform::event_store::{AnyEventStore, EventMetadata};
+use crate::platform::redis_store::RedisStore;
+use crate::tasks::queue::lease::Leases;
 
 /// The leader's view of each server (hash: name -> JSON [`BackendStatus`]).
 pub const STATUS_KEY: &str = "dispatch:backends";
@@ -249,7 +249,7 @@ impl PoolService {
     /// the pool was written already: a reader that read it before a drain must not undo it).
     pub async fn hold(&self, state: &PoolState) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let mut invocation = crate::lua::DISPATCH_HOLD
+        let mut invocation = crate::platform::lua::DISPATCH_HOLD
             .key(self.redis.tagged(crate::tasks::queue::QUEUE_TAG, HELD_KEY));
         invocation
             .key(
@@ -508,13 +508,13 @@ impl PoolService {
     /// queue's first [`ESTIMATE_QUEUE_MAX`] get one (a task further back gets none, and is not
     /// looked for in the head): the servers in service as the leader last published them (their
     /// slots' free times, aged since; their measured step times), replayed over the queue's
-    /// head by [`crate::dispatch::estimate::estimate`].
+    /// head by [`crate::tasks::estimate::estimate`].
     pub async fn estimates(
         &self,
         queue: &crate::tasks::queue::TaskQueue,
         places: impl IntoIterator<Item = (uuid::Uuid, u64)>,
     ) -> anyhow::Result<HashMap<uuid::Uuid, WaitEstimate>> {
-        use crate::dispatch::estimate::{ServerOutlook, Waiting, estimate};
+        use crate::tasks::estimate::{ServerOutlook, Waiting, estimate};
 
         let wanted: Vec<uuid::Uuid> = places
             .into_iter()
@@ -594,7 +594,7 @@ impl PoolService {
     pub async fn list(&self) -> anyhow::Result<Vec<BackendView>> {
         let pool = self.load().await?;
         let statuses = self.statuses().await?;
-        let client = crate::postgres::checkout(&self.database)
+        let client = crate::platform::postgres::checkout(&self.database)
             .await
             .context("getting a connection")?;
         let rows = client

@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::{Notify, OnceCell, broadcast};
 use zhihui_domain::task::TaskId;
 
-use crate::notify::{Envelope, NotificationHub};
-use crate::pool::{PoolService, WaitEstimate};
+use crate::platform::notify::{Envelope, NotificationHub};
+use crate::tasks::pool::{PoolService, WaitEstimate};
 use crate::tasks::queue::TaskQueue;
 
 /// Tasks per Redis call.
@@ -139,7 +139,7 @@ impl PositionBoard {
                     }
                 }
                 Err(error) => {
-                    tracing::debug!(error = %crate::telemetry::error_chain(&error), "wait estimates unavailable");
+                    tracing::debug!(error = %crate::platform::telemetry::error_chain(&error), "wait estimates unavailable");
                 }
             }
         }
@@ -177,7 +177,7 @@ impl PositionBoard {
                 // No receiver: no socket open now; nothing to do.
                 Ok(snapshot) => drop(self.inner.snapshots.send(Arc::new(snapshot))),
                 Err(error) => {
-                    tracing::debug!(error = %crate::telemetry::error_chain(&error), "queue positions unavailable");
+                    tracing::debug!(error = %crate::platform::telemetry::error_chain(&error), "queue positions unavailable");
                 }
             }
         }

@@ -32,14 +32,14 @@ use zhihui_domain::task::{
 };
 use zhihui_domain::user::UserId;
 
-use crate::aggregate::AggregateService;
-use crate::clock::Clock;
-use crate::command::{self, CommandError, RetryPolicy};
-use crate::configuration::TaskSettings;
-use crate::event_store::{AnyEventStore, EventFilter, EventMetadata, EventStore};
-use crate::pool::PoolService;
+use crate::platform::aggregate::AggregateService;
+use crate::platform::clock::Clock;
+use crate::platform::command::{self, CommandError, RetryPolicy};
+use crate::platform::configuration::TaskSettings;
+use crate::platform::event_store::{AnyEventStore, EventFilter, EventMetadata, EventStore};
 use crate::tasks::catalog::{Catalog, FieldError, RequestedTask};
 use crate::tasks::intent_ends::IntentEnds;
+use crate::tasks::pool::PoolService;
 use crate::tasks::queue::{PrioritiseTarget, TaskQueue};
 use crate::tasks::translate::Translator;
 use crate::tasks::workflow::Workflows;
@@ -362,10 +362,10 @@ impl TaskService {
         // duplicate (the same Idempotency-Key with another body) ends its own intent, never
         // the one of the request that won and may still crash.
         let intent_id = Uuid::now_v7();
-        let client = crate::postgres::checkout(&self.pool)
+        let client = crate::platform::postgres::checkout(&self.pool)
             .await
             .context("getting a connection")?;
-        crate::postgres::execute_cached(
+        crate::platform::postgres::execute_cached(
             &client,
             "INSERT INTO task_intents (intent_id, kind, task_id, user_id, operation_id, created_at)
                  VALUES ($1, $2, $3, $4, $5, $6)",
@@ -394,10 +394,10 @@ impl TaskService {
     ) -> anyhow::Result<Option<Uuid>> {
         let intent_id = Uuid::now_v7();
         let max = i32::try_from(self.catalog.settings().queued_per_user_max).unwrap_or(i32::MAX);
-        let client = crate::postgres::checkout(&self.pool)
+        let client = crate::platform::postgres::checkout(&self.pool)
             .await
             .context("getting a connection")?;
-        let written = crate::postgres::execute_cached(
+        let written = crate::platform::postgres::execute_cached(
             &client,
             "INSERT INTO task_intents (intent_id, kind, task_id, user_id, operation_id, created_at)
              SELECT $1, $2, $3, $4, NULL, $5
@@ -430,7 +430,7 @@ impl TaskService {
         user_id: UserId,
         command: AccountCommand,
         metadata: &EventMetadata,
-    ) -> Result<crate::aggregate::Handled<Account>, TaskServiceError> {
+    ) -> Result<crate::platform::aggregate::Handled<Account>, TaskServiceError> {
         let refusal = match self
             .accounts
             .execute(&account_stream(user_id), command, metadata.clone())
@@ -464,10 +464,10 @@ impl TaskService {
     /// only ever errs towards accepting.
     async fn at_queue_limit(&self, user_id: UserId) -> anyhow::Result<bool> {
         let max = self.catalog.settings().queued_per_user_max;
-        let client = crate::postgres::checkout(&self.pool)
+        let client = crate::platform::postgres::checkout(&self.pool)
             .await
             .context("getting a connection")?;
-        let candidates: Vec<TaskId> = crate::postgres::query_cached(
+        let candidates: Vec<TaskId> = crate::platform::postgres::query_cached(
             &client,
             "SELECT task_id FROM tasks \
               WHERE user_id = $1 AND status IN ('submitted', 'queued') LIMIT $2",
@@ -998,7 +998,7 @@ impl TaskService {
                 i64::try_from(settings.intent_resolve_after_ms).unwrap_or(i64::MAX),
             );
         let rows = {
-            let client = crate::postgres::checkout(&self.pool)
+            let client = crate::platform::postgres::checkout(&self.pool)
                 .await
                 .context("getting a connection")?;
             client
@@ -1062,7 +1062,7 @@ impl TaskService {
         let interval = Duration::from_millis(self.catalog.settings().intent_sweep_interval_ms);
         loop {
             if let Err(error) = self.sweep_once().await {
-                tracing::warn!(error = %crate::telemetry::error_chain(&error), "intent sweep failed");
+                tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "intent sweep failed");
             }
             tokio::time::sleep(interval).await;
         }
@@ -1077,7 +1077,7 @@ impl TaskService {
         let mut works: HashMap<TaskId, (String, u32)> = HashMap::new();
         let mut left: HashSet<TaskId> = HashSet::new();
         let mut after = {
-            let mut client = crate::postgres::checkout(&self.pool)
+            let mut client = crate::platform::postgres::checkout(&self.pool)
                 .await
                 .context("getting a connection")?;
             let transaction = client
@@ -1114,7 +1114,7 @@ impl TaskService {
                 }
             }
             match checkpoint {
-                Some(row) => crate::projector::position_from_sql(row.get(0), row.get(1))?,
+                Some(row) => crate::platform::projector::position_from_sql(row.get(0), row.get(1))?,
                 None => None,
             }
         };
@@ -1188,7 +1188,7 @@ impl TaskService {
             .filter(|task_id| !in_order.iter().any(|(queued, _)| queued == task_id))
             .collect();
         if !unknown.is_empty() {
-            let client = crate::postgres::checkout(&self.pool)
+            let client = crate::platform::postgres::checkout(&self.pool)
                 .await
                 .context("getting a connection")?;
             let finished = client

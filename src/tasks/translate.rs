@@ -8,8 +8,8 @@ use serde::Deserialize;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
-use crate::configuration::TranslationSettings;
-use crate::redis_store::RedisStore;
+use crate::platform::configuration::TranslationSettings;
+use crate::platform::redis_store::RedisStore;
 
 /// A translation longer than this many times its source (plus a margin) is not a translation but
 /// a model rambling; the original is used instead.
@@ -103,13 +103,13 @@ impl Translator {
             Ok(None) => {}
             // The cache is an optimisation: without Redis, ask Ollama.
             Err(error) => {
-                tracing::warn!(error = %crate::telemetry::error_chain(&error), "translation cache unavailable")
+                tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "translation cache unavailable")
             }
         }
         match self.ask_ollama(text).await {
             Ok(translated) => {
                 if let Err(error) = self.remember(&key, &translated).await {
-                    tracing::warn!(error = %crate::telemetry::error_chain(&error), "translation not cached");
+                    tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "translation not cached");
                 }
                 Translation {
                     text: translated,
@@ -117,7 +117,7 @@ impl Translator {
                 }
             }
             Err(error) => {
-                let reason = crate::telemetry::error_chain(&error);
+                let reason = crate::platform::telemetry::error_chain(&error);
                 tracing::warn!(error = %reason, "translation failed; using the original text");
                 Translation {
                     text: text.to_owned(),

@@ -28,7 +28,7 @@ fn admin_of(page: &Page) -> Result<Admin, WebError> {
     Ok(Admin(page.admin()?.session.clone()))
 }
 
-fn metadata(page: &Page, admin: &Admin) -> crate::event_store::EventMetadata {
+fn metadata(page: &Page, admin: &Admin) -> crate::platform::event_store::EventMetadata {
     crate::http::event_metadata(&page.request, admin.actor())
 }
 
@@ -90,7 +90,7 @@ pub async fn overview(page: Page) -> Result<HttpResponse, WebError> {
     let today = state.active_users.today();
     let from = today - chrono::Duration::days(i64::from(ACTIVE_DAYS) - 1);
     let report = state.active_users.report(from, today).await?;
-    let readings = crate::metrics::platform_readings(state)
+    let readings = crate::platform::metrics::platform_readings(state)
         .await
         .map_err(|error| page.unexpected(error))?;
     let servers = state.dispatcher.backend_pool().list().await?;
@@ -237,7 +237,7 @@ pub async fn users(page: Page, query: web::Query<FindQuery>) -> Result<HttpRespo
         }
     }
     let rows = {
-        let client = crate::postgres::checkout(&state.pg_pool)
+        let client = crate::platform::postgres::checkout(&state.pg_pool)
             .await
             .map_err(anyhow::Error::new)?;
         client
@@ -421,7 +421,7 @@ pub async fn change_role(
 
 async fn batches(page: &Page) -> Result<Vec<Value>, WebError> {
     let ids: Vec<Uuid> = {
-        let client = crate::postgres::checkout(&page.state().pg_pool)
+        let client = crate::platform::postgres::checkout(&page.state().pg_pool)
             .await
             .map_err(anyhow::Error::new)?;
         client
@@ -845,9 +845,13 @@ pub async fn audit(page: Page, query: web::Query<AuditQuery>) -> Result<HttpResp
         };
         match found {
             Some(user) => {
-                let mut movements =
-                    crate::inspect::account_movements(&state.event_store, user.user_id, None, None)
-                        .await?;
+                let mut movements = crate::cli::inspect::account_movements(
+                    &state.event_store,
+                    user.user_id,
+                    None,
+                    None,
+                )
+                .await?;
                 movements.reverse();
                 account = Some(context! {
                     user_id => user.user_id.to_string(),
@@ -892,8 +896,9 @@ pub async fn audit(page: Page, query: web::Query<AuditQuery>) -> Result<HttpResp
             Err(error) => code_error = Some(error.to_string()),
         }
     }
-    let repairs = crate::settlements::repairs(&state.pg_pool, None).await?;
-    let repairs: Vec<&crate::settlements::Repair> = repairs.iter().rev().take(100).collect();
+    let repairs = crate::points::settlements::repairs(&state.pg_pool, None).await?;
+    let repairs: Vec<&crate::points::settlements::Repair> =
+        repairs.iter().rev().take(100).collect();
     page.render(
         "admin/audit.html",
         context! {

@@ -40,7 +40,7 @@ fn user_of(page: &Page) -> Result<UserId, WebError> {
     Ok(page.member()?.session.user_id)
 }
 
-fn metadata(page: &Page) -> Result<crate::event_store::EventMetadata, WebError> {
+fn metadata(page: &Page) -> Result<crate::platform::event_store::EventMetadata, WebError> {
     let member = page.member()?;
     let actor = match member.session.role {
         zhihui_domain::user::Role::Admin => format!("admin:{}", member.session.user_id),
@@ -609,7 +609,7 @@ async fn checkin_context(page: &Page, user: UserId) -> Result<Value, WebError> {
     let checkins = &page.state().checkins;
     let today = checkins.today();
     let view = checkins
-        .month(user, crate::checkins::month_of(today))
+        .month(user, crate::points::checkins::month_of(today))
         .await?;
     let rule = checkins.rule();
     // Checked in today: tomorrow continues the streak; not yet: today does (a broken streak is

@@ -14,9 +14,9 @@ use minijinja::{Environment, State, context};
 
 use super::i18n::Lang;
 use super::session::{self, Member};
-use crate::configuration::{CookieSecure, Settings};
 use crate::http::ApiError;
-use crate::startup::AppState;
+use crate::platform::configuration::{CookieSecure, Settings};
+use crate::state::AppState;
 
 /// The built-in templates, by name.
 const TEMPLATES: &[(&str, &str)] = &[
@@ -219,7 +219,7 @@ impl ResponseError for WebError {
 
 impl From<anyhow::Error> for WebError {
     fn from(error: anyhow::Error) -> WebError {
-        tracing::error!(error = %crate::telemetry::error_chain(&error), "a page failed");
+        tracing::error!(error = %crate::platform::telemetry::error_chain(&error), "a page failed");
         WebError {
             status: StatusCode::INTERNAL_SERVER_ERROR,
             body: "<!doctype html><title>500</title><p>Internal error / 内部错误</p>".into(),

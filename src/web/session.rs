@@ -12,9 +12,9 @@ use base64::Engine as _;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use hmac::{KeyInit, Mac};
 
-use crate::auth::sessions::Session;
-use crate::configuration::CookieSecure;
-use crate::startup::AppState;
+use crate::identity::sessions::Session;
+use crate::platform::configuration::CookieSecure;
+use crate::state::AppState;
 
 /// The session cookie's name.
 pub const SESSION_COOKIE: &str = "zhihui_session";

@@ -24,8 +24,8 @@ use zhihui_domain::webhook::{
 };
 
 use super::WebhookService;
-use crate::clock::Clock;
-use crate::event_store::{
+use crate::platform::clock::Clock;
+use crate::platform::event_store::{
     AnyEventStore, Direction, EventFilter, EventMetadata, EventStore, Position, ReadFrom,
     RecordedEvent,
 };
@@ -142,7 +142,7 @@ impl Deliveries {
     /// Route one page of the log after the checkpoint. Returns the messages made (`None` when
     /// caught up).
     pub async fn route_once(&self) -> anyhow::Result<Option<usize>> {
-        let after = crate::projector::stored_position(&self.pool, LEADER).await?;
+        let after = crate::platform::projector::stored_position(&self.pool, LEADER).await?;
         let slice = self
             .store
             .read_all(after, self.batch_size, &filter())
@@ -294,7 +294,7 @@ impl Deliveries {
                 }
             }
         }
-        let (commit, prepare) = crate::projector::position_to_sql(Some(scanned_to))?;
+        let (commit, prepare) = crate::platform::projector::position_to_sql(Some(scanned_to))?;
         transaction
             .execute(
                 "INSERT INTO projection_checkpoints AS c (projection, commit_position, prepare_position)
@@ -321,7 +321,7 @@ impl Deliveries {
                 &endpoint_stream(endpoint_id),
                 Direction::Forwards,
                 ReadFrom::Start,
-                crate::command::STREAM_READ_PAGE_MAX,
+                crate::platform::command::STREAM_READ_PAGE_MAX,
             )
             .await
             .context("reading an endpoint")?;
@@ -713,7 +713,7 @@ impl Deliveries {
             .body(body)
             .send()
             .await
-            .map_err(|error| crate::telemetry::error_chain(&anyhow::Error::new(error)))?;
+            .map_err(|error| crate::platform::telemetry::error_chain(&anyhow::Error::new(error)))?;
         let status = response.status().as_u16();
         let retry_after = response
             .headers()
@@ -747,14 +747,14 @@ impl Deliveries {
     pub async fn run(self) {
         let retry = Duration::from_millis(1000);
         loop {
-            let lock = match crate::leader::try_lead(&self.pool, LEADER).await {
+            let lock = match crate::platform::leader::try_lead(&self.pool, LEADER).await {
                 Ok(Some(lock)) => lock,
                 Ok(None) => {
                     tokio::time::sleep(retry).await;
                     continue;
                 }
                 Err(error) => {
-                    tracing::warn!(error = %crate::telemetry::error_chain(&error), "cannot reach PostgreSQL to lead the webhooks");
+                    tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "cannot reach PostgreSQL to lead the webhooks");
                     tokio::time::sleep(retry).await;
                     continue;
                 }
@@ -765,19 +765,19 @@ impl Deliveries {
                 sent = self.lead_sender() => sent,
             };
             if let Err(error) = outcome {
-                tracing::warn!(error = %crate::telemetry::error_chain(&error), "webhooks restart");
+                tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "webhooks restart");
             }
-            crate::leader::resign(lock);
+            crate::platform::leader::resign(lock);
             tokio::time::sleep(retry).await;
         }
     }
 
-    async fn lead_router(&self, lock: &crate::leader::LeaderLock) -> anyhow::Result<()> {
-        let after = crate::projector::stored_position(&self.pool, LEADER).await?;
+    async fn lead_router(&self, lock: &crate::platform::leader::LeaderLock) -> anyhow::Result<()> {
+        let after = crate::platform::projector::stored_position(&self.pool, LEADER).await?;
         let mut subscription = self.store.subscribe_all(after, filter());
         let mut position = after;
         loop {
-            let batch = crate::leader::next_batch(
+            let batch = crate::platform::leader::next_batch(
                 &mut subscription,
                 lock,
                 Duration::from_millis(1000),

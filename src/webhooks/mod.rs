@@ -25,10 +25,10 @@ use zhihui_domain::webhook::{
     Endpoint, EndpointCommand, EndpointError, EndpointState, WebhookEventType, endpoint_stream,
 };
 
-use crate::clock::Clock;
-use crate::command::{self, CommandError, RetryPolicy};
-use crate::configuration::WebhookSettings;
-use crate::event_store::{AnyEventStore, EventMetadata};
+use crate::platform::clock::Clock;
+use crate::platform::command::{self, CommandError, RetryPolicy};
+use crate::platform::configuration::WebhookSettings;
+use crate::platform::event_store::{AnyEventStore, EventMetadata};
 
 /// An endpoint as its owner sees it (never its secret).
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
@@ -249,7 +249,7 @@ impl WebhookService {
         let url = url.trim();
         safety::check_url(url, &self.allowed).await?;
         let count: i64 = {
-            let client = crate::postgres::checkout(&self.pool)
+            let client = crate::platform::postgres::checkout(&self.pool)
                 .await
                 .context("getting a connection")?;
             client
@@ -292,7 +292,7 @@ impl WebhookService {
 
     /// A user's endpoints (as the router last recorded them), newest first.
     pub async fn list(&self, user_id: UserId) -> anyhow::Result<Vec<EndpointView>> {
-        let client = crate::postgres::checkout(&self.pool)
+        let client = crate::platform::postgres::checkout(&self.pool)
             .await
             .context("getting a connection")?;
         let rows = client
@@ -374,7 +374,7 @@ impl WebhookService {
         limit: i64,
     ) -> Result<Vec<DeliveryView>, WebhookError> {
         self.owned(Some(owner), endpoint_id).await?;
-        let client = crate::postgres::checkout(&self.pool)
+        let client = crate::platform::postgres::checkout(&self.pool)
             .await
             .context("getting a connection")?;
         let messages = client
@@ -434,7 +434,7 @@ impl WebhookService {
         range: Option<(DateTime<Utc>, DateTime<Utc>)>,
     ) -> Result<u64, WebhookError> {
         self.owned(Some(owner), endpoint_id).await?;
-        let client = crate::postgres::checkout(&self.pool)
+        let client = crate::platform::postgres::checkout(&self.pool)
             .await
             .context("getting a connection")?;
         let now = self.clock.now();

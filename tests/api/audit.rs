@@ -64,7 +64,7 @@ async fn audit_verify_finds_tasks_and_holds_that_disagree_with_their_money() {
         .await
         .unwrap();
     // The second is cancelled in its stream; the request died before releasing its points.
-    zhihui::command::execute::<Task>(
+    zhihui::platform::command::execute::<Task>(
         &services.event_store,
         &task_stream(Uuid::parse_str(&second).unwrap()),
         &TaskCommand::Cancel {
@@ -72,7 +72,7 @@ async fn audit_verify_finds_tasks_and_holds_that_disagree_with_their_money() {
             at: app.clock.now(),
         },
         &metadata(),
-        zhihui::command::RetryPolicy::default(),
+        zhihui::platform::command::RetryPolicy::default(),
     )
     .await
     .unwrap();
@@ -102,7 +102,7 @@ async fn audit_verify_finds_tasks_and_holds_that_disagree_with_their_money() {
         .await
         .unwrap();
 
-    let keys = |verified: &zhihui::audit::Verified| -> BTreeSet<String> {
+    let keys = |verified: &zhihui::cli::audit::Verified| -> BTreeSet<String> {
         verified
             .differences
             .iter()

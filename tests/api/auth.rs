@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use zhihui::event_store::{EventFilter, EventStore, NewEvent};
+use zhihui::platform::event_store::{EventFilter, EventStore, NewEvent};
 use zhihui_domain::DomainEvent;
 use zhihui_domain::claim::{ClaimEvent, IdentifierClaimed};
 use zhihui_domain::user::UserId;
@@ -308,8 +308,8 @@ async fn a_hundred_concurrent_registrations_of_one_name_give_one_user() {
     let claim = store
         .read_stream(
             "user-name-popular",
-            zhihui::event_store::Direction::Forwards,
-            zhihui::event_store::ReadFrom::Start,
+            zhihui::platform::event_store::Direction::Forwards,
+            zhihui::platform::event_store::ReadFrom::Start,
             100,
         )
         .await
@@ -356,13 +356,13 @@ async fn an_orphan_name_claim_is_released_after_its_bound_and_not_before() {
     store
         .append(
             "user-name-carol",
-            zhihui::event_store::ExpectedVersion::NoStream,
+            zhihui::platform::event_store::ExpectedVersion::NoStream,
             vec![NewEvent {
                 id: uuid::Uuid::now_v7(),
                 event_type: orphan.event_type().into(),
                 schema_version: 1,
                 payload: orphan.to_payload(),
-                metadata: zhihui::event_store::EventMetadata {
+                metadata: zhihui::platform::event_store::EventMetadata {
                     correlation_id: uuid::Uuid::now_v7(),
                     causation_id: None,
                     actor: "test".into(),

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use uuid::Uuid;
-use zhihui::command::RetryPolicy;
-use zhihui::event_store::{Direction, EventMetadata, EventStore, ReadFrom};
+use zhihui::platform::command::RetryPolicy;
+use zhihui::platform::event_store::{Direction, EventMetadata, EventStore, ReadFrom};
 use zhihui_domain::DomainEvent;
 use zhihui_domain::account::{AccountCommand, AccountEvent, CreditKind, account_stream};
 use zhihui_domain::checkin::{CheckIn, CheckInCommand, bonus_reference, checkin_stream};
@@ -334,7 +334,7 @@ async fn a_bonus_lost_between_the_streams_is_credited_by_the_retry_or_the_reconc
     let services = app.services_on_app_clock();
     let rule = app.settings.checkins.rule().unwrap();
     for user_id in [dave_id, erin_id] {
-        zhihui::command::execute::<CheckIn>(
+        zhihui::platform::command::execute::<CheckIn>(
             &services.event_store,
             &checkin_stream(user_id),
             &CheckInCommand::CheckIn {
@@ -373,7 +373,7 @@ async fn a_bonus_lost_between_the_streams_is_credited_by_the_retry_or_the_reconc
     app.clock.advance(Duration::from_millis(
         app.settings.tasks.settlement_after_ms + 1,
     ));
-    let reconciler = zhihui::settlements::SettlementReconciler::new(
+    let reconciler = zhihui::points::settlements::SettlementReconciler::new(
         services.tasks.clone(),
         services.codes.clone(),
         services.checkins.clone(),

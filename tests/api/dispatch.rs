@@ -15,8 +15,8 @@ use futures::StreamExt;
 use serde_json::{Value, json};
 use uuid::Uuid;
 use zhihui::dispatch::Saga;
-use zhihui::dispatch::lease::{Claimed, Fill, FillPlan, ServerSlots, Term};
-use zhihui::startup::AppState;
+use zhihui::state::AppState;
+use zhihui::tasks::queue::lease::{Claimed, Fill, FillPlan, ServerSlots, Term};
 use zhihui_domain::points::Points;
 use zhihui_domain::task::{TaskCommand, TaskError, TaskEvent, TaskStatus};
 
@@ -77,7 +77,7 @@ pub(crate) async fn harness(backends: usize, faults: Faults) -> Harness {
 pub(crate) async fn harness_with(
     backends: usize,
     faults: Faults,
-    customise: impl FnOnce(&mut zhihui::configuration::DispatchSettings) + Send + 'static,
+    customise: impl FnOnce(&mut zhihui::platform::configuration::DispatchSettings) + Send + 'static,
 ) -> Harness {
     harness_configured(backends, faults, |settings| {
         customise(&mut settings.dispatch)
@@ -89,7 +89,7 @@ pub(crate) async fn harness_with(
 pub(crate) async fn harness_configured(
     backends: usize,
     faults: Faults,
-    customise: impl FnOnce(&mut zhihui::configuration::Settings) + Send + 'static,
+    customise: impl FnOnce(&mut zhihui::platform::configuration::Settings) + Send + 'static,
 ) -> Harness {
     harness_of_models(vec![catalog_models(); backends], faults, customise).await
 }
@@ -98,7 +98,7 @@ pub(crate) async fn harness_configured(
 pub(crate) async fn harness_of_models(
     models: Vec<Vec<String>>,
     faults: Faults,
-    customise: impl FnOnce(&mut zhihui::configuration::Settings) + Send + 'static,
+    customise: impl FnOnce(&mut zhihui::platform::configuration::Settings) + Send + 'static,
 ) -> Harness {
     let directory = std::env::temp_dir().join(format!("zhihui-dispatch-{}", Uuid::now_v7()));
     let mut sims = Vec::new();
@@ -880,17 +880,17 @@ async fn when_the_leader_dies_another_process_takes_over_and_the_old_one_is_fenc
         fencing_token: old_token,
         at: app.clock.now(),
     };
-    let refused = zhihui::command::execute::<zhihui_domain::task::Task>(
+    let refused = zhihui::platform::command::execute::<zhihui_domain::task::Task>(
         &second.event_store,
         &zhihui_domain::task::task_stream(Uuid::parse_str(adopted).unwrap()),
         &stale,
         &metadata(),
-        zhihui::command::RetryPolicy::default(),
+        zhihui::platform::command::RetryPolicy::default(),
     )
     .await;
     assert!(matches!(
         refused,
-        Err(zhihui::command::CommandError::Rejected(
+        Err(zhihui::platform::command::CommandError::Rejected(
             TaskError::StaleDispatcher { .. } | TaskError::InvalidTransition { .. }
         ))
     ));

@@ -490,7 +490,7 @@ async fn a_socket_ticket_opens_one_socket_once_and_never_when_used_expired_or_lo
 #[tokio::test]
 async fn with_the_code_sender_disabled_a_code_request_is_a_503_naming_it() {
     let app = spawn_app_with(|settings| {
-        settings.auth.code_sender = zhihui::configuration::CodeSenderKind::Disabled;
+        settings.auth.code_sender = zhihui::platform::configuration::CodeSenderKind::Disabled;
     })
     .await;
     let response = app

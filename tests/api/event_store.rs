@@ -11,8 +11,8 @@ use std::time::Duration;
 use futures::StreamExt;
 use secrecy::ExposeSecret;
 use uuid::Uuid;
-use zhihui::event_store::postgres::{PostgresEventStore, PostgresEventStoreOptions};
-use zhihui::event_store::{
+use zhihui::platform::event_store::postgres::{PostgresEventStore, PostgresEventStoreOptions};
+use zhihui::platform::event_store::{
     ActualVersion, Direction, EventFilter, EventMetadata, EventStore, EventStoreError,
     ExpectedVersion, NewEvent, Position, ReadFrom, RecordedEvent, SubscriptionMessage,
 };
@@ -43,13 +43,13 @@ fn prefix() -> String {
 
 pub struct PgStore {
     pub store: PostgresEventStore,
-    pub settings: zhihui::configuration::Settings,
+    pub settings: zhihui::platform::configuration::Settings,
 }
 
 pub async fn pg_store(group_commit: bool) -> PgStore {
     let settings = test_settings(&create_database().await);
-    let pool = zhihui::postgres::build_pool(&settings.database).unwrap();
-    zhihui::postgres::migrate(&pool).await.unwrap();
+    let pool = zhihui::platform::postgres::build_pool(&settings.database).unwrap();
+    zhihui::platform::postgres::migrate(&pool).await.unwrap();
     let store = start_store(&settings, group_commit, 1_000);
     PgStore { store, settings }
 }
@@ -57,12 +57,12 @@ pub async fn pg_store(group_commit: bool) -> PgStore {
 /// A store on `settings`' database (a process of its own: its own pool, LISTEN connection and
 /// writers).
 fn start_store(
-    settings: &zhihui::configuration::Settings,
+    settings: &zhihui::platform::configuration::Settings,
     group_commit: bool,
     subscription_idle_recheck_ms: u64,
 ) -> PostgresEventStore {
     PostgresEventStore::start(
-        zhihui::postgres::build_pool(&settings.database).unwrap(),
+        zhihui::platform::postgres::build_pool(&settings.database).unwrap(),
         PostgresEventStoreOptions {
             group_commit,
             group_commit_max_batch: 64,
@@ -628,7 +628,7 @@ macro_rules! conformance {
                         eprintln!("KURRENTDB_URL not set: KurrentDB conformance not run");
                         return;
                     };
-                    let store = zhihui::event_store::kurrent::KurrentEventStore::connect(&url)
+                    let store = zhihui::platform::event_store::kurrent::KurrentEventStore::connect(&url)
                         .expect("KURRENTDB_URL is a valid connection string");
                     super::$name(&store).await;
                 }
@@ -775,7 +775,7 @@ async fn a_commit_whose_notification_was_lost_is_read_after_the_idle_recheck() {
 
 /// Begin a transaction on a separate connection that appends one event and stays open.
 async fn hold_an_append(
-    settings: &zhihui::configuration::Settings,
+    settings: &zhihui::platform::configuration::Settings,
     stream: &str,
     event_id: Uuid,
 ) -> (tokio_postgres::Client, Position) {
@@ -1038,8 +1038,8 @@ async fn an_append_whose_answer_is_lost_lands_exactly_once() {
         // One connection: the append that warms it up prepares the statement the next one uses,
         // so the next answer the proxy sees is the append's own.
         settings.database.pool_max_size = 1;
-        let pool = zhihui::postgres::build_pool(&settings.database).unwrap();
-        zhihui::postgres::migrate(&pool).await.unwrap();
+        let pool = zhihui::platform::postgres::build_pool(&settings.database).unwrap();
+        zhihui::platform::postgres::migrate(&pool).await.unwrap();
         let store = PostgresEventStore::start(
             pool,
             PostgresEventStoreOptions {
@@ -1177,8 +1177,8 @@ async fn a_batch_append_answers_and_stores_what_one_append_after_another_does() 
     use rand::{Rng, SeedableRng};
 
     let settings = test_settings(&create_database().await);
-    let pool = zhihui::postgres::build_pool(&settings.database).unwrap();
-    zhihui::postgres::migrate(&pool).await.unwrap();
+    let pool = zhihui::platform::postgres::build_pool(&settings.database).unwrap();
+    zhihui::platform::postgres::migrate(&pool).await.unwrap();
     let mut client = connect(&settings).await;
     let seed = 20_261_127_u64;
     let mut rng = StdRng::seed_from_u64(seed);

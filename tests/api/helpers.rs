@@ -13,10 +13,11 @@ use std::sync::{Arc, Mutex};
 use futures::future::BoxFuture;
 use secrecy::{ExposeSecret, SecretString};
 use serde_json::{Value, json};
-use zhihui::auth::phone_codes::CodeSender;
-use zhihui::clock::{Clock, ManualClock};
-use zhihui::configuration::Settings;
-use zhihui::startup::{Application, Overrides};
+use zhihui::identity::phone_codes::CodeSender;
+use zhihui::platform::clock::{Clock, ManualClock};
+use zhihui::platform::configuration::Settings;
+use zhihui::startup::Application;
+use zhihui::state::Overrides;
 use zhihui_domain::user::PhoneNumber;
 
 pub const DEFAULT_DATABASE_URL: &str = "postgres://zhihui@127.0.0.1:55432/zhihui";
@@ -175,29 +176,29 @@ impl TestApp {
 
     /// A second set of services on the same database and Redis, as another zhihui process would
     /// have (no HTTP).
-    pub fn services(&self) -> zhihui::startup::AppState {
-        let pool = zhihui::postgres::build_pool(&self.settings.database).unwrap();
-        zhihui::startup::AppState::build(&self.settings, pool, Overrides::default()).unwrap()
+    pub fn services(&self) -> zhihui::state::AppState {
+        let pool = zhihui::platform::postgres::build_pool(&self.settings.database).unwrap();
+        zhihui::state::AppState::build(&self.settings, pool, Overrides::default()).unwrap()
     }
 
     /// The services of another process on the same database and Redis, with the app's clock
     /// (so that tests can age intents and leases by moving it).
-    pub fn services_on_app_clock(&self) -> zhihui::startup::AppState {
-        let pool = zhihui::postgres::build_pool(&self.settings.database).unwrap();
+    pub fn services_on_app_clock(&self) -> zhihui::state::AppState {
+        let pool = zhihui::platform::postgres::build_pool(&self.settings.database).unwrap();
         let overrides = Overrides {
             clock: Clock::Manual(self.clock.clone()),
             code_sender: None,
         };
-        zhihui::startup::AppState::build(&self.settings, pool, overrides).unwrap()
+        zhihui::state::AppState::build(&self.settings, pool, overrides).unwrap()
     }
 
     /// A projector of `projection` on this app's database.
     pub fn projector(
         &self,
         projection: zhihui_projections::ProjectionName,
-    ) -> zhihui::projector::Projector {
+    ) -> zhihui::platform::projector::Projector {
         let services = self.services();
-        zhihui::projector::Projector::live(
+        zhihui::platform::projector::Projector::live(
             projection,
             services.pg_pool,
             services.event_store,
@@ -232,9 +233,9 @@ impl TestApp {
     }
 
     /// A revenue recorder (process manager) on this app's database.
-    pub fn revenue_recorder(&self) -> zhihui::revenue::RevenueRecorder {
+    pub fn revenue_recorder(&self) -> zhihui::points::revenue::RevenueRecorder {
         let services = self.services();
-        zhihui::revenue::RevenueRecorder::new(
+        zhihui::points::revenue::RevenueRecorder::new(
             services.event_store,
             services.pg_pool,
             self.settings.projections.clone(),
@@ -256,8 +257,8 @@ impl TestApp {
                     Err(error)
                         if fenced < 100
                             && matches!(
-                                zhihui::projector::Halt::of(&error),
-                                Some(zhihui::projector::Halt::CheckpointMoved { .. })
+                                zhihui::platform::projector::Halt::of(&error),
+                                Some(zhihui::platform::projector::Halt::CheckpointMoved { .. })
                             ) =>
                     {
                         fenced += 1;
@@ -270,12 +271,16 @@ impl TestApp {
 
     /// `audit verify` in this process; a settlement missing for longer than `settle_within`
     /// (default: the app's settlement bound) is a difference.
-    pub async fn verify(&self, settle_within: Option<chrono::Duration>) -> zhihui::audit::Verified {
+    pub async fn verify(
+        &self,
+        settle_within: Option<chrono::Duration>,
+    ) -> zhihui::cli::audit::Verified {
         let client = connect(&self.settings).await;
-        zhihui::audit::verify(
+        zhihui::cli::audit::verify(
             &self.services().event_store,
             &client,
-            settle_within.unwrap_or_else(|| zhihui::audit::settlement_bound(&self.settings.tasks)),
+            settle_within
+                .unwrap_or_else(|| zhihui::cli::audit::settlement_bound(&self.settings.tasks)),
         )
         .await
         .unwrap()
@@ -285,12 +290,12 @@ impl TestApp {
     /// return its token.
     pub async fn admin_token(&self, username: &str) -> String {
         let state = self.services();
-        let metadata = zhihui::event_store::EventMetadata {
+        let metadata = zhihui::platform::event_store::EventMetadata {
             correlation_id: uuid::Uuid::now_v7(),
             causation_id: None,
             actor: "test:admin".into(),
         };
-        let password = zhihui::auth::password::PlainPassword::parse("admin password").unwrap();
+        let password = zhihui::identity::password::PlainPassword::parse("admin password").unwrap();
         state
             .users
             .register_with_password(
@@ -479,8 +484,8 @@ pub fn one_redis_at(settings: &mut Settings, url: String) {
 }
 
 /// A connection to the Redis (or cluster) of `settings`, apart from any process's own.
-pub async fn redis_of(settings: &Settings) -> zhihui::redis_store::RedisConnection {
-    zhihui::redis_store::RedisStore::new(&settings.redis)
+pub async fn redis_of(settings: &Settings) -> zhihui::platform::redis_store::RedisConnection {
+    zhihui::platform::redis_store::RedisStore::new(&settings.redis)
         .unwrap()
         .connection()
         .await

@@ -30,7 +30,7 @@ use crate::tasks::{
 /// requests outlasted the dispatch harness's 1 s leases: the leader lost its lease and the test
 /// failed on a step. Takeover is tested elsewhere (dispatch, processes); here leases outlast
 /// any pause.
-fn long_leases(dispatch: &mut zhihui::configuration::DispatchSettings) {
+fn long_leases(dispatch: &mut zhihui::platform::configuration::DispatchSettings) {
     dispatch.leader_lease_ms = 30_000;
     dispatch.slot_lease_ms = 30_000;
 }
@@ -69,7 +69,7 @@ async fn assert_balance(instance: &TestApp, token: &str, available: &str, frozen
 /// end is settled).
 async fn run_until_ended(
     saga: &mut zhihui::dispatch::Saga,
-    dispatcher: &zhihui::startup::AppState,
+    dispatcher: &zhihui::state::AppState,
     task: &str,
     status: TaskStatus,
 ) {
@@ -677,7 +677,7 @@ async fn grants_codes_and_promotions_read_at_the_edge_alternate_instances_and_se
     let retried: Value = retried.json().await.unwrap();
     assert_eq!(retried["batch_id"], created["batch_id"]);
     let batch_id = Uuid::parse_str(created["batch_id"].as_str().unwrap()).unwrap();
-    zhihui::codes::issuer::CodeIssuer::new(a.services().codes)
+    zhihui::points::codes::issuer::CodeIssuer::new(a.services().codes)
         .issue_batch(batch_id, None)
         .await
         .unwrap();

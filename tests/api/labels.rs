@@ -17,7 +17,7 @@ use crate::dispatch::{
 use crate::tasks::funded_user;
 
 /// The development key of `default_settings.toml`, which tests run with.
-const KEY: &[u8] = zhihui::configuration::DEVELOPMENT_LABEL_KEY.as_bytes();
+const KEY: &[u8] = zhihui::platform::configuration::DEVELOPMENT_LABEL_KEY.as_bytes();
 
 /// Every path of the OpenAPI document whose GET answers an image.
 async fn image_routes(app: &crate::helpers::TestApp) -> Vec<String> {

@@ -285,7 +285,7 @@ async fn chinese_reasons_notes_and_titles_come_back_as_written() {
     let batch: Value = created.json().await.unwrap();
     let batch_id = batch["batch_id"].as_str().unwrap().to_owned();
     let services = app.services();
-    zhihui::codes::issuer::CodeIssuer::new(services.codes.clone())
+    zhihui::points::codes::issuer::CodeIssuer::new(services.codes.clone())
         .issue_batch(uuid::Uuid::parse_str(&batch_id).unwrap(), None)
         .await
         .unwrap();
@@ -352,7 +352,7 @@ async fn chinese_reasons_notes_and_titles_come_back_as_written() {
             .tell(
                 user_id,
                 task_id,
-                zhihui::notify::TaskNotice::Failed {
+                zhihui::platform::notify::TaskNotice::Failed {
                     reason: reason.into(),
                 },
             )

@@ -6,8 +6,8 @@
 use rust_decimal::Decimal;
 use serde_json::{Value, json};
 use uuid::Uuid;
-use zhihui::command::CommandError;
-use zhihui::event_store::EventMetadata;
+use zhihui::platform::command::CommandError;
+use zhihui::platform::event_store::EventMetadata;
 use zhihui_domain::account::{AccountCommand, AccountError, account_stream};
 use zhihui_domain::points::Amount;
 use zhihui_domain::user::UserId;
@@ -383,13 +383,13 @@ async fn a_poison_event_stops_the_projection_naming_it_and_nothing_after_it_is_a
         .await
         .unwrap();
     // A stored event this build cannot read (a bug, or a newer writer).
-    use zhihui::event_store::EventStore;
+    use zhihui::platform::event_store::EventStore;
     services
         .event_store
         .append(
             &stream,
-            zhihui::event_store::ExpectedVersion::Exact(0),
-            vec![zhihui::event_store::NewEvent {
+            zhihui::platform::event_store::ExpectedVersion::Exact(0),
+            vec![zhihui::platform::event_store::NewEvent {
                 id: Uuid::now_v7(),
                 event_type: "PointsGranted".into(),
                 schema_version: 1,
@@ -506,20 +506,22 @@ async fn a_worker_that_resigns_releases_its_lead_to_other_processes() {
     let app = spawn_app().await;
     let (ours, theirs) = (app.services().pg_pool, app.services().pg_pool);
     let name = format!("test-lead-{}", Uuid::now_v7());
-    let lead = zhihui::leader::try_lead(&ours, &name)
+    let lead = zhihui::platform::leader::try_lead(&ours, &name)
         .await
         .unwrap()
         .unwrap();
     assert!(
-        zhihui::leader::try_lead(&theirs, &name)
+        zhihui::platform::leader::try_lead(&theirs, &name)
             .await
             .unwrap()
             .is_none()
     );
-    zhihui::leader::resign(lead);
+    zhihui::platform::leader::resign(lead);
     // Our pool keeps idle connections; none of them may still hold the lock.
     let _busy = ours.get().await.unwrap();
-    let theirs_now = zhihui::leader::try_lead(&theirs, &name).await.unwrap();
+    let theirs_now = zhihui::platform::leader::try_lead(&theirs, &name)
+        .await
+        .unwrap();
     assert!(
         theirs_now.is_some(),
         "the lock stayed with a pooled connection"

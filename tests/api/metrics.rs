@@ -507,7 +507,7 @@ async fn a_real_prometheus_reads_the_dashboard_right_over_two_instances() {
         .await;
     assert_eq!(
         notices.len(),
-        zhihui::notify::TaskNotice::KINDS.len(),
+        zhihui::platform::notify::TaskNotice::KINDS.len(),
         "{notices:?}"
     );
     // Every panel's query evaluates and has series to draw.
@@ -528,7 +528,7 @@ async fn a_real_prometheus_reads_the_dashboard_right_over_two_instances() {
             .unwrap();
         promtool_finds_nothing(&exposition);
         // Every metric there is described, in README's words.
-        for metric in zhihui::metrics::METRICS {
+        for metric in zhihui::platform::metrics::METRICS {
             if exposition.contains(&format!("\n{}", metric.name)) {
                 assert!(
                     exposition.contains(&format!("# HELP {} {}", metric.name, metric.help)),
@@ -555,7 +555,7 @@ fn the_readme_table_and_the_help_texts_agree() {
                 .then(|| (name.to_owned(), cells[4].to_owned()))
         })
         .collect();
-    let described: Vec<(String, String)> = zhihui::metrics::METRICS
+    let described: Vec<(String, String)> = zhihui::platform::metrics::METRICS
         .iter()
         .map(|metric| (metric.name.to_owned(), metric.help.to_owned()))
         .collect();

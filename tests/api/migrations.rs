@@ -1,6 +1,6 @@
 //! Migrations: applied at start, idempotent, refusing to run over a changed applied file.
 
-use zhihui::postgres::{build_pool, migrate};
+use zhihui::platform::postgres::{build_pool, migrate};
 
 use crate::helpers::{connect, create_database, spawn_app, test_settings};
 

@@ -10,7 +10,7 @@ use comfyui_sim::Faults;
 use serde_json::{Value, json};
 use uuid::Uuid;
 use zhihui::dispatch::Saga;
-use zhihui::startup::AppState;
+use zhihui::state::AppState;
 use zhihui_domain::task::TaskStatus;
 
 use crate::dispatch::{
@@ -26,7 +26,7 @@ const MODEL_C: &str = "dreamshaper_8.safetensors";
 /// In the catalog, offered by no server.
 const MODEL_NONE: &str = "absent_v1.safetensors";
 
-fn catalog_of_four(settings: &mut zhihui::configuration::Settings) {
+fn catalog_of_four(settings: &mut zhihui::platform::configuration::Settings) {
     settings.tasks.models = vec![
         MODEL_A.into(),
         MODEL_B.into(),
@@ -636,16 +636,18 @@ async fn a_pool_read_before_a_drain_never_undoes_its_hold() {
     let harness = harness_of_models(vec![catalog_models(); 2], Faults::default(), |_| {}).await;
     let process = harness.process();
     let pool = process.dispatcher.backend_pool();
-    let configured: Vec<zhihui::configuration::BackendSettings> = process
+    let configured: Vec<zhihui::platform::configuration::BackendSettings> = process
         .dispatcher
         .backend_names()
         .iter()
         .zip(&harness.sims)
-        .map(|(name, sim)| zhihui::configuration::BackendSettings {
-            name: name.clone(),
-            url: sim.base_url(),
-            capacity: 1,
-        })
+        .map(
+            |(name, sim)| zhihui::platform::configuration::BackendSettings {
+                name: name.clone(),
+                url: sim.base_url(),
+                capacity: 1,
+            },
+        )
         .collect();
     let before = pool.seed(&configured).await.unwrap();
     pool.drain("gpu-1", "test").await.unwrap();
@@ -653,11 +655,10 @@ async fn a_pool_read_before_a_drain_never_undoes_its_hold() {
         let services = harness.app.services();
         let mut redis = services.redis.connection().await.unwrap();
         let mut names: Vec<String> = redis::cmd("SMEMBERS")
-            .arg(
-                services
-                    .redis
-                    .tagged(zhihui::tasks::queue::QUEUE_TAG, zhihui::pool::HELD_KEY),
-            )
+            .arg(services.redis.tagged(
+                zhihui::tasks::queue::QUEUE_TAG,
+                zhihui::tasks::pool::HELD_KEY,
+            ))
             .query_async(&mut redis)
             .await
             .unwrap();
@@ -822,13 +823,13 @@ async fn a_changed_configuration_is_reported_and_applied_only_on_purpose() {
     expected.sort();
     assert_eq!(names, expected.iter().collect::<Vec<_>>());
     // Every change is a pool event, by the CLI.
-    use zhihui::event_store::EventStore;
+    use zhihui::platform::event_store::EventStore;
     let events = process
         .event_store
         .read_stream(
             zhihui_domain::pool::POOL_STREAM,
-            zhihui::event_store::Direction::Forwards,
-            zhihui::event_store::ReadFrom::Start,
+            zhihui::platform::event_store::Direction::Forwards,
+            zhihui::platform::event_store::ReadFrom::Start,
             100,
         )
         .await

@@ -13,7 +13,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
-use zhihui::redis_store::RedisConnection;
+use zhihui::platform::redis_store::RedisConnection;
 
 use comfyui_sim::{Faults, SimConfig, Simulator};
 use futures::StreamExt;
@@ -475,7 +475,7 @@ async fn create_batch_via(
 
 /// The batch's `CodesIssued` pages as (from serial, count), from its stream, and its first serial.
 async fn issued_pages(app: &TestApp, batch: &str) -> (u32, Vec<(u32, u32)>) {
-    use zhihui::event_store::{Direction, EventStore, ReadFrom};
+    use zhihui::platform::event_store::{Direction, EventStore, ReadFrom};
     use zhihui_domain::redeem::{BatchEvent, batch_stream};
     let stream = batch_stream(Uuid::parse_str(batch).unwrap());
     let mut first = None;
@@ -678,7 +678,7 @@ async fn account_events(
     app: &TestApp,
     user: zhihui_domain::user::UserId,
 ) -> Vec<zhihui_domain::account::AccountEvent> {
-    use zhihui::event_store::{Direction, EventStore, ReadFrom};
+    use zhihui::platform::event_store::{Direction, EventStore, ReadFrom};
     app.services()
         .event_store
         .read_stream(

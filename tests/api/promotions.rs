@@ -10,7 +10,7 @@ use std::collections::{HashMap, HashSet};
 use futures::StreamExt;
 use serde_json::{Value, json};
 use uuid::Uuid;
-use zhihui::promotions::ClaimEntry;
+use zhihui::points::promotions::ClaimEntry;
 use zhihui_domain::user::{Role, UserId};
 
 use crate::helpers::{TestApp, flush_redis, spawn_app_with};
@@ -623,7 +623,7 @@ async fn a_claim_whose_entry_was_lost_midway_is_finished_by_the_reconciler() {
                 accepted_at: app.clock.now(),
                 at: app.clock.now(),
             },
-            zhihui::bench_support::metadata(),
+            zhihui::startup::bench_support::metadata(),
         )
         .await
         .unwrap();
@@ -647,7 +647,7 @@ async fn a_claim_whose_entry_was_lost_midway_is_finished_by_the_reconciler() {
     app.clock.advance(std::time::Duration::from_millis(
         app.settings.tasks.settlement_after_ms + 1,
     ));
-    let reconciler = zhihui::settlements::SettlementReconciler::new(
+    let reconciler = zhihui::points::settlements::SettlementReconciler::new(
         services.tasks.clone(),
         services.codes.clone(),
         services.checkins.clone(),

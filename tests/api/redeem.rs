@@ -10,9 +10,9 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
 use uuid::Uuid;
-use zhihui::codes::RedeemError;
-use zhihui::codes::issuer::CodeIssuer;
-use zhihui::event_store::{Direction, EventMetadata, EventStore, ReadFrom};
+use zhihui::platform::event_store::{Direction, EventMetadata, EventStore, ReadFrom};
+use zhihui::points::codes::RedeemError;
+use zhihui::points::codes::issuer::CodeIssuer;
 use zhihui_domain::points::Amount;
 use zhihui_domain::redeem::{
     BatchEvent, CodeRedemption, RedemptionCommand, SERIAL_MAX, batch_stream, code_stream,
@@ -28,7 +28,7 @@ async fn spawn_codes_app() -> TestApp {
 }
 
 async fn spawn_codes_app_with(
-    customise: impl FnOnce(&mut zhihui::configuration::Settings),
+    customise: impl FnOnce(&mut zhihui::platform::configuration::Settings),
 ) -> TestApp {
     spawn_app_with(|settings| {
         settings.auth.argon2_memory_kib = 1024;
@@ -365,8 +365,8 @@ async fn forged_codes_are_refused_without_postgres_or_redis_and_limited_per_user
     settings.database.connect_timeout_ms = 200;
     settings.database.pool_wait_timeout_ms = 200;
     settings.redis.connect_timeout_ms = 200;
-    let pool = zhihui::postgres::build_pool(&settings.database).unwrap();
-    let cut_off = zhihui::startup::AppState::build(&settings, pool, Default::default()).unwrap();
+    let pool = zhihui::platform::postgres::build_pool(&settings.database).unwrap();
+    let cut_off = zhihui::state::AppState::build(&settings, pool, Default::default()).unwrap();
     let keys = cut_off.codes.keys().clone();
 
     use rand::{Rng, SeedableRng};
@@ -643,7 +643,7 @@ async fn a_redemption_whose_credit_was_lost_is_credited_by_the_retry_or_the_reco
     // Both requests died after the code's stream and before the account.
     let services = app.services_on_app_clock();
     for ((serial, _), user_id) in codes.iter().zip([dave_id, erin_id]) {
-        zhihui::command::execute::<CodeRedemption>(
+        zhihui::platform::command::execute::<CodeRedemption>(
             &services.event_store,
             &code_stream(*serial),
             &RedemptionCommand::Redeem {
@@ -654,7 +654,7 @@ async fn a_redemption_whose_credit_was_lost_is_credited_by_the_retry_or_the_reco
                 at: now,
             },
             &metadata(),
-            zhihui::command::RetryPolicy::default(),
+            zhihui::platform::command::RetryPolicy::default(),
         )
         .await
         .unwrap();
@@ -675,7 +675,7 @@ async fn a_redemption_whose_credit_was_lost_is_credited_by_the_retry_or_the_reco
         "{:?}",
         verified.differences
     );
-    let reconciler = zhihui::settlements::SettlementReconciler::new(
+    let reconciler = zhihui::points::settlements::SettlementReconciler::new(
         services.tasks.clone(),
         services.codes.clone(),
         services.checkins.clone(),

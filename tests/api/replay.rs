@@ -6,8 +6,8 @@
 
 use serde_json::Value;
 use uuid::Uuid;
-use zhihui::event_store::EventMetadata;
-use zhihui::replay::Quiet;
+use zhihui::cli::replay::Quiet;
+use zhihui::platform::event_store::EventMetadata;
 use zhihui_domain::account::{AccountCommand, account_stream};
 use zhihui_domain::points::Amount;
 use zhihui_domain::user::UserId;
@@ -164,7 +164,7 @@ async fn replay_produces_read_models_equal_to_the_live_ones_and_keeps_index_name
     let services = app.services();
     for projection in ProjectionName::ALL {
         // A small page size, so that the rebuild takes many pages.
-        let report = zhihui::replay::replay(
+        let report = zhihui::cli::replay::replay(
             &services.pg_pool,
             &services.event_store,
             projection,
@@ -204,10 +204,10 @@ async fn a_swap_closes_the_gap_when_the_live_runner_moved_on_during_the_rebuild(
     app.project().await;
     let services = app.services();
     let projection = ProjectionName::Ledger;
-    zhihui::replay::prepare_tables(&services.pg_pool, projection)
+    zhihui::cli::replay::prepare_tables(&services.pg_pool, projection)
         .await
         .unwrap();
-    zhihui::replay::build_all(
+    zhihui::cli::replay::build_all(
         &services.pg_pool,
         &services.event_store,
         projection,
@@ -221,7 +221,7 @@ async fn a_swap_closes_the_gap_when_the_live_runner_moved_on_during_the_rebuild(
     activity(&app, user, 4).await;
     app.project().await;
     let live = snapshot(&app).await;
-    let (_, gap) = zhihui::replay::swap(&services.pg_pool, &services.event_store, projection)
+    let (_, gap) = zhihui::cli::replay::swap(&services.pg_pool, &services.event_store, projection)
         .await
         .unwrap();
     assert_eq!(gap, 1 + 8);

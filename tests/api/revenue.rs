@@ -5,8 +5,8 @@
 #![allow(clippy::unwrap_used)]
 
 use uuid::Uuid;
-use zhihui::event_store::{EventMetadata, EventStore, ExpectedVersion, NewEvent};
-use zhihui::revenue::RevenueRecorder;
+use zhihui::platform::event_store::{EventMetadata, EventStore, ExpectedVersion, NewEvent};
+use zhihui::points::revenue::RevenueRecorder;
 use zhihui_domain::DomainEvent;
 use zhihui_domain::account::{AccountCommand, account_stream};
 use zhihui_domain::points::{Amount, Points};
@@ -129,8 +129,8 @@ async fn revenue_events(app: &TestApp) -> Vec<RevenueRecorded> {
         .event_store
         .read_stream(
             REVENUE_STREAM,
-            zhihui::event_store::Direction::Forwards,
-            zhihui::event_store::ReadFrom::Start,
+            zhihui::platform::event_store::Direction::Forwards,
+            zhihui::platform::event_store::ReadFrom::Start,
             1_000,
         )
         .await

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use serde_json::Value;
 use uuid::Uuid;
-use zhihui::command::RetryPolicy;
-use zhihui::settlements::{RepairKind, SettlementReconciler};
+use zhihui::platform::command::RetryPolicy;
+use zhihui::points::settlements::{RepairKind, SettlementReconciler};
 use zhihui::tasks::service::{CrashPoint, TaskServiceError};
 use zhihui_domain::account::{AccountCommand, account_stream};
 use zhihui_domain::points::{Amount, Points};
@@ -20,12 +20,8 @@ use zhihui_domain::user::UserId;
 use crate::helpers::spawn_app;
 use crate::tasks::{account_of, funded_user, metadata, project_and_verify, submitted_id};
 
-async fn run_task_command(
-    services: &zhihui::startup::AppState,
-    task_id: Uuid,
-    command: TaskCommand,
-) {
-    zhihui::command::execute::<Task>(
+async fn run_task_command(services: &zhihui::state::AppState, task_id: Uuid, command: TaskCommand) {
+    zhihui::platform::command::execute::<Task>(
         &services.event_store,
         &task_stream(task_id),
         &command,

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use uuid::Uuid;
-use zhihui::event_store::{Direction, EventMetadata, EventStore, ReadFrom};
+use zhihui::platform::event_store::{Direction, EventMetadata, EventStore, ReadFrom};
 use zhihui::tasks::catalog::RequestedTask;
 use zhihui::tasks::service::{CrashPoint, TaskServiceError};
 use zhihui_domain::DomainEvent;
@@ -110,7 +110,7 @@ pub(crate) async fn act(app: &TestApp, token: &str, action: &str, task: &str) ->
 pub(crate) async fn account_of(app: &TestApp, user: &str) -> zhihui_domain::account::AccountState {
     let services = app.services();
     let user = UserId::from_uuid(Uuid::parse_str(user).unwrap());
-    zhihui::command::load::<Account>(&services.event_store, &account_stream(user))
+    zhihui::platform::command::load::<Account>(&services.event_store, &account_stream(user))
         .await
         .unwrap()
         .state
@@ -559,7 +559,7 @@ async fn cancel_returns_a_queued_tasks_points_and_asks_the_dispatcher_for_a_runn
     );
 
     // A finished task cannot be cancelled.
-    zhihui::command::execute::<Task>(
+    zhihui::platform::command::execute::<Task>(
         &services.event_store,
         &task_stream(dispatched.task_id),
         &TaskCommand::Fail {
@@ -568,7 +568,7 @@ async fn cancel_returns_a_queued_tasks_points_and_asks_the_dispatcher_for_a_runn
             at: app.clock.now(),
         },
         &metadata(),
-        zhihui::command::RetryPolicy::default(),
+        zhihui::platform::command::RetryPolicy::default(),
     )
     .await
     .unwrap();
@@ -672,7 +672,7 @@ async fn intents_ended_together_share_one_statement_and_each_end_waits_for_its_r
             .unwrap();
     }
     let ends = zhihui::tasks::intent_ends::IntentEnds::new(
-        zhihui::postgres::build_pool(&app.settings.database).unwrap(),
+        zhihui::platform::postgres::build_pool(&app.settings.database).unwrap(),
     );
 
     // One alone: its own statement, and its row is gone when it returns.

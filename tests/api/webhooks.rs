@@ -16,9 +16,9 @@ use std::time::Duration;
 use actix_web::{App, HttpRequest, HttpResponse, HttpServer, web};
 use chrono::Utc;
 use serde_json::{Value, json};
-use zhihui::clock::{Clock, ManualClock};
-use zhihui::configuration::WebhookSettings;
-use zhihui::startup::{AppState, Overrides};
+use zhihui::platform::clock::{Clock, ManualClock};
+use zhihui::platform::configuration::WebhookSettings;
+use zhihui::state::{AppState, Overrides};
 use zhihui::webhooks::delivery::Deliveries;
 use zhihui::webhooks::signing;
 
@@ -145,7 +145,7 @@ async fn app_allowing_loopback() -> TestApp {
     spawn_app_with(allow_loopback).await
 }
 
-fn allow_loopback(settings: &mut zhihui::configuration::Settings) {
+fn allow_loopback(settings: &mut zhihui::platform::configuration::Settings) {
     settings.webhooks.allowed_networks = vec!["127.0.0.0/8".into(), "::1/128".into()];
     settings.webhooks.retry_jitter_ratio = 0.0;
 }
@@ -159,7 +159,7 @@ fn deliveries_on(
 ) -> Deliveries {
     let mut settings = app.settings.clone();
     customise(&mut settings.webhooks);
-    let pool = zhihui::postgres::build_pool(&settings.database).unwrap();
+    let pool = zhihui::platform::postgres::build_pool(&settings.database).unwrap();
     let state = AppState::build(
         &settings,
         pool,

@@ -1,4 +1,4 @@
-//! An HTTP worker's own connections (`zhihui::worker_local`): on a thread marked as a worker,
+//! An HTTP worker's own connections (`zhihui::platform::worker_local`): on a thread marked as a worker,
 //! checkouts come from a twin of the shared pool or connection opened there; elsewhere from the
 //! shared one. The first tests run "workers" as threads with a single-threaded runtime of their
 //! own, as actix does; the last runs two instances with `http.worker_local_connections` on.
@@ -6,8 +6,8 @@
 #![allow(clippy::unwrap_used)]
 
 use secrecy::ExposeSecret;
-use zhihui::postgres::{build_pool, checkout};
-use zhihui::redis_store::RedisStore;
+use zhihui::platform::postgres::{build_pool, checkout};
+use zhihui::platform::redis_store::RedisStore;
 
 use crate::helpers::{create_database, test_settings};
 
@@ -21,7 +21,7 @@ async fn on_thread<T: Send + 'static>(
     let main = tokio::runtime::Handle::current();
     std::thread::spawn(move || {
         if worker {
-            zhihui::worker_local::mark_http_worker(main);
+            zhihui::platform::worker_local::mark_http_worker(main);
         }
         let value = tokio::runtime::Builder::new_current_thread()
             .enable_all()

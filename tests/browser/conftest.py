@@ -106,7 +106,7 @@ class Stack:
             # The README's webhook receiver listens on loopback.
             ZHIHUI_WEBHOOKS__ALLOWED_NETWORKS="127.0.0.0/8",
             ZHIHUI_WEBHOOKS__PUBLIC_BASE_URL=f"http://127.0.0.1:{self.port}",
-            ZHIHUI_LOG__FILTER="warn,zhihui::auth=info",
+            ZHIHUI_LOG__FILTER="warn,zhihui::identity=info",
             ZHIHUI_LOG__FORMAT="json",
         )
         self.env.pop("RUST_LOG", None)

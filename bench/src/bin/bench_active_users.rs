@@ -21,11 +21,11 @@ use chrono::NaiveDate;
 use rand::{Rng, SeedableRng};
 use secrecy::SecretString;
 use uuid::Uuid;
-use zhihui::clock::Clock;
-use zhihui::configuration::Settings;
-use zhihui::redis_store::RedisConnection;
-use zhihui::redis_store::RedisStore;
-use zhihui::stats::ActiveUsers;
+use zhihui::identity::active_users::ActiveUsers;
+use zhihui::platform::clock::Clock;
+use zhihui::platform::configuration::Settings;
+use zhihui::platform::redis_store::RedisConnection;
+use zhihui::platform::redis_store::RedisStore;
 
 const DAYS: usize = 7;
 /// The share of users active on each day.
@@ -35,7 +35,7 @@ const CHUNK: usize = 10_000;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    zhihui::allocator::tune();
+    zhihui::platform::allocator::tune();
     let users: usize = match std::env::args().nth(1) {
         Some(text) => text.parse().context("USERS must be a number")?,
         None => 1_000_000,
@@ -245,7 +245,7 @@ async fn count_case(
     println!(
         "  week distinct: exact {exact_union:>9}  estimate {:>9}  error {union_error:+.3} %  (report in {:.1} ms)",
         report.distinct,
-        zhihui::bench_support::ms(query)
+        zhihui::startup::bench_support::ms(query)
     );
     let mut day_bytes = 0i64;
     for key in active.day_keys(first_day) {
@@ -262,7 +262,7 @@ async fn count_case(
         union_error,
         day_bytes,
         per_second: added as f64 / counting.as_secs_f64(),
-        report_ms: zhihui::bench_support::ms(query),
+        report_ms: zhihui::startup::bench_support::ms(query),
         day0_estimate: report.days.first().map_or(0, |(_, count)| *count),
     })
 }

@@ -31,11 +31,11 @@ use anyhow::Context;
 use rand::{Rng, SeedableRng};
 use secrecy::SecretString;
 use uuid::Uuid;
-use zhihui::bench_support::{Figure, metadata};
-use zhihui::codes::issuer::CodeIssuer;
-use zhihui::codes::{CodeService, RedeemError};
-use zhihui::configuration::Settings;
-use zhihui::startup::AppState;
+use zhihui::platform::configuration::Settings;
+use zhihui::points::codes::issuer::CodeIssuer;
+use zhihui::points::codes::{CodeService, RedeemError};
+use zhihui::startup::bench_support::{Figure, metadata};
+use zhihui::state::AppState;
 use zhihui_domain::points::Amount;
 use zhihui_domain::redeem::BatchSpec;
 use zhihui_domain::user::UserId;
@@ -53,11 +53,11 @@ const PG_STATS_SETTLE: Duration = Duration::from_secs(11);
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    zhihui::allocator::tune();
-    let seconds = zhihui::bench_support::seconds_per_case()?;
+    zhihui::platform::allocator::tune();
+    let seconds = zhihui::startup::bench_support::seconds_per_case()?;
     let redis_url =
         std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into());
-    Box::pin(zhihui::bench_support::with_fresh_database(
+    Box::pin(zhihui::startup::bench_support::with_fresh_database(
         |settings| {
             settings.database.pool_max_size = POOL_SIZE / 2;
             settings.event_store.group_commit_writers = 2;
@@ -70,7 +70,7 @@ async fn main() -> anyhow::Result<()> {
 }
 
 fn instance(settings: &Settings) -> anyhow::Result<AppState> {
-    let pool = zhihui::postgres::build_pool(&settings.database)?;
+    let pool = zhihui::platform::postgres::build_pool(&settings.database)?;
     AppState::build(settings, pool, Default::default())
 }
 
@@ -88,7 +88,7 @@ fn spec(count: u32) -> BatchSpec {
 async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
     let a = instance(settings)?;
     let b = instance(settings)?;
-    zhihui::postgres::migrate(&a.pg_pool).await?;
+    zhihui::platform::postgres::migrate(&a.pg_pool).await?;
     let mut figures: Vec<Figure> = Vec::new();
 
     // 1. Issue.
@@ -108,18 +108,18 @@ async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
     let projected = projecting.elapsed();
     println!(
         "issue: {ISSUE_COUNT} codes in {pages} pages: created in {:.1} ms, last page {:.2} s after, rows projected in {:.2} s",
-        zhihui::bench_support::ms(accepted),
+        zhihui::startup::bench_support::ms(accepted),
         issued.as_secs_f64(),
         projected.as_secs_f64()
     );
     figures.push((
         "codes_issue_100k_ms".into(),
-        zhihui::bench_support::ms(issued),
+        zhihui::startup::bench_support::ms(issued),
         "ms",
     ));
     figures.push((
         "codes_issue_100k_rows_projected_ms".into(),
-        zhihui::bench_support::ms(projected),
+        zhihui::startup::bench_support::ms(projected),
         "ms",
     ));
 
@@ -196,7 +196,7 @@ async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
     let (redis_calls, pg_transactions) = counters_after.since(&counters_before);
     println!(
         "forged: {refused} of {FORGED} refused in {:.1} ms; meanwhile Redis calls {redis_calls}, PostgreSQL {unit} {pg_transactions}",
-        zhihui::bench_support::ms(forging)
+        zhihui::startup::bench_support::ms(forging)
     );
     anyhow::ensure!(refused == FORGED, "a forged code was not refused");
 
@@ -242,7 +242,7 @@ async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
     let naive_pool = {
         let mut naive = settings.clone();
         naive.database.pool_max_size = POOL_SIZE;
-        zhihui::postgres::build_pool(&naive.database)?
+        zhihui::platform::postgres::build_pool(&naive.database)?
     };
     let theirs = naive_distinct(&naive_pool, seconds).await?;
     theirs.print("naive FOR UPDATE");
@@ -303,13 +303,13 @@ async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
     ));
 
     // Everything projected, then audited.
-    let verified = zhihui::bench_support::project_and_audit(&a, settings).await?;
+    let verified = zhihui::startup::bench_support::project_and_audit(&a, settings).await?;
     figures.push((
         "codes_audit_differences".into(),
         verified.differences.len() as f64,
         "differences",
     ));
-    zhihui::bench_support::clean_redis(&a).await?;
+    zhihui::startup::bench_support::clean_redis(&a).await?;
     Ok(figures)
 }
 
@@ -323,11 +323,11 @@ fn first_codes(codes: &CodeService, first: u32, count: usize) -> Vec<String> {
 }
 
 async fn project_codes(state: &AppState) -> anyhow::Result<()> {
-    zhihui::projector::Projector::live(
+    zhihui::platform::projector::Projector::live(
         zhihui_projections::ProjectionName::Codes,
         state.pg_pool.clone(),
         state.event_store.clone(),
-        zhihui::configuration::Settings::load(None)?.projections,
+        zhihui::platform::configuration::Settings::load(None)?.projections,
     )
     .catch_up()
     .await?;
@@ -439,7 +439,8 @@ impl CaseFigures {
     fn new(mut latencies_us: Vec<u64>, elapsed: Duration, errors: u64) -> CaseFigures {
         latencies_us.sort_unstable();
         let percentile = |p: f64| {
-            zhihui::bench_support::percentile(&latencies_us, p).unwrap_or(0) as f64 / 1000.0
+            zhihui::startup::bench_support::percentile(&latencies_us, p).unwrap_or(0) as f64
+                / 1000.0
         };
         CaseFigures {
             per_second: latencies_us.len() as f64 / elapsed.as_secs_f64(),

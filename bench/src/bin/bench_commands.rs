@@ -37,10 +37,10 @@ use std::time::{Duration, Instant};
 
 use secrecy::ExposeSecret;
 use uuid::Uuid;
-use zhihui::aggregate::AggregateService;
-use zhihui::bench_support::{Figure, metadata};
-use zhihui::command::{CommandError, RetryPolicy};
-use zhihui::configuration::Settings;
+use zhihui::platform::aggregate::AggregateService;
+use zhihui::platform::command::{CommandError, RetryPolicy};
+use zhihui::platform::configuration::Settings;
+use zhihui::startup::bench_support::{Figure, metadata};
 use zhihui_domain::account::{Account, account_stream};
 use zhihui_domain::user::UserId;
 
@@ -54,9 +54,9 @@ const SPLIT_CASE: &str = "hot_split";
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    zhihui::allocator::tune();
-    let seconds = zhihui::bench_support::seconds_per_case()?;
-    zhihui::bench_support::with_fresh_database(
+    zhihui::platform::allocator::tune();
+    let seconds = zhihui::startup::bench_support::seconds_per_case()?;
+    zhihui::startup::bench_support::with_fresh_database(
         |settings| {
             settings.database.pool_max_size = POOL_SIZE;
             settings.event_store.group_commit_writers = 4;
@@ -86,7 +86,8 @@ impl CaseFigures {
     ) -> CaseFigures {
         latencies_us.sort_unstable();
         let percentile = |p: f64| {
-            zhihui::bench_support::percentile(&latencies_us, p).unwrap_or(0) as f64 / 1000.0
+            zhihui::startup::bench_support::percentile(&latencies_us, p).unwrap_or(0) as f64
+                / 1000.0
         };
         CaseFigures {
             succeeded: latencies_us.len(),
@@ -206,9 +207,9 @@ async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
 /// Our side: `AggregateService<Account>` on the PostgreSQL event store, then the hot account
 /// split over two instances.
 async fn run_ours(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<CaseFigures>> {
-    let pool = zhihui::postgres::build_pool(&settings.database)?;
-    zhihui::postgres::migrate(&pool).await?;
-    let store = zhihui::event_store::from_settings(settings, pool)?;
+    let pool = zhihui::platform::postgres::build_pool(&settings.database)?;
+    zhihui::platform::postgres::migrate(&pool).await?;
+    let store = zhihui::platform::event_store::from_settings(settings, pool)?;
     let accounts: AggregateService<Account> =
         AggregateService::new(store, RetryPolicy::default(), Duration::from_secs(60));
     let mut figures = Vec::new();
@@ -223,7 +224,7 @@ async fn run_ours(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<CaseF
                 })
             })
             .collect();
-        zhihui::bench_support::fund(&accounts, &streams).await?;
+        zhihui::startup::bench_support::fund(&accounts, &streams).await?;
         let case_figures = run_clients(std::slice::from_ref(&accounts), streams, seconds).await?;
         case_figures.print("ours", case);
         figures.push(case_figures);
@@ -242,8 +243,8 @@ async fn run_split(settings: &Settings, seconds: u64) -> anyhow::Result<CaseFigu
     half.event_store.group_commit_writers = 2;
     let mut instances = Vec::new();
     for _ in 0..2 {
-        let pool = zhihui::postgres::build_pool(&half.database)?;
-        let store = zhihui::event_store::from_settings(&half, pool)?;
+        let pool = zhihui::platform::postgres::build_pool(&half.database)?;
+        let store = zhihui::platform::event_store::from_settings(&half, pool)?;
         instances.push(AggregateService::<Account>::new(
             store,
             RetryPolicy::default(),
@@ -252,7 +253,7 @@ async fn run_split(settings: &Settings, seconds: u64) -> anyhow::Result<CaseFigu
     }
     let hot_account = account_stream(UserId::from_uuid(Uuid::now_v7()));
     let streams = vec![hot_account; CLIENTS];
-    zhihui::bench_support::fund(&instances[0], &streams[..1]).await?;
+    zhihui::startup::bench_support::fund(&instances[0], &streams[..1]).await?;
     let figures = run_clients(&instances, streams, seconds).await?;
     figures.print("ours", SPLIT_CASE);
     Ok(figures)
@@ -283,7 +284,7 @@ async fn run_clients(
                 while !stop.load(Ordering::Relaxed) {
                     for (accounts, command) in through
                         .iter()
-                        .zip(zhihui::bench_support::freeze_release_pair())
+                        .zip(zhihui::startup::bench_support::freeze_release_pair())
                     {
                         let sent = Instant::now();
                         match accounts.execute(&stream, command, metadata()).await {

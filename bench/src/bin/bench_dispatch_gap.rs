@@ -44,11 +44,11 @@ use anyhow::Context;
 use comfyui_sim::{Faults, SimConfig, Simulator};
 use secrecy::{ExposeSecret, SecretString};
 use uuid::Uuid;
-use zhihui::bench_support::{Figure, metadata};
-use zhihui::configuration::Settings;
 use zhihui::dispatch::comfy::{ComfyClient, PostOutcome};
 use zhihui::dispatch::{GapSample, Saga};
-use zhihui::startup::{AppState, Overrides};
+use zhihui::platform::configuration::Settings;
+use zhihui::startup::bench_support::{Figure, metadata};
+use zhihui::state::{AppState, Overrides};
 use zhihui::tasks::catalog::RequestedTask;
 use zhihui_domain::account::{AccountCommand, account_stream};
 use zhihui_domain::points::Amount;
@@ -59,7 +59,7 @@ const DEFAULT_STEP_DELAYS_MS: [u64; 2] = [0, 20];
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    zhihui::allocator::tune();
+    zhihui::platform::allocator::tune();
     let mut args = std::env::args().skip(1);
     let tasks: usize = args
         .next()
@@ -118,7 +118,7 @@ async fn main() -> anyhow::Result<()> {
     let redis_url =
         std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into());
     let sims_ref = &sims;
-    let outcome = Box::pin(zhihui::bench_support::with_fresh_database(
+    let outcome = Box::pin(zhihui::startup::bench_support::with_fresh_database(
         |settings| {
             settings.redis.url = SecretString::from(redis_url);
             settings.redis.key_prefix = format!("bench:{}", Uuid::now_v7().simple());
@@ -158,9 +158,9 @@ async fn run(
     step_delays_ms: &[u64],
     sims: &[Simulator],
 ) -> anyhow::Result<Vec<Figure>> {
-    zhihui::telemetry::init(&settings.log)?;
-    let pool = zhihui::postgres::build_pool(&settings.database)?;
-    zhihui::postgres::migrate(&pool).await?;
+    zhihui::platform::telemetry::init(&settings.log)?;
+    let pool = zhihui::platform::postgres::build_pool(&settings.database)?;
+    zhihui::platform::postgres::migrate(&pool).await?;
     let state = AppState::build(settings, pool, Overrides::default())?;
     let cases: Vec<(u64, usize)> = step_delays_ms
         .iter()
@@ -319,8 +319,8 @@ async fn dispatch_case(
     let mut idle: Vec<Duration> = sims.iter().flat_map(Simulator::take_idle_gaps).collect();
     anyhow::ensure!(!idle.is_empty(), "no gap was measured");
     let (idle_p50, idle_p99, idle_max) = percentiles(&mut idle);
-    let idle_p90 =
-        zhihui::bench_support::percentile(&idle, 0.9).map_or(0.0, zhihui::bench_support::ms);
+    let idle_p90 = zhihui::startup::bench_support::percentile(&idle, 0.9)
+        .map_or(0.0, zhihui::startup::bench_support::ms);
     let under_target = idle
         .iter()
         .filter(|gap| **gap < Duration::from_millis(5))
@@ -440,7 +440,8 @@ impl CpuTimes {
             let Ok(stat) = std::fs::read_to_string(entry?.path().join("stat")) else {
                 continue;
             };
-            let Some((name, cpu_us)) = zhihui::bench_support::parse_proc_stat(&stat) else {
+            let Some((name, cpu_us)) = zhihui::startup::bench_support::parse_proc_stat(&stat)
+            else {
                 continue;
             };
             let seconds = cpu_us / 1_000_000.0;
@@ -450,8 +451,8 @@ impl CpuTimes {
                 times.zhihui += seconds;
             }
         }
-        times.postgres =
-            zhihui::bench_support::processes_cpu_us("postgres")?.map(|cpu_us| cpu_us / 1_000_000.0);
+        times.postgres = zhihui::startup::bench_support::processes_cpu_us("postgres")?
+            .map(|cpu_us| cpu_us / 1_000_000.0);
         let info: String = redis::cmd("INFO")
             .arg("cpu")
             .query_async(redis)
@@ -466,7 +467,7 @@ impl CpuTimes {
             .iter()
             .filter_map(|key| values.get(key))
             .sum();
-        let machine = zhihui::bench_support::machine_cpu_us()?;
+        let machine = zhihui::startup::bench_support::machine_cpu_us()?;
         times.machine_total = machine.total_us / 1_000_000.0;
         times.machine_busy = machine.busy_us / 1_000_000.0;
         times.cores = std::thread::available_parallelism().map_or(1, usize::from);
@@ -497,7 +498,8 @@ impl CpuTimes {
 fn percentiles(samples: &mut [Duration]) -> (f64, f64, f64) {
     samples.sort();
     let at = |p: f64| {
-        zhihui::bench_support::percentile(samples, p).map_or(0.0, zhihui::bench_support::ms)
+        zhihui::startup::bench_support::percentile(samples, p)
+            .map_or(0.0, zhihui::startup::bench_support::ms)
     };
     (at(0.5), at(0.99), at(1.0))
 }

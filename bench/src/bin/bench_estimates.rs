@@ -5,7 +5,7 @@
 //! whose rate swings above and below what the pool can serve (a queue builds at the peak and
 //! drains at night). Tasks are dispatched as the filler does (in queue order, each to a free server
 //! offering its model). When each task arrives, its start is estimated by zhihui's estimator
-//! ([`zhihui::dispatch::estimate::estimate`]) from what the leader would know then: the step times
+//! ([`zhihui::tasks::estimate::estimate`]) from what the leader would know then: the step times
 //! measured so far (moving median per server and model), what runs on each server and how long
 //! it has run, and the tasks ahead. Beside it, the peer a simple service shows: place in the
 //! queue times the mean task time so far, divided by the servers.
@@ -17,7 +17,7 @@
 
 use std::collections::VecDeque;
 
-use zhihui::dispatch::estimate::{ServerOutlook, StepTimes, Waiting, estimate};
+use zhihui::tasks::estimate::{ServerOutlook, StepTimes, Waiting, estimate};
 
 struct Server {
     name: &'static str,
@@ -57,7 +57,7 @@ fn percentile(values: &mut [f64], fraction: f64) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
-    zhihui::allocator::tune();
+    zhihui::platform::allocator::tune();
     let mut args = std::env::args().skip(1);
     let count: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(2_000);
     let seed: u64 = args.next().map(|a| a.parse()).transpose()?.unwrap_or(1);

@@ -17,17 +17,17 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use uuid::Uuid;
-use zhihui::configuration::Settings;
-use zhihui::event_store::postgres::{PostgresEventStore, PostgresEventStoreOptions};
-use zhihui::event_store::{EventMetadata, EventStore, ExpectedVersion, NewEvent};
+use zhihui::platform::configuration::Settings;
+use zhihui::platform::event_store::postgres::{PostgresEventStore, PostgresEventStoreOptions};
+use zhihui::platform::event_store::{EventMetadata, EventStore, ExpectedVersion, NewEvent};
 
 const WRITER_COUNTS: [usize; 3] = [1, 8, 32];
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    zhihui::allocator::tune();
-    let seconds = zhihui::bench_support::seconds_per_case()?;
-    zhihui::bench_support::with_fresh_database(
+    zhihui::platform::allocator::tune();
+    let seconds = zhihui::startup::bench_support::seconds_per_case()?;
+    zhihui::startup::bench_support::with_fresh_database(
         |settings| {
             settings.database.pool_max_size = 48;
         },
@@ -40,8 +40,8 @@ async fn run(
     settings: &Settings,
     seconds: u64,
 ) -> anyhow::Result<Vec<(String, f64, &'static str)>> {
-    let pool = zhihui::postgres::build_pool(&settings.database)?;
-    zhihui::postgres::migrate(&pool).await?;
+    let pool = zhihui::platform::postgres::build_pool(&settings.database)?;
+    zhihui::platform::postgres::migrate(&pool).await?;
     let row = pool
         .get()
         .await?
@@ -240,7 +240,8 @@ where
     }
     let elapsed = started.elapsed();
     latencies.sort_unstable();
-    let percentile = |p: f64| zhihui::bench_support::percentile(&latencies, p).unwrap_or_default();
+    let percentile =
+        |p: f64| zhihui::startup::bench_support::percentile(&latencies, p).unwrap_or_default();
     Ok((
         latencies.len() as f64 / elapsed.as_secs_f64(),
         percentile(0.50),

@@ -29,11 +29,11 @@ use anyhow::Context;
 use futures::StreamExt;
 use secrecy::SecretString;
 use uuid::Uuid;
-use zhihui::bench_support::{Figure, metadata, ms, percentile};
-use zhihui::configuration::Settings;
-use zhihui::notify::Envelope;
-use zhihui::promotions::ClaimError;
-use zhihui::startup::AppState;
+use zhihui::platform::configuration::Settings;
+use zhihui::platform::notify::Envelope;
+use zhihui::points::promotions::ClaimError;
+use zhihui::startup::bench_support::{Figure, metadata, ms, percentile};
+use zhihui::state::AppState;
 use zhihui_domain::points::Amount;
 use zhihui_domain::promotion::PromotionSpec;
 use zhihui_domain::user::UserId;
@@ -48,7 +48,7 @@ const PACED_SECONDS: u32 = 5;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    zhihui::allocator::tune();
+    zhihui::platform::allocator::tune();
     let claims: usize = match std::env::args().nth(1) {
         Some(text) => text.parse().context("CLAIMS must be a number")?,
         None => 20_000,
@@ -59,7 +59,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let redis_url =
         std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into());
-    Box::pin(zhihui::bench_support::with_fresh_database(
+    Box::pin(zhihui::startup::bench_support::with_fresh_database(
         |settings| {
             settings.database.pool_max_size = POOL_SIZE / 2;
             settings.redis.url = SecretString::from(redis_url);
@@ -71,7 +71,7 @@ async fn main() -> anyhow::Result<()> {
 }
 
 fn instance(settings: &Settings) -> anyhow::Result<AppState> {
-    let pool = zhihui::postgres::build_pool(&settings.database)?;
+    let pool = zhihui::platform::postgres::build_pool(&settings.database)?;
     AppState::build(settings, pool, Default::default())
 }
 
@@ -114,7 +114,7 @@ impl Latencies {
 async fn run(settings: &Settings, claims: usize, paced_rate: u32) -> anyhow::Result<Vec<Figure>> {
     let a = instance(settings)?;
     let b = instance(settings)?;
-    zhihui::postgres::migrate(&a.pg_pool).await?;
+    zhihui::platform::postgres::migrate(&a.pg_pool).await?;
     let mut figures: Vec<Figure> = Vec::new();
     let stock = u32::try_from(claims)?;
 
@@ -249,7 +249,7 @@ async fn run(settings: &Settings, claims: usize, paced_rate: u32) -> anyhow::Res
     let naive_pool = {
         let mut naive = settings.clone();
         naive.database.pool_max_size = POOL_SIZE;
-        zhihui::postgres::build_pool(&naive.database)?
+        zhihui::platform::postgres::build_pool(&naive.database)?
     };
     setup_naive(&naive_pool).await?;
     let naive_promotion = create_naive(&naive_pool, stock).await?;
@@ -390,13 +390,13 @@ async fn run(settings: &Settings, claims: usize, paced_rate: u32) -> anyhow::Res
     listener.abort();
 
     // Everything projected, then audited.
-    let verified = zhihui::bench_support::project_and_audit(&a, settings).await?;
+    let verified = zhihui::startup::bench_support::project_and_audit(&a, settings).await?;
     figures.push((
         "flash_audit_differences".into(),
         verified.differences.len() as f64,
         "differences",
     ));
-    zhihui::bench_support::clean_redis(&a).await?;
+    zhihui::startup::bench_support::clean_redis(&a).await?;
     Ok(figures)
 }
 

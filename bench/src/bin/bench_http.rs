@@ -33,9 +33,9 @@ use anyhow::Context;
 use secrecy::SecretString;
 use serde_json::{Value, json};
 use uuid::Uuid;
-use zhihui::bench_support::metadata;
-use zhihui::configuration::Settings;
-use zhihui::startup::{AppState, Overrides};
+use zhihui::platform::configuration::Settings;
+use zhihui::startup::bench_support::metadata;
+use zhihui::state::{AppState, Overrides};
 use zhihui_domain::account::{AccountCommand, account_stream};
 use zhihui_domain::points::Amount;
 use zhihui_domain::user::UserId;
@@ -45,10 +45,10 @@ const MEMORY_TARGET_MB: f64 = 150.0;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    zhihui::allocator::tune();
+    zhihui::platform::allocator::tune();
     let seconds: u64 = arg(1, "seconds of load")?.unwrap_or(10);
     let clients: usize = arg(2, "concurrent clients")?.unwrap_or(64);
-    Box::pin(zhihui::bench_support::with_fresh_database(
+    Box::pin(zhihui::startup::bench_support::with_fresh_database(
         |settings| {
             settings.redis.url = SecretString::from(
                 std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into()),
@@ -129,7 +129,7 @@ async fn run(
     seconds: u64,
     clients: usize,
 ) -> anyhow::Result<Vec<(String, f64, &'static str)>> {
-    zhihui::telemetry::init(&settings.log)?;
+    zhihui::platform::telemetry::init(&settings.log)?;
     let mut server = serve::start_server(
         &settings,
         &[
@@ -140,7 +140,7 @@ async fn run(
     )
     .await?;
     let base = server.base.clone();
-    let pool = zhihui::postgres::build_pool(&settings.database)?;
+    let pool = zhihui::platform::postgres::build_pool(&settings.database)?;
     let state = AppState::build(&settings, pool, Overrides::default())?;
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(clients)
@@ -345,7 +345,7 @@ fn wrk_ms(value: &str) -> Option<f64> {
 
 /// Run wrk (2 threads, [`WRK_CONNECTIONS`]) against `url` for `seconds`, with `args` before it.
 async fn wrk(pid: u32, seconds: u64, args: &[String], url: &str) -> anyhow::Result<WrkRun> {
-    use zhihui::bench_support::{machine_cpu_us, process_cpu_us, processes_cpu_us};
+    use zhihui::startup::bench_support::{machine_cpu_us, process_cpu_us, processes_cpu_us};
     // No such process on this host (a remote store): nothing of it is counted.
     let of = |name| processes_cpu_us(name).map(|cpu_us| cpu_us.unwrap_or(0.0));
     let cpu_before = process_cpu_us(pid)?;
@@ -552,7 +552,8 @@ async fn external_load(
 fn percentiles(samples: &mut [Duration]) -> (f64, f64) {
     samples.sort();
     let at = |p: f64| {
-        zhihui::bench_support::percentile(samples, p).map_or(0.0, zhihui::bench_support::ms)
+        zhihui::startup::bench_support::percentile(samples, p)
+            .map_or(0.0, zhihui::startup::bench_support::ms)
     };
     (at(0.5), at(0.99))
 }

@@ -24,14 +24,14 @@ use std::time::Instant;
 use anyhow::Context;
 use rand::{Rng, SeedableRng};
 use uuid::Uuid;
-use zhihui::configuration::{PngCompression, Settings};
 use zhihui::labels::Labeller;
+use zhihui::platform::configuration::{PngCompression, Settings};
 
 /// One benchmarked case: label or re-encode the input once, answering the output's size.
 type Case<'a> = Box<dyn Fn() -> anyhow::Result<usize> + 'a>;
 
 fn main() -> anyhow::Result<()> {
-    zhihui::allocator::tune();
+    zhihui::platform::allocator::tune();
     let mut iterations = 20usize;
     let mut samples = None;
     let mut args = std::env::args().skip(1);

@@ -20,9 +20,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use uuid::Uuid;
-use zhihui::aggregate::AggregateService;
-use zhihui::bench_support::metadata;
-use zhihui::command::RetryPolicy;
+use zhihui::platform::aggregate::AggregateService;
+use zhihui::platform::command::RetryPolicy;
+use zhihui::startup::bench_support::metadata;
 use zhihui_domain::account::{Account, account_stream};
 use zhihui_domain::user::UserId;
 use zhihui_projections::ProjectionName;
@@ -32,9 +32,9 @@ const PACED_COMMANDS_PER_SECOND: u64 = 1_000;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    zhihui::allocator::tune();
-    let seconds = zhihui::bench_support::seconds_per_case()?;
-    zhihui::bench_support::with_fresh_database(
+    zhihui::platform::allocator::tune();
+    let seconds = zhihui::startup::bench_support::seconds_per_case()?;
+    zhihui::startup::bench_support::with_fresh_database(
         |settings| {
             settings.database.pool_max_size = 32;
             settings.event_store.group_commit_writers = 4;
@@ -45,7 +45,7 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn freeze_release(accounts: &AggregateService<Account>, stream: &str) -> anyhow::Result<()> {
-    for command in zhihui::bench_support::freeze_release_pair() {
+    for command in zhihui::startup::bench_support::freeze_release_pair() {
         accounts
             .execute(stream, command, metadata())
             .await
@@ -55,12 +55,12 @@ async fn freeze_release(accounts: &AggregateService<Account>, stream: &str) -> a
 }
 
 async fn run(
-    settings: &zhihui::configuration::Settings,
+    settings: &zhihui::platform::configuration::Settings,
     seconds: u64,
-) -> anyhow::Result<Vec<zhihui::bench_support::Figure>> {
-    let pool = zhihui::postgres::build_pool(&settings.database)?;
-    zhihui::postgres::migrate(&pool).await?;
-    let store = zhihui::event_store::from_settings(settings, pool.clone())?;
+) -> anyhow::Result<Vec<zhihui::startup::bench_support::Figure>> {
+    let pool = zhihui::platform::postgres::build_pool(&settings.database)?;
+    zhihui::platform::postgres::migrate(&pool).await?;
+    let store = zhihui::platform::event_store::from_settings(settings, pool.clone())?;
     let accounts: AggregateService<Account> = AggregateService::new(
         store.clone(),
         RetryPolicy::default(),
@@ -69,17 +69,17 @@ async fn run(
     let streams: Vec<String> = (0..CLIENTS)
         .map(|_| account_stream(UserId::from_uuid(Uuid::now_v7())))
         .collect();
-    zhihui::bench_support::fund(&accounts, &streams).await?;
+    zhihui::startup::bench_support::fund(&accounts, &streams).await?;
 
     let (observer, mut lags) = tokio::sync::mpsc::unbounded_channel();
-    let runner = zhihui::projector::Projector::live(
+    let runner = zhihui::platform::projector::Projector::live(
         ProjectionName::Ledger,
         pool.clone(),
         store.clone(),
         settings.projections.clone(),
     )
     .with_lag_observer(observer);
-    let statuses = zhihui::projector::Statuses::default();
+    let statuses = zhihui::platform::projector::Statuses::default();
     let runner = tokio::spawn(runner.run(statuses));
     // Let it take the lead and apply the grants before measuring.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -133,8 +133,9 @@ async fn run(
         }
         samples.sort_unstable();
         anyhow::ensure!(!samples.is_empty(), "the runner applied nothing");
-        let percentile =
-            |p: f64| zhihui::bench_support::percentile(&samples, p).unwrap_or(0) as f64 / 1000.0;
+        let percentile = |p: f64| {
+            zhihui::startup::bench_support::percentile(&samples, p).unwrap_or(0) as f64 / 1000.0
+        };
         let (p50, p99, max) = (percentile(0.50), percentile(0.99), percentile(1.0));
         println!(
             "{case:>9}: {:.0} commands/s, {} events applied; lag p50 {p50:.1} ms, p99 {p99:.1} ms, max {max:.1} ms",

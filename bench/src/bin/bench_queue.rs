@@ -66,9 +66,9 @@ use rand::seq::SliceRandom;
 use secrecy::{ExposeSecret, SecretString};
 use serde_json::Value;
 use uuid::Uuid;
-use zhihui::clock::Clock;
-use zhihui::configuration::Settings;
-use zhihui::redis_store::RedisStore;
+use zhihui::platform::clock::Clock;
+use zhihui::platform::configuration::Settings;
+use zhihui::platform::redis_store::RedisStore;
 use zhihui::tasks::queue::{PrioritiseTarget, TaskQueue};
 use zhihui_domain::task::TaskId;
 
@@ -95,7 +95,7 @@ struct Row {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    zhihui::allocator::tune();
+    zhihui::platform::allocator::tune();
     let jobs: usize = argument(1, "the first argument is the number of jobs")?.unwrap_or(50_000);
     let concurrency: usize = argument(2, "the second argument is the concurrency")?.unwrap_or(100);
     anyhow::ensure!(
@@ -570,7 +570,8 @@ async fn process(queue: &TaskQueue, concurrency: usize, lease_ms: u64) -> anyhow
 fn phase(latencies: &mut [Duration], per_second: f64) -> Phase {
     latencies.sort_unstable();
     let at = |p: f64| {
-        zhihui::bench_support::percentile(latencies, p).map_or(0.0, zhihui::bench_support::ms)
+        zhihui::startup::bench_support::percentile(latencies, p)
+            .map_or(0.0, zhihui::startup::bench_support::ms)
     };
     Phase {
         count: latencies.len(),

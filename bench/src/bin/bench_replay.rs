@@ -18,8 +18,8 @@ use std::time::Instant;
 use anyhow::Context;
 use futures::StreamExt;
 use uuid::Uuid;
-use zhihui::event_store::{EventStore, ExpectedVersion};
-use zhihui::replay::Quiet;
+use zhihui::cli::replay::Quiet;
+use zhihui::platform::event_store::{EventStore, ExpectedVersion};
 use zhihui_domain::Decider;
 use zhihui_domain::account::{Account, AccountCommand, account_stream};
 use zhihui_domain::points::Amount;
@@ -33,7 +33,7 @@ const LOAD_CONCURRENCY: usize = 64;
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    zhihui::allocator::tune();
+    zhihui::platform::allocator::tune();
     let mut args = std::env::args().skip(1);
     let events: usize = args
         .next()
@@ -47,7 +47,7 @@ async fn main() -> anyhow::Result<()> {
         .transpose()
         .context("the second argument is the replay batch size")?
         .unwrap_or(zhihui::cli::REPLAY_BATCH_SIZE_DEFAULT);
-    zhihui::bench_support::with_fresh_database(
+    zhihui::startup::bench_support::with_fresh_database(
         |settings| {
             settings.database.pool_max_size = 32;
             settings.event_store.group_commit_writers = 4;
@@ -105,23 +105,24 @@ fn account_events(at: chrono::DateTime<chrono::Utc>) -> Vec<zhihui_domain::accou
 }
 
 async fn run(
-    settings: &zhihui::configuration::Settings,
+    settings: &zhihui::platform::configuration::Settings,
     events: usize,
     batch_size: usize,
-) -> anyhow::Result<Vec<zhihui::bench_support::Figure>> {
-    zhihui::telemetry::init(&settings.log)?;
-    let pool = zhihui::postgres::build_pool(&settings.database)?;
-    zhihui::postgres::migrate(&pool).await?;
-    let store = zhihui::event_store::from_settings(settings, pool.clone())?;
+) -> anyhow::Result<Vec<zhihui::startup::bench_support::Figure>> {
+    zhihui::platform::telemetry::init(&settings.log)?;
+    let pool = zhihui::platform::postgres::build_pool(&settings.database)?;
+    zhihui::platform::postgres::migrate(&pool).await?;
+    let store = zhihui::platform::event_store::from_settings(settings, pool.clone())?;
 
     let accounts = events.div_ceil(EVENTS_PER_ACCOUNT);
     let at = chrono::Utc::now();
     let loading = Instant::now();
-    let metadata = zhihui::bench_support::metadata();
+    let metadata = zhihui::startup::bench_support::metadata();
     let mut appends = futures::stream::iter(0..accounts)
         .map(|_| {
             let store = store.clone();
-            let new_events = zhihui::command::to_new_events(&account_events(at), &metadata);
+            let new_events =
+                zhihui::platform::command::to_new_events(&account_events(at), &metadata);
             async move {
                 let stream = account_stream(UserId::from_uuid(Uuid::now_v7()));
                 store
@@ -145,11 +146,11 @@ async fn run(
     );
 
     let live = Instant::now();
-    let projector = zhihui::projector::Projector::live(
+    let projector = zhihui::platform::projector::Projector::live(
         ProjectionName::Ledger,
         pool.clone(),
         store.clone(),
-        zhihui::configuration::ProjectionSettings {
+        zhihui::platform::configuration::ProjectionSettings {
             batch_size,
             ..settings.projections.clone()
         },
@@ -185,7 +186,7 @@ async fn run(
     let before = client.query_one(totals, &[]).await?;
     let before: (i64, i64, String) = (before.get(0), before.get(1), before.get(2));
 
-    let report = zhihui::replay::replay(
+    let report = zhihui::cli::replay::replay(
         &pool,
         &store,
         ProjectionName::Ledger,

@@ -30,19 +30,19 @@ use anyhow::Context;
 use futures::StreamExt;
 use secrecy::SecretString;
 use uuid::Uuid;
-use zhihui::bench_support::{arg, ms, percentile};
-use zhihui::configuration::Settings;
-use zhihui::notify::TaskNotice;
-use zhihui::startup::{AppState, Overrides};
+use zhihui::platform::configuration::Settings;
+use zhihui::platform::notify::TaskNotice;
+use zhihui::startup::bench_support::{arg, ms, percentile};
+use zhihui::state::{AppState, Overrides};
 use zhihui_domain::user::{Role, UserId};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    zhihui::allocator::tune();
+    zhihui::platform::allocator::tune();
     let sockets: usize = arg(1)?.unwrap_or(1000);
     let tasks: usize = arg(2)?.unwrap_or(5);
     let changes: usize = arg(3)?.unwrap_or(50);
-    zhihui::bench_support::with_fresh_database(
+    zhihui::startup::bench_support::with_fresh_database(
         |settings| {
             settings.redis.url = SecretString::from(
                 std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into()),
@@ -92,10 +92,10 @@ async fn run(
     sockets: usize,
     tasks: usize,
     changes: usize,
-) -> anyhow::Result<Vec<zhihui::bench_support::Figure>> {
+) -> anyhow::Result<Vec<zhihui::startup::bench_support::Figure>> {
     let server =
         serve::start_server(&settings, &[("ZHIHUI_HTTP__SOCKETS_PER_USER_MAX", "8")]).await?;
-    let pool = zhihui::postgres::build_pool(&settings.database)?;
+    let pool = zhihui::platform::postgres::build_pool(&settings.database)?;
     let state = AppState::build(&settings, pool, Overrides::default())?;
     let positions = Arc::new(AtomicU64::new(0));
     println!("opening {sockets} sockets");

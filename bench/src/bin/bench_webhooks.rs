@@ -36,8 +36,8 @@ use rand::Rng;
 use secrecy::{ExposeSecret, SecretString};
 use serde_json::{Value, json};
 use uuid::Uuid;
-use zhihui::bench_support::{Figure, arg, percentile};
-use zhihui::configuration::Settings;
+use zhihui::platform::configuration::Settings;
+use zhihui::startup::bench_support::{Figure, arg, percentile};
 
 const USERS: usize = 10;
 /// The sender's total timeout; a stalled answer takes longer.
@@ -190,7 +190,7 @@ async fn webhook_leader(
     client: &tokio_postgres::Client,
     pids: &[u32],
 ) -> anyhow::Result<Option<u32>> {
-    let key = zhihui::leader::lock_key(zhihui::webhooks::delivery::LEADER);
+    let key = zhihui::platform::leader::lock_key(zhihui::webhooks::delivery::LEADER);
     let bits = u64::from_ne_bytes(key.to_ne_bytes());
     let (high, low) = ((bits >> 32) as u32, bits as u32);
     let row = client
@@ -242,9 +242,9 @@ async fn webhook_leader(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    zhihui::allocator::tune();
+    zhihui::platform::allocator::tune();
     let tasks = arg(1)?.unwrap_or(500);
-    zhihui::bench_support::with_fresh_database(
+    zhihui::startup::bench_support::with_fresh_database(
         |settings| {
             settings.redis.url = SecretString::from(
                 std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into()),
@@ -319,9 +319,9 @@ async fn run(settings: Settings, tasks_total: usize) -> anyhow::Result<Vec<Figur
     };
     cluster.start().await?;
     cluster.start().await?;
-    let pool = zhihui::postgres::build_pool(&settings.database)?;
+    let pool = zhihui::platform::postgres::build_pool(&settings.database)?;
     let state =
-        zhihui::startup::AppState::build(&settings, pool, zhihui::startup::Overrides::default())?;
+        zhihui::state::AppState::build(&settings, pool, zhihui::state::Overrides::default())?;
     let (pg, connection) =
         tokio_postgres::connect(settings.database.url.expose_secret(), tokio_postgres::NoTls)
             .await?;
@@ -349,7 +349,7 @@ async fn run(settings: Settings, tasks_total: usize) -> anyhow::Result<Vec<Figur
             .json()
             .await?;
         let token = login["token"].as_str().context("token")?.to_owned();
-        zhihui::bench_support::fund(
+        zhihui::startup::bench_support::fund(
             &state.accounts,
             &[zhihui_domain::account::account_stream(
                 zhihui_domain::user::UserId::from_uuid(Uuid::parse_str(&user)?),
@@ -693,7 +693,7 @@ async fn bare_loop(
     http: &reqwest::Client,
     port: u16,
     bodies: &[(String, Vec<u8>)],
-    state: &zhihui::startup::AppState,
+    state: &zhihui::state::AppState,
 ) -> anyhow::Result<usize> {
     use futures::StreamExt;
     let endpoint = {

@@ -108,7 +108,10 @@ impl Run {
             .env("ZHIHUI_DISPATCH__TASK_TIMEOUT_MS", "60000")
             .envs(settlement_timings())
             .env("ZHIHUI_TASKS__QUEUED_PER_USER_MAX", "1000")
-            .env("ZHIHUI_LOG__FILTER", "warn,zhihui::settlements=warn")
+            .env(
+                "ZHIHUI_LOG__FILTER",
+                "warn,zhihui::points::settlements=warn",
+            )
             .stdout(Stdio::null())
             .kill_on_drop(true)
             .spawn()
@@ -192,7 +195,7 @@ async fn send(
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    zhihui::allocator::tune();
+    zhihui::platform::allocator::tune();
     let tasks_total: usize = match std::env::args().nth(1) {
         Some(count) => count.parse().context("TASKS must be a number")?,
         None => TASKS_DEFAULT,

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use secrecy::ExposeSecret;
-use zhihui::configuration::Settings;
+use zhihui::platform::configuration::Settings;
 
 /// The server under test, killed when dropped (not every benchmark reads every field).
 #[allow(dead_code)]

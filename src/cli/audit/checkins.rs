@@ -21,7 +21,7 @@ use zhihui_domain::account::{AccountEvent, CreditKind};
 use zhihui_domain::checkin::{CheckInEvent, CheckedIn, parse_bonus_reference};
 
 use super::Difference;
-use crate::event_store::RecordedEvent;
+use crate::platform::event_store::RecordedEvent;
 
 #[derive(Default)]
 pub(super) struct CheckInFold {

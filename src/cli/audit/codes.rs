@@ -24,7 +24,7 @@ use zhihui_domain::redeem::{
 use zhihui_domain::{Decider, DomainEvent};
 
 use super::Difference;
-use crate::event_store::RecordedEvent;
+use crate::platform::event_store::RecordedEvent;
 
 struct Credit {
     user_id: Uuid,

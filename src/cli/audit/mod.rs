@@ -22,7 +22,7 @@ use zhihui_domain::user::{User, UserEvent, UserState};
 use zhihui_domain::{Decider, DomainEvent};
 use zhihui_projections::accounts::account_user_id;
 
-use crate::event_store::{AnyEventStore, EventFilter, EventStore, RecordedEvent};
+use crate::platform::event_store::{AnyEventStore, EventFilter, EventStore, RecordedEvent};
 
 /// Events per read of the log during verification.
 pub const VERIFY_READ_PAGE_MAX: usize = 5_000;
@@ -78,7 +78,7 @@ impl RevenueFold {
         if matches!(event, AccountEvent::Granted(_) | AccountEvent::Credited(_)) {
             self.inflow += event.amount().as_decimal();
         }
-        let Some(movement) = crate::revenue::revenue_movement(event) else {
+        let Some(movement) = crate::points::revenue::revenue_movement(event) else {
             return;
         };
         self.movements.insert(
@@ -86,7 +86,7 @@ impl RevenueFold {
             (
                 movement,
                 event.amount().as_decimal(),
-                crate::revenue::to_log_position(recorded.position),
+                crate::points::revenue::to_log_position(recorded.position),
             ),
         );
     }
@@ -192,7 +192,9 @@ pub struct Verified {
 /// How long a settlement may take before its absence is a difference: the intent sweeper
 /// resolves a request that died between two streams within `intent_resolve_after_ms +
 /// intent_sweep_interval_ms`.
-pub fn settlement_bound(settings: &crate::configuration::TaskSettings) -> chrono::Duration {
+pub fn settlement_bound(
+    settings: &crate::platform::configuration::TaskSettings,
+) -> chrono::Duration {
     let bound_ms = settings
         .intent_resolve_after_ms
         .saturating_add(settings.intent_sweep_interval_ms);

@@ -27,7 +27,7 @@ use zhihui_domain::promotion::{
 use zhihui_domain::{Decider, DomainEvent};
 
 use super::Difference;
-use crate::event_store::RecordedEvent;
+use crate::platform::event_store::RecordedEvent;
 
 struct ClaimFold {
     promotion_id: PromotionId,

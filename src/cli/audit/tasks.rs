@@ -27,7 +27,7 @@ use zhihui_domain::task::{PrioritisationOutcome, Task, TaskEvent, TaskState, Tas
 use zhihui_domain::{Decider, DomainEvent};
 
 use super::Difference;
-use crate::event_store::RecordedEvent;
+use crate::platform::event_store::RecordedEvent;
 
 /// A `tasks` row: as read, or as its events say it must be (folded by the projection's rules).
 #[derive(Debug, Clone, PartialEq)]

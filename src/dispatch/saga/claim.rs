@@ -388,10 +388,10 @@ impl Preparation {
             // Its model is still beside it: the claim did not take it away.
             if let Err(error) = tasks.queue.enqueue(task_id, score, None).await {
                 // The next leader's queue rebuild puts it back (the events say queued).
-                tracing::warn!(%task_id, error = %crate::telemetry::error_chain(&error), "could not requeue a claimed task");
+                tracing::warn!(%task_id, error = %crate::platform::telemetry::error_chain(&error), "could not requeue a claimed task");
             }
             if let Err(error) = leases.release_slot(&backend_name, task_id).await {
-                tracing::warn!(%task_id, error = %crate::telemetry::error_chain(&error), "could not free a slot");
+                tracing::warn!(%task_id, error = %crate::platform::telemetry::error_chain(&error), "could not free a slot");
             }
         };
         let (loaded, workflow) = match tasks.load_with_workflow(task_id).await {
@@ -421,7 +421,7 @@ impl Preparation {
             Ok(_) => {
                 // Dispatched: it is not queued again, its model beside the queue can go.
                 if let Err(error) = tasks.queue.forget_model(task_id).await {
-                    tracing::warn!(%task_id, error = %crate::telemetry::error_chain(&error), "could not forget a dispatched task's model");
+                    tracing::warn!(%task_id, error = %crate::platform::telemetry::error_chain(&error), "could not forget a dispatched task's model");
                 }
                 Ok(Some(Prepared {
                     owner,

@@ -210,7 +210,7 @@ impl Dispatcher {
                 Ok(Some(saga)) => Box::pin(saga.run()).await,
                 Ok(None) => {}
                 Err(error) => {
-                    tracing::warn!(error = %crate::telemetry::error_chain(&error), "dispatcher could not start")
+                    tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "dispatcher could not start")
                 }
             }
             tokio::time::sleep(retry).await;

@@ -56,22 +56,22 @@ use zhihui_domain::task::{
 };
 use zhihui_domain::user::UserId;
 
-use crate::clock::Clock;
-use crate::command::CommandError;
-use crate::configuration::{BackendSettings, DispatchSettings};
 use crate::dispatch::comfy::{
     ComfyClient, ComfyMessage, HistoryOutcome, PostOutcome, PromptWhereabouts,
 };
-use crate::dispatch::estimate::StepTimes;
 use crate::dispatch::images::{ImageStore, image_id};
-use crate::dispatch::lease::{Claimed, Fill, FillPlan, Leases, ServerSlots, Term};
 use crate::dispatch::socket::{self, SocketEvent, SocketTimings};
-use crate::event_store::{
+use crate::labels::{LabelError, Labeller};
+use crate::platform::clock::Clock;
+use crate::platform::command::CommandError;
+use crate::platform::configuration::{BackendSettings, DispatchSettings};
+use crate::platform::event_store::{
     AnyEventStore, EventFilter, EventMetadata, EventStore, SubscriptionMessage,
 };
-use crate::labels::{LabelError, Labeller};
-use crate::notify::{Notifier, TaskNotice};
-use crate::pool::PoolService;
+use crate::platform::notify::{Notifier, TaskNotice};
+use crate::tasks::estimate::StepTimes;
+use crate::tasks::pool::PoolService;
+use crate::tasks::queue::lease::{Claimed, Fill, FillPlan, Leases, ServerSlots, Term};
 use crate::tasks::service::{IntentKind, TaskService};
 
 mod claim;
@@ -549,7 +549,7 @@ impl Saga {
                     self.resign().await;
                     return;
                 }
-                tracing::warn!(error = %crate::telemetry::error_chain(&error), failures_in_a_row = failures + 1, "dispatch step failed");
+                tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), failures_in_a_row = failures + 1, "dispatch step failed");
                 let backoff_ms = (10_u64 << failures.min(6)).min(500);
                 failures = failures.saturating_add(1);
                 tokio::time::sleep(std::time::Duration::from_millis(backoff_ms)).await;
@@ -562,7 +562,7 @@ impl Saga {
     /// Give the lease up now (a clean stop), so another process takes over at once.
     pub async fn resign(self) {
         if let Err(error) = self.dispatcher.leases.resign(&self.term).await {
-            tracing::warn!(error = %crate::telemetry::error_chain(&error), "could not resign the leader lease");
+            tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "could not resign the leader lease");
         }
     }
 
@@ -798,7 +798,7 @@ impl Saga {
                     Ok(completion) => self.record(task_id, completion),
                     Err(error) => {
                         flight.completion_attempts += 1;
-                        tracing::warn!(%task_id, attempt = flight.completion_attempts, error = %crate::telemetry::error_chain(&error), "fetching results failed");
+                        tracing::warn!(%task_id, attempt = flight.completion_attempts, error = %crate::platform::telemetry::error_chain(&error), "fetching results failed");
                         if flight.completion_attempts >= COMPLETION_ATTEMPTS_MAX {
                             let reason =
                                 "the images could not be fetched from the image server".to_owned();

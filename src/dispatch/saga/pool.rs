@@ -4,8 +4,8 @@
 //! for `GET /admin/backends`.
 
 use super::*;
-use crate::dispatch::estimate::ServerOutlook;
-use crate::pool::BackendStatus;
+use crate::tasks::estimate::ServerOutlook;
+use crate::tasks::pool::BackendStatus;
 use zhihui_domain::pool::PoolBackend;
 
 /// What a server said of itself.
@@ -82,7 +82,7 @@ impl Saga {
                 self.socket_sender.clone(),
             ))
             .abort_handle();
-        crate::metrics::start_backend_at_zero(
+        crate::platform::metrics::start_backend_at_zero(
             &wanted.name,
             &self.dispatcher.tasks.settings().models,
         );
@@ -182,7 +182,7 @@ impl Saga {
         let inspection = match result {
             Ok(inspection) => inspection,
             Err(error) => {
-                tracing::warn!(backend = %state.settings.name, error = %crate::telemetry::error_chain(&error), "could not read what the server offers");
+                tracing::warn!(backend = %state.settings.name, error = %crate::platform::telemetry::error_chain(&error), "could not read what the server offers");
                 self.count_error(backend, "inspect_failed");
                 return Ok(());
             }

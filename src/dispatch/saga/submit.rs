@@ -114,7 +114,7 @@ impl Saga {
             PostOutcome::Unreachable(error) => {
                 self.count_error(backend, "unreachable");
                 // Maybe queued there, maybe not: the next reconcile finds out before posting again.
-                tracing::warn!(%task_id, error = %crate::telemetry::error_chain(&error), "posting failed");
+                tracing::warn!(%task_id, error = %crate::platform::telemetry::error_chain(&error), "posting failed");
                 Ok(())
             }
         }

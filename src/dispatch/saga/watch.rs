@@ -69,7 +69,7 @@ impl Saga {
         let whereabouts = match result {
             Ok(whereabouts) => whereabouts,
             Err(error) => {
-                tracing::debug!(%task_id, error = %crate::telemetry::error_chain(&error), "server unreachable");
+                tracing::debug!(%task_id, error = %crate::platform::telemetry::error_chain(&error), "server unreachable");
                 if flight.stop.is_some() && flight.stop_attempts >= settings.cancel_attempts_max {
                     // The server stays unreachable: record the stop without its confirmation.
                     self.free_slot(task_id);
@@ -190,7 +190,7 @@ impl Saga {
                         (value.max(0.0).round() as u64, max.max(0.0).round() as u64);
                     if let Err(error) = queue.set_progress(task_id, whole, whole_max, ttl_ms).await
                     {
-                        tracing::debug!(%task_id, error = %crate::telemetry::error_chain(&error), "progress not recorded");
+                        tracing::debug!(%task_id, error = %crate::platform::telemetry::error_chain(&error), "progress not recorded");
                     }
                     notifier
                         .tell(owner, task_id, TaskNotice::Progress { value, max })

@@ -972,11 +972,11 @@ impl Settings {
             "dispatch.queue_scan_max must be 1 to {QUEUE_SCAN_MAX}"
         );
         anyhow::ensure!(
-            (1..=crate::pool::STATUS_STALE_MS as u64 / 2)
+            (1..=crate::tasks::pool::STATUS_STALE_MS as u64 / 2)
                 .contains(&dispatch.status_publish_interval_ms),
             "dispatch.status_publish_interval_ms must be 1 to {}: a view older than {} ms reads as unknown",
-            crate::pool::STATUS_STALE_MS / 2,
-            crate::pool::STATUS_STALE_MS
+            crate::tasks::pool::STATUS_STALE_MS / 2,
+            crate::tasks::pool::STATUS_STALE_MS
         );
         anyhow::ensure!(
             dispatch.inspect_interval_ms >= 1_000,

@@ -409,7 +409,7 @@ pub fn filter_of(projection: zhihui_projections::ProjectionName) -> EventFilter 
 
 /// Build the configured store. PostgreSQL uses the given pool (the read models' database).
 pub fn from_settings(
-    settings: &crate::configuration::Settings,
+    settings: &crate::platform::configuration::Settings,
     pool: deadpool_postgres::Pool,
 ) -> anyhow::Result<AnyEventStore> {
     use secrecy::ExposeSecret;

@@ -306,7 +306,7 @@ impl PostgresEventStore {
         let retry_max = Duration::from_millis(self.inner.options.unknown_outcome_retry_max_ms);
         loop {
             let row = until_known(retry_max, || async {
-                let client = crate::postgres::checkout(&self.inner.pool)
+                let client = crate::platform::postgres::checkout(&self.inner.pool)
                     .await
                     .context("getting a connection")?;
                 let statement = client
@@ -348,7 +348,7 @@ impl PostgresEventStore {
     /// KurrentDB gives on `$all`). Waits at most `read_all_settle_max_ms`; then the read returns
     /// what is safe, never more.
     async fn settle(&self) -> Result<(), EventStoreError> {
-        let client = crate::postgres::checkout(&self.inner.pool)
+        let client = crate::platform::postgres::checkout(&self.inner.pool)
             .await
             .map_err(unavailable)?;
         let target: Option<i64> = client
@@ -399,7 +399,7 @@ impl PostgresEventStore {
         max_count: usize,
         filter: &EventFilter,
     ) -> Result<(AllSlice, bool, DateTime<Utc>), EventStoreError> {
-        let client = crate::postgres::checkout(&self.inner.pool)
+        let client = crate::platform::postgres::checkout(&self.inner.pool)
             .await
             .map_err(unavailable)?;
         let after = after.unwrap_or(Position {
@@ -538,7 +538,7 @@ impl EventStore for PostgresEventStore {
         from: ReadFrom,
         max_count: usize,
     ) -> Result<Vec<RecordedEvent>, EventStoreError> {
-        let client = crate::postgres::checkout(&self.inner.pool)
+        let client = crate::platform::postgres::checkout(&self.inner.pool)
             .await
             .map_err(unavailable)?;
         let limit = i64::try_from(max_count).unwrap_or(i64::MAX);
@@ -584,7 +584,7 @@ impl EventStore for PostgresEventStore {
 
     async fn head(&self) -> Result<Option<Position>, EventStoreError> {
         self.settle().await?;
-        let client = crate::postgres::checkout(&self.inner.pool)
+        let client = crate::platform::postgres::checkout(&self.inner.pool)
             .await
             .map_err(unavailable)?;
         // One statement outside a transaction block: read-only, it takes no transaction id.
@@ -964,7 +964,7 @@ async fn commit_batch(
     batch: &[AppendRequest],
     one_statement: bool,
 ) -> anyhow::Result<Vec<Interpreted>> {
-    let mut client = crate::postgres::checkout(pool)
+    let mut client = crate::platform::postgres::checkout(pool)
         .await
         .context("getting a connection")?;
     if let [request] = batch {

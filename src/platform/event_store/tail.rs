@@ -196,7 +196,7 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     use super::*;
-    use crate::event_store::EventMetadata;
+    use crate::platform::event_store::EventMetadata;
 
     /// A log in memory with a horizon: events at or past it belong to unfinished transactions.
     /// Like PostgreSQL's, the horizon only moves forward: while `holding`, new events wait

@@ -27,12 +27,12 @@ use zhihui_domain::checkin::{
 use zhihui_domain::points::Amount;
 use zhihui_domain::user::UserId;
 
-use crate::aggregate::AggregateService;
-use crate::clock::Clock;
-use crate::command::{self, CommandError, RetryPolicy};
-use crate::configuration::CheckInSettings;
-use crate::event_store::{AnyEventStore, EventMetadata};
-use crate::redis_store::RedisStore;
+use crate::platform::aggregate::AggregateService;
+use crate::platform::clock::Clock;
+use crate::platform::command::{self, CommandError, RetryPolicy};
+use crate::platform::configuration::CheckInSettings;
+use crate::platform::event_store::{AnyEventStore, EventMetadata};
+use crate::platform::redis_store::RedisStore;
 
 /// The bit of a month's bitmap that says it was written from the events.
 const COMPLETE_BIT: u32 = 0;
@@ -174,7 +174,7 @@ impl CheckInService {
     fn month_key(&self, user_id: UserId, month: NaiveDate) -> String {
         // One user's months share a tag: they are read together (MGET) and written together.
         self.redis.tagged(
-            &crate::auth::sessions::user_tag(user_id),
+            &crate::identity::sessions::user_tag(user_id),
             &format!("checkins:{}", month.format("%Y-%m")),
         )
     }
@@ -217,7 +217,7 @@ impl CheckInService {
             .context("a check-in leaves a last check-in")?;
         let (account, _) = self.credit(&last, metadata).await?;
         if let Err(error) = self.write_months(user_id, &state, today).await {
-            tracing::warn!(error = %crate::telemetry::error_chain(&error), %user_id, "check-in bitmaps not written; the next read rebuilds them");
+            tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), %user_id, "check-in bitmaps not written; the next read rebuilds them");
         }
         Ok(CheckInResult {
             day: last.day,
@@ -319,7 +319,7 @@ impl CheckInService {
         let cached = match self.read_bits(user_id, &wanted).await {
             Ok(cached) => Some(cached),
             Err(error) => {
-                tracing::warn!(error = %crate::telemetry::error_chain(&error), "check-in bitmaps unreadable; reading the events");
+                tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "check-in bitmaps unreadable; reading the events");
                 None
             }
         };
@@ -352,7 +352,7 @@ impl CheckInService {
                 .map(|month| (*month, MonthBits::of_days(*month, &state.days)))
                 .collect::<Vec<_>>();
             if let Err(error) = self.write_bits(user_id, &months).await {
-                tracing::warn!(error = %crate::telemetry::error_chain(&error), "check-in bitmaps not written back");
+                tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "check-in bitmaps not written back");
             }
         }
         Ok(MonthView {
@@ -414,7 +414,7 @@ impl CheckInService {
     /// months).
     pub async fn rebuild_all(&self) -> anyhow::Result<(usize, usize)> {
         let users: Vec<Uuid> = {
-            let client = crate::postgres::checkout(&self.pool)
+            let client = crate::platform::postgres::checkout(&self.pool)
                 .await
                 .context("getting a connection")?;
             client
@@ -443,7 +443,7 @@ impl CheckInService {
     ) -> anyhow::Result<Vec<(Uuid, NaiveDate, chrono::DateTime<chrono::Utc>)>> {
         let cutoff = self.clock.now() - after;
         let rows = {
-            let client = crate::postgres::checkout(&self.pool)
+            let client = crate::platform::postgres::checkout(&self.pool)
                 .await
                 .context("getting a connection")?;
             client

@@ -16,8 +16,8 @@ use tokio::sync::Notify;
 use uuid::Uuid;
 use zhihui_domain::redeem::BatchId;
 
-use crate::codes::CodeService;
-use crate::event_store::EventMetadata;
+use crate::platform::event_store::EventMetadata;
+use crate::points::codes::CodeService;
 
 /// Name of the leader lock.
 const LEADER_NAME: &str = "code-issuer";
@@ -122,16 +122,16 @@ impl CodeIssuer {
     pub async fn run(self) {
         let interval = Duration::from_millis(self.codes.settings().issue_scan_interval_ms);
         loop {
-            match crate::leader::try_lead(self.codes.pool(), LEADER_NAME).await {
+            match crate::platform::leader::try_lead(self.codes.pool(), LEADER_NAME).await {
                 Ok(Some(lock)) => {
                     if let Err(error) = self.lead(&lock, interval).await {
-                        tracing::warn!(error = %crate::telemetry::error_chain(&error), "code issuer stopped leading");
+                        tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "code issuer stopped leading");
                     }
-                    crate::leader::resign(lock);
+                    crate::platform::leader::resign(lock);
                 }
                 Ok(None) => {}
                 Err(error) => {
-                    tracing::warn!(error = %crate::telemetry::error_chain(&error), "code issuer could not try the lock");
+                    tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "code issuer could not try the lock");
                 }
             }
             // Not leading: new batches of this process stay pending for whoever leads (they
@@ -145,13 +145,13 @@ impl CodeIssuer {
 
     async fn lead(
         &self,
-        lock: &crate::leader::LeaderLock,
+        lock: &crate::platform::leader::LeaderLock,
         interval: Duration,
     ) -> anyhow::Result<()> {
         loop {
-            crate::leader::still_leading(lock).await?;
+            crate::platform::leader::still_leading(lock).await?;
             if let Err(error) = self.issue_pending_once().await {
-                tracing::warn!(error = %crate::telemetry::error_chain(&error), "code issuer pass failed");
+                tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "code issuer pass failed");
             }
             tokio::select! {
                 () = tokio::time::sleep(interval) => {}

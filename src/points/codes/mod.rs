@@ -13,7 +13,6 @@
 //! appends, the user's retry or the settlement reconciler ([`CodeService::repair_credits_once`])
 //! credits it.
 
-pub mod cli;
 pub mod issuer;
 
 use std::collections::HashMap;
@@ -33,12 +32,12 @@ use zhihui_domain::redeem::{
 };
 use zhihui_domain::user::UserId;
 
-use crate::aggregate::AggregateService;
-use crate::clock::Clock;
-use crate::command::{self, CommandError, RetryPolicy};
-use crate::configuration::CodeSettings;
-use crate::event_store::{AnyEventStore, EventMetadata};
-use crate::redis_store::RedisStore;
+use crate::platform::aggregate::AggregateService;
+use crate::platform::clock::Clock;
+use crate::platform::command::{self, CommandError, RetryPolicy};
+use crate::platform::configuration::CodeSettings;
+use crate::platform::event_store::{AnyEventStore, EventMetadata};
+use crate::platform::redis_store::RedisStore;
 
 /// Users whose forged attempts this process remembers, at most (a bound on memory; the oldest
 /// windows are dropped first).
@@ -266,7 +265,7 @@ impl CodeService {
     /// Whether the batch's stream ends with its revocation (one event read, newest first:
     /// nothing follows a revocation).
     async fn revoked_in_store(&self, batch_id: BatchId) -> anyhow::Result<bool> {
-        use crate::event_store::{Direction, EventStore, ReadFrom};
+        use crate::platform::event_store::{Direction, EventStore, ReadFrom};
         let last = self
             .store
             .read_stream(
@@ -327,7 +326,7 @@ impl CodeService {
                 Ok(done) => {
                     let batch = done.state.ok_or(BatchError::NotFound)?;
                     if let Err(error) = self.cache_batch(batch_id).await {
-                        tracing::warn!(%batch_id, error = %crate::telemetry::error_chain(&error), "could not cache a revoked batch");
+                        tracing::warn!(%batch_id, error = %crate::platform::telemetry::error_chain(&error), "could not cache a revoked batch");
                     }
                     return Ok(batch);
                 }
@@ -341,7 +340,7 @@ impl CodeService {
 
     /// Redeemed codes of a batch, from the read model.
     pub async fn redeemed_count(&self, batch_id: BatchId) -> anyhow::Result<i64> {
-        let client = crate::postgres::checkout(&self.pool)
+        let client = crate::platform::postgres::checkout(&self.pool)
             .await
             .context("getting a connection")?;
         Ok(client
@@ -379,7 +378,7 @@ impl CodeService {
         // Two steps, each safe to repeat (the batch lives under its own tag, the ranges of all
         // batches in another slot): the batch first, so a range never leads to nothing for long
         // (and when it does, the redemption asks the store).
-        let _loaded: i64 = crate::lua::CODE_BATCH_LOAD
+        let _loaded: i64 = crate::platform::lua::CODE_BATCH_LOAD
             .key(self.batch_key(batch.batch_id))
             .arg(packed)
             .arg(version)
@@ -418,8 +417,10 @@ impl CodeService {
     }
 
     fn failures_key(&self, user_id: UserId) -> String {
-        self.redis
-            .tagged(&crate::auth::sessions::user_tag(user_id), "code-failures")
+        self.redis.tagged(
+            &crate::identity::sessions::user_tag(user_id),
+            "code-failures",
+        )
     }
 
     /// Issue the next page of a batch (at most `page_size` codes), continuing where the last page
@@ -464,7 +465,7 @@ impl CodeService {
                         .map(|(_, version)| version)
                         .unwrap_or_default();
                     if let Err(error) = self.cache(&batch, version).await {
-                        tracing::warn!(%batch_id, error = %crate::telemetry::error_chain(&error), "could not cache an issued page");
+                        tracing::warn!(%batch_id, error = %crate::platform::telemetry::error_chain(&error), "could not cache an issued page");
                     }
                     return Ok(Some(batch));
                 }
@@ -485,7 +486,7 @@ impl CodeService {
     /// allocator's stream (the truth) when the read model has not seen it yet.
     async fn batch_of_serial(&self, serial: u32) -> anyhow::Result<Option<(Batch, u64)>> {
         let candidate: Option<Uuid> = {
-            let client = crate::postgres::checkout(&self.pool)
+            let client = crate::platform::postgres::checkout(&self.pool)
                 .await
                 .context("getting a connection")?;
             client
@@ -542,7 +543,7 @@ impl CodeService {
             && error.counts()
             && let Err(count_error) = self.count_failure(user_id).await
         {
-            tracing::warn!(error = %crate::telemetry::error_chain(&count_error), "could not count a failed redemption");
+            tracing::warn!(error = %crate::platform::telemetry::error_chain(&count_error), "could not count a failed redemption");
         }
         outcome
     }
@@ -560,7 +561,7 @@ impl CodeService {
         if matches!(fast, Ok(FastPath::Miss) | Err(_)) {
             if let Err(error) = &fast {
                 // Redis is a cache: without it, the store decides alone.
-                tracing::warn!(error = %crate::telemetry::error_chain(error), "redeem fast path failed; deciding from the store");
+                tracing::warn!(error = %crate::platform::telemetry::error_chain(error), "redeem fast path failed; deciding from the store");
             }
             let Some((batch, version)) = self.batch_of_serial(serial).await? else {
                 return Err(RedeemError::Unknown);
@@ -584,7 +585,7 @@ impl CodeService {
                 return Err(RedeemError::Revoked);
             }
             if let Err(error) = self.cache(&batch, version).await {
-                tracing::warn!(%batch_id, error = %crate::telemetry::error_chain(&error), "could not correct a cached revocation");
+                tracing::warn!(%batch_id, error = %crate::platform::telemetry::error_chain(&error), "could not correct a cached revocation");
             }
             from_store = Some(batch);
             fast = Ok(FastPath::Miss);
@@ -598,8 +599,8 @@ impl CodeService {
             Ok(FastPath::Window { from_ms, until_ms }) => {
                 // The window never changes: the cached one is the batch's.
                 return Err(RedeemError::NotValidNow {
-                    valid_from: crate::clock::from_unix_ms(from_ms),
-                    valid_until: crate::clock::from_unix_ms(until_ms),
+                    valid_from: crate::platform::clock::from_unix_ms(from_ms),
+                    valid_until: crate::platform::clock::from_unix_ms(until_ms),
                 });
             }
             // Revocations are in the cache before they are in the store (see `revoke`), but a
@@ -613,7 +614,7 @@ impl CodeService {
             }) => {
                 if from_store.is_none() && self.revoked_in_store(batch_id).await? {
                     if let Err(error) = self.cache_batch(batch_id).await {
-                        tracing::warn!(%batch_id, error = %crate::telemetry::error_chain(&error), "could not correct a cached batch that lost its revocation");
+                        tracing::warn!(%batch_id, error = %crate::platform::telemetry::error_chain(&error), "could not correct a cached batch that lost its revocation");
                     }
                     return Err(RedeemError::Revoked);
                 }
@@ -737,7 +738,7 @@ impl CodeService {
         // The user's failure limit and which batch the serial is in, at once (each in its own
         // slot of a cluster); then the batch's step, under the batch's tag.
         let mut limit_connection = connection.clone();
-        let mut limit = crate::lua::CODE_LIMIT.key(self.failures_key(user_id));
+        let mut limit = crate::platform::lua::CODE_LIMIT.key(self.failures_key(user_id));
         limit
             .arg(now.timestamp_millis())
             .arg(self.settings.failures_max)
@@ -770,7 +771,7 @@ impl CodeService {
             return Ok(FastPath::Miss);
         };
         let batch_id: BatchId = Uuid::parse_str(&batch_id).context("a batch id in the ranges")?;
-        let answer: Vec<String> = crate::lua::CODE_REDEEM
+        let answer: Vec<String> = crate::platform::lua::CODE_REDEEM
             .key(self.batch_key(batch_id))
             .key(self.marker_key(batch_id, serial))
             .arg(serial)
@@ -833,7 +834,7 @@ impl CodeService {
 
     async fn count_failure(&self, user_id: UserId) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let _failures: i64 = crate::lua::CODE_FAILURE
+        let _failures: i64 = crate::platform::lua::CODE_FAILURE
             .key(self.failures_key(user_id))
             .arg(self.clock.now_ms())
             .arg(self.settings.failures_window_ms)
@@ -913,7 +914,7 @@ impl CodeService {
     ) -> anyhow::Result<Vec<(u32, Uuid, DateTime<Utc>)>> {
         let cutoff = self.clock.now() - after;
         let rows = {
-            let client = crate::postgres::checkout(&self.pool)
+            let client = crate::platform::postgres::checkout(&self.pool)
                 .await
                 .context("getting a connection")?;
             client
@@ -973,7 +974,7 @@ impl CodeService {
     async fn export_page(&self, batch: &Batch, from: u32, to: u32) -> anyhow::Result<Bytes> {
         use std::fmt::Write;
         let redeemed: HashMap<u32, (Uuid, DateTime<Utc>)> = {
-            let client = crate::postgres::checkout(&self.pool)
+            let client = crate::platform::postgres::checkout(&self.pool)
                 .await
                 .context("getting a connection")?;
             client

@@ -33,13 +33,13 @@ use zhihui_domain::promotion::{
 };
 use zhihui_domain::user::UserId;
 
-use crate::aggregate::AggregateService;
-use crate::clock::Clock;
-use crate::command::{self, CommandError};
-use crate::configuration::PromotionSettings;
-use crate::event_store::{AnyEventStore, EventMetadata};
-use crate::notify::{Envelope, Notifier};
-use crate::redis_store::RedisStore;
+use crate::platform::aggregate::AggregateService;
+use crate::platform::clock::Clock;
+use crate::platform::command::{self, CommandError};
+use crate::platform::configuration::PromotionSettings;
+use crate::platform::event_store::{AnyEventStore, EventMetadata};
+use crate::platform::notify::{Envelope, Notifier};
+use crate::platform::redis_store::RedisStore;
 
 /// The consumer group every process's consumer joins.
 const GROUP: &str = "persist";
@@ -92,7 +92,7 @@ impl ClaimEntry {
             claim_id: Uuid::parse_str(&field("claim")?)?,
             promotion_id: Uuid::parse_str(&field("promotion")?)?,
             user_id: UserId::from_uuid(Uuid::parse_str(&field("user")?)?),
-            accepted_at: crate::clock::from_unix_ms(field("at")?.parse()?),
+            accepted_at: crate::platform::clock::from_unix_ms(field("at")?.parse()?),
         })
     }
 }
@@ -127,7 +127,8 @@ pub struct PromotionService {
     settings: PromotionSettings,
     /// The consumer's own connection for its blocking reads: a blocked `XREADGROUP` on the
     /// shared multiplexed connection would hold every other command of the process behind it.
-    blocking: std::sync::Arc<tokio::sync::Mutex<Option<crate::redis_store::RedisConnection>>>,
+    blocking:
+        std::sync::Arc<tokio::sync::Mutex<Option<crate::platform::redis_store::RedisConnection>>>,
 }
 
 /// The hash tag of every promotion key (see `PromotionService::hash_key`).
@@ -218,7 +219,7 @@ impl PromotionService {
                 _ => Ok(()),
             };
             if let Err(error) = adjusted {
-                tracing::warn!(error = %crate::telemetry::error_chain(&error), %promotion_id, "promotion not changed in Redis; dropping it there");
+                tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), %promotion_id, "promotion not changed in Redis; dropping it there");
                 if let Ok(mut connection) = self.redis.connection().await {
                     let _: redis::RedisResult<i64> = redis::cmd("DEL")
                         .arg(self.hash_key(promotion_id))
@@ -238,7 +239,7 @@ impl PromotionService {
         value: &str,
     ) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let _: i64 = crate::lua::PROMO_ADJUST
+        let _: i64 = crate::platform::lua::PROMO_ADJUST
             .key(self.hash_key(promotion_id))
             .key(self.users_key(promotion_id))
             .arg(operation)
@@ -291,7 +292,7 @@ impl PromotionService {
         for _ in 0..2 {
             let now = self.clock.now();
             let mut connection = self.redis.connection().await?;
-            let answer: Vec<String> = crate::lua::PROMO_CLAIM
+            let answer: Vec<String> = crate::platform::lua::PROMO_CLAIM
                 .key(self.hash_key(promotion_id))
                 .key(self.users_key(promotion_id))
                 .key(self.stream_key())
@@ -309,7 +310,7 @@ impl PromotionService {
                 Some("already-claimed") => return Err(ClaimError::AlreadyClaimed),
                 Some("not-open") => {
                     let ms = |index: usize| -> anyhow::Result<DateTime<Utc>> {
-                        Ok(crate::clock::from_unix_ms(
+                        Ok(crate::platform::clock::from_unix_ms(
                             answer
                                 .get(index)
                                 .context("the gate's window")?
@@ -348,7 +349,7 @@ impl PromotionService {
         let keep_ms = (keep_until - self.clock.now())
             .num_milliseconds()
             .max(60_000);
-        let mut script = crate::lua::PROMO_LOAD.prepare_invoke();
+        let mut script = crate::platform::lua::PROMO_LOAD.prepare_invoke();
         script
             .key(self.hash_key(promotion_id))
             .key(self.users_key(promotion_id))
@@ -389,7 +390,7 @@ impl PromotionService {
         promotion_id: PromotionId,
     ) -> anyhow::Result<Option<MyClaim>> {
         let row = {
-            let client = crate::postgres::checkout(&self.pool)
+            let client = crate::platform::postgres::checkout(&self.pool)
                 .await
                 .context("getting a connection")?;
             client
@@ -562,7 +563,7 @@ impl PromotionService {
                             .adjust(entry.promotion_id, "release", &entry.user_id.to_string())
                             .await
                     {
-                        tracing::warn!(error = %crate::telemetry::error_chain(&error), "a refused claim's unit not given back to the gate");
+                        tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "a refused claim's unit not given back to the gate");
                     }
                     return Ok(ClaimStatus::Refused);
                 }
@@ -614,7 +615,7 @@ impl PromotionService {
             },
         };
         if let Err(error) = self.notifier.publish(&envelope).await {
-            tracing::debug!(error = %crate::telemetry::error_chain(&error), "claim notification not published");
+            tracing::debug!(error = %crate::platform::telemetry::error_chain(&error), "claim notification not published");
         }
     }
 
@@ -623,7 +624,7 @@ impl PromotionService {
 
     async fn ensure_group(
         &self,
-        connection: &mut crate::redis_store::RedisConnection,
+        connection: &mut crate::platform::redis_store::RedisConnection,
     ) -> anyhow::Result<()> {
         let created: redis::RedisResult<String> = redis::cmd("XGROUP")
             .arg("CREATE")
@@ -740,7 +741,7 @@ impl PromotionService {
 
     async fn handle(
         &self,
-        connection: &mut crate::redis_store::RedisConnection,
+        connection: &mut crate::platform::redis_store::RedisConnection,
         entries: Vec<StreamId>,
     ) -> anyhow::Result<ConsumeReport> {
         let mut report = ConsumeReport {
@@ -758,7 +759,7 @@ impl PromotionService {
                 Ok(_) => acknowledged.push(entry.id.clone()),
                 Err(error) => {
                     report.failed += 1;
-                    tracing::warn!(entry = %entry.id, error = %crate::telemetry::error_chain(&error), "claim not persisted; it will be delivered again");
+                    tracing::warn!(entry = %entry.id, error = %crate::platform::telemetry::error_chain(&error), "claim not persisted; it will be delivered again");
                 }
             }
         }
@@ -778,7 +779,7 @@ impl PromotionService {
     /// Keep an entry that keeps failing in `promotion_parked_claims`, then acknowledge it.
     async fn park(
         &self,
-        connection: &mut crate::redis_store::RedisConnection,
+        connection: &mut crate::platform::redis_store::RedisConnection,
         id: &str,
         deliveries: u64,
     ) -> anyhow::Result<()> {
@@ -809,13 +810,13 @@ impl PromotionService {
         let reason = match &parsed {
             Ok(entry) => match self.persist(entry).await {
                 Ok(_) => None,
-                Err(error) => Some(crate::telemetry::error_chain(&error).to_string()),
+                Err(error) => Some(crate::platform::telemetry::error_chain(&error).to_string()),
             },
             Err(error) => Some(error.clone()),
         };
         if let Some(reason) = reason {
             let parsed = parsed.ok();
-            let client = crate::postgres::checkout(&self.pool)
+            let client = crate::platform::postgres::checkout(&self.pool)
                 .await
                 .context("getting a connection")?;
             client
@@ -865,13 +866,13 @@ impl PromotionService {
                 .consume_once(&consumer, Some(self.settings.consumer_block_ms))
                 .await
             {
-                tracing::warn!(error = %crate::telemetry::error_chain(&error), "claims consumer step failed");
+                tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "claims consumer step failed");
                 tokio::time::sleep(std::time::Duration::from_millis(500)).await;
             }
             if last_takeover.elapsed() >= takeover_every {
                 last_takeover = std::time::Instant::now();
                 if let Err(error) = self.take_over_once(&consumer).await {
-                    tracing::warn!(error = %crate::telemetry::error_chain(&error), "claims takeover failed");
+                    tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "claims takeover failed");
                 }
             }
         }
@@ -887,7 +888,7 @@ impl PromotionService {
     ) -> anyhow::Result<Vec<(ClaimId, Uuid, DateTime<Utc>)>> {
         let cutoff = self.clock.now() - after;
         let rows = {
-            let client = crate::postgres::checkout(&self.pool)
+            let client = crate::platform::postgres::checkout(&self.pool)
                 .await
                 .context("getting a connection")?;
             client
@@ -920,7 +921,7 @@ impl PromotionService {
         &self,
         promotion_id: Option<PromotionId>,
     ) -> anyhow::Result<Vec<HashMap<&'static str, String>>> {
-        let client = crate::postgres::checkout(&self.pool)
+        let client = crate::platform::postgres::checkout(&self.pool)
             .await
             .context("getting a connection")?;
         let rows = client

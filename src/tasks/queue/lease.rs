@@ -8,7 +8,7 @@ use deadpool_postgres::Pool;
 use redis::AsyncCommands;
 use zhihui_domain::task::TaskId;
 
-use crate::redis_store::RedisStore;
+use crate::platform::redis_store::RedisStore;
 
 /// The leader's term: who, and its fencing token.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -16,7 +16,7 @@ pub struct Term {
     pub instance: String,
     pub fencing_token: u64,
     /// The replication id of the Redis holding the queue when the term began
-    /// ([`crate::redis_store::RedisStore::replication_id`]): a renewal that finds another one
+    /// ([`crate::platform::redis_store::RedisStore::replication_id`]): a renewal that finds another one
     /// ends the term, so the next one rebuilds the queue (a promoted replica may lack the last
     /// tasks queued).
     pub redis_replication_id: Option<String>,
@@ -137,7 +137,7 @@ impl Leases {
             fencing_token: u64::try_from(token).context("a negative fencing token")?,
             redis_replication_id: None,
         };
-        let won: i64 = crate::lua::DISPATCH_LEADER_ACQUIRE
+        let won: i64 = crate::platform::lua::DISPATCH_LEADER_ACQUIRE
             .key(self.leader_key())
             .arg(term.value())
             .arg(lease_ms)
@@ -163,7 +163,7 @@ impl Leases {
     /// Extend our lease; `false` when it is gone (we are no longer the leader).
     pub async fn renew(&self, term: &Term, lease_ms: u64) -> anyhow::Result<bool> {
         let mut connection = self.redis.connection().await?;
-        let renewed: i64 = crate::lua::DISPATCH_LEADER_RENEW
+        let renewed: i64 = crate::platform::lua::DISPATCH_LEADER_RENEW
             .key(self.leader_key())
             .arg(term.value())
             .arg(lease_ms)
@@ -189,7 +189,7 @@ impl Leases {
 
     pub async fn resign(&self, term: &Term) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let _: i64 = crate::lua::DISPATCH_LEADER_RESIGN
+        let _: i64 = crate::platform::lua::DISPATCH_LEADER_RESIGN
             .key(self.leader_key())
             .arg(term.value())
             .invoke_async(&mut connection)
@@ -214,7 +214,7 @@ impl Leases {
         let names = plan.names;
         assert_eq!(names.len(), plan.servers.len(), "one view per server");
         let mut connection = self.redis.connection().await?;
-        let mut invocation = crate::lua::DISPATCH_FILL.key(self.leader_key());
+        let mut invocation = crate::platform::lua::DISPATCH_FILL.key(self.leader_key());
         invocation.key(self.queue_key());
         invocation.key(self.redis.tagged(
             crate::tasks::queue::QUEUE_TAG,
@@ -222,7 +222,7 @@ impl Leases {
         ));
         invocation.key(
             self.redis
-                .tagged(crate::tasks::queue::QUEUE_TAG, crate::pool::HELD_KEY),
+                .tagged(crate::tasks::queue::QUEUE_TAG, crate::tasks::pool::HELD_KEY),
         );
         for name in names {
             invocation.key(self.slots_key(name));
@@ -315,7 +315,7 @@ impl Leases {
         slot_lease_ms: u64,
     ) -> anyhow::Result<bool> {
         let mut connection = self.redis.connection().await?;
-        let mut invocation = crate::lua::DISPATCH_SLOTS_RENEW.key(self.leader_key());
+        let mut invocation = crate::platform::lua::DISPATCH_SLOTS_RENEW.key(self.leader_key());
         invocation
             .key(self.slots_key(backend))
             .arg(term.value())

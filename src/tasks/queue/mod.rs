@@ -10,12 +10,14 @@
 //! (see `lua/queue_ticket.lua`). Among equal priorities that is first come, first served; a
 //! prioritised task gets a score between two others (`lua/queue_prioritise_target.lua`).
 
+pub mod lease;
+
 use anyhow::Context;
 use redis::AsyncCommands;
 use zhihui_domain::task::TaskId;
 
-use crate::clock::Clock;
-use crate::redis_store::RedisStore;
+use crate::platform::clock::Clock;
+use crate::platform::redis_store::RedisStore;
 
 /// The queue's sorted set (under the prefix); the dispatcher's claim script pops it too.
 /// The hash tag of the queue and the dispatcher's keys: the filler takes tasks off the queue
@@ -121,7 +123,7 @@ impl TaskQueue {
     /// A score for a new task (later than every earlier one).
     pub async fn next_score(&self) -> anyhow::Result<i64> {
         let mut connection = self.redis.connection().await?;
-        let score: String = crate::lua::QUEUE_TICKET
+        let score: String = crate::platform::lua::QUEUE_TICKET
             .key(self.last_score_key())
             .arg(self.clock.now_ms())
             .arg(SCORE_EPOCH_MS)
@@ -146,7 +148,7 @@ impl TaskQueue {
     ) -> anyhow::Result<Option<u64>> {
         let mut connection = self.redis.connection().await?;
         let (model, steps) = work.unwrap_or(("", 0));
-        let rank: i64 = crate::lua::QUEUE_ENQUEUE
+        let rank: i64 = crate::platform::lua::QUEUE_ENQUEUE
             .key(self.queue_key())
             .key(self.leases_key())
             .key(self.models_key())
@@ -280,7 +282,7 @@ impl TaskQueue {
         if task_ids.is_empty() {
             return Ok(Vec::new());
         }
-        let mut script = crate::lua::QUEUE_RANKS.key(self.queue_key());
+        let mut script = crate::platform::lua::QUEUE_RANKS.key(self.queue_key());
         for task_id in task_ids {
             script.arg(task_id.to_string());
         }
@@ -327,7 +329,7 @@ impl TaskQueue {
         jump_max: u32,
     ) -> anyhow::Result<PrioritiseTarget> {
         let mut connection = self.redis.connection().await?;
-        let answer: Vec<redis::Value> = crate::lua::QUEUE_PRIORITISE_TARGET
+        let answer: Vec<redis::Value> = crate::platform::lua::QUEUE_PRIORITISE_TARGET
             .key(self.queue_key())
             .arg(task_id.to_string())
             .arg(jump_max)
@@ -360,7 +362,7 @@ impl TaskQueue {
     /// Take the first task, leased for `lease_ms`.
     pub async fn claim(&self, lease_ms: u64) -> anyhow::Result<Option<ClaimedTask>> {
         let mut connection = self.redis.connection().await?;
-        let claimed: Option<(String, String, String)> = crate::lua::QUEUE_CLAIM
+        let claimed: Option<(String, String, String)> = crate::platform::lua::QUEUE_CLAIM
             .key(self.queue_key())
             .key(self.leases_key())
             .arg(self.clock.now_ms())
@@ -409,7 +411,7 @@ impl TaskQueue {
     /// Queue a task whose lease ran out again at `score`; false if the lease was renewed.
     pub async fn requeue_expired(&self, task_id: TaskId, score: i64) -> anyhow::Result<bool> {
         let mut connection = self.redis.connection().await?;
-        let requeued: i64 = crate::lua::QUEUE_REQUEUE
+        let requeued: i64 = crate::platform::lua::QUEUE_REQUEUE
             .key(self.queue_key())
             .key(self.leases_key())
             .arg(task_id.to_string())
@@ -425,7 +427,7 @@ impl TaskQueue {
     /// behind the restored ones even if the clock went back).
     pub async fn ensure_scores_after(&self, score: i64) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let _: i64 = crate::lua::QUEUE_SCORES_AFTER
+        let _: i64 = crate::platform::lua::QUEUE_SCORES_AFTER
             .key(self.last_score_key())
             .arg(score)
             .invoke_async(&mut connection)
@@ -445,7 +447,7 @@ impl TaskQueue {
         ttl_ms: u64,
     ) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let _: i64 = crate::lua::TASK_PROGRESS
+        let _: i64 = crate::platform::lua::TASK_PROGRESS
             .key(self.progress_key(task_id))
             .arg(value)
             .arg(max)
