@@ -9,19 +9,17 @@ use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use serde::Serialize;
 use uuid::Uuid;
-use zhihui_domain::DomainEvent;
-use zhihui_domain::account::{AccountEvent, account_stream};
 use zhihui_domain::claim::Identifier;
 use zhihui_domain::user::{UserId, Username};
 use zhihui_projections::ProjectionName;
-use zhihui_projections::accounts::{kind_of, reason_of};
 
 use crate::cli::replay::{ReplayProgress, replay as replay_projection};
-use crate::platform::command::STREAM_READ_PAGE_MAX;
 use crate::platform::configuration::Settings;
+use crate::platform::event_store::read_whole_stream;
 use crate::platform::event_store::{
-    AnyEventStore, Direction, EventFilter, EventStore, ReadFrom, RecordedEvent, SubscriptionMessage,
+    AnyEventStore, EventFilter, EventStore, RecordedEvent, SubscriptionMessage,
 };
+use crate::points::ledger::account_movements;
 
 async fn connect(settings: &Settings) -> anyhow::Result<(deadpool_postgres::Pool, AnyEventStore)> {
     let pool = crate::platform::postgres::build_pool(&settings.database)?;
@@ -30,29 +28,6 @@ async fn connect(settings: &Settings) -> anyhow::Result<(deadpool_postgres::Pool
     }
     let store = crate::platform::event_store::from_settings(settings, pool.clone())?;
     Ok((pool, store))
-}
-
-/// Every event of `stream`, oldest first.
-async fn read_whole_stream(
-    store: &AnyEventStore,
-    stream: &str,
-) -> anyhow::Result<Vec<RecordedEvent>> {
-    let mut events: Vec<RecordedEvent> = Vec::new();
-    loop {
-        let from = match events.last() {
-            None => ReadFrom::Start,
-            Some(last) => ReadFrom::Version(last.stream_version + 1),
-        };
-        let page = store
-            .read_stream(stream, Direction::Forwards, from, STREAM_READ_PAGE_MAX)
-            .await
-            .with_context(|| format!("reading stream {stream}"))?;
-        let full = page.len() == STREAM_READ_PAGE_MAX;
-        events.extend(page);
-        if !full {
-            return Ok(events);
-        }
-    }
 }
 
 /// A user id, or the owner of a username.
@@ -78,68 +53,6 @@ async fn resolve_user(
         .await?
         .with_context(|| format!("no user named {user:?}"))?;
     Ok(found.user_id)
-}
-
-/// One movement as `audit account` (and the admin pages' audit) shows it.
-#[derive(Debug, Serialize)]
-pub struct Movement {
-    pub version: u64,
-    pub at: DateTime<Utc>,
-    pub kind: &'static str,
-    pub amount: String,
-    pub available_after: String,
-    pub frozen_after: String,
-    /// The hold (task) or operation the movement belongs to.
-    pub reference: Uuid,
-    pub reason: Option<String>,
-    /// Who moved it (`admin:<id>`, `user:<id>`, `system:...`).
-    pub actor: String,
-    pub correlation_id: Uuid,
-    pub event_id: Uuid,
-}
-
-/// Every movement of `user_id`'s account from its events, oldest first, filtered.
-pub async fn account_movements(
-    store: &AnyEventStore,
-    user_id: UserId,
-    since: Option<DateTime<Utc>>,
-    kind: Option<&str>,
-) -> anyhow::Result<Vec<Movement>> {
-    let events = read_whole_stream(store, &account_stream(user_id)).await?;
-    let mut movements = Vec::new();
-    for recorded in &events {
-        let movement = movement(recorded)?;
-        if since.is_some_and(|since| movement.at < since)
-            || kind.is_some_and(|k| movement.kind != k)
-        {
-            continue;
-        }
-        movements.push(movement);
-    }
-    Ok(movements)
-}
-
-fn movement(recorded: &RecordedEvent) -> anyhow::Result<Movement> {
-    let event = AccountEvent::from_stored(
-        &recorded.event_type,
-        recorded.schema_version,
-        &recorded.payload,
-    )
-    .with_context(|| format!("decoding event {}", recorded.id))?;
-    let after = event.balance_after();
-    Ok(Movement {
-        version: recorded.stream_version,
-        at: event.at(),
-        kind: kind_of(&event),
-        amount: event.amount().to_string(),
-        available_after: after.available.to_string(),
-        frozen_after: after.frozen.to_string(),
-        reference: event.reference_id(),
-        reason: reason_of(&event),
-        actor: recorded.metadata.actor.clone(),
-        correlation_id: recorded.metadata.correlation_id,
-        event_id: recorded.id,
-    })
 }
 
 /// `zhihui audit account <user> [--since T] [--kind K] [--json]`.

@@ -1,6 +1,7 @@
 //! The `zhihui` command line: one closed enum of subcommands, each a thin call into the library.
 
 pub mod audit;
+pub mod bench_support;
 pub mod codes;
 pub mod inspect;
 pub mod replay;
@@ -322,6 +323,7 @@ pub enum UsersCommand {
 
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
     let mut settings = Settings::load(cli.config.as_deref())?;
+    crate::startup::check_settings(&settings)?;
     if let Some(format) = cli.log_format {
         settings.log.format = format;
     }

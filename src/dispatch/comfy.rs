@@ -11,6 +11,8 @@ use anyhow::Context;
 use serde_json::{Value, json};
 use uuid::Uuid;
 
+use crate::labels::image_content_type;
+
 /// Bytes of one downloaded image, at most: a 768x768 PNG is a few MB; this bounds a broken server.
 pub const IMAGE_BYTES_MAX: usize = 64 * 1024 * 1024;
 
@@ -439,19 +441,6 @@ impl ComfyClient {
     }
 }
 
-/// The type of an image file from its first bytes: PNG, JPEG or WebP; `None` for anything else.
-pub fn image_content_type(head: &[u8]) -> Option<&'static str> {
-    if head.starts_with(b"\x89PNG\r\n\x1a\n") {
-        Some("image/png")
-    } else if head.starts_with(&[0xFF, 0xD8, 0xFF]) {
-        Some("image/jpeg")
-    } else if head.len() >= 12 && &head[..4] == b"RIFF" && &head[8..12] == b"WEBP" {
-        Some("image/webp")
-    } else {
-        None
-    }
-}
-
 /// Check a finished prompt's outputs before anything is downloaded: at most the images the task
 /// asked for (`expected`, when the workflow says), each under the task's own prefix (the folder
 /// `zhihui`, a file name starting with the task id, no path separators): a server that names
@@ -563,25 +552,6 @@ mod tests {
             vec!["c.safetensors".to_owned()]
         );
         assert!(checkpoints_of(&serde_json::json!({})).is_err());
-    }
-
-    #[test]
-    fn the_content_type_comes_from_the_files_own_bytes() {
-        assert_eq!(
-            image_content_type(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR"),
-            Some("image/png")
-        );
-        assert_eq!(
-            image_content_type(&[0xFF, 0xD8, 0xFF, 0xE0]),
-            Some("image/jpeg")
-        );
-        assert_eq!(
-            image_content_type(b"RIFF\x10\0\0\0WEBPVP8 "),
-            Some("image/webp")
-        );
-        assert_eq!(image_content_type(b"<html><script>"), None);
-        assert_eq!(image_content_type(b"GIF89a"), None);
-        assert_eq!(image_content_type(b""), None);
     }
 
     #[test]

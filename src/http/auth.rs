@@ -5,16 +5,67 @@ use std::time::Duration;
 use actix_web::{HttpRequest, HttpResponse, web};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
+use uuid::Uuid;
 use zhihui_domain::claim::Identifier;
-use zhihui_domain::user::{PhoneNumber, RegisteredUser, Role, Username};
+use zhihui_domain::user::{PhoneNumber, RegisteredUser, Role, UserError, Username};
 
 use crate::http::extract::Authenticated;
-use crate::http::users::{UserView, register_error};
 use crate::http::{ApiError, event_metadata, retry_after};
 use crate::identity::GuardState;
 use crate::identity::password::PlainPassword;
 use crate::identity::phone_codes::{SendOutcome, VerifyOutcome};
+use crate::identity::users::RegisterError;
 use crate::state::AppState;
+
+/// A user as the API shows it. Never carries the password hash.
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct UserView {
+    pub id: Uuid,
+    pub username: Option<String>,
+    pub phone: Option<String>,
+    #[schema(value_type = String, example = "user")]
+    pub role: Role,
+    pub registered_at: DateTime<Utc>,
+}
+
+impl From<&RegisteredUser> for UserView {
+    fn from(user: &RegisteredUser) -> UserView {
+        UserView {
+            id: user.user_id.as_uuid(),
+            username: user.username.as_ref().map(|name| name.to_string()),
+            phone: user.phone.as_ref().map(|phone| phone.to_string()),
+            role: user.role,
+            registered_at: user.registered_at,
+        }
+    }
+}
+
+pub(crate) fn register_error(error: RegisterError) -> ApiError {
+    match error {
+        RegisterError::Taken { what } => ApiError::Conflict {
+            rule: if what == "username" {
+                "username-taken"
+            } else {
+                "phone-taken"
+            },
+            detail: format!("this {what} is already taken"),
+        },
+        RegisterError::Rejected(UserError::NotRegistered) => {
+            ApiError::NotFound("no such user".into())
+        }
+        RegisterError::Rejected(error @ UserError::PhoneAlreadyBound { .. }) => {
+            ApiError::Conflict {
+                rule: "phone-already-bound",
+                detail: error.to_string(),
+            }
+        }
+        RegisterError::Rejected(error) => ApiError::Conflict {
+            rule: "user-rule",
+            detail: error.to_string(),
+        },
+        RegisterError::Unexpected(error) => ApiError::Unexpected(error),
+    }
+}
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct RegisterRequest {

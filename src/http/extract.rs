@@ -90,7 +90,7 @@ async fn authenticate(request: HttpRequest) -> Result<Session, ApiError> {
         .headers()
         .get(actix_web::http::header::AUTHORIZATION)
         .is_none()
-        && let Some(cookie) = request.cookie(crate::web::SESSION_COOKIE)
+        && let Some(cookie) = request.cookie(crate::http::cookie::SESSION_COOKIE)
     {
         let token = cookie.value().to_owned();
         let safe = matches!(
@@ -99,9 +99,9 @@ async fn authenticate(request: HttpRequest) -> Result<Session, ApiError> {
         );
         let csrf_ok = request
             .headers()
-            .get(crate::web::CSRF_HEADER)
+            .get(crate::http::cookie::CSRF_HEADER)
             .and_then(|value| value.to_str().ok())
-            .is_some_and(|presented| crate::web::csrf_matches(&token, presented));
+            .is_some_and(|presented| crate::http::cookie::csrf_matches(&token, presented));
         if !safe && !csrf_ok {
             return Err(ApiError::Forbidden {
                 rule: "csrf-token-missing",

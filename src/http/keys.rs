@@ -65,7 +65,7 @@ fn key_error(error: RegisterError) -> ApiError {
                 });
             ApiError::Validation { field, message }
         }
-        other => crate::http::users::register_error(other),
+        other => crate::http::auth::register_error(other),
     }
 }
 

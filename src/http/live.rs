@@ -441,7 +441,7 @@ pub async fn original_image(
         return Err(not_found());
     };
     let content_type =
-        crate::dispatch::comfy::image_content_type(&bytes).unwrap_or("application/octet-stream");
+        crate::labels::image_content_type(&bytes).unwrap_or("application/octet-stream");
     Ok(HttpResponse::Ok()
         .content_type(content_type)
         .insert_header(("X-Content-Type-Options", "nosniff"))

@@ -7,18 +7,17 @@ use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
-use zhihui_domain::DomainEvent;
-use zhihui_domain::task::{TaskEvent, TaskId, TaskImage, TaskStatus, task_stream};
+use zhihui_domain::task::{TaskId, TaskStatus};
 use zhihui_domain::task_record::TaskRecord;
 use zhihui_projections::tasks::{RECORD_COLUMNS, record_of_row};
 
 use crate::http::accounts::idempotency_key;
 use crate::http::extract::{Admin, Authenticated};
 use crate::http::{ApiError, event_metadata};
-use crate::platform::event_store::{Direction, EventStore, ReadFrom};
 use crate::state::AppState;
 use crate::tasks::catalog::RequestedTask;
 use crate::tasks::service::TaskServiceError;
+pub use crate::tasks::view::{ProgressView, TaskView, record_at, view_of};
 
 /// Most tasks per page of the task list.
 pub const TASK_PAGE_MAX: i64 = 100;
@@ -62,59 +61,6 @@ pub struct SubmitTaskResponse {
     pub price: Decimal,
     /// False when this answers a retry (same `Idempotency-Key`) of an earlier submit.
     pub submitted_now: bool,
-}
-
-#[derive(Debug, Serialize, utoipa::ToSchema)]
-pub struct ProgressView {
-    pub value: u64,
-    pub max: u64,
-}
-
-#[derive(Debug, Serialize, utoipa::ToSchema)]
-pub struct ImageView {
-    pub image_id: String,
-    pub content_type: String,
-    /// Served by zhihui to the owner (never a ComfyUI address).
-    pub url: String,
-}
-
-#[derive(Debug, Serialize, utoipa::ToSchema)]
-pub struct TaskView {
-    pub task_id: Uuid,
-    /// submitted, queued, dispatched, running, succeeded, failed or cancelled.
-    pub status: String,
-    pub prompt: String,
-    pub negative_prompt: String,
-    pub model: String,
-    pub width: u32,
-    pub height: u32,
-    pub steps: u32,
-    #[schema(value_type = String)]
-    pub cfg: Decimal,
-    pub sampler: String,
-    pub scheduler: String,
-    pub seed: u64,
-    /// Images asked for.
-    pub image_count: u32,
-    #[schema(value_type = String)]
-    pub price: Decimal,
-    /// 1-based queue position while queued.
-    pub position: Option<u64>,
-    /// While queued: when it should start and end, from the measured step times of the servers
-    /// that offer its model and the tasks ahead of it.
-    pub estimated_start_at: Option<DateTime<Utc>>,
-    pub estimated_end_at: Option<DateTime<Utc>>,
-    /// While queued without an estimate: why (no server in service offers its model, ...).
-    pub estimate_note: Option<String>,
-    /// Sampling progress while running.
-    pub progress: Option<ProgressView>,
-    pub images: Vec<ImageView>,
-    pub failure_reason: Option<String>,
-    pub cancel_requested: bool,
-    /// Times it was prioritised.
-    pub prioritised: u32,
-    pub submitted_at: DateTime<Utc>,
-    pub finished_at: Option<DateTime<Utc>>,
 }
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]
@@ -213,49 +159,6 @@ pub(crate) fn parse_task_id(raw: &str) -> Result<TaskId, ApiError> {
     Uuid::parse_str(raw).map_err(|_| ApiError::NotFound("no such task".into()))
 }
 
-fn image_views(images: Vec<TaskImage>) -> Vec<ImageView> {
-    images
-        .into_iter()
-        .map(|image| ImageView {
-            url: format!("/api/v1/images/{}", image.image_id),
-            image_id: image.image_id,
-            content_type: image.content_type,
-        })
-        .collect()
-}
-
-/// A task's view (without its live parts) from its record, the read model's row or the stream
-/// folded by the same fold ([`TaskRecord::evolve`]).
-pub(crate) fn view_of(record: TaskRecord) -> TaskView {
-    TaskView {
-        task_id: record.task_id,
-        status: record.status.as_str().into(),
-        prompt: record.prompt,
-        negative_prompt: record.negative_prompt,
-        model: record.spec.model,
-        width: record.spec.width,
-        height: record.spec.height,
-        steps: record.spec.steps,
-        cfg: record.spec.cfg,
-        sampler: record.spec.sampler,
-        scheduler: record.spec.scheduler,
-        seed: record.spec.seed,
-        image_count: record.spec.images,
-        price: record.price.as_decimal(),
-        position: None,
-        estimated_start_at: None,
-        estimated_end_at: None,
-        estimate_note: None,
-        progress: None,
-        images: image_views(record.images),
-        failure_reason: record.failure_reason,
-        cancel_requested: record.cancel_requested,
-        prioritised: record.prioritised,
-        submitted_at: record.submitted_at,
-        finished_at: record.finished_at,
-    }
-}
-
 /// The view of `owner`'s task from its stream, never the read model: what a page shows right
 /// after its reader acted on the task (or heard it end), when the projection may not have caught
 /// up yet. One stream read.
@@ -281,38 +184,6 @@ pub(crate) async fn record_from_events(
     task_id: TaskId,
 ) -> Result<Option<TaskRecord>, ApiError> {
     Ok(record_at(&state.event_store, task_id, None).await?)
-}
-
-/// A task folded from its stream up to `version` (all of it when `None`): a view as of an event,
-/// the same on every replay.
-pub(crate) async fn record_at(
-    store: &crate::platform::event_store::AnyEventStore,
-    task_id: TaskId,
-    version: Option<u64>,
-) -> anyhow::Result<Option<TaskRecord>> {
-    let events = store
-        .read_stream(
-            &task_stream(task_id),
-            Direction::Forwards,
-            ReadFrom::Start,
-            crate::platform::command::STREAM_READ_PAGE_MAX,
-        )
-        .await
-        .context("reading a task stream")?;
-    let mut record = None;
-    for recorded in events
-        .iter()
-        .take_while(|recorded| version.is_none_or(|version| recorded.stream_version <= version))
-    {
-        let event = TaskEvent::from_stored(
-            &recorded.event_type,
-            recorded.schema_version,
-            &recorded.payload,
-        )
-        .context("decoding a task event")?;
-        record = TaskRecord::evolve(record, task_id, &event, recorded.stream_version);
-    }
-    Ok(record)
 }
 
 /// A whole number as JSON Schema's `integer` counts it (`20` and `20.0` alike): the catalog

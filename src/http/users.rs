@@ -2,39 +2,14 @@
 //! changes, roles.
 
 use actix_web::{HttpRequest, HttpResponse, web};
-use chrono::{DateTime, Utc};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use uuid::Uuid;
-use zhihui_domain::user::{RegisteredUser, Role, UserCommand, UserError, UserId};
+use zhihui_domain::user::{RegisteredUser, Role, UserCommand, UserId};
 
-use crate::http::auth::{parse_password, parse_phone, verify_code};
+use crate::http::auth::{UserView, parse_password, parse_phone, register_error, verify_code};
 use crate::http::extract::{Admin, Authenticated, ensure_owner};
 use crate::http::{ApiError, event_metadata};
-use crate::identity::users::RegisterError;
 use crate::state::AppState;
-
-/// A user as the API shows it. Never carries the password hash.
-#[derive(Debug, Serialize, utoipa::ToSchema)]
-pub struct UserView {
-    pub id: Uuid,
-    pub username: Option<String>,
-    pub phone: Option<String>,
-    #[schema(value_type = String, example = "user")]
-    pub role: Role,
-    pub registered_at: DateTime<Utc>,
-}
-
-impl From<&RegisteredUser> for UserView {
-    fn from(user: &RegisteredUser) -> UserView {
-        UserView {
-            id: user.user_id.as_uuid(),
-            username: user.username.as_ref().map(|name| name.to_string()),
-            phone: user.phone.as_ref().map(|phone| phone.to_string()),
-            role: user.role,
-            registered_at: user.registered_at,
-        }
-    }
-}
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
 pub struct ChangePasswordRequest {
@@ -56,33 +31,6 @@ pub struct ChangeRoleRequest {
     /// `user` or `admin`.
     #[schema(value_type = String, example = "admin", pattern = "^(user|admin)$")]
     pub role: Role,
-}
-
-pub(crate) fn register_error(error: RegisterError) -> ApiError {
-    match error {
-        RegisterError::Taken { what } => ApiError::Conflict {
-            rule: if what == "username" {
-                "username-taken"
-            } else {
-                "phone-taken"
-            },
-            detail: format!("this {what} is already taken"),
-        },
-        RegisterError::Rejected(UserError::NotRegistered) => {
-            ApiError::NotFound("no such user".into())
-        }
-        RegisterError::Rejected(error @ UserError::PhoneAlreadyBound { .. }) => {
-            ApiError::Conflict {
-                rule: "phone-already-bound",
-                detail: error.to_string(),
-            }
-        }
-        RegisterError::Rejected(error) => ApiError::Conflict {
-            rule: "user-rule",
-            detail: error.to_string(),
-        },
-        RegisterError::Unexpected(error) => ApiError::Unexpected(error),
-    }
 }
 
 pub(crate) fn parse_user_id(raw: &str) -> Result<UserId, ApiError> {

@@ -22,7 +22,7 @@ use uuid::Uuid;
 use zhihui_domain::user::{Role, UserId};
 
 use crate::platform::clock::{Clock, from_unix_ms, millis};
-use crate::platform::redis_store::RedisStore;
+use crate::platform::redis_store::{RedisStore, user_tag};
 
 /// Random bytes in a token: 256 bits, far beyond guessing.
 pub const TOKEN_BYTES: usize = 32;
@@ -300,11 +300,6 @@ impl Sessions {
         self.redis.revocation_replicated(&mut connection).await?;
         Ok(revoked)
     }
-}
-
-/// The hash tag of one user's keys (sessions, check-ins, redemption failures).
-pub fn user_tag(user_id: UserId) -> String {
-    format!("u:{user_id}")
 }
 
 /// The user id a well-formed token names (not yet verified: only Redis can say it is valid).

@@ -7,22 +7,13 @@
 //! first image.
 
 use ab_glyph::{Font, FontRef, Glyph, GlyphId, PxScale, ScaleFont, point};
-use serde::Deserialize;
 
 static FONT: &[u8] = include_bytes!("../../assets/fonts/ZhihuiLabelSansSC-Bold.otf");
 
 /// The smallest ink height the rules allow, as a share of the shorter side.
 pub const HEIGHT_RATIO_MIN: f32 = 0.05;
 
-/// Where the mark sits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Corner {
-    TopLeft,
-    TopRight,
-    BottomLeft,
-    BottomRight,
-}
+pub use crate::platform::configuration::Corner;
 
 /// The plate behind the text: black at this opacity. 0.6 keeps white text above a 5:1 contrast
 /// on a white image and leaves most of what lies under the plate visible.

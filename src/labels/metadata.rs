@@ -187,7 +187,7 @@ pub struct FileLabels {
 /// Read the labels out of a PNG, JPEG or WebP file.
 pub fn read(bytes: &[u8]) -> anyhow::Result<FileLabels> {
     let mut labels = FileLabels::default();
-    match crate::dispatch::comfy::image_content_type(bytes) {
+    match crate::labels::image_content_type(bytes) {
         Some("image/png") => {
             let mut decoder = png::Decoder::new(std::io::Cursor::new(bytes));
             decoder.set_ignore_text_chunk(false);

@@ -10,6 +10,19 @@
 //! runtime's threads, and never while a GPU waits: the dispatcher frees a server's slot when its
 //! prompt finishes, before the results are fetched.
 
+/// The type of an image file from its first bytes: PNG, JPEG or WebP; `None` for anything else.
+pub fn image_content_type(head: &[u8]) -> Option<&'static str> {
+    if head.starts_with(b"\x89PNG\r\n\x1a\n") {
+        Some("image/png")
+    } else if head.starts_with(&[0xFF, 0xD8, 0xFF]) {
+        Some("image/jpeg")
+    } else if head.len() >= 12 && &head[..4] == b"RIFF" && &head[8..12] == b"WEBP" {
+        Some("image/webp")
+    } else {
+        None
+    }
+}
+
 pub mod mark;
 pub mod metadata;
 
@@ -121,7 +134,7 @@ impl Labeller {
         image_id: Uuid,
     ) -> Result<LabelledImage, LabelError> {
         let settings = &self.inner.settings;
-        let (content_type, format) = match crate::dispatch::comfy::image_content_type(bytes) {
+        let (content_type, format) = match crate::labels::image_content_type(bytes) {
             Some(kind @ "image/png") => (kind, image::ImageFormat::Png),
             Some(kind @ "image/jpeg") => (kind, image::ImageFormat::Jpeg),
             Some(kind @ "image/webp") => (kind, image::ImageFormat::WebP),
@@ -223,7 +236,7 @@ impl Labeller {
         let found = metadata::read(bytes)?;
         let key = self.inner.settings.signing_key.expose_secret().as_bytes();
         Ok(Inspection {
-            content_type: crate::dispatch::comfy::image_content_type(bytes).unwrap_or("unknown"),
+            content_type: crate::labels::image_content_type(bytes).unwrap_or("unknown"),
             png_text_checks_out: found.png_text.as_ref().map(|label| label.verify(key)),
             xmp_checks_out: found.xmp.as_ref().map(|label| label.verify(key)),
             labels: found,
@@ -320,6 +333,25 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    #[test]
+    fn the_content_type_comes_from_the_files_own_bytes() {
+        assert_eq!(
+            image_content_type(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR"),
+            Some("image/png")
+        );
+        assert_eq!(
+            image_content_type(&[0xFF, 0xD8, 0xFF, 0xE0]),
+            Some("image/jpeg")
+        );
+        assert_eq!(
+            image_content_type(b"RIFF\x10\0\0\0WEBPVP8 "),
+            Some("image/webp")
+        );
+        assert_eq!(image_content_type(b"<html><script>"), None);
+        assert_eq!(image_content_type(b"GIF89a"), None);
+        assert_eq!(image_content_type(b""), None);
+    }
 
     fn labeller(customise: impl FnOnce(&mut LabelSettings)) -> Labeller {
         let mut settings = crate::platform::configuration::Settings::defaults()

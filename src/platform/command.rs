@@ -18,8 +18,7 @@ use crate::platform::event_store::{
     NewEvent, ReadFrom,
 };
 
-/// Events per read while loading a stream.
-pub const STREAM_READ_PAGE_MAX: usize = 1_000;
+pub use crate::platform::event_store::STREAM_READ_PAGE_MAX;
 
 /// How hard to try when other writers keep winning the race for a stream.
 #[derive(Debug, Clone, Copy)]

@@ -1,7 +1,7 @@
-//! Prometheus metrics (issue 26). Code records through the `metrics` facade; the Prometheus
-//! exporter's recorder, installed once per process, renders them at `GET /metrics`. Beside them
-//! the handler reads, at scrape time, what is a truth of the shared stores rather than of this
-//! process: tasks by status, queue depth, points frozen, projection lag. Every name carries its
+//! Prometheus metrics. Code records through the `metrics` facade; the Prometheus exporter's
+//! recorder, installed once per process, renders them at `GET /metrics` (`http::metrics`, which
+//! also reads, at scrape time, what is a truth of the shared stores rather than of this process:
+//! tasks by status, queue depth, points frozen, projection lag). Every name carries its
 //! unit (`_seconds`, `_total` for counters); label values are bounded (route templates, backend
 //! names from the configuration, catalog models, fixed kinds), never ids.
 //!
@@ -15,16 +15,7 @@
 
 use std::sync::OnceLock;
 
-use actix_web::body::MessageBody;
-use actix_web::dev::{ServiceRequest, ServiceResponse};
-use actix_web::middleware::Next;
-use actix_web::{HttpResponse, web};
-use anyhow::Context;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use zhihui_domain::task::TaskStatus;
-
-use crate::http::ApiError;
-use crate::state::AppState;
 
 /// Histogram buckets of durations, 1 ms to 10 min: HTTP answers and appends sit at the bottom,
 /// tasks (seconds to minutes on a GPU) at the top.
@@ -245,9 +236,10 @@ pub fn handle() -> &'static PrometheusHandle {
 }
 
 /// The process's counters and histograms whose label values are all known, at zero.
-pub fn start_at_zero(store_kind: &'static str) {
-    for kind in crate::points::settlements::RepairKind::ALL {
-        metrics::counter!("zhihui_settlement_repairs_total", "kind" => kind.as_str()).increment(0);
+/// `repair_kinds`: every kind of repair the settlement reconciler records.
+pub fn start_at_zero(store_kind: &'static str, repair_kinds: &[&'static str]) {
+    for kind in repair_kinds {
+        metrics::counter!("zhihui_settlement_repairs_total", "kind" => *kind).increment(0);
     }
     for kind in crate::platform::notify::TaskNotice::KINDS {
         metrics::counter!("zhihui_notifications_sent_total", "kind" => *kind).increment(0);
@@ -287,105 +279,4 @@ pub fn start_backend_at_zero(backend: &str, models: &[String]) {
             ));
         }
     }
-}
-
-/// Records every request's latency and count by method, route template and status.
-pub async fn record_http(
-    request: ServiceRequest,
-    next: Next<impl MessageBody>,
-) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
-    let started = std::time::Instant::now();
-    let method = request.method().as_str().to_owned();
-    // The template (`/api/v1/tasks/{id}`), never the path: ids would make a series per task.
-    let route = request
-        .match_pattern()
-        .unwrap_or_else(|| "unmatched".into());
-    let response = next.call(request).await?;
-    let status = response.status().as_u16().to_string();
-    let labels = [("method", method), ("route", route), ("status", status)];
-    metrics::counter!("zhihui_http_requests_total", &labels).increment(1);
-    metrics::histogram!("zhihui_http_request_duration_seconds", &labels)
-        .record(started.elapsed().as_secs_f64());
-    Ok(response)
-}
-
-/// `GET /metrics`: the Prometheus text exposition.
-pub async fn exposition(state: web::Data<AppState>) -> Result<HttpResponse, ApiError> {
-    scrape_gauges(&state).await?;
-    let handle = handle();
-    handle.run_upkeep();
-    Ok(HttpResponse::Ok()
-        .content_type("text/plain; version=0.0.4; charset=utf-8")
-        .body(handle.render()))
-}
-
-/// What the shared stores say of the whole platform (the same on every instance): `/metrics`
-/// exports it, the admin overview page shows it.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct PlatformReadings {
-    /// Every status of the read model, zero included.
-    pub tasks_by_status: Vec<(String, i64)>,
-    pub points_frozen: rust_decimal::Decimal,
-    pub queue_depth: u64,
-    pub projection_lags: Vec<crate::platform::projector::Lag>,
-}
-
-/// Read [`PlatformReadings`].
-pub async fn platform_readings(state: &AppState) -> Result<PlatformReadings, ApiError> {
-    let client = crate::platform::postgres::checkout(&state.pg_pool)
-        .await
-        .context("getting a connection")?;
-    let mut by_status: Vec<(String, i64)> = client
-        .query("SELECT status, count(*) FROM tasks GROUP BY status", &[])
-        .await
-        .context("counting tasks")?
-        .iter()
-        .map(|row| (row.get(0), row.get(1)))
-        .collect();
-    // Every status is a series, zero included: a series that vanishes reads as "unknown".
-    for status in TaskStatus::RECORDED {
-        if !by_status.iter().any(|(name, _)| name == status.as_str()) {
-            by_status.push((status.as_str().into(), 0));
-        }
-    }
-    by_status.sort_by_key(|(status, _)| {
-        TaskStatus::RECORDED
-            .iter()
-            .position(|known| known.as_str() == status)
-    });
-    let frozen: rust_decimal::Decimal = client
-        .query_one("SELECT coalesce(sum(frozen), 0) FROM accounts", &[])
-        .await
-        .context("summing frozen points")?
-        .get(0);
-    drop(client);
-    let depth = state.tasks.queue.len().await?;
-    Ok(PlatformReadings {
-        tasks_by_status: by_status,
-        points_frozen: frozen,
-        queue_depth: depth,
-        projection_lags: crate::platform::projector::lags(state).await?,
-    })
-}
-
-/// The gauges read from PostgreSQL and Redis at each scrape.
-async fn scrape_gauges(state: &AppState) -> Result<(), ApiError> {
-    let readings = platform_readings(state).await?;
-    for (status, count) in readings.tasks_by_status {
-        metrics::gauge!("zhihui_tasks", "status" => status).set(count as f64);
-    }
-    metrics::gauge!("zhihui_points_frozen").set(decimal_to_f64(readings.points_frozen));
-    metrics::gauge!("zhihui_queue_depth").set(readings.queue_depth as f64);
-    for lag in readings.projection_lags {
-        metrics::gauge!("zhihui_projection_lag_events", "projection" => lag.projection)
-            .set(lag.events as f64);
-        metrics::gauge!("zhihui_projection_lag_seconds", "projection" => lag.projection)
-            .set(lag.seconds);
-    }
-    Ok(())
-}
-
-fn decimal_to_f64(value: rust_decimal::Decimal) -> f64 {
-    use rust_decimal::prelude::ToPrimitive;
-    value.to_f64().unwrap_or(f64::NAN)
 }

@@ -664,14 +664,17 @@ pub struct Lag {
 
 /// Every projection's lag. PostgreSQL event store only (the events are in the same database):
 /// with KurrentDB the list is empty, and the projections' own `last_lag_ms` still tells.
-pub async fn lags(state: &crate::state::AppState) -> anyhow::Result<Vec<Lag>> {
+pub async fn lags(
+    event_store: &crate::platform::event_store::AnyEventStore,
+    pg_pool: &deadpool_postgres::Pool,
+) -> anyhow::Result<Vec<Lag>> {
     if !matches!(
-        state.event_store,
+        event_store,
         crate::platform::event_store::AnyEventStore::Postgres(_)
     ) {
         return Ok(Vec::new());
     }
-    let client = crate::platform::postgres::checkout(&state.pg_pool)
+    let client = crate::platform::postgres::checkout(pg_pool)
         .await
         .context("getting a connection")?;
     // Every checkpoint in one read, on the connection the counts use.

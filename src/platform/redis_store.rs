@@ -394,3 +394,8 @@ impl RedisStore {
         Ok(())
     }
 }
+
+/// The hash tag of one user's keys (sessions, check-ins, redemption failures).
+pub fn user_tag(user_id: zhihui_domain::user::UserId) -> String {
+    format!("u:{user_id}")
+}

@@ -4,6 +4,7 @@
 
 pub mod checkins;
 pub mod codes;
+pub mod ledger;
 pub mod promotions;
 pub mod revenue;
 pub mod settlements;

@@ -1,8 +1,6 @@
 //! The composition root: [`Application::build`] wires settings into pools, stores and the HTTP
 //! server; `main` only parses the command line and calls it. Port 0 binds a free port (tests).
 
-pub mod bench_support;
-
 use crate::state::{AppState, Overrides};
 
 use std::net::TcpListener;
@@ -15,6 +13,19 @@ use zhihui_projections::ProjectionName;
 
 use crate::platform::configuration::Settings;
 use crate::platform::projector::Projector;
+
+/// The checks of the settings that need a feature's own code, run by every subcommand right
+/// after the settings load: the mark's text against the compiled-in font's glyphs and its height
+/// ratio, the networks webhooks may reach. `Settings::load` checks everything else.
+pub fn check_settings(settings: &Settings) -> anyhow::Result<()> {
+    let labels = &settings.labels;
+    crate::labels::mark::Mark::new(&labels.text, labels.corner, labels.height_ratio)?;
+    for network in &settings.webhooks.allowed_networks {
+        crate::webhooks::safety::Network::parse(network)
+            .with_context(|| format!("webhooks.allowed_networks: {network:?}"))?;
+    }
+    Ok(())
+}
 
 pub struct Application {
     port: u16,
@@ -56,7 +67,11 @@ impl Application {
         // Installed before anything records: a counter registered at zero before the recorder
         // exists is lost (the dispatcher, on a thread of its own, follows its servers at once).
         crate::platform::metrics::handle();
-        crate::platform::metrics::start_at_zero(state.event_store.kind());
+        let repair_kinds: Vec<&'static str> = crate::points::settlements::RepairKind::ALL
+            .iter()
+            .map(|kind| kind.as_str())
+            .collect();
+        crate::platform::metrics::start_at_zero(state.event_store.kind(), &repair_kinds);
         let mut background = Vec::new();
         if settings.projections.enabled {
             for projection in ProjectionName::ALL {
@@ -177,10 +192,9 @@ impl Application {
                     .port();
                 let state = state.clone();
                 let server = HttpServer::new(move || {
-                    App::new().app_data(state.clone()).route(
-                        "/metrics",
-                        web::get().to(crate::platform::metrics::exposition),
-                    )
+                    App::new()
+                        .app_data(state.clone())
+                        .route("/metrics", web::get().to(crate::http::metrics::exposition))
                 })
                 .workers(1)
                 .disable_signals()
@@ -205,10 +219,7 @@ impl Application {
             }
             let app = App::new();
             let app = if metrics_here {
-                app.route(
-                    "/metrics",
-                    web::get().to(crate::platform::metrics::exposition),
-                )
+                app.route("/metrics", web::get().to(crate::http::metrics::exposition))
             } else {
                 app
             };
@@ -225,7 +236,7 @@ impl Application {
             app.wrap(actix_web::middleware::from_fn(crate::web::security_headers))
                 .wrap(actix_web::middleware::Compress::default())
                 .wrap(actix_web::middleware::from_fn(
-                    crate::platform::metrics::record_http,
+                    crate::http::metrics::record_http,
                 ))
                 .wrap(
                     // The request line with secrets in its query redacted (a browser's socket

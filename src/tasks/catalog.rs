@@ -12,9 +12,6 @@ use crate::platform::configuration::TaskSettings;
 pub const SEED_MAX: u64 = (1 << 53) - 1;
 /// Decimal places a CFG value may have (ComfyUI steps it by 0.1 in its UI).
 pub const CFG_SCALE_MAX: u32 = 1;
-/// Resolution bounds of a preset: multiples of 8 (the latent is 1/8 of the image).
-const SIDE_MIN: u32 = 64;
-const SIDE_MAX: u32 = 2048;
 
 /// What a user asked for; `None` means "the default". Serializable for its digest (a retry with
 /// the same `Idempotency-Key` must ask for the same thing).
@@ -48,14 +45,7 @@ pub struct CheckedTask {
     pub price: Amount,
 }
 
-/// `<width>x<height>`, both multiples of 8 within bounds.
-pub fn parse_resolution(preset: &str) -> Option<(u32, u32)> {
-    let (width, height) = preset.split_once('x')?;
-    let width: u32 = width.parse().ok()?;
-    let height: u32 = height.parse().ok()?;
-    let fits = |side: u32| (SIDE_MIN..=SIDE_MAX).contains(&side) && side.is_multiple_of(8);
-    (fits(width) && fits(height)).then_some((width, height))
-}
+pub use crate::platform::configuration::parse_resolution;
 
 #[derive(Debug, Clone)]
 pub struct Catalog {

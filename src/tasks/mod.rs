@@ -11,4 +11,5 @@ pub mod positions;
 pub mod queue;
 pub mod service;
 pub mod translate;
+pub mod view;
 pub mod workflow;

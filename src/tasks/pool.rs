@@ -33,21 +33,15 @@ use crate::platform::configuration::BackendSettings;
 use crate::platform::event_store::{AnyEventStore, EventMetadata};
 use crate::platform::redis_store::RedisStore;
 use crate::tasks::queue::lease::Leases;
+use crate::tasks::queue::{HELD_KEY, HELD_VERSION_KEY};
 
 /// The leader's view of each server (hash: name -> JSON [`BackendStatus`]).
 pub const STATUS_KEY: &str = "dispatch:backends";
-/// Servers no new task may go to (drained or removed), by name: the filler's script checks it,
-/// so a drain holds from the moment its request is answered, before the leader has read the
-/// pool again. Derived: rewritten from the pool whenever the leader reads it.
-pub const HELD_KEY: &str = "dispatch:held";
-/// The pool version (events folded) [`HELD_KEY`] was written from.
-const HELD_VERSION_KEY: &str = "dispatch:held:version";
 /// A pool read longer ago than this no longer accepts a model by itself: a server inspected or
 /// removed since (by another process) may have taken the model away. Bounds how long a process
 /// accepts tasks for a model nobody offers any more (they would wait in the queue).
 const POOL_CACHE_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(5);
-/// A status older than this is not the leader's current view (it is gone, or stuck): "unknown".
-pub const STATUS_STALE_MS: i64 = 10_000;
+pub use crate::platform::configuration::STATUS_STALE_MS;
 
 /// Queued tasks estimated per read, at most: the estimate replays the queue from its head, so a
 /// task further back gets none (its place still shows).

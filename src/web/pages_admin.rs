@@ -90,7 +90,7 @@ pub async fn overview(page: Page) -> Result<HttpResponse, WebError> {
     let today = state.active_users.today();
     let from = today - chrono::Duration::days(i64::from(ACTIVE_DAYS) - 1);
     let report = state.active_users.report(from, today).await?;
-    let readings = crate::platform::metrics::platform_readings(state)
+    let readings = crate::http::metrics::platform_readings(state)
         .await
         .map_err(|error| page.unexpected(error))?;
     let servers = state.dispatcher.backend_pool().list().await?;
@@ -845,7 +845,7 @@ pub async fn audit(page: Page, query: web::Query<AuditQuery>) -> Result<HttpResp
         };
         match found {
             Some(user) => {
-                let mut movements = crate::cli::inspect::account_movements(
+                let mut movements = crate::points::ledger::account_movements(
                     &state.event_store,
                     user.user_id,
                     None,

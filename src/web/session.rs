@@ -8,39 +8,11 @@
 
 use actix_web::HttpRequest;
 use actix_web::cookie::{Cookie, SameSite};
-use base64::Engine as _;
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-use hmac::{KeyInit, Mac};
 
+pub use crate::http::cookie::{CSRF_HEADER, SESSION_COOKIE, csrf_matches, csrf_token};
 use crate::identity::sessions::Session;
 use crate::platform::configuration::CookieSecure;
 use crate::state::AppState;
-
-/// The session cookie's name.
-pub const SESSION_COOKIE: &str = "zhihui_session";
-/// The header a signed-in browser's state-changing requests carry.
-pub const CSRF_HEADER: &str = "x-csrf-token";
-/// What the CSRF digest is computed over (versioned: a new scheme gets a new label).
-const CSRF_LABEL: &[u8] = b"zhihui csrf v1";
-
-/// The CSRF token of a session token.
-pub fn csrf_token(session_token: &str) -> String {
-    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(session_token.as_bytes())
-        .unwrap_or_else(|_| unreachable!("HMAC takes a key of any length"));
-    mac.update(CSRF_LABEL);
-    URL_SAFE_NO_PAD.encode(mac.finalize().into_bytes())
-}
-
-/// Whether `presented` is the CSRF token of `session_token` (compared in constant time).
-pub fn csrf_matches(session_token: &str, presented: &str) -> bool {
-    let mut mac = hmac::Hmac::<sha2::Sha256>::new_from_slice(session_token.as_bytes())
-        .unwrap_or_else(|_| unreachable!("HMAC takes a key of any length"));
-    mac.update(CSRF_LABEL);
-    match URL_SAFE_NO_PAD.decode(presented.trim()) {
-        Ok(bytes) => mac.verify_slice(&bytes).is_ok(),
-        Err(_) => false,
-    }
-}
 
 /// A signed-in browser: its session and the token it holds.
 #[derive(Debug, Clone)]

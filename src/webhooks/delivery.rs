@@ -392,7 +392,7 @@ impl Deliveries {
             };
             // The task as of this end (its stream up to the event: a replay says the same).
             let record =
-                crate::http::tasks::record_at(&self.store, task_id, Some(recorded.stream_version))
+                crate::tasks::view::record_at(&self.store, task_id, Some(recorded.stream_version))
                     .await?;
             let Some(record) = record else {
                 return Ok(None);
@@ -403,7 +403,7 @@ impl Deliveries {
                 .settings()
                 .public_base_url
                 .trim_end_matches('/');
-            let mut view = crate::http::tasks::view_of(record);
+            let mut view = crate::tasks::view::view_of(record);
             for image in &mut view.images {
                 image.url = format!("{base}{}", image.url);
             }

@@ -94,7 +94,7 @@ pub struct TaskMessage {
     pub kind: String,
     /// When the task ended.
     pub timestamp: DateTime<Utc>,
-    pub data: crate::http::tasks::TaskView,
+    pub data: crate::tasks::view::TaskView,
 }
 
 /// The body of a `points.credited` delivery.

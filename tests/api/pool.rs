@@ -657,7 +657,7 @@ async fn a_pool_read_before_a_drain_never_undoes_its_hold() {
         let mut names: Vec<String> = redis::cmd("SMEMBERS")
             .arg(services.redis.tagged(
                 zhihui::tasks::queue::QUEUE_TAG,
-                zhihui::tasks::pool::HELD_KEY,
+                zhihui::tasks::queue::HELD_KEY,
             ))
             .query_async(&mut redis)
             .await

@@ -623,7 +623,7 @@ async fn a_claim_whose_entry_was_lost_midway_is_finished_by_the_reconciler() {
                 accepted_at: app.clock.now(),
                 at: app.clock.now(),
             },
-            zhihui::startup::bench_support::metadata(),
+            zhihui::cli::bench_support::metadata(),
         )
         .await
         .unwrap();

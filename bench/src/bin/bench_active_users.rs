@@ -245,7 +245,7 @@ async fn count_case(
     println!(
         "  week distinct: exact {exact_union:>9}  estimate {:>9}  error {union_error:+.3} %  (report in {:.1} ms)",
         report.distinct,
-        zhihui::startup::bench_support::ms(query)
+        zhihui::cli::bench_support::ms(query)
     );
     let mut day_bytes = 0i64;
     for key in active.day_keys(first_day) {
@@ -262,7 +262,7 @@ async fn count_case(
         union_error,
         day_bytes,
         per_second: added as f64 / counting.as_secs_f64(),
-        report_ms: zhihui::startup::bench_support::ms(query),
+        report_ms: zhihui::cli::bench_support::ms(query),
         day0_estimate: report.days.first().map_or(0, |(_, count)| *count),
     })
 }

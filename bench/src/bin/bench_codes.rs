@@ -31,10 +31,10 @@ use anyhow::Context;
 use rand::{Rng, SeedableRng};
 use secrecy::SecretString;
 use uuid::Uuid;
+use zhihui::cli::bench_support::{Figure, metadata};
 use zhihui::platform::configuration::Settings;
 use zhihui::points::codes::issuer::CodeIssuer;
 use zhihui::points::codes::{CodeService, RedeemError};
-use zhihui::startup::bench_support::{Figure, metadata};
 use zhihui::state::AppState;
 use zhihui_domain::points::Amount;
 use zhihui_domain::redeem::BatchSpec;
@@ -54,10 +54,10 @@ const PG_STATS_SETTLE: Duration = Duration::from_secs(11);
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     zhihui::platform::allocator::tune();
-    let seconds = zhihui::startup::bench_support::seconds_per_case()?;
+    let seconds = zhihui::cli::bench_support::seconds_per_case()?;
     let redis_url =
         std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into());
-    Box::pin(zhihui::startup::bench_support::with_fresh_database(
+    Box::pin(zhihui::cli::bench_support::with_fresh_database(
         |settings| {
             settings.database.pool_max_size = POOL_SIZE / 2;
             settings.event_store.group_commit_writers = 2;
@@ -108,18 +108,18 @@ async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
     let projected = projecting.elapsed();
     println!(
         "issue: {ISSUE_COUNT} codes in {pages} pages: created in {:.1} ms, last page {:.2} s after, rows projected in {:.2} s",
-        zhihui::startup::bench_support::ms(accepted),
+        zhihui::cli::bench_support::ms(accepted),
         issued.as_secs_f64(),
         projected.as_secs_f64()
     );
     figures.push((
         "codes_issue_100k_ms".into(),
-        zhihui::startup::bench_support::ms(issued),
+        zhihui::cli::bench_support::ms(issued),
         "ms",
     ));
     figures.push((
         "codes_issue_100k_rows_projected_ms".into(),
-        zhihui::startup::bench_support::ms(projected),
+        zhihui::cli::bench_support::ms(projected),
         "ms",
     ));
 
@@ -196,7 +196,7 @@ async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
     let (redis_calls, pg_transactions) = counters_after.since(&counters_before);
     println!(
         "forged: {refused} of {FORGED} refused in {:.1} ms; meanwhile Redis calls {redis_calls}, PostgreSQL {unit} {pg_transactions}",
-        zhihui::startup::bench_support::ms(forging)
+        zhihui::cli::bench_support::ms(forging)
     );
     anyhow::ensure!(refused == FORGED, "a forged code was not refused");
 
@@ -303,13 +303,13 @@ async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
     ));
 
     // Everything projected, then audited.
-    let verified = zhihui::startup::bench_support::project_and_audit(&a, settings).await?;
+    let verified = zhihui::cli::bench_support::project_and_audit(&a, settings).await?;
     figures.push((
         "codes_audit_differences".into(),
         verified.differences.len() as f64,
         "differences",
     ));
-    zhihui::startup::bench_support::clean_redis(&a).await?;
+    zhihui::cli::bench_support::clean_redis(&a).await?;
     Ok(figures)
 }
 
@@ -439,8 +439,7 @@ impl CaseFigures {
     fn new(mut latencies_us: Vec<u64>, elapsed: Duration, errors: u64) -> CaseFigures {
         latencies_us.sort_unstable();
         let percentile = |p: f64| {
-            zhihui::startup::bench_support::percentile(&latencies_us, p).unwrap_or(0) as f64
-                / 1000.0
+            zhihui::cli::bench_support::percentile(&latencies_us, p).unwrap_or(0) as f64 / 1000.0
         };
         CaseFigures {
             per_second: latencies_us.len() as f64 / elapsed.as_secs_f64(),

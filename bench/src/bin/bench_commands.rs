@@ -37,10 +37,10 @@ use std::time::{Duration, Instant};
 
 use secrecy::ExposeSecret;
 use uuid::Uuid;
+use zhihui::cli::bench_support::{Figure, metadata};
 use zhihui::platform::aggregate::AggregateService;
 use zhihui::platform::command::{CommandError, RetryPolicy};
 use zhihui::platform::configuration::Settings;
-use zhihui::startup::bench_support::{Figure, metadata};
 use zhihui_domain::account::{Account, account_stream};
 use zhihui_domain::user::UserId;
 
@@ -55,8 +55,8 @@ const SPLIT_CASE: &str = "hot_split";
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     zhihui::platform::allocator::tune();
-    let seconds = zhihui::startup::bench_support::seconds_per_case()?;
-    zhihui::startup::bench_support::with_fresh_database(
+    let seconds = zhihui::cli::bench_support::seconds_per_case()?;
+    zhihui::cli::bench_support::with_fresh_database(
         |settings| {
             settings.database.pool_max_size = POOL_SIZE;
             settings.event_store.group_commit_writers = 4;
@@ -86,8 +86,7 @@ impl CaseFigures {
     ) -> CaseFigures {
         latencies_us.sort_unstable();
         let percentile = |p: f64| {
-            zhihui::startup::bench_support::percentile(&latencies_us, p).unwrap_or(0) as f64
-                / 1000.0
+            zhihui::cli::bench_support::percentile(&latencies_us, p).unwrap_or(0) as f64 / 1000.0
         };
         CaseFigures {
             succeeded: latencies_us.len(),
@@ -224,7 +223,7 @@ async fn run_ours(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<CaseF
                 })
             })
             .collect();
-        zhihui::startup::bench_support::fund(&accounts, &streams).await?;
+        zhihui::cli::bench_support::fund(&accounts, &streams).await?;
         let case_figures = run_clients(std::slice::from_ref(&accounts), streams, seconds).await?;
         case_figures.print("ours", case);
         figures.push(case_figures);
@@ -253,7 +252,7 @@ async fn run_split(settings: &Settings, seconds: u64) -> anyhow::Result<CaseFigu
     }
     let hot_account = account_stream(UserId::from_uuid(Uuid::now_v7()));
     let streams = vec![hot_account; CLIENTS];
-    zhihui::startup::bench_support::fund(&instances[0], &streams[..1]).await?;
+    zhihui::cli::bench_support::fund(&instances[0], &streams[..1]).await?;
     let figures = run_clients(&instances, streams, seconds).await?;
     figures.print("ours", SPLIT_CASE);
     Ok(figures)
@@ -284,7 +283,7 @@ async fn run_clients(
                 while !stop.load(Ordering::Relaxed) {
                     for (accounts, command) in through
                         .iter()
-                        .zip(zhihui::startup::bench_support::freeze_release_pair())
+                        .zip(zhihui::cli::bench_support::freeze_release_pair())
                     {
                         let sent = Instant::now();
                         match accounts.execute(&stream, command, metadata()).await {

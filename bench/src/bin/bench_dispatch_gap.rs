@@ -44,10 +44,10 @@ use anyhow::Context;
 use comfyui_sim::{Faults, SimConfig, Simulator};
 use secrecy::{ExposeSecret, SecretString};
 use uuid::Uuid;
+use zhihui::cli::bench_support::{Figure, metadata};
 use zhihui::dispatch::comfy::{ComfyClient, PostOutcome};
 use zhihui::dispatch::{GapSample, Saga};
 use zhihui::platform::configuration::Settings;
-use zhihui::startup::bench_support::{Figure, metadata};
 use zhihui::state::{AppState, Overrides};
 use zhihui::tasks::catalog::RequestedTask;
 use zhihui_domain::account::{AccountCommand, account_stream};
@@ -118,7 +118,7 @@ async fn main() -> anyhow::Result<()> {
     let redis_url =
         std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into());
     let sims_ref = &sims;
-    let outcome = Box::pin(zhihui::startup::bench_support::with_fresh_database(
+    let outcome = Box::pin(zhihui::cli::bench_support::with_fresh_database(
         |settings| {
             settings.redis.url = SecretString::from(redis_url);
             settings.redis.key_prefix = format!("bench:{}", Uuid::now_v7().simple());
@@ -319,8 +319,8 @@ async fn dispatch_case(
     let mut idle: Vec<Duration> = sims.iter().flat_map(Simulator::take_idle_gaps).collect();
     anyhow::ensure!(!idle.is_empty(), "no gap was measured");
     let (idle_p50, idle_p99, idle_max) = percentiles(&mut idle);
-    let idle_p90 = zhihui::startup::bench_support::percentile(&idle, 0.9)
-        .map_or(0.0, zhihui::startup::bench_support::ms);
+    let idle_p90 = zhihui::cli::bench_support::percentile(&idle, 0.9)
+        .map_or(0.0, zhihui::cli::bench_support::ms);
     let under_target = idle
         .iter()
         .filter(|gap| **gap < Duration::from_millis(5))
@@ -440,8 +440,7 @@ impl CpuTimes {
             let Ok(stat) = std::fs::read_to_string(entry?.path().join("stat")) else {
                 continue;
             };
-            let Some((name, cpu_us)) = zhihui::startup::bench_support::parse_proc_stat(&stat)
-            else {
+            let Some((name, cpu_us)) = zhihui::cli::bench_support::parse_proc_stat(&stat) else {
                 continue;
             };
             let seconds = cpu_us / 1_000_000.0;
@@ -451,7 +450,7 @@ impl CpuTimes {
                 times.zhihui += seconds;
             }
         }
-        times.postgres = zhihui::startup::bench_support::processes_cpu_us("postgres")?
+        times.postgres = zhihui::cli::bench_support::processes_cpu_us("postgres")?
             .map(|cpu_us| cpu_us / 1_000_000.0);
         let info: String = redis::cmd("INFO")
             .arg("cpu")
@@ -467,7 +466,7 @@ impl CpuTimes {
             .iter()
             .filter_map(|key| values.get(key))
             .sum();
-        let machine = zhihui::startup::bench_support::machine_cpu_us()?;
+        let machine = zhihui::cli::bench_support::machine_cpu_us()?;
         times.machine_total = machine.total_us / 1_000_000.0;
         times.machine_busy = machine.busy_us / 1_000_000.0;
         times.cores = std::thread::available_parallelism().map_or(1, usize::from);
@@ -498,8 +497,8 @@ impl CpuTimes {
 fn percentiles(samples: &mut [Duration]) -> (f64, f64, f64) {
     samples.sort();
     let at = |p: f64| {
-        zhihui::startup::bench_support::percentile(samples, p)
-            .map_or(0.0, zhihui::startup::bench_support::ms)
+        zhihui::cli::bench_support::percentile(samples, p)
+            .map_or(0.0, zhihui::cli::bench_support::ms)
     };
     (at(0.5), at(0.99), at(1.0))
 }

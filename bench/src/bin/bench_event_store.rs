@@ -26,8 +26,8 @@ const WRITER_COUNTS: [usize; 3] = [1, 8, 32];
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     zhihui::platform::allocator::tune();
-    let seconds = zhihui::startup::bench_support::seconds_per_case()?;
-    zhihui::startup::bench_support::with_fresh_database(
+    let seconds = zhihui::cli::bench_support::seconds_per_case()?;
+    zhihui::cli::bench_support::with_fresh_database(
         |settings| {
             settings.database.pool_max_size = 48;
         },
@@ -241,7 +241,7 @@ where
     let elapsed = started.elapsed();
     latencies.sort_unstable();
     let percentile =
-        |p: f64| zhihui::startup::bench_support::percentile(&latencies, p).unwrap_or_default();
+        |p: f64| zhihui::cli::bench_support::percentile(&latencies, p).unwrap_or_default();
     Ok((
         latencies.len() as f64 / elapsed.as_secs_f64(),
         percentile(0.50),

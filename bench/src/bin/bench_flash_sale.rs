@@ -29,10 +29,10 @@ use anyhow::Context;
 use futures::StreamExt;
 use secrecy::SecretString;
 use uuid::Uuid;
+use zhihui::cli::bench_support::{Figure, metadata, ms, percentile};
 use zhihui::platform::configuration::Settings;
 use zhihui::platform::notify::Envelope;
 use zhihui::points::promotions::ClaimError;
-use zhihui::startup::bench_support::{Figure, metadata, ms, percentile};
 use zhihui::state::AppState;
 use zhihui_domain::points::Amount;
 use zhihui_domain::promotion::PromotionSpec;
@@ -59,7 +59,7 @@ async fn main() -> anyhow::Result<()> {
     };
     let redis_url =
         std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into());
-    Box::pin(zhihui::startup::bench_support::with_fresh_database(
+    Box::pin(zhihui::cli::bench_support::with_fresh_database(
         |settings| {
             settings.database.pool_max_size = POOL_SIZE / 2;
             settings.redis.url = SecretString::from(redis_url);
@@ -390,13 +390,13 @@ async fn run(settings: &Settings, claims: usize, paced_rate: u32) -> anyhow::Res
     listener.abort();
 
     // Everything projected, then audited.
-    let verified = zhihui::startup::bench_support::project_and_audit(&a, settings).await?;
+    let verified = zhihui::cli::bench_support::project_and_audit(&a, settings).await?;
     figures.push((
         "flash_audit_differences".into(),
         verified.differences.len() as f64,
         "differences",
     ));
-    zhihui::startup::bench_support::clean_redis(&a).await?;
+    zhihui::cli::bench_support::clean_redis(&a).await?;
     Ok(figures)
 }
 

@@ -33,8 +33,8 @@ use anyhow::Context;
 use secrecy::SecretString;
 use serde_json::{Value, json};
 use uuid::Uuid;
+use zhihui::cli::bench_support::metadata;
 use zhihui::platform::configuration::Settings;
-use zhihui::startup::bench_support::metadata;
 use zhihui::state::{AppState, Overrides};
 use zhihui_domain::account::{AccountCommand, account_stream};
 use zhihui_domain::points::Amount;
@@ -48,7 +48,7 @@ async fn main() -> anyhow::Result<()> {
     zhihui::platform::allocator::tune();
     let seconds: u64 = arg(1, "seconds of load")?.unwrap_or(10);
     let clients: usize = arg(2, "concurrent clients")?.unwrap_or(64);
-    Box::pin(zhihui::startup::bench_support::with_fresh_database(
+    Box::pin(zhihui::cli::bench_support::with_fresh_database(
         |settings| {
             settings.redis.url = SecretString::from(
                 std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into()),
@@ -345,7 +345,7 @@ fn wrk_ms(value: &str) -> Option<f64> {
 
 /// Run wrk (2 threads, [`WRK_CONNECTIONS`]) against `url` for `seconds`, with `args` before it.
 async fn wrk(pid: u32, seconds: u64, args: &[String], url: &str) -> anyhow::Result<WrkRun> {
-    use zhihui::startup::bench_support::{machine_cpu_us, process_cpu_us, processes_cpu_us};
+    use zhihui::cli::bench_support::{machine_cpu_us, process_cpu_us, processes_cpu_us};
     // No such process on this host (a remote store): nothing of it is counted.
     let of = |name| processes_cpu_us(name).map(|cpu_us| cpu_us.unwrap_or(0.0));
     let cpu_before = process_cpu_us(pid)?;
@@ -552,8 +552,8 @@ async fn external_load(
 fn percentiles(samples: &mut [Duration]) -> (f64, f64) {
     samples.sort();
     let at = |p: f64| {
-        zhihui::startup::bench_support::percentile(samples, p)
-            .map_or(0.0, zhihui::startup::bench_support::ms)
+        zhihui::cli::bench_support::percentile(samples, p)
+            .map_or(0.0, zhihui::cli::bench_support::ms)
     };
     (at(0.5), at(0.99))
 }

@@ -28,15 +28,15 @@ use anyhow::Context;
 use secrecy::SecretString;
 use serde_json::{Value, json};
 use uuid::Uuid;
+use zhihui::cli::bench_support::{Figure, arg, ms, percentile};
 use zhihui::platform::configuration::Settings;
-use zhihui::startup::bench_support::{Figure, arg, ms, percentile};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     zhihui::platform::allocator::tune();
     let flood: usize = arg(1)?.unwrap_or(1000);
     let seconds: u64 = arg(2)?.unwrap_or(10) as u64;
-    zhihui::startup::bench_support::with_fresh_database(
+    zhihui::cli::bench_support::with_fresh_database(
         |settings| {
             settings.redis.url = SecretString::from(
                 std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into()),

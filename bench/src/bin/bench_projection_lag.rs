@@ -20,9 +20,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use uuid::Uuid;
+use zhihui::cli::bench_support::metadata;
 use zhihui::platform::aggregate::AggregateService;
 use zhihui::platform::command::RetryPolicy;
-use zhihui::startup::bench_support::metadata;
 use zhihui_domain::account::{Account, account_stream};
 use zhihui_domain::user::UserId;
 use zhihui_projections::ProjectionName;
@@ -33,8 +33,8 @@ const PACED_COMMANDS_PER_SECOND: u64 = 1_000;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     zhihui::platform::allocator::tune();
-    let seconds = zhihui::startup::bench_support::seconds_per_case()?;
-    zhihui::startup::bench_support::with_fresh_database(
+    let seconds = zhihui::cli::bench_support::seconds_per_case()?;
+    zhihui::cli::bench_support::with_fresh_database(
         |settings| {
             settings.database.pool_max_size = 32;
             settings.event_store.group_commit_writers = 4;
@@ -45,7 +45,7 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn freeze_release(accounts: &AggregateService<Account>, stream: &str) -> anyhow::Result<()> {
-    for command in zhihui::startup::bench_support::freeze_release_pair() {
+    for command in zhihui::cli::bench_support::freeze_release_pair() {
         accounts
             .execute(stream, command, metadata())
             .await
@@ -57,7 +57,7 @@ async fn freeze_release(accounts: &AggregateService<Account>, stream: &str) -> a
 async fn run(
     settings: &zhihui::platform::configuration::Settings,
     seconds: u64,
-) -> anyhow::Result<Vec<zhihui::startup::bench_support::Figure>> {
+) -> anyhow::Result<Vec<zhihui::cli::bench_support::Figure>> {
     let pool = zhihui::platform::postgres::build_pool(&settings.database)?;
     zhihui::platform::postgres::migrate(&pool).await?;
     let store = zhihui::platform::event_store::from_settings(settings, pool.clone())?;
@@ -69,7 +69,7 @@ async fn run(
     let streams: Vec<String> = (0..CLIENTS)
         .map(|_| account_stream(UserId::from_uuid(Uuid::now_v7())))
         .collect();
-    zhihui::startup::bench_support::fund(&accounts, &streams).await?;
+    zhihui::cli::bench_support::fund(&accounts, &streams).await?;
 
     let (observer, mut lags) = tokio::sync::mpsc::unbounded_channel();
     let runner = zhihui::platform::projector::Projector::live(
@@ -134,7 +134,7 @@ async fn run(
         samples.sort_unstable();
         anyhow::ensure!(!samples.is_empty(), "the runner applied nothing");
         let percentile = |p: f64| {
-            zhihui::startup::bench_support::percentile(&samples, p).unwrap_or(0) as f64 / 1000.0
+            zhihui::cli::bench_support::percentile(&samples, p).unwrap_or(0) as f64 / 1000.0
         };
         let (p50, p99, max) = (percentile(0.50), percentile(0.99), percentile(1.0));
         println!(

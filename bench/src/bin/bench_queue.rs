@@ -570,8 +570,8 @@ async fn process(queue: &TaskQueue, concurrency: usize, lease_ms: u64) -> anyhow
 fn phase(latencies: &mut [Duration], per_second: f64) -> Phase {
     latencies.sort_unstable();
     let at = |p: f64| {
-        zhihui::startup::bench_support::percentile(latencies, p)
-            .map_or(0.0, zhihui::startup::bench_support::ms)
+        zhihui::cli::bench_support::percentile(latencies, p)
+            .map_or(0.0, zhihui::cli::bench_support::ms)
     };
     Phase {
         count: latencies.len(),

@@ -47,7 +47,7 @@ async fn main() -> anyhow::Result<()> {
         .transpose()
         .context("the second argument is the replay batch size")?
         .unwrap_or(zhihui::cli::REPLAY_BATCH_SIZE_DEFAULT);
-    zhihui::startup::bench_support::with_fresh_database(
+    zhihui::cli::bench_support::with_fresh_database(
         |settings| {
             settings.database.pool_max_size = 32;
             settings.event_store.group_commit_writers = 4;
@@ -108,7 +108,7 @@ async fn run(
     settings: &zhihui::platform::configuration::Settings,
     events: usize,
     batch_size: usize,
-) -> anyhow::Result<Vec<zhihui::startup::bench_support::Figure>> {
+) -> anyhow::Result<Vec<zhihui::cli::bench_support::Figure>> {
     zhihui::platform::telemetry::init(&settings.log)?;
     let pool = zhihui::platform::postgres::build_pool(&settings.database)?;
     zhihui::platform::postgres::migrate(&pool).await?;
@@ -117,7 +117,7 @@ async fn run(
     let accounts = events.div_ceil(EVENTS_PER_ACCOUNT);
     let at = chrono::Utc::now();
     let loading = Instant::now();
-    let metadata = zhihui::startup::bench_support::metadata();
+    let metadata = zhihui::cli::bench_support::metadata();
     let mut appends = futures::stream::iter(0..accounts)
         .map(|_| {
             let store = store.clone();

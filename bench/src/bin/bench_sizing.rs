@@ -40,8 +40,8 @@ use comfyui_sim::{Faults, SimConfig, Simulator};
 use secrecy::{ExposeSecret, SecretString};
 use serde_json::{Value, json};
 use uuid::Uuid;
+use zhihui::cli::bench_support::{Figure, arg};
 use zhihui::platform::configuration::Settings;
-use zhihui::startup::bench_support::{Figure, arg};
 
 /// Redis's own time in its commands since the last reset, µs (`INFO commandstats` usec).
 async fn redis_usec(redis: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<f64> {
@@ -334,7 +334,7 @@ impl<'a> Meter<'a> {
     ) -> anyhow::Result<Reading> {
         let (statements, statement_ms) = statements(pg).await?;
         Ok(Reading {
-            cpu_us: zhihui::startup::bench_support::process_cpu_us(pid)?,
+            cpu_us: zhihui::cli::bench_support::process_cpu_us(pid)?,
             redis: redis_commands(redis).await?.values().sum(),
             redis_us: redis_usec(redis).await?,
             statements,
@@ -358,7 +358,7 @@ impl<'a> Meter<'a> {
             None => None,
         };
         reset(redis, pg).await?;
-        let cpu_before = zhihui::startup::bench_support::process_cpu_us(pid)?;
+        let cpu_before = zhihui::cli::bench_support::process_cpu_us(pid)?;
         tokio::time::sleep(IDLE).await;
         let mut idle = Self::read(redis, pg, pid).await?;
         idle.cpu_us -= cpu_before;
@@ -401,7 +401,7 @@ impl<'a> Meter<'a> {
             Some(allocations) => Some(allocations.start().await?),
             None => None,
         };
-        let cpu_before = zhihui::startup::bench_support::process_cpu_us(self.pid)?;
+        let cpu_before = zhihui::cli::bench_support::process_cpu_us(self.pid)?;
         let started = Instant::now();
         work().await?;
         let took = started.elapsed();
@@ -450,7 +450,7 @@ async fn main() -> anyhow::Result<()> {
     zhihui::platform::allocator::tune();
     let requests = arg(1)?.unwrap_or(200);
     let tasks = arg(2)?.unwrap_or(400);
-    zhihui::startup::bench_support::with_fresh_database(
+    zhihui::cli::bench_support::with_fresh_database(
         |settings| {
             settings.redis.url = SecretString::from(
                 std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into()),
@@ -508,7 +508,7 @@ async fn run(settings: Settings, requests: usize, tasks: usize) -> anyhow::Resul
     )
     .await?;
     let user = Uuid::parse_str(registered["id"].as_str().context("user id")?)?;
-    zhihui::startup::bench_support::fund(
+    zhihui::cli::bench_support::fund(
         &state.accounts,
         &[zhihui_domain::account::account_stream(
             zhihui_domain::user::UserId::from_uuid(user),

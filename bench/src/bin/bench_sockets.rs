@@ -30,9 +30,9 @@ use anyhow::Context;
 use futures::StreamExt;
 use secrecy::SecretString;
 use uuid::Uuid;
+use zhihui::cli::bench_support::{arg, ms, percentile};
 use zhihui::platform::configuration::Settings;
 use zhihui::platform::notify::TaskNotice;
-use zhihui::startup::bench_support::{arg, ms, percentile};
 use zhihui::state::{AppState, Overrides};
 use zhihui_domain::user::{Role, UserId};
 
@@ -42,7 +42,7 @@ async fn main() -> anyhow::Result<()> {
     let sockets: usize = arg(1)?.unwrap_or(1000);
     let tasks: usize = arg(2)?.unwrap_or(5);
     let changes: usize = arg(3)?.unwrap_or(50);
-    zhihui::startup::bench_support::with_fresh_database(
+    zhihui::cli::bench_support::with_fresh_database(
         |settings| {
             settings.redis.url = SecretString::from(
                 std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into()),
@@ -92,7 +92,7 @@ async fn run(
     sockets: usize,
     tasks: usize,
     changes: usize,
-) -> anyhow::Result<Vec<zhihui::startup::bench_support::Figure>> {
+) -> anyhow::Result<Vec<zhihui::cli::bench_support::Figure>> {
     let server =
         serve::start_server(&settings, &[("ZHIHUI_HTTP__SOCKETS_PER_USER_MAX", "8")]).await?;
     let pool = zhihui::platform::postgres::build_pool(&settings.database)?;

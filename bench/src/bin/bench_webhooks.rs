@@ -36,8 +36,8 @@ use rand::Rng;
 use secrecy::{ExposeSecret, SecretString};
 use serde_json::{Value, json};
 use uuid::Uuid;
+use zhihui::cli::bench_support::{Figure, arg, percentile};
 use zhihui::platform::configuration::Settings;
-use zhihui::startup::bench_support::{Figure, arg, percentile};
 
 const USERS: usize = 10;
 /// The sender's total timeout; a stalled answer takes longer.
@@ -244,7 +244,7 @@ async fn webhook_leader(
 async fn main() -> anyhow::Result<()> {
     zhihui::platform::allocator::tune();
     let tasks = arg(1)?.unwrap_or(500);
-    zhihui::startup::bench_support::with_fresh_database(
+    zhihui::cli::bench_support::with_fresh_database(
         |settings| {
             settings.redis.url = SecretString::from(
                 std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:56379/0".into()),
@@ -349,7 +349,7 @@ async fn run(settings: Settings, tasks_total: usize) -> anyhow::Result<Vec<Figur
             .json()
             .await?;
         let token = login["token"].as_str().context("token")?.to_owned();
-        zhihui::startup::bench_support::fund(
+        zhihui::cli::bench_support::fund(
             &state.accounts,
             &[zhihui_domain::account::account_stream(
                 zhihui_domain::user::UserId::from_uuid(Uuid::parse_str(&user)?),

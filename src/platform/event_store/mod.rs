@@ -14,6 +14,7 @@ pub mod kurrent;
 pub mod postgres;
 mod tail;
 
+use anyhow::Context as _;
 use std::fmt;
 
 use chrono::{DateTime, Utc};
@@ -442,4 +443,30 @@ pub fn from_settings(
             },
         ),
     ))
+}
+
+/// Events per read of a stream (loading one, reading it whole).
+pub const STREAM_READ_PAGE_MAX: usize = 1_000;
+
+/// Every event of `stream`, oldest first.
+pub async fn read_whole_stream(
+    store: &AnyEventStore,
+    stream: &str,
+) -> anyhow::Result<Vec<RecordedEvent>> {
+    let mut events: Vec<RecordedEvent> = Vec::new();
+    loop {
+        let from = match events.last() {
+            None => ReadFrom::Start,
+            Some(last) => ReadFrom::Version(last.stream_version + 1),
+        };
+        let page = store
+            .read_stream(stream, Direction::Forwards, from, STREAM_READ_PAGE_MAX)
+            .await
+            .with_context(|| format!("reading stream {stream}"))?;
+        let full = page.len() == STREAM_READ_PAGE_MAX;
+        events.extend(page);
+        if !full {
+            return Ok(events);
+        }
+    }
 }

@@ -174,7 +174,7 @@ impl CheckInService {
     fn month_key(&self, user_id: UserId, month: NaiveDate) -> String {
         // One user's months share a tag: they are read together (MGET) and written together.
         self.redis.tagged(
-            &crate::identity::sessions::user_tag(user_id),
+            &crate::platform::redis_store::user_tag(user_id),
             &format!("checkins:{}", month.format("%Y-%m")),
         )
     }

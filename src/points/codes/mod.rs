@@ -418,7 +418,7 @@ impl CodeService {
 
     fn failures_key(&self, user_id: UserId) -> String {
         self.redis.tagged(
-            &crate::identity::sessions::user_tag(user_id),
+            &crate::platform::redis_store::user_tag(user_id),
             "code-failures",
         )
     }

@@ -220,10 +220,10 @@ impl Leases {
             crate::tasks::queue::QUEUE_TAG,
             crate::tasks::queue::MODELS_KEY,
         ));
-        invocation.key(
-            self.redis
-                .tagged(crate::tasks::queue::QUEUE_TAG, crate::tasks::pool::HELD_KEY),
-        );
+        invocation.key(self.redis.tagged(
+            crate::tasks::queue::QUEUE_TAG,
+            crate::tasks::queue::HELD_KEY,
+        ));
         for name in names {
             invocation.key(self.slots_key(name));
         }

@@ -32,6 +32,13 @@ pub(crate) const MODELS_KEY: &str = "queue:models";
 /// The queued tasks' sampler steps (hash, under the prefix): for wait estimates.
 pub(crate) const STEPS_KEY: &str = "queue:steps";
 
+/// Servers no new task may go to (drained or removed), by name: the filler's script (`lease.rs`) checks it, the pool (`tasks::pool`) writes it,
+/// so a drain holds from the moment its request is answered, before the leader has read the
+/// pool again. Derived: rewritten from the pool whenever the leader reads it.
+pub const HELD_KEY: &str = "dispatch:held";
+/// The pool version (events folded) [`HELD_KEY`] was written from.
+pub(crate) const HELD_VERSION_KEY: &str = "dispatch:held:version";
+
 /// Scores count from 2025-01-01T00:00:00Z (ms).
 pub const SCORE_EPOCH_MS: i64 = 1_735_689_600_000;
 /// Scores per millisecond: room for 12 halvings between tasks queued a millisecond apart.
