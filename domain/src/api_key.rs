@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use uuid::Uuid;
 
-use crate::user::UserId;
+use crate::identity::UserId;
 
 /// What every key starts with.
 pub const KEY_PREFIX: &str = "zhk_";
