@@ -1,6 +1,8 @@
 //! A user's pages: generate (with the live task cards), history, points, check-in, redeem a
 //! code, flash sales. Every action calls the operation the API calls; a refusal comes back as a
-//! message in the reader's words that says what to do.
+//! message in the reader's words that says what to do. One job, kept in one file: each page is
+//! a short handler that calls an API operation and renders its view, and they share the
+//! refusal-to-message mapping at the top.
 
 use actix_web::http::StatusCode;
 use actix_web::{HttpResponse, web};

@@ -1,0 +1,47 @@
+//! Cancel: record the cancel on the task's stream, then return its hold and take it off the
+//! queue; a running task's server is asked to interrupt it by the dispatcher.
+
+use super::*;
+
+impl TaskService {
+    /// Cancel a task: a queued one at once (its hold returns), a running one by request.
+    pub async fn cancel(
+        &self,
+        user_id: UserId,
+        task_id: TaskId,
+        metadata: &EventMetadata,
+    ) -> Result<CancelOutcome, TaskServiceError> {
+        let state = self.load(task_id).await?;
+        if state.owner != Some(user_id) {
+            return Err(TaskServiceError::NotFound);
+        }
+        let intent = self
+            .begin_intent(IntentKind::Cancel, task_id, user_id, None)
+            .await?;
+        let command = TaskCommand::Cancel {
+            by: Canceller::User(user_id),
+            at: self.clock.now(),
+        };
+        match self.execute_task(task_id, &command, metadata).await {
+            Ok(executed) => {
+                self.crash_if(CrashPoint::AfterCancelRecorded)?;
+                let state = if executed.state.status == TaskStatus::Cancelled {
+                    self.reconcile(task_id, user_id, None, metadata.correlation_id)
+                        .await?
+                } else {
+                    executed.state
+                };
+                self.end_intent(intent).await?;
+                Ok(CancelOutcome {
+                    status: state.status,
+                    cancel_requested: state.cancel_requested,
+                })
+            }
+            Err(CommandError::Rejected(error)) => {
+                self.end_intent(intent).await?;
+                Err(task_error(error))
+            }
+            Err(other) => Err(other.into()),
+        }
+    }
+}
