@@ -45,7 +45,7 @@ impl Limits {
         let window_ms = millis(window).max(1) as i64;
         let start = self.clock.now_ms().div_euclid(window_ms) * window_ms;
         let mut connection = self.redis.connection().await?;
-        let count: i64 = crate::platform::lua::RATE_WINDOW
+        let count: i64 = crate::identity::scripts::RATE_WINDOW
             .key(self.redis.key(&format!("limit:{scope}:{start}")))
             .arg(max)
             .arg(window_ms * 2)

@@ -7,6 +7,7 @@ pub mod admission;
 pub mod api_keys;
 pub mod password;
 pub mod phone_codes;
+pub mod scripts;
 pub mod sessions;
 pub mod users;
 
@@ -51,7 +52,7 @@ impl PasswordGuard {
 
     async fn call(&self, username: &Username, operation: &str) -> anyhow::Result<GuardState> {
         let mut connection = self.redis.connection().await?;
-        let (status, value): (String, i64) = crate::platform::lua::LOGIN_FAILURES
+        let (status, value): (String, i64) = crate::identity::scripts::LOGIN_FAILURES
             .key(self.redis.key(&format!("login-failures:{username}")))
             .arg(operation)
             .arg(self.clock.now_ms())

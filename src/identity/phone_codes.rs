@@ -136,7 +136,7 @@ impl PhoneCodes {
         let now_ms = self.clock.now_ms();
         let day = (now_ms + self.day_utc_offset_ms).div_euclid(DAY_MS);
         let mut connection = self.redis.connection().await?;
-        let (status, at_ms): (String, i64) = crate::platform::lua::PHONE_CODE_SEND
+        let (status, at_ms): (String, i64) = crate::identity::scripts::PHONE_CODE_SEND
             .key(self.state_key(phone))
             .arg(now_ms)
             .arg(day)
@@ -176,7 +176,7 @@ impl PhoneCodes {
     /// Check a submitted code; a right one is used up.
     pub async fn verify(&self, phone: &PhoneNumber, code: &str) -> anyhow::Result<VerifyOutcome> {
         let mut connection = self.redis.connection().await?;
-        let (status, value): (String, i64) = crate::platform::lua::PHONE_CODE_VERIFY
+        let (status, value): (String, i64) = crate::identity::scripts::PHONE_CODE_VERIFY
             .key(self.state_key(phone))
             .arg(self.clock.now_ms())
             .arg(code_digest(phone, code.trim()))

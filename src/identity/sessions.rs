@@ -117,7 +117,7 @@ impl Sessions {
         let token = URL_SAFE_NO_PAD.encode(bytes);
         let digest = token_digest(&token);
         let mut connection = self.redis.connection().await?;
-        let expires_at_ms: i64 = crate::platform::lua::SESSION_CREATE
+        let expires_at_ms: i64 = crate::identity::scripts::SESSION_CREATE
             .key(self.session_key(user_id, &digest))
             .key(self.user_sessions_key(user_id))
             .key(self.revoked_epoch_key(user_id))
@@ -152,7 +152,7 @@ impl Sessions {
         digest: String,
     ) -> anyhow::Result<Option<Session>> {
         let mut connection = self.redis.connection().await?;
-        let touched: Option<(String, String, i64)> = crate::platform::lua::SESSION_TOUCH
+        let touched: Option<(String, String, i64)> = crate::identity::scripts::SESSION_TOUCH
             .key(self.session_key(user_id, &digest))
             .key(self.user_sessions_key(user_id))
             .arg(self.clock.now_ms())
@@ -266,7 +266,7 @@ impl Sessions {
     /// Revoke one session (logout). True when it existed.
     pub async fn revoke(&self, session: &Session) -> anyhow::Result<bool> {
         let mut connection = self.redis.connection().await?;
-        let removed: i64 = crate::platform::lua::SESSION_REVOKE
+        let removed: i64 = crate::identity::scripts::SESSION_REVOKE
             .key(self.session_key(session.user_id, &session.token_digest))
             .key(self.user_sessions_key(session.user_id))
             .invoke_async(&mut connection)
@@ -288,7 +288,7 @@ impl Sessions {
             .query_async(&mut connection)
             .await
             .context("taking a credentials epoch")?;
-        let revoked: u64 = crate::platform::lua::SESSIONS_REVOKE_USER
+        let revoked: u64 = crate::identity::scripts::SESSIONS_REVOKE_USER
             .key(self.user_sessions_key(user_id))
             .key(self.revoked_epoch_key(user_id))
             .arg(epoch)

@@ -243,7 +243,7 @@ impl PoolService {
     /// the pool was written already: a reader that read it before a drain must not undo it).
     pub async fn hold(&self, state: &PoolState) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let mut invocation = crate::platform::lua::DISPATCH_HOLD
+        let mut invocation = crate::tasks::queue::scripts::DISPATCH_HOLD
             .key(self.redis.tagged(crate::tasks::queue::QUEUE_TAG, HELD_KEY));
         invocation
             .key(

@@ -14,6 +14,7 @@
 //! credits it.
 
 pub mod issuer;
+pub mod scripts;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -344,7 +345,7 @@ impl CodeService {
         // Two steps, each safe to repeat (the batch lives under its own tag, the ranges of all
         // batches in another slot): the batch first, so a range never leads to nothing for long
         // (and when it does, the redemption asks the store).
-        let _loaded: i64 = crate::platform::lua::CODE_BATCH_LOAD
+        let _loaded: i64 = crate::points::codes::scripts::CODE_BATCH_LOAD
             .key(self.batch_key(batch.batch_id))
             .arg(packed)
             .arg(version)

@@ -261,7 +261,7 @@ impl CodeService {
         // The user's failure limit and which batch the serial is in, at once (each in its own
         // slot of a cluster); then the batch's step, under the batch's tag.
         let mut limit_connection = connection.clone();
-        let mut limit = crate::platform::lua::CODE_LIMIT.key(self.failures_key(user_id));
+        let mut limit = crate::points::codes::scripts::CODE_LIMIT.key(self.failures_key(user_id));
         limit
             .arg(now.timestamp_millis())
             .arg(self.settings.failures_max)
@@ -294,7 +294,7 @@ impl CodeService {
             return Ok(FastPath::Miss);
         };
         let batch_id: BatchId = Uuid::parse_str(&batch_id).context("a batch id in the ranges")?;
-        let answer: Vec<String> = crate::platform::lua::CODE_REDEEM
+        let answer: Vec<String> = crate::points::codes::scripts::CODE_REDEEM
             .key(self.batch_key(batch_id))
             .key(self.marker_key(batch_id, serial))
             .arg(serial)
@@ -357,7 +357,7 @@ impl CodeService {
 
     pub(super) async fn count_failure(&self, user_id: UserId) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let _failures: i64 = crate::platform::lua::CODE_FAILURE
+        let _failures: i64 = crate::points::codes::scripts::CODE_FAILURE
             .key(self.failures_key(user_id))
             .arg(self.clock.now_ms())
             .arg(self.settings.failures_window_ms)

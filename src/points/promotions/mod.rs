@@ -42,6 +42,7 @@ use crate::platform::notify::{Envelope, Notifier};
 use crate::platform::redis_store::RedisStore;
 
 mod consumer;
+pub mod scripts;
 
 /// The consumer group every process's consumer joins.
 const GROUP: &str = "persist";
@@ -241,7 +242,7 @@ impl PromotionService {
         value: &str,
     ) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let _: i64 = crate::platform::lua::PROMO_ADJUST
+        let _: i64 = crate::points::promotions::scripts::PROMO_ADJUST
             .key(self.hash_key(promotion_id))
             .key(self.users_key(promotion_id))
             .arg(operation)
@@ -294,7 +295,7 @@ impl PromotionService {
         for _ in 0..2 {
             let now = self.clock.now();
             let mut connection = self.redis.connection().await?;
-            let answer: Vec<String> = crate::platform::lua::PROMO_CLAIM
+            let answer: Vec<String> = crate::points::promotions::scripts::PROMO_CLAIM
                 .key(self.hash_key(promotion_id))
                 .key(self.users_key(promotion_id))
                 .key(self.stream_key())
@@ -351,7 +352,7 @@ impl PromotionService {
         let keep_ms = (keep_until - self.clock.now())
             .num_milliseconds()
             .max(60_000);
-        let mut script = crate::platform::lua::PROMO_LOAD.prepare_invoke();
+        let mut script = crate::points::promotions::scripts::PROMO_LOAD.prepare_invoke();
         script
             .key(self.hash_key(promotion_id))
             .key(self.users_key(promotion_id))

@@ -137,7 +137,7 @@ impl Leases {
             fencing_token: u64::try_from(token).context("a negative fencing token")?,
             redis_replication_id: None,
         };
-        let won: i64 = crate::platform::lua::DISPATCH_LEADER_ACQUIRE
+        let won: i64 = crate::tasks::queue::scripts::DISPATCH_LEADER_ACQUIRE
             .key(self.leader_key())
             .arg(term.value())
             .arg(lease_ms)
@@ -163,7 +163,7 @@ impl Leases {
     /// Extend our lease; `false` when it is gone (we are no longer the leader).
     pub async fn renew(&self, term: &Term, lease_ms: u64) -> anyhow::Result<bool> {
         let mut connection = self.redis.connection().await?;
-        let renewed: i64 = crate::platform::lua::DISPATCH_LEADER_RENEW
+        let renewed: i64 = crate::tasks::queue::scripts::DISPATCH_LEADER_RENEW
             .key(self.leader_key())
             .arg(term.value())
             .arg(lease_ms)
@@ -189,7 +189,7 @@ impl Leases {
 
     pub async fn resign(&self, term: &Term) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let _: i64 = crate::platform::lua::DISPATCH_LEADER_RESIGN
+        let _: i64 = crate::tasks::queue::scripts::DISPATCH_LEADER_RESIGN
             .key(self.leader_key())
             .arg(term.value())
             .invoke_async(&mut connection)
@@ -214,7 +214,7 @@ impl Leases {
         let names = plan.names;
         assert_eq!(names.len(), plan.servers.len(), "one view per server");
         let mut connection = self.redis.connection().await?;
-        let mut invocation = crate::platform::lua::DISPATCH_FILL.key(self.leader_key());
+        let mut invocation = crate::tasks::queue::scripts::DISPATCH_FILL.key(self.leader_key());
         invocation.key(self.queue_key());
         invocation.key(self.redis.tagged(
             crate::tasks::queue::QUEUE_TAG,
@@ -315,7 +315,8 @@ impl Leases {
         slot_lease_ms: u64,
     ) -> anyhow::Result<bool> {
         let mut connection = self.redis.connection().await?;
-        let mut invocation = crate::platform::lua::DISPATCH_SLOTS_RENEW.key(self.leader_key());
+        let mut invocation =
+            crate::tasks::queue::scripts::DISPATCH_SLOTS_RENEW.key(self.leader_key());
         invocation
             .key(self.slots_key(backend))
             .arg(term.value())

@@ -11,6 +11,7 @@
 //! prioritised task gets a score between two others (`lua/queue_prioritise_target.lua`).
 
 pub mod lease;
+pub mod scripts;
 
 use anyhow::Context;
 use redis::AsyncCommands;
@@ -130,7 +131,7 @@ impl TaskQueue {
     /// A score for a new task (later than every earlier one).
     pub async fn next_score(&self) -> anyhow::Result<i64> {
         let mut connection = self.redis.connection().await?;
-        let score: String = crate::platform::lua::QUEUE_TICKET
+        let score: String = crate::tasks::queue::scripts::QUEUE_TICKET
             .key(self.last_score_key())
             .arg(self.clock.now_ms())
             .arg(SCORE_EPOCH_MS)
@@ -155,7 +156,7 @@ impl TaskQueue {
     ) -> anyhow::Result<Option<u64>> {
         let mut connection = self.redis.connection().await?;
         let (model, steps) = work.unwrap_or(("", 0));
-        let rank: i64 = crate::platform::lua::QUEUE_ENQUEUE
+        let rank: i64 = crate::tasks::queue::scripts::QUEUE_ENQUEUE
             .key(self.queue_key())
             .key(self.leases_key())
             .key(self.models_key())
@@ -289,7 +290,7 @@ impl TaskQueue {
         if task_ids.is_empty() {
             return Ok(Vec::new());
         }
-        let mut script = crate::platform::lua::QUEUE_RANKS.key(self.queue_key());
+        let mut script = crate::tasks::queue::scripts::QUEUE_RANKS.key(self.queue_key());
         for task_id in task_ids {
             script.arg(task_id.to_string());
         }
@@ -336,7 +337,7 @@ impl TaskQueue {
         jump_max: u32,
     ) -> anyhow::Result<PrioritiseTarget> {
         let mut connection = self.redis.connection().await?;
-        let answer: Vec<redis::Value> = crate::platform::lua::QUEUE_PRIORITISE_TARGET
+        let answer: Vec<redis::Value> = crate::tasks::queue::scripts::QUEUE_PRIORITISE_TARGET
             .key(self.queue_key())
             .arg(task_id.to_string())
             .arg(jump_max)
@@ -369,7 +370,7 @@ impl TaskQueue {
     /// Take the first task, leased for `lease_ms`.
     pub async fn claim(&self, lease_ms: u64) -> anyhow::Result<Option<ClaimedTask>> {
         let mut connection = self.redis.connection().await?;
-        let claimed: Option<(String, String, String)> = crate::platform::lua::QUEUE_CLAIM
+        let claimed: Option<(String, String, String)> = crate::tasks::queue::scripts::QUEUE_CLAIM
             .key(self.queue_key())
             .key(self.leases_key())
             .arg(self.clock.now_ms())
@@ -418,7 +419,7 @@ impl TaskQueue {
     /// Queue a task whose lease ran out again at `score`; false if the lease was renewed.
     pub async fn requeue_expired(&self, task_id: TaskId, score: i64) -> anyhow::Result<bool> {
         let mut connection = self.redis.connection().await?;
-        let requeued: i64 = crate::platform::lua::QUEUE_REQUEUE
+        let requeued: i64 = crate::tasks::queue::scripts::QUEUE_REQUEUE
             .key(self.queue_key())
             .key(self.leases_key())
             .arg(task_id.to_string())
@@ -434,7 +435,7 @@ impl TaskQueue {
     /// behind the restored ones even if the clock went back).
     pub async fn ensure_scores_after(&self, score: i64) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let _: i64 = crate::platform::lua::QUEUE_SCORES_AFTER
+        let _: i64 = crate::tasks::queue::scripts::QUEUE_SCORES_AFTER
             .key(self.last_score_key())
             .arg(score)
             .invoke_async(&mut connection)
@@ -454,7 +455,7 @@ impl TaskQueue {
         ttl_ms: u64,
     ) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let _: i64 = crate::platform::lua::TASK_PROGRESS
+        let _: i64 = crate::tasks::queue::scripts::TASK_PROGRESS
             .key(self.progress_key(task_id))
             .arg(value)
             .arg(max)
