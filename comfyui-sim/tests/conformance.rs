@@ -1,4 +1,4 @@
-//! Conformance against the recordings of real ComfyUI 0.3.64 in comfyui-sim/transcripts (copied from the shared ComfyUI protocol notes):
+//! Conformance against the recordings of real ComfyUI 0.3.64 in comfyui-sim/transcripts:
 //! replay each recording's HTTP requests (and WebSocket opens/closes, crash and restart) against
 //! the simulator at the recorded pace, then compare status codes, response body shapes and every
 //! socket's message-type sequence (progress runs collapsed, prompt ids mapped).

@@ -1,5 +1,5 @@
 //! ComfyUI's HTTP API and WebSocket messages, as recorded from a real server
-//! (`shared/comfyui/PROTOCOL.md`): the client the saga posts, cancels, reconciles and downloads
+//! (`comfyui-sim/transcripts/`): the client the saga posts, cancels, reconciles and downloads
 //! with, and the closed set of WebSocket messages it reacts to.
 //!
 //! The WebSocket is a hint and `/queue` + `/history` are the truth: nothing is buffered across

@@ -1,5 +1,5 @@
 //! One WebSocket per ComfyUI server: a fresh clientId for every connection (a reused one can be
-//! silently unregistered by the server, PROTOCOL.md section 2.1), client pings (the server sends
+//! silently unregistered by the server: comfyui-sim/transcripts/k_duplicate_clientid), client pings (the server sends
 //! none), a silence limit that declares a half-open socket dead, and reconnection with capped
 //! exponential backoff. Everything it hears goes to the saga as [`SocketEvent`]s.
 

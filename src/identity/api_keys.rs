@@ -1,6 +1,6 @@
 //! API keys at run time: made (shown once), listed, revoked, and checked on every request that
 //! carries one (`Authorization: Bearer zhk_...`). The user's stream is the truth
-//! (`ApiKeyCreated`, `ApiKeyRevoked`, `domain/src/user.rs`); the key format is
+//! (`ApiKeyCreated`, `ApiKeyRevoked`, `domain/src/user/`); the key format is
 //! `domain/src/api_key.rs`.
 //!
 //! Checking a key: its shape and checksum first, with no store at all (a typo costs nothing);

@@ -1,4 +1,4 @@
-//! One-time login codes sent to phones, with every limit of the brief: a code lives 2 minutes, one
+//! One-time login codes sent to phones, with every limit the platform promises: a code lives 2 minutes, one
 //! send per 60 s and at most 10 per day per phone, and 5 wrong codes in a row lock the phone for
 //! 10 minutes (all configurable in `[auth]`). Each check-and-change is one Lua script, so two
 //! concurrent requests can never both pass a limit.

@@ -18,7 +18,7 @@
 //! that long after the check-in are credited from the check-in stream (idempotent by the user and
 //! day), as `bonus_credited` repairs.
 //!
-//! One leader across processes (`src/leader.rs`); a second reconciler that slipped past the lock
+//! One leader across processes (`src/platform/leader.rs`); a second reconciler that slipped past the lock
 //! would only repeat idempotent commands.
 
 use std::sync::Arc;

@@ -135,7 +135,7 @@ async fn replication_info(port: u16) -> String {
         .unwrap()
 }
 
-/// A Redis master dies and its replica is promoted (issue 38, item 2). Replication is
+/// A Redis master dies and its replica is promoted. Replication is
 /// asynchronous, so what the replica had not received is gone; a revocation must not be among
 /// it. With `redis.revocation_replicas` = 1 a logout is answered 204 only once the replica holds
 /// it: that logout stays done on the promoted replica. A logout made while the replica lags

@@ -1,4 +1,4 @@
-//! A PostgreSQL primary that dies (issue 38, item 3): a primary with a streaming standby started
+//! A PostgreSQL primary that dies: a primary with a streaming standby started
 //! by `scripts/services.sh start-pg-pair`, two `zhihui serve` processes on its multi-host URL
 //! (`target_session_attrs=read-write`), grants and tasks sent through both in turn while the
 //! primary is killed with SIGKILL and the standby promoted. Both processes answer again without a

@@ -1,4 +1,4 @@
-//! API keys (issue 37): made with a person's session and shown once; a bearer key works where a
+//! API keys: made with a person's session and shown once; a bearer key works where a
 //! session token does, within its scopes; revoked everywhere at once; a typo refused offline;
 //! each key with its own rate; the audit names the key that moved the points.
 

@@ -1,6 +1,6 @@
 //! Chinese is our users' language: every place user text in any script travels, end to end.
 //!
-//! Places checked, one test each (issue 35):
+//! Places checked, one test each:
 //! - the prompt through the whole task path (translation absent or answering, the workflow, the
 //!   ComfyUI server's PNG metadata, the labels, the task view and the task list's pages);
 //! - the ComfyUI simulator's PNG `prompt` chunk, byte for byte what Python's `json.dumps` writes;

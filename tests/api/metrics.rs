@@ -401,7 +401,7 @@ impl Prometheus {
     }
 }
 
-/// Issue 35: a real Prometheus scrapes two `zhihui serve` processes; every query of the
+/// A real Prometheus scrapes two `zhihui serve` processes; every query of the
 /// Grafana dashboard evaluates and answers for the platform once, not once per instance (the
 /// shared-store gauges are the same on both: the dashboard takes their `max`; a former leader
 /// reports its servers at zero), and `promtool check metrics` finds nothing in either

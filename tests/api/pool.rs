@@ -1,4 +1,4 @@
-//! The pool at run time (issue 26): servers drained, resumed, added and removed through the admin
+//! The pool at run time: servers drained, resumed, added and removed through the admin
 //! API without a restart, the pool recorded as events so a new leader starts from it, and tasks
 //! routed by the models each server offers (`/object_info`).
 
@@ -674,7 +674,7 @@ async fn a_pool_read_before_a_drain_never_undoes_its_hold() {
     assert!(held().await.is_empty());
 }
 
-/// Issue 35: the configuration seeds the pool once; a configuration changed later is reported
+/// The configuration seeds the pool once; a configuration changed later is reported
 /// at every start and by `zhihui backends list`, each difference with the command that applies
 /// it, and applied only on purpose (`zhihui backends apply-config`), as pool events, never
 /// removing or moving a server while a prompt runs there.

@@ -28,7 +28,7 @@ use crate::tasks::{account_of, project_and_verify, task_events};
 
 /// Longest any one wait of this test may take (a hang, not a slow machine).
 const WAIT_LIMIT: Duration = Duration::from_secs(60);
-/// PRODUCT.md: another instance takes over within a few seconds; the issue says 5.
+/// Another instance takes over within a few seconds: 5 at most.
 const TAKEOVER_MAX: Duration = Duration::from_secs(5);
 
 /// A `zhihui serve` child process; killed when dropped.
@@ -507,7 +507,7 @@ async fn issued_pages(app: &TestApp, batch: &str) -> (u32, Vec<(u32, u32)>) {
     (first.unwrap(), pages)
 }
 
-/// Issue 22: a process issues a batch of 100,000 codes in seconds from its 202; a generator
+/// A process issues a batch of 100,000 codes in seconds from its 202; a generator
 /// killed with SIGKILL mid-batch is resumed by another process, without a serial issued twice or
 /// skipped.
 #[tokio::test]
@@ -615,7 +615,7 @@ async fn a_code_generator_killed_mid_batch_is_resumed_by_another_process() {
     let _ = std::fs::remove_dir_all(&images);
 }
 
-/// Issue 24: 50 check-ins of one user at once, alternating between two `zhihui serve` processes:
+/// 50 check-ins of one user at once, alternating between two `zhihui serve` processes:
 /// one bonus, one check-in event.
 #[tokio::test]
 async fn fifty_check_ins_of_one_user_through_two_processes_credit_one_bonus() {
@@ -701,7 +701,7 @@ async fn account_events(
         .collect()
 }
 
-/// Issue 25: the access log writes request lines with the secrets of their query redacted: a
+/// The access log writes request lines with the secrets of their query redacted: a
 /// bearer token sent as `?token=` (as a browser's socket does), a cursor, a one-time code.
 #[tokio::test]
 async fn the_access_log_never_shows_a_token_sent_in_the_query() {
@@ -760,7 +760,7 @@ async fn the_access_log_never_shows_a_token_sent_in_the_query() {
     let _ = std::fs::remove_dir_all(&images);
 }
 
-/// Issue 23: the process consuming the claims stream is SIGKILLed while it holds an entry it has
+/// The process consuming the claims stream is SIGKILLed while it holds an entry it has
 /// not acknowledged; another process takes it over after `promotions.takeover_idle_ms` and every
 /// accepted claim is granted exactly once.
 #[tokio::test]

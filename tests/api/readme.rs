@@ -1,4 +1,4 @@
-//! README's first flow, run exactly as written (issue 35): the block between
+//! README's first flow, run exactly as written: the block between
 //! `<!-- first-flow:begin -->` and `<!-- first-flow:end -->` is handed to bash against a started
 //! `zhihui serve` (the real binary, translation on and no Ollama listening, as on a new machine)
 //! dispatching to a ComfyUI simulator. Only `BASE`, `ZHIHUI` and the process's settings come

@@ -1,4 +1,4 @@
-//! Webhooks (issue 37): endpoints registered with a secret shown once; deliveries signed as the
+//! Webhooks: endpoints registered with a secret shown once; deliveries signed as the
 //! Standard Webhooks specification says (checked by its reference library, not by our code);
 //! retried on schedule, honouring `Retry-After`; disabled by a 410 or a run of failures, with
 //! the reason shown to the owner; a log per endpoint and redelivery; a new leader sends what the

@@ -13,7 +13,7 @@ from conftest import ADMIN, SCREENSHOTS, Person, unique, wait_until
 
 VIEWPORTS = {"phone": (390, 844), "desktop": (1366, 768)}
 LANGS = ("zh", "en")
-# The generate page must stay small and quick (issue 36).
+# The generate page must stay small and quick (under 150 KB, first paint under 500 ms on loopback).
 GENERATE_BYTES_MAX = 150 * 1024
 GENERATE_PAINT_MS_MAX = 500
 NOTICE_TO_PAGE_MS_MAX = 100

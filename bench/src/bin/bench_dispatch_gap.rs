@@ -1,5 +1,5 @@
 //! Benchmark of the GPU idle gap, with two ComfyUI simulators, capacity 1 each, and a queue that
-//! never runs dry. PRODUCT.md's target: p99 under 5 ms, "with the simulator at zero latency".
+//! never runs dry. The target: p99 under 5 ms, "with the simulator at zero latency".
 //!
 //! The gap is measured where the GPU idles: in each simulator, from every prompt's end to the
 //! start of the next (near zero when zhihui had posted the next one ahead into the server's
@@ -54,7 +54,7 @@ use zhihui_domain::account::{AccountCommand, account_stream};
 use zhihui_domain::points::Amount;
 use zhihui_domain::user::UserId;
 
-/// Step times of the default cases: the zero latency, then a GPU that does some work.
+/// Step times of the default cases: zero latency (the target's case), then a GPU that does some work.
 const DEFAULT_STEP_DELAYS_MS: [u64; 2] = [0, 20];
 
 #[tokio::main]

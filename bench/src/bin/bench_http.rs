@@ -40,7 +40,7 @@ use zhihui_domain::account::{AccountCommand, account_stream};
 use zhihui_domain::points::Amount;
 use zhihui_domain::user::UserId;
 
-/// PRODUCT.md section 6: resident memory under load.
+/// Resident memory under load: the target is under 150 MB.
 const MEMORY_TARGET_MB: f64 = 150.0;
 
 #[tokio::main]
@@ -311,7 +311,7 @@ fn wrk_available() -> bool {
         .is_ok()
 }
 
-/// Connections wrk holds open, as many as the figures were taken with.
+/// Connections wrk holds open, as many as the 64-client targets name.
 const WRK_CONNECTIONS: usize = 64;
 
 /// What wrk saw of one route.

@@ -1,4 +1,4 @@
-//! Sizing (issue 38, item 5): what each request kind and each task costs the shared stores, and
+//! Sizing: what each request kind and each task costs the shared stores, and
 //! how many tasks one `zhihui serve` carries end to end, on this machine.
 //!
 //! 1. Per request kind (login, GET /me, GET /account, POST /tasks, GET /tasks/{id}, prioritise,

@@ -1,4 +1,4 @@
-//! Webhook delivery under faults (issue 37), across two `zhihui serve` processes that run the
+//! Webhook delivery under faults, across two `zhihui serve` processes that run the
 //! tasks (two ComfyUI simulators) and deliver their ends.
 //!
 //! TASKS tasks (default 500) are submitted by 10 users over about a minute, each user with an

@@ -75,7 +75,7 @@ pub enum Operation {
 }
 
 /// The holds and operations are persistent maps (`imbl`): a clone shares them and costs the same
-/// however long the account's history. The batching actor (`src/aggregate.rs`) clones a hot
+/// however long the account's history. The batching actor (`src/platform/aggregate.rs`) clones a hot
 /// stream's state for every batch and every reply; with `std` maps that copied every hold the
 /// user ever had, per request.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

@@ -1,4 +1,4 @@
-//! Redeem codes: signed codes issued in batches, each redeemed once (PRODUCT.md section 4).
+//! Redeem codes: signed codes issued in batches, each redeemed once.
 //!
 //! Three kinds of stream, each the consistency boundary of one rule:
 //! - `codeserials`: the serial allocator ([`SerialAllocator`]). A batch reserves a contiguous

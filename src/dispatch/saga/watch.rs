@@ -31,8 +31,8 @@ impl Saga {
             let result = async {
                 if stopping {
                     // Pending: out of the queue. Running: interrupted, and only then: a targeted
-                    // interrupt that races the prompt's end hits the next prompt (PROTOCOL.md
-                    // 1.4), and the next prompt is often ours, posted ahead.
+                    // interrupt that races the prompt's end hits the next prompt (recorded in
+                    // comfyui-sim/transcripts/d_interrupt), and the next prompt is often ours, posted ahead.
                     client.delete_pending(prompt_id).await?;
                     let whereabouts = client.whereabouts(prompt_id).await?;
                     if matches!(whereabouts, PromptWhereabouts::Running) {

@@ -46,7 +46,7 @@ pub struct WebhookSettings {
     pub public_base_url: String,
 }
 
-/// API keys (`src/api_keys.rs`).
+/// API keys (`src/identity/api_keys.rs`).
 #[derive(Debug, Clone, Deserialize)]
 pub struct ApiKeySettings {
     /// Requests a minute of a key made without its own figure.
@@ -85,7 +85,7 @@ pub enum Environment {
     Production,
 }
 
-/// Daily check-in (PRODUCT.md section 4). The day is `auth.day_utc_offset_minutes`'s.
+/// Daily check-in: one bonus per user per day, with a streak. The day is `auth.day_utc_offset_minutes`'s.
 #[derive(Debug, Clone, Deserialize)]
 pub struct CheckInSettings {
     /// Points credited for a check-in (decimal, two places at most).
@@ -213,7 +213,7 @@ pub enum PngCompression {
     High,
 }
 
-/// Redeem codes (PRODUCT.md section 4).
+/// Redeem codes: batches of signed codes, each redeemed once.
 #[derive(Debug, Clone, Deserialize)]
 pub struct CodeSettings {
     /// Signing keys by slot (`"0"` to `"7"`), at least 32 bytes each. Secret.
@@ -249,7 +249,7 @@ impl CodeSettings {
     }
 }
 
-/// The task catalog and its limits (PRODUCT.md section 2). A submit is checked against every one
+/// The task catalog and its limits: models, samplers, schedulers, resolution presets and the bounds of every number. A submit is checked against every one
 /// of these, and the error names the field.
 #[derive(Debug, Clone, Deserialize)]
 pub struct TaskSettings {
@@ -494,7 +494,7 @@ pub struct ProcessManagerSettings {
 
 #[derive(Debug, Clone, Deserialize)]
 pub struct AccountSettings {
-    /// An account's command actor (see `src/aggregate.rs`) forgets its cached state after this
+    /// An account's command actor (see `src/platform/aggregate.rs`) forgets its cached state after this
     /// long without commands.
     pub actor_idle_ms: u64,
 }

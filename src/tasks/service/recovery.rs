@@ -31,7 +31,7 @@ impl TaskService {
     /// written into their metadata): the settlement reconciler counts these as its repairs.
     ///
     /// "No such hold" or "no such charge" is accepted only where the task stream allows it: the
-    /// account refuses only on its stream's latest version (see `src/aggregate.rs`), and a task
+    /// account refuses only on its stream's latest version (see `src/platform/aggregate.rs`), and a task
     /// that was ever recorded had its points frozen first, so an unknown hold of a recorded task
     /// is reported as an error, never read as "settled". A task abandoned before it was recorded
     /// may truly have no hold (the request died before freezing) or one still to come (the
