@@ -13,6 +13,7 @@ pub mod checkin;
 pub mod claim;
 pub mod decider;
 pub mod event;
+pub mod gallery;
 pub mod identity;
 pub mod points;
 pub mod pool;
