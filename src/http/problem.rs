@@ -70,12 +70,19 @@ impl From<anyhow::Error> for ApiError {
         let redis_down = error.chain().any(|cause| {
             cause
                 .downcast_ref::<redis::RedisError>()
-                .is_some_and(|redis_error| {
-                    redis_error.is_io_error()
-                        || redis_error.is_timeout()
-                        || redis_error.is_connection_dropped()
-                        || redis_error.is_connection_refusal()
-                })
+                .is_some_and(redis_unavailable)
+        });
+        let postgres_down = error.chain().any(|cause| {
+            cause
+                .downcast_ref::<tokio_postgres::Error>()
+                .is_some_and(postgres_unavailable)
+                || cause
+                    .downcast_ref::<deadpool_postgres::PoolError>()
+                    .is_some_and(|pool_error| match pool_error {
+                        deadpool_postgres::PoolError::Backend(error) => postgres_unavailable(error),
+                        deadpool_postgres::PoolError::Timeout(_) => true,
+                        _ => false,
+                    })
         });
         let event_store_down = error.chain().any(|cause| {
             matches!(
@@ -90,17 +97,83 @@ impl From<anyhow::Error> for ApiError {
                 .downcast_ref::<crate::platform::redis_store::ReplicasBehind>()
                 .is_some()
         });
-        let dependency = match (redis_down, event_store_down, replicas_behind) {
-            (true, _, _) => "redis",
-            (false, true, _) => "event-store",
-            (false, false, true) => "redis-replicas",
-            (false, false, false) => return ApiError::Unexpected(error),
+        let dependency = if redis_down {
+            "redis"
+        } else if event_store_down {
+            "event-store"
+        } else if postgres_down {
+            "postgres"
+        } else if replicas_behind {
+            "redis-replicas"
+        } else {
+            return ApiError::Unexpected(error);
         };
         tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), dependency, "dependency unavailable");
         ApiError::Unavailable {
             dependencies: vec![dependency.to_owned()],
         }
     }
+}
+
+/// How long a client should wait before retrying a 503: a Redis replica's promotion or a
+/// PostgreSQL standby's takes a few seconds, a Redis reloading its data about as long.
+pub const UNAVAILABLE_RETRY_AFTER_S: u64 = 2;
+
+/// Whether a Redis error says the store is away or failing over, not that we misused it: the
+/// connection is gone or timed out, no node serves the slot, or the server answers that it is
+/// loading its data (LOADING), that the slot lives elsewhere on a node we cannot reach (MOVED,
+/// ASK), that the cluster or the master is down (CLUSTERDOWN, MASTERDOWN, TRYAGAIN), or that it
+/// became a replica (READONLY); also a pipeline or transaction that failed for one of these.
+pub fn redis_unavailable(error: &redis::RedisError) -> bool {
+    fn failing_over(kind: redis::ServerErrorKind) -> bool {
+        matches!(
+            kind,
+            redis::ServerErrorKind::BusyLoading
+                | redis::ServerErrorKind::Moved
+                | redis::ServerErrorKind::Ask
+                | redis::ServerErrorKind::TryAgain
+                | redis::ServerErrorKind::ClusterDown
+                | redis::ServerErrorKind::MasterDown
+                | redis::ServerErrorKind::ReadOnly
+        )
+    }
+    if error.is_io_error()
+        || error.is_timeout()
+        || error.is_connection_dropped()
+        || error.is_connection_refusal()
+    {
+        return true;
+    }
+    match error.kind() {
+        redis::ErrorKind::ClusterConnectionNotFound => true,
+        redis::ErrorKind::Server(kind) if failing_over(kind) => true,
+        _ => error.clone().into_server_errors().is_some_and(|errors| {
+            errors
+                .iter()
+                .any(|(_, server_error)| server_error.kind().is_some_and(failing_over))
+        }),
+    }
+}
+
+/// Whether a PostgreSQL error says the server is away, shutting down, starting, or a standby
+/// that cannot write (a failover under way), not that a statement was wrong.
+pub fn postgres_unavailable(error: &tokio_postgres::Error) -> bool {
+    error.is_closed() || error.code().is_some_and(sql_state_unavailable)
+}
+
+/// The SQLSTATEs of a server that is not there to answer: connection exceptions (class 08),
+/// an administrator's or a crash's shutdown, a server still starting (57P01-57P03), and a
+/// read-only transaction on a server that is (still or newly) a standby (25006).
+fn sql_state_unavailable(state: &tokio_postgres::error::SqlState) -> bool {
+    use tokio_postgres::error::SqlState;
+    state.code().starts_with("08")
+        || [
+            SqlState::ADMIN_SHUTDOWN,
+            SqlState::CRASH_SHUTDOWN,
+            SqlState::CANNOT_CONNECT_NOW,
+            SqlState::READ_ONLY_SQL_TRANSACTION,
+        ]
+        .contains(state)
 }
 
 /// The problem+json body.
@@ -244,6 +317,14 @@ impl ResponseError for ApiError {
                     retry_after_s.to_string(),
                 ));
             }
+            // A store failing over or restarting: the client may send the same request again
+            // (with its idempotency key) once it is back.
+            ApiError::Unavailable { .. } => {
+                response.insert_header((
+                    actix_web::http::header::RETRY_AFTER,
+                    UNAVAILABLE_RETRY_AFTER_S.to_string(),
+                ));
+            }
             _ => {}
         }
         response.json(self.problem())
@@ -267,5 +348,108 @@ mod tests {
                 .and_then(|value| value.to_str().ok()),
             Some("1")
         );
+    }
+
+    fn status_of(error: anyhow::Error) -> StatusCode {
+        ApiError::from(error.context("touching a session")).status_code()
+    }
+
+    #[test]
+    fn a_redis_failing_over_or_loading_is_a_503_with_retry_after_never_a_500() {
+        for (kind, text) in [
+            (
+                redis::ServerErrorKind::BusyLoading,
+                "Redis is loading the dataset in memory",
+            ),
+            (redis::ServerErrorKind::Moved, "13011 127.0.0.1:47003"),
+            (redis::ServerErrorKind::Ask, "13011 127.0.0.1:47003"),
+            (
+                redis::ServerErrorKind::TryAgain,
+                "multiple keys request during rehashing",
+            ),
+            (redis::ServerErrorKind::ClusterDown, "The cluster is down"),
+            (
+                redis::ServerErrorKind::MasterDown,
+                "Link with MASTER is down",
+            ),
+            (
+                redis::ServerErrorKind::ReadOnly,
+                "You can't write against a read only replica.",
+            ),
+        ] {
+            let error = redis::RedisError::from((
+                redis::ErrorKind::Server(kind),
+                "server",
+                text.to_owned(),
+            ));
+            assert!(redis_unavailable(&error), "{kind:?}");
+            let api = ApiError::from(anyhow::Error::new(error).context("allocating a queue score"));
+            assert_eq!(
+                api.status_code(),
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{kind:?}"
+            );
+            let response = api.error_response();
+            assert_eq!(
+                response
+                    .headers()
+                    .get(actix_web::http::header::RETRY_AFTER)
+                    .and_then(|value| value.to_str().ok()),
+                Some("2")
+            );
+        }
+        let gone =
+            redis::RedisError::from((redis::ErrorKind::ClusterConnectionNotFound, "no node"));
+        assert_eq!(
+            status_of(anyhow::Error::new(gone)),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+    }
+
+    #[test]
+    fn a_redis_error_of_ours_stays_a_500() {
+        for kind in [
+            redis::ServerErrorKind::ResponseError,
+            redis::ServerErrorKind::CrossSlot,
+            redis::ServerErrorKind::NoScript,
+        ] {
+            let error =
+                redis::RedisError::from((redis::ErrorKind::Server(kind), "server", "x".to_owned()));
+            assert!(!redis_unavailable(&error), "{kind:?}");
+            assert_eq!(
+                status_of(anyhow::Error::new(error)),
+                StatusCode::INTERNAL_SERVER_ERROR
+            );
+        }
+        let typed =
+            redis::RedisError::from((redis::ErrorKind::UnexpectedReturnType, "not a number"));
+        assert_eq!(
+            status_of(anyhow::Error::new(typed)),
+            StatusCode::INTERNAL_SERVER_ERROR
+        );
+    }
+
+    #[test]
+    fn postgres_states_of_a_server_away_or_read_only_are_unavailable_and_others_are_not() {
+        use tokio_postgres::error::SqlState;
+        for state in [
+            SqlState::ADMIN_SHUTDOWN,
+            SqlState::CRASH_SHUTDOWN,
+            SqlState::CANNOT_CONNECT_NOW,
+            SqlState::READ_ONLY_SQL_TRANSACTION,
+            SqlState::CONNECTION_FAILURE,
+            SqlState::CONNECTION_EXCEPTION,
+            SqlState::SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+        ] {
+            assert!(sql_state_unavailable(&state), "{state:?}");
+        }
+        for state in [
+            SqlState::UNIQUE_VIOLATION,
+            SqlState::SYNTAX_ERROR,
+            SqlState::T_R_SERIALIZATION_FAILURE,
+            SqlState::UNDEFINED_TABLE,
+        ] {
+            assert!(!sql_state_unavailable(&state), "{state:?}");
+        }
     }
 }
