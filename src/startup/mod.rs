@@ -209,6 +209,7 @@ impl Application {
         let metrics_here = metrics_port.is_none();
         let pages = web::Data::new(crate::web::Web::new(settings)?);
         let pages_enabled = settings.web.enabled;
+        let form_body_bytes_max = crate::web::form_body_bytes_max(&settings.tasks);
         let worker_local_connections = settings.http.worker_local_connections;
         let main_runtime = tokio::runtime::Handle::current();
         let mut server = HttpServer::new(move || {
@@ -225,6 +226,7 @@ impl Application {
             };
             let app = app
                 .app_data(pages.clone())
+                .app_data(web::FormConfig::default().limit(form_body_bytes_max))
                 .configure(crate::http::routes)
                 .configure(|config| {
                     if pages_enabled {

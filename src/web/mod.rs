@@ -41,6 +41,20 @@ pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'
      style-src 'self'; img-src 'self' data:; connect-src 'self'; font-src 'self'; \
      form-action 'self'; base-uri 'none'; frame-ancestors 'none'";
 
+/// Bytes a page's form may carry besides its prompts (title, choices, keys, the CSRF token).
+pub const FORM_FIELDS_BYTES_MAX: usize = 8 * 1024;
+/// URL-encoded bytes one character of a prompt may take at most: 4 UTF-8 bytes, each written
+/// as `%XX`. A Chinese character takes 9.
+pub const FORM_BYTES_PER_CHARACTER_MAX: usize = 12;
+
+/// The body limit of the pages' forms, from the longest prompt and negative prompt the catalog
+/// allows in their worst encoding: the largest form a person can type is never refused for its
+/// size (a default 16 KB limit refused 1,000 Chinese characters in each field).
+pub fn form_body_bytes_max(tasks: &crate::platform::configuration::TaskSettings) -> usize {
+    (tasks.prompt_length_max + tasks.negative_prompt_length_max) * FORM_BYTES_PER_CHARACTER_MAX
+        + FORM_FIELDS_BYTES_MAX
+}
+
 /// Mount the pages (after the API's routes).
 pub fn routes(config: &mut web::ServiceConfig) {
     config

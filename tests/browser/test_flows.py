@@ -362,3 +362,26 @@ def test_a_state_changing_request_without_its_csrf_token_is_refused(stack, perso
     cookie = next(c for c in user.context.cookies() if c["name"] == "zhihui_session")
     assert cookie["httpOnly"] and cookie["sameSite"] == "Strict"
     assert "zhihui_session" not in user.page.evaluate("document.cookie")
+
+
+def test_a_thousand_character_chinese_prompt_and_negative_prompt_are_submitted_from_the_page(stack, person):
+    # The longest prompt and negative prompt the form allows, in Chinese: about 18 KB
+    # URL-encoded, past a default 16 KB form limit. The page must take them like any other.
+    user = person("zh")
+    name = unique("changwen")
+    user.register(name)
+    admin = person("zh")
+    admin.login(*ADMIN)
+    grant(admin, name, 1, "长提示词测试")
+    page = user.go("/generate")
+    prompt = ("江南水乡小桥流水人家" * 100)[:1000]
+    negative = ("模糊变形多余的手指" * 120)[:1000]
+    page.locator("#generate-form details summary").click()
+    page.fill("#negative_prompt", negative)
+    card = submit(page, prompt)
+    assert card.locator(".prompt").inner_text() == prompt
+    assert page.locator("#generate-messages .notice.error").count() == 0
+    status, tasks = stack.api("GET", "/api/v1/tasks", stack.token(name, "correct horse"))
+    assert status == 200
+    assert tasks["tasks"][0]["prompt"] == prompt
+    assert tasks["tasks"][0]["negative_prompt"] == negative
