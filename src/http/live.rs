@@ -341,7 +341,7 @@ async fn tell_positions(
     get, path = "/api/v1/images/{id}", tag = "tasks", security(("bearer" = [])),
     params(("id" = Uuid, Path, description = "image id, from a task's `images`")),
     responses(
-        (status = 200, description = "the image bytes (PNG, JPEG or WebP, from the file's own bytes), labelled as AI-generated (a visible mark and the AIGC metadata; `X-AIGC-Label: 1`), with a strong `ETag`, `Cache-Control: private, immutable` and `X-Content-Type-Options: nosniff`", content_type = "image/png"),
+        (status = 200, description = "the image bytes (PNG, JPEG or WebP, from the file's own bytes), labelled as AI-generated (a visible mark and the AIGC metadata; `X-AIGC-Label: 1`), with a strong `ETag`, `Cache-Control: private, no-cache` (revalidated on every use, so a logged-out browser shows none from its cache) and `X-Content-Type-Options: nosniff`", content_type = "image/png"),
         (status = 304, description = "`If-None-Match` names the image's `ETag`"),
         (status = 401, body = crate::http::problem::Problem),
         (status = 404, body = crate::http::problem::Problem),
@@ -375,8 +375,10 @@ pub async fn image(
     };
     response
         .insert_header((actix_web::http::header::ETAG, etag))
-        // Private: the URL is the same for everyone, the answer depends on the token.
-        .insert_header(("Cache-Control", "private, max-age=31536000, immutable"))
+        // Private: the URL is the same for everyone, the answer depends on the token. No-cache:
+        // the browser asks again on every use (a 304 while the session holds, by the strong
+        // ETag), so after a logout a shared computer's cache shows none of these images.
+        .insert_header(("Cache-Control", "private, no-cache"))
         .insert_header(("X-Content-Type-Options", "nosniff"))
         // Every stored image carries both labels (`crate::labels`); this says so beside it.
         .insert_header(("X-AIGC-Label", "1"))

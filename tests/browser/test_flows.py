@@ -385,3 +385,28 @@ def test_a_thousand_character_chinese_prompt_and_negative_prompt_are_submitted_f
     assert status == 200
     assert tasks["tasks"][0]["prompt"] == prompt
     assert tasks["tasks"][0]["negative_prompt"] == negative
+
+
+def test_after_logging_out_the_browser_shows_none_of_the_users_images_from_its_cache(stack, person):
+    # A shared computer: the image was seen while signed in; after logging out, opening its
+    # address in the same browser must not show it from the cache.
+    user = person("zh")
+    name = unique("wangba")
+    user.register(name)
+    admin = person("zh")
+    admin.login(*ADMIN)
+    grant(admin, name, 1, "网吧测试")
+    page = user.go("/generate")
+    submit(page, "网吧里的一台旧电脑", steps=4)
+    image = page.locator("#tasks article.task").first.locator(".images img")
+    image.wait_for(timeout=60_000)
+    wait_until(lambda: page.evaluate("(img) => img.complete && img.naturalWidth > 0", image.element_handle()), "the image to load")
+    src = image.get_attribute("src")
+    # The page's own fetch goes through the browser's HTTP cache, as the <img> did.
+    fetch = "async (src) => { const r = await fetch(src); return [r.status, r.headers.get('content-type')]; }"
+    assert page.evaluate(fetch, src)[0] == 200
+    page.locator("form[action='/logout'] button[type=submit]").click()
+    page.wait_for_url(re.compile(r".*/login.*"))
+    status, content_type = page.evaluate(fetch, src)
+    assert status != 200, f"the image came back after logout ({status}, {content_type})"
+    assert "image" not in (content_type or "")
