@@ -125,8 +125,8 @@ pub fn routes(config: &mut web::ServiceConfig) {
         .route("/admin/audit", web::get().to(pages_admin::audit));
 }
 
-/// Security headers on every answer: pages get the strict CSP and their cache rules; every
-/// answer gets `nosniff` and is never framed.
+/// Security headers on every answer: pages get the strict CSP; every answer gets `nosniff`, is
+/// never framed, and is `no-store` unless it set its own cache rule.
 pub async fn security_headers(
     request: ServiceRequest,
     next: Next<impl MessageBody>,
@@ -160,15 +160,18 @@ pub async fn security_headers(
             header::HeaderName::from_static("permissions-policy"),
             HeaderValue::from_static("camera=(), microphone=(), geolocation=(), payment=()"),
         );
-        // A page holds the user's data: never kept by shared caches, always asked again.
-        if !headers.contains_key(header::CACHE_CONTROL) {
-            headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-        }
     } else if !headers.contains_key(header::HeaderName::from_static("content-security-policy")) {
         headers.insert(
             header::CONTENT_SECURITY_POLICY,
             HeaderValue::from_static("default-src 'none'; frame-ancestors 'none'"),
         );
+    }
+    // A page or an API answer holds a person's data (a balance, a ledger, a task): never kept
+    // by a cache unless it says otherwise itself (assets, images and public answers set their
+    // own rule).
+    let headers = response.headers_mut();
+    if !headers.contains_key(header::CACHE_CONTROL) {
+        headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     }
     Ok(response)
 }

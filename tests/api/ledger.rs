@@ -527,3 +527,33 @@ async fn a_worker_that_resigns_releases_its_lead_to_other_processes() {
         "the lock stayed with a pooled connection"
     );
 }
+
+/// Answers that hold a person's data are never kept by a cache (a shared computer, a proxy):
+/// `no-store` on the API's JSON, its errors and the pages alike, unless an answer sets its own
+/// rule (assets, images).
+#[tokio::test]
+async fn answers_with_a_persons_data_are_never_stored_by_a_cache() {
+    let app = spawn_app().await;
+    app.register("xiaocun", "a long password").await;
+    let token = app.login("xiaocun", "a long password").await;
+    for path in [
+        "/api/v1/me",
+        "/api/v1/account",
+        "/api/v1/account/ledger",
+        "/api/v1/tasks",
+        "/api/v1/tasks/00000000-0000-0000-0000-000000000000",
+    ] {
+        let response = app.get_as(&token, path).await;
+        assert!(
+            response.status().is_success() || response.status() == 404,
+            "{path}: {}",
+            response.status()
+        );
+        assert_eq!(
+            response.headers()["cache-control"],
+            "no-store",
+            "{path} answered {}",
+            response.status()
+        );
+    }
+}
