@@ -8,6 +8,8 @@ use actix_web::{HttpResponse, ResponseError, http::StatusCode};
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
+use crate::platform::postgres::sql_state_unavailable;
+
 /// Every error an endpoint answers with. Variants with a `rule` name the rule that refused the
 /// request; it becomes the problem type (`/problems/<rule>`) so clients can branch on it.
 #[derive(Debug, thiserror::Error)]
@@ -157,23 +159,11 @@ pub fn redis_unavailable(error: &redis::RedisError) -> bool {
 
 /// Whether a PostgreSQL error says the server is away, shutting down, starting, or a standby
 /// that cannot write (a failover under way), not that a statement was wrong.
+///
+/// Unlike the event store's retry, an error without a SQLSTATE counts only when the connection
+/// is closed: a value that failed to convert is our bug, a 500.
 pub fn postgres_unavailable(error: &tokio_postgres::Error) -> bool {
     error.is_closed() || error.code().is_some_and(sql_state_unavailable)
-}
-
-/// The SQLSTATEs of a server that is not there to answer: connection exceptions (class 08),
-/// an administrator's or a crash's shutdown, a server still starting (57P01-57P03), and a
-/// read-only transaction on a server that is (still or newly) a standby (25006).
-fn sql_state_unavailable(state: &tokio_postgres::error::SqlState) -> bool {
-    use tokio_postgres::error::SqlState;
-    state.code().starts_with("08")
-        || [
-            SqlState::ADMIN_SHUTDOWN,
-            SqlState::CRASH_SHUTDOWN,
-            SqlState::CANNOT_CONNECT_NOW,
-            SqlState::READ_ONLY_SQL_TRANSACTION,
-        ]
-        .contains(state)
 }
 
 /// The problem+json body.

@@ -169,7 +169,6 @@ pub async fn security_headers(
     // A page or an API answer holds a person's data (a balance, a ledger, a task): never kept
     // by a cache unless it says otherwise itself (assets, images and public answers set their
     // own rule).
-    let headers = response.headers_mut();
     if !headers.contains_key(header::CACHE_CONTROL) {
         headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     }

@@ -351,22 +351,11 @@ pub(crate) fn connection_lost(error: &anyhow::Error) -> bool {
 }
 
 fn postgres_connection_lost(error: &tokio_postgres::Error) -> bool {
-    use tokio_postgres::error::SqlState;
     match error.code() {
         // No SQLSTATE: the error is the connection's own (closed, I/O, a timeout, a refused
         // connect), not an answer of the server.
         None => true,
-        Some(code) => {
-            code.code().starts_with("08")
-                || [
-                    SqlState::ADMIN_SHUTDOWN,
-                    SqlState::CRASH_SHUTDOWN,
-                    SqlState::CANNOT_CONNECT_NOW,
-                    SqlState::READ_ONLY_SQL_TRANSACTION,
-                    SqlState::TOO_MANY_CONNECTIONS,
-                ]
-                .contains(code)
-        }
+        Some(code) => crate::platform::postgres::sql_state_unavailable(code),
     }
 }
 
