@@ -53,6 +53,9 @@ pub struct Executed<D: Decider> {
     pub state: D::State,
     /// The new events; empty when the command was already done (idempotent repeat).
     pub new_events: Vec<D::Event>,
+    /// The stream's version after them (its last event's), `None` while it has none: what a
+    /// derived copy applying them in any order compares to keep the newest.
+    pub version: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -211,6 +214,7 @@ where
             return Ok(Executed {
                 state: loaded.state,
                 new_events,
+                version: loaded.version,
             });
         }
         let expected = match loaded.version {
@@ -222,8 +226,14 @@ where
             .await
         {
             Ok(_) => {
+                let appended = new_events.len() as u64;
+                let version = Some(loaded.version.map_or(appended - 1, |last| last + appended));
                 let state = new_events.iter().fold(loaded.state, D::evolve);
-                return Ok(Executed { state, new_events });
+                return Ok(Executed {
+                    state,
+                    new_events,
+                    version,
+                });
             }
             Err(EventStoreError::WrongExpectedVersion { .. }) => {
                 backoff(policy, attempt).await;

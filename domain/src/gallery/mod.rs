@@ -7,6 +7,7 @@
 //!   work and a task is one work at most.
 //! - `like-<work id>-<user id>`: one user's like of one work ([`like`]).
 //! - `follow-<follower id>-<creator id>`: one user following one creator ([`follow`]).
+//! - `block-<user id>-<creator id>`: one user blocking one creator ([`block`]).
 //!
 //! A like and a follow are once per pair. The pair's own stream makes that so under any race:
 //! two likes of one user at once (a double click reaching two processes) append at the same
@@ -15,6 +16,7 @@
 //! never wait on each other, and counts, like sets and follower lists are folds of these events
 //! that Redis and the read models can be rebuilt from.
 
+pub mod block;
 pub mod follow;
 pub mod like;
 pub mod work;
