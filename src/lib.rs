@@ -8,6 +8,7 @@
 pub mod platform;
 
 pub mod dispatch;
+pub mod gallery;
 pub mod identity;
 pub mod labels;
 pub mod points;
@@ -29,7 +30,9 @@ mod tests {
     fn floor_of(room: &str) -> Option<u8> {
         match room {
             "platform" => Some(0),
-            "dispatch" | "identity" | "labels" | "points" | "tasks" | "webhooks" => Some(1),
+            "dispatch" | "gallery" | "identity" | "labels" | "points" | "tasks" | "webhooks" => {
+                Some(1)
+            }
             "cli" | "http" | "startup" | "state" | "web" => Some(2),
             _ => None,
         }

@@ -64,6 +64,8 @@ pub struct AppState {
     pub codes: CodeService,
     /// Daily check-in: bonus, month view, streak.
     pub checkins: crate::points::checkins::CheckInService,
+    /// The creators' gallery: works, likes, follows, lists, feeds and their caches.
+    pub gallery: crate::gallery::GalleryService,
     /// Daily active users (counted by the authentication extractors).
     pub active_users: crate::identity::active_users::ActiveUsers,
     /// Flash-sale promotions: the gate and the claims consumer.
@@ -232,7 +234,16 @@ impl AppState {
             tasks.queue.clone(),
             Some(dispatcher.backend_pool().clone()),
         );
+        let gallery = crate::gallery::GalleryService::new(
+            event_store.clone(),
+            pg_pool.clone(),
+            redis.clone(),
+            clock.clone(),
+            notifier.clone(),
+            settings.gallery.clone(),
+        );
         Ok(AppState {
+            gallery,
             positions,
             limits: crate::identity::admission::Limits::new(redis.clone(), clock.clone()),
             codes,

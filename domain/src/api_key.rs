@@ -50,18 +50,22 @@ pub enum Scope {
     /// Register, change and read webhook endpoints and their deliveries.
     #[serde(rename = "webhooks")]
     Webhooks,
+    /// Publish and unpublish works, like, follow; read one's feed and likes.
+    #[serde(rename = "gallery:write")]
+    GalleryWrite,
     /// Every admin endpoint (only an admin's key may hold it).
     #[serde(rename = "admin")]
     Admin,
 }
 
 impl Scope {
-    pub const ALL: [Scope; 6] = [
+    pub const ALL: [Scope; 7] = [
         Scope::TasksWrite,
         Scope::TasksRead,
         Scope::AccountRead,
         Scope::CodesRedeem,
         Scope::Webhooks,
+        Scope::GalleryWrite,
         Scope::Admin,
     ];
 
@@ -72,6 +76,7 @@ impl Scope {
             Scope::AccountRead => "account:read",
             Scope::CodesRedeem => "codes:redeem",
             Scope::Webhooks => "webhooks",
+            Scope::GalleryWrite => "gallery:write",
             Scope::Admin => "admin",
         }
     }

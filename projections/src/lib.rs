@@ -12,6 +12,7 @@
 pub mod accounts;
 pub mod checkins;
 pub mod codes;
+pub mod gallery;
 pub mod promotions;
 pub mod settlements;
 pub mod tasks;
@@ -53,6 +54,8 @@ pub enum ProjectionName {
     Checkins,
     /// `promotions` and `promotion_claims`.
     Promotions,
+    /// `works`, `work_likes` and `follows`.
+    Gallery,
 }
 
 /// Which events a projection reads: by stream prefix, or (when it needs a few events of streams
@@ -64,7 +67,7 @@ pub enum Reads {
 }
 
 impl ProjectionName {
-    pub const ALL: [ProjectionName; 7] = [
+    pub const ALL: [ProjectionName; 8] = [
         ProjectionName::Ledger,
         ProjectionName::Users,
         ProjectionName::Tasks,
@@ -72,6 +75,7 @@ impl ProjectionName {
         ProjectionName::Codes,
         ProjectionName::Checkins,
         ProjectionName::Promotions,
+        ProjectionName::Gallery,
     ];
 
     pub fn as_str(&self) -> &'static str {
@@ -83,6 +87,7 @@ impl ProjectionName {
             ProjectionName::Codes => "codes",
             ProjectionName::Checkins => "checkins",
             ProjectionName::Promotions => "promotions",
+            ProjectionName::Gallery => "gallery",
         }
     }
 
@@ -102,6 +107,7 @@ impl ProjectionName {
             ProjectionName::Codes => &["code_batches", "redeem_codes"],
             ProjectionName::Checkins => &["checkins"],
             ProjectionName::Promotions => &["promotions", "promotion_claims"],
+            ProjectionName::Gallery => &["works", "work_likes", "follows"],
         }
     }
 
@@ -125,6 +131,7 @@ impl ProjectionName {
                     .collect(),
             ),
             ProjectionName::Promotions => Reads::EventTypes(promotions::event_types()),
+            ProjectionName::Gallery => prefixes(gallery::STREAM_PREFIXES),
         }
     }
 
@@ -143,6 +150,7 @@ impl ProjectionName {
             ProjectionName::Codes => codes::apply(transaction, tables, events).await,
             ProjectionName::Checkins => checkins::apply(transaction, tables, events).await,
             ProjectionName::Promotions => promotions::apply(transaction, tables, events).await,
+            ProjectionName::Gallery => gallery::apply(transaction, tables, events).await,
         }
     }
 }

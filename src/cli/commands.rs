@@ -69,6 +69,11 @@ pub enum Command {
         #[command(subcommand)]
         command: CheckinsCommand,
     },
+    /// The creators' gallery.
+    Gallery {
+        #[command(subcommand)]
+        command: GalleryCommand,
+    },
     /// Flash-sale promotions.
     Promotions {
         #[command(subcommand)]
@@ -135,6 +140,14 @@ pub enum ImagesCommand {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum GalleryCommand {
+    /// Write the gallery's Redis keys back from the work, like and follow streams (like sets,
+    /// follower sets, the new list and the hot ranking; inboxes are rebuilt when their owners
+    /// read them). Every write is idempotent: safe while users like and follow.
+    Rebuild,
 }
 
 #[derive(Debug, Subcommand)]

@@ -67,6 +67,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Checkins {
             command: CheckinsCommand::Rebuild { user },
         } => checkins_rebuild(&settings, user).await,
+        Command::Gallery {
+            command: GalleryCommand::Rebuild,
+        } => gallery_rebuild(&settings).await,
         Command::Promotions {
             command: PromotionsCommand::Show { promotion, json },
         } => promotions_show(&settings, promotion, json).await,
@@ -296,6 +299,23 @@ async fn checkins_rebuild(settings: &Settings, user: Option<uuid::Uuid>) -> anyh
     writeln!(
         out,
         "rebuilt {months} month(s) of check-ins for {users} user(s)"
+    )?;
+    Ok(())
+}
+
+async fn gallery_rebuild(settings: &Settings) -> anyhow::Result<()> {
+    let state = app_state(settings)?;
+    let worker = crate::gallery::worker::GalleryWorker::new(
+        state.gallery.clone(),
+        settings.projections.clone(),
+    );
+    let started = std::time::Instant::now();
+    let applied = worker.rebuild().await?;
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "rebuilt the gallery in Redis from {applied} event(s) in {:.1} s",
+        started.elapsed().as_secs_f64()
     )?;
     Ok(())
 }

@@ -77,7 +77,7 @@ pub fn bearer_token(request: &HttpRequest) -> Result<String, ApiError> {
     }
 }
 
-async fn authenticate(request: HttpRequest) -> Result<Session, ApiError> {
+pub(crate) async fn authenticate(request: HttpRequest) -> Result<Session, ApiError> {
     let state = request
         .app_data::<web::Data<AppState>>()
         .ok_or_else(|| anyhow::anyhow!("AppState is not registered"))?
@@ -141,6 +141,14 @@ pub fn scope_for(method: &actix_web::http::Method, pattern: &str) -> Option<Scop
         | ("/api/v1/promotions", true)
         | ("/api/v1/promotions/{id}/claims/me", true) => Some(Scope::AccountRead),
         ("/api/v1/codes/redeem", false) => Some(Scope::CodesRedeem),
+        ("/api/v1/gallery/feed", true)
+        | ("/api/v1/gallery/likes", true)
+        | ("/api/v1/me/works", true)
+        | ("/api/v1/gallery/works", false)
+        | ("/api/v1/gallery/works/{id}/unpublish", false)
+        | ("/api/v1/gallery/works/{id}/like", false)
+        | ("/api/v1/gallery/creators/{id}/follow", false)
+        | ("/api/v1/gallery/creators/{id}/block", false) => Some(Scope::GalleryWrite),
         (pattern, _) if pattern.starts_with("/api/v1/me/webhooks") => Some(Scope::Webhooks),
         _ => None,
     }

@@ -8,6 +8,7 @@ pub(crate) mod checkins;
 pub(crate) mod codes;
 pub mod cookie;
 pub mod extract;
+pub mod gallery;
 mod health;
 pub(crate) mod keys;
 mod live;
@@ -111,6 +112,51 @@ pub fn routes(config: &mut web::ServiceConfig) {
                 .route(
                     "/admin/code-batches/{id}/codes.csv",
                     web::get().to(codes::export),
+                )
+                .route("/gallery/hot", web::get().to(gallery::hot))
+                .route("/gallery/new", web::get().to(gallery::newest))
+                .route("/gallery/feed", web::get().to(gallery::feed))
+                .route("/gallery/likes", web::get().to(gallery::my_likes))
+                .route("/gallery/works", web::post().to(gallery::publish))
+                .route("/gallery/works/{id}", web::get().to(gallery::work))
+                .route(
+                    "/gallery/works/{id}/unpublish",
+                    web::post().to(gallery::unpublish),
+                )
+                .route("/gallery/works/{id}/like", web::put().to(gallery::like))
+                .route(
+                    "/gallery/works/{id}/like",
+                    web::delete().to(gallery::unlike),
+                )
+                .route(
+                    "/gallery/works/{id}/images/{image}",
+                    web::get().to(gallery::image),
+                )
+                .route("/gallery/creators/{id}", web::get().to(gallery::creator))
+                .route(
+                    "/gallery/creators/{id}/works",
+                    web::get().to(gallery::creator_works),
+                )
+                .route(
+                    "/gallery/creators/{id}/follow",
+                    web::put().to(gallery::follow),
+                )
+                .route(
+                    "/gallery/creators/{id}/follow",
+                    web::delete().to(gallery::unfollow),
+                )
+                .route(
+                    "/gallery/creators/{id}/block",
+                    web::put().to(gallery::block),
+                )
+                .route(
+                    "/gallery/creators/{id}/block",
+                    web::delete().to(gallery::unblock),
+                )
+                .route("/me/works", web::get().to(gallery::my_works))
+                .route(
+                    "/admin/gallery/works/{id}/hide",
+                    web::post().to(gallery::hide),
                 )
                 .route("/checkins", web::post().to(checkins::check_in))
                 .route("/checkins", web::get().to(checkins::month))

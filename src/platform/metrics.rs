@@ -160,6 +160,18 @@ pub const METRICS: &[Described] = &[
         "task notices published to their owners",
     ),
     described(
+        "zhihui_gallery_cache_loads_total",
+        Kind::Counter,
+        &[],
+        "gallery reads from PostgreSQL because no cache had them: works, creators' names (a visitor's page in the steady state makes none)",
+    ),
+    described(
+        "zhihui_gallery_inbox_pushes_total",
+        Kind::Counter,
+        &[],
+        "new works pushed into followers' inboxes (gallery worker leader)",
+    ),
+    described(
         "zhihui_settlement_repairs_total",
         Kind::Counter,
         &["kind"],
@@ -241,6 +253,8 @@ pub fn start_at_zero(store_kind: &'static str, repair_kinds: &[&'static str]) {
     for kind in repair_kinds {
         metrics::counter!("zhihui_settlement_repairs_total", "kind" => *kind).increment(0);
     }
+    metrics::counter!("zhihui_gallery_cache_loads_total").increment(0);
+    metrics::counter!("zhihui_gallery_inbox_pushes_total").increment(0);
     for kind in crate::platform::notify::TaskNotice::KINDS {
         metrics::counter!("zhihui_notifications_sent_total", "kind" => *kind).increment(0);
     }

@@ -110,6 +110,9 @@ pub enum Envelope {
         granted: bool,
         reason: Option<String>,
     },
+    /// A work was published, unpublished or hidden (`None`: the lists changed): every process
+    /// drops its cached copy at once.
+    GalleryChanged { work_id: Option<Uuid> },
 }
 
 /// Publishes notifications (cheap to clone).

@@ -127,6 +127,15 @@ impl Application {
                 )?;
                 background.push(tokio::spawn(deliveries.run()));
             }
+            let gallery = crate::gallery::worker::GalleryWorker::new(
+                state.gallery.clone(),
+                settings.projections.clone(),
+            );
+            background.push(tokio::spawn(async move {
+                if let Err(error) = gallery.run().await {
+                    tracing::error!(error = %crate::platform::telemetry::error_chain(&error), "gallery worker stopped");
+                }
+            }));
             let issuer = crate::points::codes::issuer::CodeIssuer::new(state.codes.clone());
             background.push(tokio::spawn(issuer.run()));
             // The queue is derived: put it back from the events at start (Redis may have been
@@ -149,6 +158,10 @@ impl Application {
                 tasks.run_sweeper().await;
             }));
         }
+        // Cached gallery cards are dropped here as soon as any process changes their work.
+        background.push(tokio::spawn(
+            state.gallery.clone().follow_changes(state.hub.clone()),
+        ));
         {
             // The pool lives in its stream; the configuration seeds it once. Say at every start
             // how the configuration differs from it, so an edit is never dropped silently.

@@ -78,8 +78,25 @@ async fn every_image_route_serves_labelled_images_only_and_the_original_is_for_a
     // A new image route must be added here (and label what it serves) or this fails.
     assert_eq!(
         image_routes(app).await,
-        ["/api/v1/admin/images/{id}/original", "/api/v1/images/{id}"]
+        [
+            "/api/v1/admin/images/{id}/original",
+            "/api/v1/gallery/works/{id}/images/{image}",
+            "/api/v1/images/{id}"
+        ]
     );
+    // Published with its prompt hidden: the gallery's public route serves the same labelled
+    // copy as the owner's route.
+    let published: Value = app
+        .post(
+            "/api/v1/gallery/works",
+            Some(&token),
+            &serde_json::json!({"task_id": task, "title": "标识检查", "prompt_shown": false}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    let work = published["work_id"].as_str().unwrap().to_owned();
     let inspect_dir = harness.directory.0.join("inspect");
     std::fs::create_dir_all(&inspect_dir).unwrap();
     for (index, image_id) in images.iter().enumerate() {
@@ -91,6 +108,12 @@ async fn every_image_route_serves_labelled_images_only_and_the_original_is_for_a
         assert_eq!(response.headers()["x-aigc-label"], "1");
         assert_eq!(response.headers()["content-type"], "image/png");
         let served = response.bytes().await.unwrap().to_vec();
+        let public = app
+            .get(&format!("/api/v1/gallery/works/{work}/images/{image_id}"))
+            .await;
+        assert_eq!(public.status(), 200);
+        assert_eq!(public.headers()["x-aigc-label"], "1");
+        assert_eq!(public.bytes().await.unwrap().to_vec(), served);
         let found = metadata::read(&served).unwrap();
         let text: AigcLabel = found.png_text.clone().expect("the AIGC tEXt chunk");
         assert_eq!(text.label, "1");

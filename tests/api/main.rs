@@ -9,6 +9,7 @@ mod edges;
 mod event_store;
 mod failover;
 mod fake_ollama;
+mod gallery;
 mod health;
 mod helpers;
 mod instances;

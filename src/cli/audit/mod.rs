@@ -8,6 +8,7 @@
 
 mod checkins;
 mod codes;
+mod gallery;
 mod promotions;
 mod tasks;
 
@@ -217,6 +218,7 @@ pub async fn verify(
     let mut code_fold = codes::CodeFold::default();
     let mut checkin_fold = checkins::CheckInFold::default();
     let mut promotion_fold = promotions::PromotionFold::default();
+    let mut gallery_fold = gallery::GalleryFold::default();
     let filter = EventFilter::StreamPrefixes(vec![
         "account-".into(),
         "user-".into(),
@@ -226,6 +228,10 @@ pub async fn verify(
         "code-".into(),
         "checkin-".into(),
         "promotion-".into(),
+        "work-".into(),
+        "like-".into(),
+        "follow-".into(),
+        "block-".into(),
     ]);
     let mut after = None;
     let mut events_read = 0u64;
@@ -236,6 +242,12 @@ pub async fn verify(
             .context("reading the log")?;
         for recorded in &slice.events {
             events_read += 1;
+            if gallery_fold
+                .event(recorded)
+                .with_context(|| format!("decoding event {}", recorded.id))?
+            {
+                continue;
+            }
             if let Some(user_id) = account_user_id(&recorded.stream) {
                 let event = AccountEvent::from_stored(
                     &recorded.event_type,
@@ -484,6 +496,7 @@ pub async fn verify(
     let pending_claims = promotion_fold
         .compare(client, now, settle_within, &mut differences)
         .await?;
+    gallery_fold.compare(client, &mut differences).await?;
     let pending_settlements = pending_credits
         + pending_bonuses
         + pending_claims

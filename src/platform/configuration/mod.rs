@@ -35,6 +35,7 @@ pub struct Settings {
     pub dispatch: DispatchSettings,
     pub codes: CodeSettings,
     pub checkins: CheckInSettings,
+    pub gallery: GallerySettings,
     pub stats: StatsSettings,
     pub promotions: PromotionSettings,
     pub labels: LabelSettings,

@@ -85,6 +85,33 @@ pub enum Environment {
     Production,
 }
 
+/// The creators' gallery: feeds, the hot ranking, the public pages' caches, the pace of likes.
+#[derive(Debug, Clone, Deserialize)]
+pub struct GallerySettings {
+    /// Works an inbox keeps, newest first.
+    pub inbox_max: u32,
+    /// A creator with more followers than this is read from at feed time (pulled) instead of
+    /// being pushed into every follower's inbox.
+    pub push_followers_max: u32,
+    /// An inbox nobody read for this long expires; pushes skip it, and it is rebuilt from the
+    /// read models when its owner comes back.
+    pub inbox_idle_days: u32,
+    /// Works the hot ranking keeps.
+    pub hot_max: u32,
+    /// Works older than this are left out of the hot ranking's recomputation.
+    pub hot_window_days: u32,
+    /// How often the leader recomputes the hot ranking (ages move every score).
+    pub hot_recompute_ms: u64,
+    /// How long a cached work or list page is fresh, before a random spread of up to half of it.
+    pub cache_ttl_ms: u64,
+    /// Works a process keeps in its own cache.
+    pub cache_capacity: u64,
+    /// Likes and unlikes one user may send per minute.
+    pub likes_per_minute: u32,
+    /// Follows and unfollows one user may send per minute.
+    pub follows_per_minute: u32,
+}
+
 /// Daily check-in: one bonus per user per day, with a streak. The day is `auth.day_utc_offset_minutes`'s.
 #[derive(Debug, Clone, Deserialize)]
 pub struct CheckInSettings {

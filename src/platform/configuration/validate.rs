@@ -72,6 +72,19 @@ impl Settings {
             "auth.code_sender = \"log\" writes login codes to the log: development only; set ZHIHUI_AUTH__CODE_SENDER=disabled (phone login off) outside development"
         );
         self.checkins.rule()?;
+        let gallery = &self.gallery;
+        anyhow::ensure!(
+            gallery.inbox_max >= 10
+                && gallery.hot_max >= 10
+                && gallery.inbox_idle_days >= 1
+                && gallery.hot_window_days >= 1
+                && gallery.hot_recompute_ms >= 100
+                && gallery.cache_ttl_ms >= 10
+                && gallery.cache_capacity >= 1
+                && gallery.likes_per_minute >= 1
+                && gallery.follows_per_minute >= 1,
+            "gallery: inbox_max and hot_max must be at least 10, hot_recompute_ms at least 100, cache_ttl_ms at least 10, the rest at least 1"
+        );
         anyhow::ensure!(
             self.checkins.redis_keep_days >= 62,
             "checkins.redis_keep_days must be at least 62 (a streak reads this month and the last)"

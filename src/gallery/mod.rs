@@ -1,0 +1,1062 @@
+//! The creators' gallery: works published from tasks that succeeded, likes, follows, the hot and
+//! new lists, each user's feed, and the public pages' caches.
+//!
+//! The truth is the events (`work-`, `like-`, `follow-` streams, decided in
+//! `zhihui_domain::gallery`). Redis holds what the pages read fast (`keys`), every key derived
+//! from those events: the request that appended an event applies it at once (so its author sees
+//! it), and [`worker::GalleryWorker`] applies every event again in the log's order (so a request
+//! that died between its append and Redis, or a flushed Redis, is made whole), pushes new works
+//! into followers' inboxes and recomputes the hot ranking. Both apply a pair's event only over an
+//! older one (the pair stream's version decides), so their order does not matter.
+//!
+//! Who may see a work is decided on its stream, never by a cache: a cached card exists only for
+//! a visible work and is dropped everywhere when that changes (`cache`).
+
+pub mod cache;
+pub mod keys;
+pub mod reads;
+pub mod worker;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use chrono::{DateTime, Utc};
+use deadpool_postgres::Pool;
+use redis::AsyncCommands;
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+use zhihui_domain::gallery::block::{Block, BlockCommand, BlockError, block_stream};
+use zhihui_domain::gallery::follow::{Follow, FollowCommand, FollowError, follow_stream};
+use zhihui_domain::gallery::like::{Like, LikeCommand, LikeError, like_stream};
+use zhihui_domain::gallery::work::{
+    HideReason, SourceTask, Work, WorkCommand, WorkDescription, WorkError, WorkId, WorkState,
+    WorkStatus, WorkTitle, work_id_of_task, work_stream,
+};
+use zhihui_domain::task::TaskStatus;
+use zhihui_domain::user::UserId;
+
+use crate::platform::clock::Clock;
+use crate::platform::command::{self, CommandError, RetryPolicy};
+use crate::platform::configuration::GallerySettings;
+use crate::platform::event_store::{AnyEventStore, EventMetadata, EventStore};
+use crate::platform::notify::{Envelope, NotificationHub, Notifier};
+use crate::platform::redis_store::RedisStore;
+
+use cache::Layered;
+use keys::Keys;
+
+/// A work as anyone may see it (only visible works have one). The prompt is here only when its
+/// creator chose to show it: a hidden prompt never leaves the server.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkCard {
+    pub work_id: WorkId,
+    pub creator: Uuid,
+    pub creator_name: String,
+    pub title: String,
+    pub description: Option<String>,
+    /// Image ids, in the order the creator chose.
+    pub images: Vec<String>,
+    pub prompt: Option<String>,
+    pub negative_prompt: Option<String>,
+    pub settings: WorkSettings,
+    pub published_at: DateTime<Utc>,
+}
+
+/// How a work was made, for "make one like this" (the prompt apart).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WorkSettings {
+    pub model: String,
+    pub width: u32,
+    pub height: u32,
+    pub steps: u32,
+    pub cfg: String,
+    pub sampler: String,
+    pub scheduler: String,
+}
+
+/// A card with its likes, read fresh from Redis.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkView {
+    pub card: Arc<WorkCard>,
+    pub likes: u64,
+    /// The earliest likers' display names, first first (at most five).
+    pub first_likers: Vec<String>,
+    /// Whether the viewer likes it (`None` for a visitor).
+    pub liked_by_viewer: Option<bool>,
+}
+
+/// What a publish asks for.
+#[derive(Debug, Clone)]
+pub struct PublishRequest {
+    pub task_id: Uuid,
+    /// Images to show, in order; all of the task's when empty.
+    pub images: Vec<String>,
+    pub title: String,
+    pub description: String,
+    pub prompt_shown: bool,
+}
+
+/// A refusal a user can act on; each names its rule.
+#[derive(Debug, thiserror::Error)]
+pub enum GalleryError {
+    #[error("{field}: {message}")]
+    Invalid {
+        field: &'static str,
+        message: String,
+    },
+    #[error("no such task")]
+    NoSuchTask,
+    #[error(transparent)]
+    Work(#[from] WorkError),
+    #[error(transparent)]
+    Like(#[from] LikeError),
+    #[error(transparent)]
+    Follow(#[from] FollowError),
+    #[error(transparent)]
+    Block(#[from] BlockError),
+    #[error(transparent)]
+    Unexpected(#[from] anyhow::Error),
+}
+
+fn from_command<E>(error: CommandError<E>) -> GalleryError
+where
+    GalleryError: From<E>,
+{
+    match error {
+        CommandError::Rejected(rule) => GalleryError::from(rule),
+        CommandError::Contended { stream, attempts } => GalleryError::Unexpected(anyhow::anyhow!(
+            "stream {stream} stayed contended after {attempts} attempts"
+        )),
+        CommandError::Store(error) => GalleryError::Unexpected(error),
+    }
+}
+
+/// What a like or unlike answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LikeOutcome {
+    pub liked: bool,
+    pub likes: u64,
+}
+
+/// What a follow or unfollow answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FollowOutcome {
+    pub following: bool,
+    pub followers: u64,
+}
+
+/// How long a visitor's view of a work or of a list's first page is served from this
+/// process's memory without asking Redis: a like reaches other visitors' pages at most this
+/// late (the liker's own answer has the new count at once). A work taken down is dropped from
+/// it at once, like every cached copy.
+pub const PUBLIC_FRESH: Duration = Duration::from_secs(1);
+
+/// The hot score: likes weighed down by age, so that an old work does not stay on top.
+pub fn hot_score(likes: u64, published_at: DateTime<Utc>, now: DateTime<Utc>) -> f64 {
+    let hours = ((now - published_at).num_seconds().max(0) as f64) / 3600.0;
+    likes as f64 / (hours + 2.0).powf(1.5)
+}
+
+#[derive(Debug, Clone)]
+pub struct GalleryService {
+    store: AnyEventStore,
+    pool: Pool,
+    redis: RedisStore,
+    keys: Keys,
+    clock: Clock,
+    notifier: Notifier,
+    settings: GallerySettings,
+    cards: Layered<WorkCard>,
+    names: moka::future::Cache<Uuid, Arc<str>>,
+    /// What a visitor sees, for [`PUBLIC_FRESH`]: a work with its likes, the first pages.
+    public_views: moka::future::Cache<WorkId, Arc<Option<WorkView>>>,
+    public_pages: moka::future::Cache<String, Arc<reads::WorkPage>>,
+    policy: RetryPolicy,
+}
+
+impl GalleryService {
+    pub fn new(
+        store: AnyEventStore,
+        pool: Pool,
+        redis: RedisStore,
+        clock: Clock,
+        notifier: Notifier,
+        settings: GallerySettings,
+    ) -> GalleryService {
+        let cards = Layered::new(
+            redis.clone(),
+            clock.clone(),
+            Duration::from_millis(settings.cache_ttl_ms),
+            settings.cache_capacity,
+        );
+        GalleryService {
+            store,
+            pool,
+            keys: Keys::new(redis.clone()),
+            redis,
+            clock,
+            notifier,
+            cards,
+            // Display names do not change once chosen: kept until evicted.
+            names: moka::future::Cache::new(settings.cache_capacity),
+            public_views: moka::future::Cache::builder()
+                .max_capacity(settings.cache_capacity)
+                .time_to_live(PUBLIC_FRESH)
+                .build(),
+            public_pages: moka::future::Cache::builder()
+                .max_capacity(64)
+                .time_to_live(PUBLIC_FRESH)
+                .build(),
+            settings,
+            policy: RetryPolicy::default(),
+        }
+    }
+
+    pub fn settings(&self) -> &GallerySettings {
+        &self.settings
+    }
+
+    pub fn keys(&self) -> &Keys {
+        &self.keys
+    }
+
+    /// How often this process read a card from its source (tests and benchmarks).
+    pub fn card_source_loads(&self) -> u64 {
+        self.cards
+            .counts()
+            .source_loads
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Drop this process's cached cards when another process says so. Runs until the hub
+    /// closes; a receiver that fell behind drops everything (it may have missed a hide).
+    pub async fn follow_changes(self, hub: NotificationHub) {
+        loop {
+            let mut receiver = match hub.subscribe().await {
+                Ok(receiver) => receiver,
+                Err(error) => {
+                    tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "gallery cannot hear changes; retrying");
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    continue;
+                }
+            };
+            loop {
+                match receiver.recv().await {
+                    Ok(Envelope::GalleryChanged {
+                        work_id: Some(work_id),
+                    }) => {
+                        self.cards.forget_local(&self.keys.view(work_id)).await;
+                        self.public_views.invalidate(&work_id).await;
+                        self.public_pages.invalidate_all();
+                    }
+                    Ok(Envelope::GalleryChanged { work_id: None }) => {
+                        self.public_pages.invalidate_all();
+                    }
+                    Ok(_) => {}
+                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                        self.cards.forget_all_local();
+                        self.public_views.invalidate_all();
+                        self.public_pages.invalidate_all();
+                    }
+                    Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
+                }
+            }
+        }
+    }
+
+    /// Drop every copy of a work's card, here and in every process.
+    pub async fn forget_card(&self, work_id: WorkId) {
+        self.public_views.invalidate(&work_id).await;
+        self.public_pages.invalidate_all();
+        if let Err(error) = self.cards.forget(&self.keys.view(work_id)).await {
+            tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), %work_id, "a cached work could not be dropped from Redis");
+        }
+        let envelope = Envelope::GalleryChanged {
+            work_id: Some(work_id),
+        };
+        if let Err(error) = self.notifier.publish(&envelope).await {
+            tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), %work_id, "a gallery change was not announced");
+        }
+    }
+
+    /// A display name: the username, or a short form of the id for a user without one (a
+    /// phone number is never shown). Read from the user's stream (its first event names them;
+    /// the read model may lag a new user) and kept: a name once chosen does not change.
+    pub async fn name_of(&self, user: Uuid) -> anyhow::Result<Arc<str>> {
+        if let Some(name) = self.names.get(&user).await {
+            return Ok(name);
+        }
+        metrics::counter!("zhihui_gallery_cache_loads_total").increment(1);
+        let registered = self.registration(UserId::from_uuid(user)).await?;
+        let name: Arc<str> = Arc::from(
+            registered
+                .and_then(|registered| registered.username)
+                .map(|name| name.as_str().to_owned())
+                .unwrap_or_else(|| short_name(user)),
+        );
+        self.names.insert(user, name.clone()).await;
+        Ok(name)
+    }
+
+    /// The user's registration, if they are registered.
+    async fn registration(
+        &self,
+        user: UserId,
+    ) -> anyhow::Result<Option<zhihui_domain::user::UserRegistered>> {
+        use zhihui_domain::DomainEvent;
+        let events = self
+            .store
+            .read_stream(
+                &user.stream(),
+                crate::platform::event_store::Direction::Forwards,
+                crate::platform::event_store::ReadFrom::Start,
+                1,
+            )
+            .await
+            .context("reading a user's registration")?;
+        let Some(first) = events.first() else {
+            return Ok(None);
+        };
+        let event = zhihui_domain::user::UserEvent::from_stored(
+            &first.event_type,
+            first.schema_version,
+            &first.payload,
+        )
+        .context("decoding a user's registration")?;
+        Ok(match event {
+            zhihui_domain::user::UserEvent::Registered(registered) => Some(registered),
+            _ => None,
+        })
+    }
+
+    /// Publish images of one of the caller's tasks that succeeded.
+    pub async fn publish(
+        &self,
+        creator: UserId,
+        request: PublishRequest,
+        metadata: &EventMetadata,
+    ) -> Result<WorkId, GalleryError> {
+        let title = WorkTitle::parse(&request.title).map_err(|error| GalleryError::Invalid {
+            field: "title",
+            message: error.0,
+        })?;
+        let description = WorkDescription::parse(&request.description).map_err(|error| {
+            GalleryError::Invalid {
+                field: "description",
+                message: error.0,
+            }
+        })?;
+        let record = crate::tasks::view::record_at(&self.store, request.task_id, None)
+            .await?
+            .filter(|record| record.user_id == creator)
+            .ok_or(GalleryError::NoSuchTask)?;
+        let task_images: Vec<String> = record
+            .images
+            .iter()
+            .map(|image| image.image_id.clone())
+            .collect();
+        let images = if request.images.is_empty() {
+            task_images.clone()
+        } else {
+            request.images
+        };
+        let now = self.clock.now();
+        let command = WorkCommand::Publish {
+            creator,
+            source: SourceTask {
+                task_id: record.task_id,
+                owner: record.user_id,
+                succeeded: record.status == TaskStatus::Succeeded,
+                images: task_images,
+            },
+            images,
+            title,
+            description,
+            prompt_shown: request.prompt_shown,
+            at: now,
+        };
+        let work_id = work_id_of_task(record.task_id);
+        let executed = self
+            .execute::<Work>(&work_stream(work_id), &command, metadata)
+            .await?;
+        self.after_work_change(work_id, &executed.state).await?;
+        Ok(work_id)
+    }
+
+    /// The creator takes a work down (anyone else: no such work).
+    pub async fn unpublish(
+        &self,
+        by: UserId,
+        work_id: WorkId,
+        metadata: &EventMetadata,
+    ) -> Result<(), GalleryError> {
+        let command = WorkCommand::Unpublish {
+            by,
+            at: self.clock.now(),
+        };
+        let executed = self
+            .execute::<Work>(&work_stream(work_id), &command, metadata)
+            .await?;
+        self.after_work_change(work_id, &executed.state).await?;
+        Ok(())
+    }
+
+    /// An admin hides a work, with a reason its creator sees.
+    pub async fn hide(
+        &self,
+        admin: UserId,
+        work_id: WorkId,
+        reason: &str,
+        metadata: &EventMetadata,
+    ) -> Result<(), GalleryError> {
+        let reason = HideReason::parse(reason).map_err(|error| GalleryError::Invalid {
+            field: "reason",
+            message: error.0,
+        })?;
+        let command = WorkCommand::Hide {
+            admin,
+            reason,
+            at: self.clock.now(),
+        };
+        let executed = self
+            .execute::<Work>(&work_stream(work_id), &command, metadata)
+            .await?;
+        self.after_work_change(work_id, &executed.state).await?;
+        Ok(())
+    }
+
+    /// A command on one stream of the gallery, a refusal in the gallery's words.
+    async fn execute<D>(
+        &self,
+        stream: &str,
+        command: &D::Command,
+        metadata: &EventMetadata,
+    ) -> Result<command::Executed<D>, GalleryError>
+    where
+        D: zhihui_domain::Decider,
+        D::Event: zhihui_domain::DomainEvent,
+        GalleryError: From<D::Error>,
+    {
+        command::execute::<D>(&self.store, stream, command, metadata, self.policy)
+            .await
+            .map_err(from_command)
+    }
+
+    /// Redis after a work's event: in the lists or out of them, and every cached card dropped.
+    async fn after_work_change(&self, work_id: WorkId, state: &WorkState) -> anyhow::Result<()> {
+        let Some(last) = &state.last else {
+            return Ok(());
+        };
+        let mut connection = self.redis.connection().await?;
+        apply_work_lists(
+            &self.keys,
+            &mut connection,
+            work_id,
+            last.creator,
+            state.status,
+            last.published_at,
+            self.settings.hot_max,
+        )
+        .await?;
+        self.forget_card(work_id).await;
+        Ok(())
+    }
+
+    /// The caller likes a work: once, whatever the retries and races.
+    pub async fn like(
+        &self,
+        user: UserId,
+        work_id: WorkId,
+        metadata: &EventMetadata,
+    ) -> Result<LikeOutcome, GalleryError> {
+        // A cached card says the work is visible (a hide drops it everywhere at once); without
+        // one, the work's own stream decides: a cache never refuses a like.
+        let published_at = match self.card(work_id).await? {
+            Some(card) => Some(card.published_at),
+            None => {
+                let work = command::load::<Work>(&self.store, &work_stream(work_id)).await?;
+                work.state
+                    .last
+                    .filter(|_| work.state.status.is_visible())
+                    .map(|last| last.published_at)
+            }
+        };
+        let command = LikeCommand::Like {
+            work_id,
+            user_id: user,
+            work_visible: published_at.is_some(),
+            at: self.clock.now(),
+        };
+        // A first like of the pair is the common case: append expecting no stream, without
+        // reading it (a conflict reads it and decides again).
+        let executed = command::execute_on::<Like>(
+            &self.store,
+            &like_stream(work_id, user),
+            command::unwritten::<Like>(),
+            &command,
+            metadata,
+            self.policy,
+        )
+        .await
+        .map_err(from_command)?;
+        let likes = self
+            .apply_like(work_id, user, executed.version, executed.state)
+            .await?;
+        if let Some(published_at) = published_at {
+            self.rank(work_id, likes, published_at).await?;
+        }
+        Ok(LikeOutcome { liked: true, likes })
+    }
+
+    /// The caller takes a like back (always allowed, also on a hidden work).
+    pub async fn unlike(
+        &self,
+        user: UserId,
+        work_id: WorkId,
+        metadata: &EventMetadata,
+    ) -> Result<LikeOutcome, GalleryError> {
+        let command = LikeCommand::Unlike {
+            work_id,
+            user_id: user,
+            at: self.clock.now(),
+        };
+        let executed = self
+            .execute::<Like>(&like_stream(work_id, user), &command, metadata)
+            .await?;
+        let likes = self
+            .apply_like(work_id, user, executed.version, executed.state)
+            .await?;
+        // Ranked again only while visible (no card: not visible, or not cached and then read).
+        if let Some(card) = self.card(work_id).await? {
+            self.rank(work_id, likes, card.published_at).await?;
+        }
+        Ok(LikeOutcome {
+            liked: false,
+            likes,
+        })
+    }
+
+    async fn apply_like(
+        &self,
+        work_id: WorkId,
+        user: UserId,
+        version: Option<u64>,
+        state: Option<DateTime<Utc>>,
+    ) -> anyhow::Result<u64> {
+        let mut connection = self.redis.connection().await?;
+        apply_pair(
+            &mut connection,
+            &self.keys.likes(work_id),
+            &self.keys.like_versions(work_id),
+            &user.to_string(),
+            version,
+            state,
+        )
+        .await
+    }
+
+    /// Move a work in the hot ranking after its like count changed.
+    async fn rank(
+        &self,
+        work_id: WorkId,
+        likes: u64,
+        published_at: DateTime<Utc>,
+    ) -> anyhow::Result<()> {
+        let score = hot_score(likes, published_at, self.clock.now());
+        let mut connection = self.redis.connection().await?;
+        redis::pipe()
+            .zadd(self.keys.hot(), work_id.to_string(), score)
+            .ignore()
+            .zremrangebyrank(self.keys.hot(), 0, -(self.settings.hot_max as isize + 1))
+            .ignore()
+            .query_async::<()>(&mut connection)
+            .await
+            .context("ranking a work")?;
+        Ok(())
+    }
+
+    /// The caller follows a creator.
+    pub async fn follow(
+        &self,
+        follower: UserId,
+        creator: UserId,
+        metadata: &EventMetadata,
+    ) -> Result<FollowOutcome, GalleryError> {
+        let creator_exists = if follower == creator {
+            true
+        } else {
+            self.user_exists(creator).await?
+        };
+        let command = FollowCommand::Follow {
+            follower,
+            creator,
+            creator_exists,
+            at: self.clock.now(),
+        };
+        let executed = self
+            .execute::<Follow>(&follow_stream(follower, creator), &command, metadata)
+            .await?;
+        let followers = self
+            .apply_follow(follower, creator, executed.version, executed.state)
+            .await?;
+        Ok(FollowOutcome {
+            following: true,
+            followers,
+        })
+    }
+
+    /// The caller blocks a creator: their works leave the caller's lists and feed, and the
+    /// caller stops following them.
+    pub async fn block(
+        &self,
+        user: UserId,
+        creator: UserId,
+        metadata: &EventMetadata,
+    ) -> Result<(), GalleryError> {
+        let creator_exists = user == creator || self.user_exists(creator).await?;
+        let command = BlockCommand::Block {
+            user,
+            creator,
+            creator_exists,
+            at: self.clock.now(),
+        };
+        let executed = self
+            .execute::<Block>(&block_stream(user, creator), &command, metadata)
+            .await?;
+        self.apply_block(user, creator, executed.version, executed.state)
+            .await?;
+        self.unfollow(user, creator, metadata).await?;
+        Ok(())
+    }
+
+    /// The caller takes a block back.
+    pub async fn unblock(
+        &self,
+        user: UserId,
+        creator: UserId,
+        metadata: &EventMetadata,
+    ) -> Result<(), GalleryError> {
+        let command = BlockCommand::Unblock {
+            user,
+            creator,
+            at: self.clock.now(),
+        };
+        let executed = self
+            .execute::<Block>(&block_stream(user, creator), &command, metadata)
+            .await?;
+        self.apply_block(user, creator, executed.version, executed.state)
+            .await?;
+        Ok(())
+    }
+
+    async fn apply_block(
+        &self,
+        user: UserId,
+        creator: UserId,
+        version: Option<u64>,
+        state: Option<DateTime<Utc>>,
+    ) -> anyhow::Result<u64> {
+        let mut connection = self.redis.connection().await?;
+        apply_pair(
+            &mut connection,
+            &self.keys.blocked(user),
+            &self.keys.blocked_versions(user),
+            &creator.to_string(),
+            version,
+            state,
+        )
+        .await
+    }
+
+    /// The creators `user` blocked.
+    pub async fn blocked_by(
+        &self,
+        user: UserId,
+    ) -> anyhow::Result<std::collections::HashSet<Uuid>> {
+        let mut connection = self.redis.connection().await?;
+        let blocked: Vec<String> = connection
+            .zrange(self.keys.blocked(user), 0, -1)
+            .await
+            .context("reading whom a user blocked")?;
+        Ok(blocked
+            .iter()
+            .filter_map(|id| Uuid::parse_str(id).ok())
+            .collect())
+    }
+
+    /// The caller stops following a creator.
+    pub async fn unfollow(
+        &self,
+        follower: UserId,
+        creator: UserId,
+        metadata: &EventMetadata,
+    ) -> Result<FollowOutcome, GalleryError> {
+        let command = FollowCommand::Unfollow {
+            follower,
+            creator,
+            at: self.clock.now(),
+        };
+        let executed = self
+            .execute::<Follow>(&follow_stream(follower, creator), &command, metadata)
+            .await?;
+        let followers = self
+            .apply_follow(follower, creator, executed.version, executed.state)
+            .await?;
+        Ok(FollowOutcome {
+            following: false,
+            followers,
+        })
+    }
+
+    async fn apply_follow(
+        &self,
+        follower: UserId,
+        creator: UserId,
+        version: Option<u64>,
+        state: Option<DateTime<Utc>>,
+    ) -> anyhow::Result<u64> {
+        let mut connection = self.redis.connection().await?;
+        apply_follow_pair(
+            &self.keys,
+            &mut connection,
+            follower,
+            creator,
+            version,
+            state,
+            self.settings.push_followers_max,
+        )
+        .await
+    }
+
+    /// Whether a user is registered (on its stream: the read model may lag a new user).
+    pub async fn user_exists(&self, user: UserId) -> anyhow::Result<bool> {
+        Ok(self.registration(user).await?.is_some())
+    }
+
+    /// A visible work's card, from the caches (`None`: no such work, or not visible).
+    pub async fn card(&self, work_id: WorkId) -> anyhow::Result<Option<Arc<WorkCard>>> {
+        let loaded = self
+            .cards
+            .get(
+                &self.keys.view(work_id),
+                &self.keys.view_lock(work_id),
+                || self.load_card(work_id),
+            )
+            .await?;
+        Ok(loaded.as_ref().clone().map(Arc::new))
+    }
+
+    /// A card from the truth: the work's stream, its task's stream, the creator's name.
+    async fn load_card(&self, work_id: WorkId) -> anyhow::Result<Option<WorkCard>> {
+        let work = command::load::<Work>(&self.store, &work_stream(work_id)).await?;
+        let Some(last) = work
+            .state
+            .last
+            .filter(|_| work.state.status == WorkStatus::Published)
+        else {
+            return Ok(None);
+        };
+        let Some(record) = crate::tasks::view::record_at(&self.store, last.task_id, None).await?
+        else {
+            return Ok(None);
+        };
+        let spec = &record.spec;
+        Ok(Some(WorkCard {
+            work_id,
+            creator: last.creator.as_uuid(),
+            creator_name: self.name_of(last.creator.as_uuid()).await?.to_string(),
+            title: last.title.as_str().to_owned(),
+            description: last.description.map(|d| d.as_str().to_owned()),
+            images: last.images,
+            prompt: last.prompt_shown.then(|| record.prompt.clone()),
+            negative_prompt: last.prompt_shown.then(|| record.negative_prompt.clone()),
+            settings: WorkSettings {
+                model: spec.model.clone(),
+                width: spec.width,
+                height: spec.height,
+                steps: spec.steps,
+                cfg: spec.cfg.to_string(),
+                sampler: spec.sampler.clone(),
+                scheduler: spec.scheduler.clone(),
+            },
+            published_at: last.published_at,
+        }))
+    }
+
+    /// A visible work with its likes, as `viewer` (if any) sees it. A visitor's view is the
+    /// same for every visitor: kept in memory for [`PUBLIC_FRESH`].
+    pub async fn view(
+        &self,
+        work_id: WorkId,
+        viewer: Option<UserId>,
+    ) -> anyhow::Result<Option<WorkView>> {
+        if viewer.is_some() {
+            return self.fresh_view(work_id, viewer).await;
+        }
+        let view = Box::pin(self.public_views.try_get_with(work_id, async {
+            Box::pin(self.fresh_view(work_id, None)).await.map(Arc::new)
+        }))
+        .await
+        .map_err(|error: Arc<anyhow::Error>| anyhow::anyhow!("{error:#}"))?;
+        Ok(view.as_ref().clone())
+    }
+
+    async fn fresh_view(
+        &self,
+        work_id: WorkId,
+        viewer: Option<UserId>,
+    ) -> anyhow::Result<Option<WorkView>> {
+        let Some(card) = self.card(work_id).await? else {
+            return Ok(None);
+        };
+        let mut connection = self.redis.connection().await?;
+        let likes_key = self.keys.likes(work_id);
+        let mut pipe = redis::pipe();
+        pipe.zcard(&likes_key).zrange(&likes_key, 0, 4);
+        if let Some(viewer) = viewer {
+            pipe.zscore(&likes_key, viewer.to_string());
+        }
+        let (likes, first, mine): (u64, Vec<String>, Option<f64>) = if viewer.is_some() {
+            pipe.query_async(&mut connection)
+                .await
+                .context("reading a work's likes")?
+        } else {
+            let (likes, first): (u64, Vec<String>) = pipe
+                .query_async(&mut connection)
+                .await
+                .context("reading a work's likes")?;
+            (likes, first, None)
+        };
+        let mut first_likers = Vec::with_capacity(first.len());
+        for liker in first {
+            if let Ok(id) = Uuid::parse_str(&liker) {
+                first_likers.push(self.name_of(id).await?.to_string());
+            }
+        }
+        Ok(Some(WorkView {
+            card,
+            likes,
+            first_likers,
+            liked_by_viewer: viewer.map(|_| mine.is_some()),
+        }))
+    }
+
+    /// The like counts of several works (list pages).
+    pub async fn like_counts(&self, works: &[WorkId]) -> anyhow::Result<Vec<u64>> {
+        let connection = self.redis.connection().await?;
+        each(
+            &connection,
+            works.iter().map(|work_id| {
+                let mut command = redis::cmd("ZCARD");
+                command.arg(self.keys.likes(*work_id));
+                command
+            }),
+        )
+        .await
+        .context("reading like counts")
+    }
+
+    /// Which of `works` the viewer likes.
+    pub async fn liked_among(&self, viewer: UserId, works: &[WorkId]) -> anyhow::Result<Vec<bool>> {
+        if works.is_empty() {
+            return Ok(Vec::new());
+        }
+        let connection = self.redis.connection().await?;
+        let scores: Vec<Option<f64>> = each(
+            &connection,
+            works.iter().map(|work_id| {
+                let mut command = redis::cmd("ZSCORE");
+                command
+                    .arg(self.keys.likes(*work_id))
+                    .arg(viewer.to_string());
+                command
+            }),
+        )
+        .await
+        .context("reading the viewer's likes")?;
+        Ok(scores.into_iter().map(|score| score.is_some()).collect())
+    }
+
+    /// A list's first page as visitors see it, kept in memory for [`PUBLIC_FRESH`].
+    pub(crate) async fn public_page<F, Fut>(
+        &self,
+        key: String,
+        load: F,
+    ) -> anyhow::Result<reads::WorkPage>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = anyhow::Result<reads::WorkPage>>,
+    {
+        let page = Box::pin(
+            self.public_pages
+                .try_get_with(key, async { Box::pin(load()).await.map(Arc::new) }),
+        )
+        .await
+        .map_err(|error: Arc<anyhow::Error>| anyhow::anyhow!("{error:#}"))?;
+        Ok(page.as_ref().clone())
+    }
+
+    pub(crate) fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    pub(crate) fn redis(&self) -> &RedisStore {
+        &self.redis
+    }
+
+    pub(crate) fn clock(&self) -> &Clock {
+        &self.clock
+    }
+
+    pub(crate) fn store(&self) -> &AnyEventStore {
+        &self.store
+    }
+}
+
+/// Commands on keys of different tags, sent at once and answered in order. Not a pipeline: on a
+/// Redis Cluster a pipeline may touch only one slot, while these go to their own nodes; on one
+/// Redis the shared connection writes them back to back all the same.
+pub(crate) async fn each<T: redis::FromRedisValue>(
+    connection: &crate::platform::redis_store::RedisConnection,
+    commands: impl Iterator<Item = redis::Cmd>,
+) -> anyhow::Result<Vec<T>> {
+    let sent = commands.map(|command| {
+        let mut connection = connection.clone();
+        async move { command.query_async::<T>(&mut connection).await }
+    });
+    Ok(futures::future::try_join_all(sent).await?)
+}
+
+fn short_name(user: Uuid) -> String {
+    let simple = user.simple().to_string();
+    format!("user-{}", &simple[..8])
+}
+
+/// A pair's membership (a like, a follow side) applied over any older one: see
+/// `lua/gallery_pair.lua`. `since` is the pair's state after its event (`None`: not a member).
+pub(crate) async fn apply_pair(
+    connection: &mut crate::platform::redis_store::RedisConnection,
+    set: &str,
+    versions: &str,
+    member: &str,
+    version: Option<u64>,
+    since: Option<DateTime<Utc>>,
+) -> anyhow::Result<u64> {
+    let Some(version) = version else {
+        // Nothing was ever recorded for the pair: nothing to apply, only the count to read.
+        let count: u64 = connection.zcard(set).await.context("counting a set")?;
+        return Ok(count);
+    };
+    let (op, score) = match since {
+        Some(at) => ("add", at.timestamp_millis()),
+        None => ("rem", 0),
+    };
+    keys::PAIR_APPLY
+        .key(set)
+        .key(versions)
+        .arg(member)
+        .arg(version)
+        .arg(op)
+        .arg(score)
+        .invoke_async(connection)
+        .await
+        .context("applying a pair to its set")
+}
+
+/// Both sides of a follow: the follower's following set, the creator's followers set; and
+/// whether the creator is now one to pull (more followers than are pushed to).
+pub(crate) async fn apply_follow_pair(
+    keys: &Keys,
+    connection: &mut crate::platform::redis_store::RedisConnection,
+    follower: UserId,
+    creator: UserId,
+    version: Option<u64>,
+    since: Option<DateTime<Utc>>,
+    push_followers_max: u32,
+) -> anyhow::Result<u64> {
+    apply_pair(
+        connection,
+        &keys.following(follower),
+        &keys.following_versions(follower),
+        &creator.to_string(),
+        version,
+        since,
+    )
+    .await?;
+    let followers = apply_pair(
+        connection,
+        &keys.followers(creator),
+        &keys.follower_versions(creator),
+        &follower.to_string(),
+        version,
+        since,
+    )
+    .await?;
+    let famous = followers > u64::from(push_followers_max);
+    if famous {
+        let _: i64 = connection
+            .sadd(keys.famous(), creator.to_string())
+            .await
+            .context("marking a creator as pulled")?;
+    } else {
+        let _: i64 = connection
+            .srem(keys.famous(), creator.to_string())
+            .await
+            .context("marking a creator as pushed")?;
+    }
+    Ok(followers)
+}
+
+/// A work in the new list, the hot ranking and its creator's works, or out of all of them.
+pub(crate) async fn apply_work_lists(
+    keys: &Keys,
+    connection: &mut crate::platform::redis_store::RedisConnection,
+    work_id: WorkId,
+    creator: UserId,
+    status: WorkStatus,
+    published_at: DateTime<Utc>,
+    list_max: u32,
+) -> anyhow::Result<()> {
+    let member = work_id.to_string();
+    let bound = -(list_max as isize + 1);
+    let new = reads::new_list_key(keys);
+    if status.is_visible() {
+        let published_ms = published_at.timestamp_millis();
+        redis::pipe()
+            .zadd(&new, &member, published_ms)
+            .ignore()
+            .zremrangebyrank(&new, 0, bound)
+            .ignore()
+            .query_async::<()>(connection)
+            .await
+            .context("listing a new work")?;
+        // A new work enters the ranking at the bottom (no likes yet) unless it is there.
+        let _: i64 = redis::cmd("ZADD")
+            .arg(keys.hot())
+            .arg("NX")
+            .arg(0)
+            .arg(&member)
+            .query_async(connection)
+            .await
+            .context("ranking a new work")?;
+        let _: i64 = connection
+            .zadd(keys.creator_works(creator), &member, published_ms)
+            .await
+            .context("listing a creator's work")?;
+    } else {
+        let _: i64 = connection
+            .zrem(&new, &member)
+            .await
+            .context("unlisting a work")?;
+        let _: i64 = connection
+            .zrem(keys.hot(), &member)
+            .await
+            .context("unranking a work")?;
+        let _: i64 = connection
+            .zrem(keys.creator_works(creator), &member)
+            .await
+            .context("unlisting a creator's work")?;
+    }
+    Ok(())
+}

@@ -1,0 +1,839 @@
+//! The creators' gallery end to end: publishing (and a hidden prompt that never leaves the
+//! server, not even inside the image file), likes once per user under races on two processes,
+//! hiding seen by every process at once, follows and the feed (pushed and pulled, scrolled
+//! without skips or repeats), the read models against `audit verify`, and Redis written back from
+//! the events after a flush by `zhihui gallery rebuild`.
+
+#![allow(clippy::unwrap_used)]
+
+use std::time::{Duration, Instant};
+
+use comfyui_sim::Faults;
+use serde_json::{Value, json};
+use zhihui_domain::task::TaskStatus;
+
+use crate::dispatch::{
+    Harness, drive_until, drive_until_connected, drive_until_idle, harness_configured,
+};
+use crate::helpers::{TestApp, flush_redis};
+use crate::tasks::{funded_user, submit};
+
+const PROMPT: &str = "雨后的江南小镇，青石板路，撑油纸伞的少女，水墨风格";
+const NEGATIVE: &str = "模糊，低质量，多余的手指";
+
+async fn gallery_harness(
+    customise: impl FnOnce(&mut zhihui::platform::configuration::Settings) + Send + 'static,
+) -> Harness {
+    harness_configured(1, Faults::default(), customise).await
+}
+
+/// Tasks of `token` run to success; their ids.
+async fn succeeded_tasks(harness: &Harness, token: &str, count: usize) -> Vec<String> {
+    let app = &harness.app;
+    let mut tasks = Vec::new();
+    for _ in 0..count {
+        let response = submit(
+            app,
+            token,
+            &json!({"prompt": PROMPT, "negative_prompt": NEGATIVE, "images": 2, "steps": 2}),
+            None,
+        )
+        .await;
+        assert_eq!(response.status(), 201);
+        let body: Value = response.json().await.unwrap();
+        tasks.push(body["task_id"].as_str().unwrap().to_owned());
+    }
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 1).await;
+    drive_until(&mut saga, &process, &tasks, &[TaskStatus::Succeeded]).await;
+    drive_until_idle(&mut saga).await;
+    saga.resign().await;
+    tasks
+}
+
+/// A user without points (likes and follows cost nothing): (id, token).
+async fn member(app: &TestApp, name: &str) -> (String, String) {
+    let user = app.register(name, "correct horse battery").await;
+    (user, app.login(name, "correct horse battery").await)
+}
+
+async fn publish(
+    app: &TestApp,
+    token: &str,
+    task: &str,
+    title: &str,
+    prompt_shown: bool,
+) -> String {
+    let response = app
+        .post(
+            "/api/v1/gallery/works",
+            Some(token),
+            &json!({"task_id": task, "title": title, "description": "第一次发布\n请多指教", "prompt_shown": prompt_shown}),
+        )
+        .await;
+    assert_eq!(response.status(), 201, "{}", response.text().await.unwrap());
+    let body: Value = response.json().await.unwrap();
+    body["work_id"].as_str().unwrap().to_owned()
+}
+
+async fn send(
+    app: &TestApp,
+    method: reqwest::Method,
+    path: &str,
+    token: &str,
+) -> reqwest::Response {
+    app.http
+        .request(method, format!("{}{path}", app.address))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+}
+
+async fn json_of(response: reqwest::Response) -> Value {
+    let status = response.status();
+    let text = response.text().await.unwrap();
+    assert!(status.is_success(), "{status}: {text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+fn ids(page: &Value) -> Vec<String> {
+    page["works"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|work| work["work_id"].as_str().unwrap().to_owned())
+        .collect()
+}
+
+fn gallery_worker(app: &TestApp) -> zhihui::gallery::worker::GalleryWorker {
+    zhihui::gallery::worker::GalleryWorker::new(
+        app.services().gallery,
+        app.settings.projections.clone(),
+    )
+}
+
+/// PNG chunks as (type, data).
+fn png_chunks(bytes: &[u8]) -> Vec<(String, Vec<u8>)> {
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    let mut chunks = Vec::new();
+    let mut at = 8;
+    while at + 8 <= bytes.len() {
+        let length = u32::from_be_bytes(bytes[at..at + 4].try_into().unwrap()) as usize;
+        let kind = String::from_utf8_lossy(&bytes[at + 4..at + 8]).into_owned();
+        chunks.push((kind, bytes[at + 8..at + 8 + length].to_vec()));
+        at += 12 + length;
+    }
+    chunks
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack
+        .windows(needle.len())
+        .any(|window| window == needle)
+}
+
+#[tokio::test]
+async fn a_prompt_its_creator_hid_leaves_the_server_nowhere_and_publishing_refuses_what_it_must() {
+    let harness = gallery_harness(|_| {}).await;
+    let app = &harness.app;
+    let (_, token) = funded_user(app, "xiaolin", "100").await;
+    let (_, other) = funded_user(app, "passerby", "100").await;
+    let tasks = Box::pin(succeeded_tasks(&harness, &token, 2)).await;
+    let hidden = publish(app, &token, &tasks[0], "江南烟雨", false).await;
+    let shown = publish(app, &token, &tasks[1], "江南烟雨·其二", true).await;
+    // Sent again: the same work, nothing new.
+    assert_eq!(
+        publish(app, &token, &tasks[0], "江南烟雨", false).await,
+        hidden
+    );
+
+    // Every answer anyone can get about the hidden one carries no trace of the prompt.
+    let work = json_of(app.get(&format!("/api/v1/gallery/works/{hidden}")).await).await;
+    assert_eq!(work["title"], "江南烟雨");
+    assert_eq!(work["creator_name"], "xiaolin");
+    assert!(
+        work.get("prompt").is_none() && work.get("negative_prompt").is_none(),
+        "{work}"
+    );
+    assert_eq!(work["settings"]["steps"], 2);
+    let shown_work = json_of(app.get(&format!("/api/v1/gallery/works/{shown}")).await).await;
+    assert_eq!(shown_work["prompt"], PROMPT);
+    assert_eq!(shown_work["negative_prompt"], NEGATIVE);
+    for path in [
+        format!("/api/v1/gallery/works/{hidden}"),
+        "/api/v1/gallery/new".to_owned(),
+        "/api/v1/gallery/hot".to_owned(),
+    ] {
+        for caller in [None, Some(other.as_str()), Some(token.as_str())] {
+            let response = match caller {
+                None => app.get(&path).await,
+                Some(token) => app.get_as(token, &path).await,
+            };
+            let text = response.text().await.unwrap();
+            assert!(text.contains(&hidden), "{path}: {text}");
+            if path.ends_with(&hidden) {
+                assert!(
+                    !text.contains("江南小镇") && !text.contains("多余的手指"),
+                    "{path}: {text}"
+                );
+            }
+        }
+    }
+    // The public image file: the AIGC labels are there, ComfyUI's prompt and workflow are not.
+    for image in work["images"].as_array().unwrap() {
+        let response = app.get(image.as_str().unwrap()).await;
+        assert_eq!(response.status(), 200);
+        assert_eq!(response.headers()["x-aigc-label"], "1");
+        assert_eq!(response.headers()["cache-control"], "public, no-cache");
+        let bytes = response.bytes().await.unwrap().to_vec();
+        let chunks = png_chunks(&bytes);
+        let text_chunks: Vec<String> = chunks
+            .iter()
+            .filter(|(kind, _)| matches!(kind.as_str(), "tEXt" | "iTXt" | "zTXt"))
+            .map(|(kind, data)| {
+                let keyword = data.split(|byte| *byte == 0).next().unwrap();
+                format!("{kind} {}", String::from_utf8_lossy(keyword))
+            })
+            .collect();
+        assert_eq!(
+            text_chunks,
+            ["tEXt AIGC", "iTXt XML:com.adobe.xmp"],
+            "{chunks:?}"
+        );
+        for needle in [PROMPT, NEGATIVE, "江南", "KSampler", "CLIPTextEncode"] {
+            assert!(
+                !contains(&bytes, needle.as_bytes()),
+                "{needle} inside the image"
+            );
+        }
+        let found = zhihui::labels::metadata::read(&bytes).unwrap();
+        assert_eq!(found.png_text.unwrap().label, "1");
+    }
+    // Another's image id through this work: not served.
+    let foreign = app
+        .get(&format!(
+            "/api/v1/gallery/works/{hidden}/images/{}",
+            uuid::Uuid::now_v7()
+        ))
+        .await;
+    assert_eq!(foreign.status(), 404);
+
+    // Refusals name their rule; nothing is written for them.
+    let long = "长".repeat(61);
+    let refused = app
+        .post(
+            "/api/v1/gallery/works",
+            Some(&token),
+            &json!({"task_id": tasks[0], "title": "  ", "prompt_shown": true}),
+        )
+        .await;
+    assert_eq!(refused.status(), 422);
+    assert!(refused.text().await.unwrap().contains("title"));
+    let refused = app
+        .post(
+            "/api/v1/gallery/works",
+            Some(&token),
+            &json!({"task_id": tasks[0], "title": long, "prompt_shown": true}),
+        )
+        .await;
+    assert_eq!(refused.status(), 422);
+    assert!(refused.text().await.unwrap().contains("at most 60"));
+    let refused = app
+        .post(
+            "/api/v1/gallery/works",
+            Some(&other),
+            &json!({"task_id": tasks[0], "title": "偷来的", "prompt_shown": true}),
+        )
+        .await;
+    assert_eq!(refused.status(), 404, "another's task is no task");
+    let refused = app
+        .post(
+            "/api/v1/gallery/works",
+            Some(&token),
+            &json!({"task_id": tasks[0], "title": "改个名字", "prompt_shown": true}),
+        )
+        .await;
+    assert_eq!(refused.status(), 409);
+    assert!(refused.text().await.unwrap().contains("already-published"));
+    let refused = app
+        .post(
+            "/api/v1/gallery/works",
+            Some(&token),
+            &json!({"task_id": tasks[1], "images": ["not-an-image"], "title": "x", "prompt_shown": true}),
+        )
+        .await;
+    assert_eq!(refused.status(), 422);
+    // A task that has not succeeded (still queued: nothing leads the dispatcher now).
+    let queued = submit(app, &token, &json!({"prompt": PROMPT, "steps": 2}), None).await;
+    let queued: Value = queued.json().await.unwrap();
+    let refused = app
+        .post(
+            "/api/v1/gallery/works",
+            Some(&token),
+            &json!({"task_id": queued["task_id"], "title": "还没画完", "prompt_shown": true}),
+        )
+        .await;
+    assert_eq!(refused.status(), 409);
+    assert!(refused.text().await.unwrap().contains("task-not-succeeded"));
+    // Following oneself, an unknown creator, a visitor liking.
+    let me: Value = json_of(app.get_as(&token, "/api/v1/me").await).await;
+    let myself = send(
+        app,
+        reqwest::Method::PUT,
+        &format!(
+            "/api/v1/gallery/creators/{}/follow",
+            me["id"].as_str().unwrap()
+        ),
+        &token,
+    )
+    .await;
+    assert_eq!(myself.status(), 422);
+    assert!(myself.text().await.unwrap().contains("following-oneself"));
+    let nobody = send(
+        app,
+        reqwest::Method::PUT,
+        &format!("/api/v1/gallery/creators/{}/follow", uuid::Uuid::now_v7()),
+        &token,
+    )
+    .await;
+    assert_eq!(nobody.status(), 404);
+    let visitor = app
+        .http
+        .put(format!(
+            "{}/api/v1/gallery/works/{hidden}/like",
+            app.address
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(visitor.status(), 401);
+
+    app.project().await;
+    let verified = app.verify(None).await;
+    assert!(
+        verified.differences.is_empty(),
+        "{:?}",
+        verified.differences
+    );
+}
+
+#[tokio::test]
+async fn a_double_like_on_two_processes_counts_once_and_the_counts_hold_everywhere() {
+    let harness = gallery_harness(|_| {}).await;
+    let app = &harness.app;
+    let (_, token) = funded_user(app, "creator", "100").await;
+    let tasks = Box::pin(succeeded_tasks(&harness, &token, 1)).await;
+    let work = publish(app, &token, &tasks[0], "双击测试", true).await;
+    let second = app.another_instance().await;
+    let (_, fan) = member(app, "fan_one").await;
+
+    // Twenty likes of one user at once, through both processes.
+    let path = format!("/api/v1/gallery/works/{work}/like");
+    let answers = futures::future::join_all((0..20).map(|index| {
+        let process = if index % 2 == 0 { app } else { &second };
+        send(process, reqwest::Method::PUT, &path, &fan)
+    }))
+    .await;
+    for answer in answers {
+        let body = json_of(answer).await;
+        assert_eq!(body["likes"], 1, "{body}");
+        assert_eq!(body["liked"], true);
+    }
+    let store = app.services().event_store;
+    let fan_id: Value = json_of(app.get_as(&fan, "/api/v1/me").await).await;
+    let stream = format!("like-{work}-{}", fan_id["id"].as_str().unwrap());
+    let events = zhihui::platform::event_store::read_whole_stream(&store, &stream)
+        .await
+        .unwrap();
+    assert_eq!(events.len(), 1, "one like recorded");
+
+    // Unlike and like again, racing on both processes: it ends liked or not, counted right.
+    let answers = futures::future::join_all((0..10).map(|index| {
+        let process = if index % 2 == 0 { app } else { &second };
+        let method = if index % 3 == 0 {
+            reqwest::Method::DELETE
+        } else {
+            reqwest::Method::PUT
+        };
+        send(process, method, &path, &fan)
+    }))
+    .await;
+    for answer in answers {
+        assert!(answer.status().is_success());
+    }
+    let events = zhihui::platform::event_store::read_whole_stream(&store, &stream)
+        .await
+        .unwrap();
+    let liked_now = events.last().unwrap().event_type == "WorkLiked";
+    // Whatever the order, no two likes (or unlikes) follow each other on the stream.
+    for pair in events.windows(2) {
+        assert_ne!(pair[0].event_type, pair[1].event_type, "{events:?}");
+    }
+
+    // Many users, from both processes: each counted once.
+    let mut fans = vec![fan.clone()];
+    for index in 0..12 {
+        let (_, token) = member(app, &format!("fan{index}")).await;
+        fans.push(token);
+    }
+    let answers =
+        futures::future::join_all(fans.iter().skip(1).enumerate().map(|(index, token)| {
+            let process = if index % 2 == 0 { app } else { &second };
+            send(process, reqwest::Method::PUT, &path, token)
+        }))
+        .await;
+    for answer in answers {
+        assert!(answer.status().is_success());
+    }
+    let expected = 12 + u64::from(liked_now);
+    for process in [app, &second] {
+        let view = json_of(
+            process
+                .get_as(&fans[3], &format!("/api/v1/gallery/works/{work}"))
+                .await,
+        )
+        .await;
+        assert_eq!(view["likes"], expected, "{view}");
+        assert_eq!(view["liked"], true);
+        assert_eq!(view["first_likers"].as_array().unwrap().len(), 5);
+    }
+    // The earliest likers first.
+    let view = json_of(app.get(&format!("/api/v1/gallery/works/{work}")).await).await;
+    assert!(view.get("liked").is_none(), "a visitor has no like");
+    // The user's likes, from the read model.
+    app.project().await;
+    let mine = json_of(app.get_as(&fans[3], "/api/v1/gallery/likes").await).await;
+    assert_eq!(ids(&mine), std::slice::from_ref(&work));
+    let client = crate::helpers::connect(&app.settings).await;
+    let row = client
+        .query_one(
+            "SELECT like_count FROM works WHERE work_id = $1",
+            &[&uuid::Uuid::parse_str(&work).unwrap()],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, i64>(0) as u64, expected);
+    let verified = app.verify(None).await;
+    assert!(
+        verified.differences.is_empty(),
+        "{:?}",
+        verified.differences
+    );
+
+    // Likes are paced per user.
+    let paced = gallery_harness(|settings| settings.gallery.likes_per_minute = 2).await;
+    let (_, quick) = member(&paced.app, "quick").await;
+    let path = format!("/api/v1/gallery/works/{}/like", uuid::Uuid::now_v7());
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        statuses.push(
+            send(&paced.app, reqwest::Method::PUT, &path, &quick)
+                .await
+                .status()
+                .as_u16(),
+        );
+    }
+    assert_eq!(statuses, [404, 404, 429]);
+}
+
+#[tokio::test]
+async fn a_hidden_work_leaves_every_list_cache_and_feed_on_both_processes_within_a_second() {
+    let harness = gallery_harness(|_| {}).await;
+    let app = &harness.app;
+    let second = app.another_instance().await;
+    let (_, creator) = funded_user(app, "shanshui", "100").await;
+    let (_, reader) = member(app, "reader").await;
+    let admin = app.admin_token("moderator").await;
+    let creator_id = json_of(app.get_as(&creator, "/api/v1/me").await).await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let follow = send(
+        app,
+        reqwest::Method::PUT,
+        &format!("/api/v1/gallery/creators/{creator_id}/follow"),
+        &reader,
+    )
+    .await;
+    assert_eq!(json_of(follow).await["followers"], 1);
+    // The reader has read the feed lately: their inbox is live and gets pushes.
+    assert!(ids(&json_of(app.get_as(&reader, "/api/v1/gallery/feed").await).await).is_empty());
+    let tasks = Box::pin(succeeded_tasks(&harness, &creator, 2)).await;
+    let kept = publish(app, &creator, &tasks[0], "留下的", true).await;
+    app.clock.advance(Duration::from_secs(60));
+    let work = publish(app, &creator, &tasks[1], "将被隐藏", true).await;
+    let worker = gallery_worker(app);
+    worker.catch_up().await.unwrap();
+    app.project().await;
+
+    // Cached everywhere: each process's memory and Redis hold the card.
+    for process in [app, &second] {
+        assert_eq!(
+            json_of(process.get(&format!("/api/v1/gallery/works/{work}")).await).await["title"],
+            "将被隐藏"
+        );
+        assert_eq!(
+            ids(&json_of(process.get("/api/v1/gallery/new").await).await),
+            [work.clone(), kept.clone()]
+        );
+        let feed = json_of(process.get_as(&reader, "/api/v1/gallery/feed").await).await;
+        assert_eq!(ids(&feed), [work.clone(), kept.clone()]);
+    }
+
+    let hidden = app
+        .post(
+            &format!("/api/v1/admin/gallery/works/{work}/hide"),
+            Some(&admin),
+            &json!({"reason": "含有不适宜公开的内容"}),
+        )
+        .await;
+    assert_eq!(hidden.status(), 204);
+    let started = Instant::now();
+    for process in [&second, app] {
+        loop {
+            let status = process
+                .get(&format!("/api/v1/gallery/works/{work}"))
+                .await
+                .status();
+            if status == 404 {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(1),
+                "still served after a second"
+            );
+            tokio::task::yield_now().await;
+        }
+        for path in ["/api/v1/gallery/new", "/api/v1/gallery/hot"] {
+            assert_eq!(
+                ids(&json_of(process.get(path).await).await),
+                std::slice::from_ref(&kept),
+                "{path}"
+            );
+        }
+        let feed = json_of(process.get_as(&reader, "/api/v1/gallery/feed").await).await;
+        assert_eq!(ids(&feed), std::slice::from_ref(&kept));
+        let creator_page = json_of(
+            process
+                .get(&format!("/api/v1/gallery/creators/{creator_id}/works"))
+                .await,
+        )
+        .await;
+        assert_eq!(ids(&creator_page), std::slice::from_ref(&kept));
+        let image = process
+            .get(&format!("/api/v1/gallery/works/{work}/images/x"))
+            .await;
+        assert_eq!(image.status(), 404);
+    }
+    // Likes on it are refused; its creator sees why it was hidden and cannot publish it again.
+    let like = send(
+        app,
+        reqwest::Method::PUT,
+        &format!("/api/v1/gallery/works/{work}/like"),
+        &reader,
+    )
+    .await;
+    assert_eq!(like.status(), 404);
+    app.project().await;
+    let mine = json_of(app.get_as(&creator, "/api/v1/me/works").await).await;
+    let row = mine
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|row| row["work_id"] == work.as_str())
+        .unwrap();
+    assert_eq!(row["status"], "hidden");
+    assert_eq!(row["hidden_reason"], "含有不适宜公开的内容");
+    let again = app
+        .post(
+            "/api/v1/gallery/works",
+            Some(&creator),
+            &json!({"task_id": tasks[1], "title": "将被隐藏", "prompt_shown": true}),
+        )
+        .await;
+    assert_eq!(again.status(), 409);
+    assert!(again.text().await.unwrap().contains("含有不适宜公开的内容"));
+    // The audit log keeps who hid it and why.
+    let events = zhihui::platform::event_store::read_whole_stream(
+        &app.services().event_store,
+        &format!("work-{work}"),
+    )
+    .await
+    .unwrap();
+    let last = events.last().unwrap();
+    assert_eq!(last.event_type, "WorkHidden");
+    assert!(
+        last.metadata.actor.starts_with("admin:"),
+        "{:?}",
+        last.metadata
+    );
+    let verified = app.verify(None).await;
+    assert!(
+        verified.differences.is_empty(),
+        "{:?}",
+        verified.differences
+    );
+}
+
+#[tokio::test]
+async fn the_feed_scrolls_pushed_and_pulled_works_without_skips_or_repeats_and_a_rebuild_restores_redis()
+ {
+    // One creator with few followers (pushed), one with more than the push limit (pulled).
+    let harness = gallery_harness(|settings| settings.gallery.push_followers_max = 2).await;
+    let app = &harness.app;
+    let (_, quiet) = funded_user(app, "quiet", "100").await;
+    let (_, famous) = funded_user(app, "mingjia", "100").await;
+    let (_, reader) = member(app, "follower").await;
+    let quiet_id = json_of(app.get_as(&quiet, "/api/v1/me").await).await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let famous_id = json_of(app.get_as(&famous, "/api/v1/me").await).await["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let mut followers_of_famous = vec![reader.clone()];
+    for index in 0..3 {
+        let (_, token) = member(app, &format!("viewer{index}")).await;
+        followers_of_famous.push(token);
+    }
+    for token in &followers_of_famous {
+        let done = send(
+            app,
+            reqwest::Method::PUT,
+            &format!("/api/v1/gallery/creators/{famous_id}/follow"),
+            token,
+        )
+        .await;
+        assert!(done.status().is_success());
+    }
+    let done = send(
+        app,
+        reqwest::Method::PUT,
+        &format!("/api/v1/gallery/creators/{quiet_id}/follow"),
+        &reader,
+    )
+    .await;
+    assert!(done.status().is_success());
+    // A common follow: both the reader and one viewer follow the famous one.
+    let profile = json_of(
+        app.get_as(
+            &followers_of_famous[1],
+            &format!("/api/v1/gallery/creators/{quiet_id}"),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(profile["followers"], 1);
+    assert_eq!(profile["followed"], false);
+    let profile = json_of(
+        app.get_as(
+            &followers_of_famous[1],
+            &format!(
+                "/api/v1/gallery/creators/{}",
+                json_of(app.get_as(&reader, "/api/v1/me").await).await["id"]
+                    .as_str()
+                    .unwrap()
+            ),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(profile["following"], 2);
+    assert_eq!(profile["common_follows"][0]["name"], "mingjia");
+    let visitor = json_of(
+        app.get(&format!("/api/v1/gallery/creators/{famous_id}"))
+            .await,
+    )
+    .await;
+    assert_eq!(visitor["followers"], 4);
+    assert!(visitor.get("common_follows").is_none());
+
+    // The reader reads the feed (their inbox is live), then both publish: three works each,
+    // all at one instant (the test clock does not move), so the feed's scores tie.
+    assert!(ids(&json_of(app.get_as(&reader, "/api/v1/gallery/feed").await).await).is_empty());
+    let quiet_tasks = Box::pin(succeeded_tasks(&harness, &quiet, 3)).await;
+    let famous_tasks = Box::pin(succeeded_tasks(&harness, &famous, 3)).await;
+    let mut works = Vec::new();
+    for (token, tasks) in [(&quiet, &quiet_tasks), (&famous, &famous_tasks)] {
+        for (index, task) in tasks.iter().enumerate() {
+            works.push(publish(app, token, task, &format!("作品{index}"), true).await);
+        }
+    }
+    let worker = gallery_worker(app);
+    worker.catch_up().await.unwrap();
+    app.project().await;
+    let services = app.services();
+    let mut connection = services.redis.connection().await.unwrap();
+    let reader_id = zhihui_domain::user::UserId::from_uuid(
+        uuid::Uuid::parse_str(
+            json_of(app.get_as(&reader, "/api/v1/me").await).await["id"]
+                .as_str()
+                .unwrap(),
+        )
+        .unwrap(),
+    );
+    let inbox: Vec<String> = redis::AsyncCommands::zrange(
+        &mut connection,
+        services.gallery.keys().inbox(reader_id),
+        0,
+        -1,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        inbox.len(),
+        3,
+        "only the quiet creator's works were pushed: {inbox:?}"
+    );
+
+    let scroll = |limit: usize| {
+        let reader = reader.clone();
+        async move {
+            let mut seen = Vec::new();
+            let mut cursor: Option<String> = None;
+            for _ in 0..20 {
+                let path = match &cursor {
+                    None => format!("/api/v1/gallery/feed?limit={limit}"),
+                    Some(cursor) => format!("/api/v1/gallery/feed?limit={limit}&cursor={cursor}"),
+                };
+                let page = json_of(app.get_as(&reader, &path).await).await;
+                seen.extend(ids(&page));
+                match page["next"].as_str() {
+                    Some(next) => cursor = Some(next.to_owned()),
+                    None => return seen,
+                }
+            }
+            panic!("the feed never ended: {seen:?}");
+        }
+    };
+    let mut expected = works.clone();
+    expected.sort();
+    for limit in [1, 2, 4, 10] {
+        let mut seen = scroll(limit).await;
+        assert_eq!(seen.len(), 6, "page size {limit}: {seen:?}");
+        seen.sort();
+        assert_eq!(seen, expected, "page size {limit}");
+    }
+
+    // The reader blocks the quiet creator: their works leave the reader's feed and lists (not
+    // anyone else's), and the reader stops following them.
+    let blocked = send(
+        app,
+        reqwest::Method::PUT,
+        &format!("/api/v1/gallery/creators/{quiet_id}/block"),
+        &reader,
+    )
+    .await;
+    assert_eq!(json_of(blocked).await["blocked"], true);
+    let quiet_works = &works[..3];
+    let feed = json_of(app.get_as(&reader, "/api/v1/gallery/feed?limit=48").await).await;
+    assert_eq!(ids(&feed).len(), 3, "{feed}");
+    assert!(ids(&feed).iter().all(|id| !quiet_works.contains(id)));
+    let newest = json_of(app.get_as(&reader, "/api/v1/gallery/new?limit=48").await).await;
+    assert!(
+        ids(&newest).iter().all(|id| !quiet_works.contains(id)),
+        "{newest}"
+    );
+    let for_others = json_of(app.get("/api/v1/gallery/new?limit=48").await).await;
+    assert_eq!(ids(&for_others).len(), 6);
+    let profile = json_of(
+        app.get_as(&reader, &format!("/api/v1/gallery/creators/{quiet_id}"))
+            .await,
+    )
+    .await;
+    assert_eq!(profile["blocked"], true);
+    assert_eq!(profile["followed"], false);
+    let myself = send(
+        app,
+        reqwest::Method::PUT,
+        &format!("/api/v1/gallery/creators/{reader_id}/block"),
+        &reader,
+    )
+    .await;
+    assert_eq!(myself.status(), 422);
+
+    // A like or two, then Redis loses everything: the rebuild writes the same back. Read as a
+    // signed-in viewer: a visitor's pages may come from the process's memory for a second.
+    let viewer = &followers_of_famous[1];
+    for token in &followers_of_famous {
+        let liked = send(
+            app,
+            reqwest::Method::PUT,
+            &format!("/api/v1/gallery/works/{}/like", works[4]),
+            token,
+        )
+        .await;
+        assert!(liked.status().is_success());
+    }
+    let unfollowed = send(
+        app,
+        reqwest::Method::DELETE,
+        &format!("/api/v1/gallery/creators/{famous_id}/follow"),
+        &followers_of_famous[3],
+    )
+    .await;
+    assert_eq!(json_of(unfollowed).await["followers"], 3);
+    let snapshot = || async {
+        (
+            json_of(app.get_as(viewer, "/api/v1/gallery/new?limit=48").await).await,
+            json_of(app.get_as(viewer, "/api/v1/gallery/hot?limit=48").await).await,
+            json_of(
+                app.get_as(viewer, &format!("/api/v1/gallery/works/{}", works[4]))
+                    .await,
+            )
+            .await,
+            json_of(
+                app.get(&format!("/api/v1/gallery/creators/{famous_id}"))
+                    .await,
+            )
+            .await,
+            json_of(app.get_as(&reader, "/api/v1/gallery/feed?limit=48").await).await,
+            json_of(app.get_as(&reader, "/api/v1/gallery/new?limit=48").await).await,
+        )
+    };
+    worker.catch_up().await.unwrap();
+    app.project().await;
+    worker.recompute_hot().await.unwrap();
+    let before = snapshot().await;
+    assert_eq!(before.2["likes"], 4);
+    flush_redis(app).await;
+    let output = app.cli(&["gallery", "rebuild"]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(String::from_utf8_lossy(&output.stdout).contains("rebuilt the gallery"));
+    let after = snapshot().await;
+    assert_eq!(ids(&after.0), ids(&before.0));
+    assert_eq!(ids(&after.1), ids(&before.1));
+    assert_eq!(after.2["likes"], before.2["likes"]);
+    assert_eq!(after.2["first_likers"], before.2["first_likers"]);
+    assert_eq!(after.3, before.3);
+    assert_eq!(
+        ids(&after.4),
+        ids(&before.4),
+        "the inbox rebuilt when its owner came back"
+    );
+    assert_eq!(ids(&after.5), ids(&before.5), "the block rebuilt");
+    assert_eq!(ids(&after.5).len(), 3);
+    let unblocked = send(
+        app,
+        reqwest::Method::DELETE,
+        &format!("/api/v1/gallery/creators/{quiet_id}/block"),
+        &reader,
+    )
+    .await;
+    assert_eq!(json_of(unblocked).await["blocked"], false);
+    let newest = json_of(app.get_as(&reader, "/api/v1/gallery/new?limit=48").await).await;
+    assert_eq!(ids(&newest).len(), 6);
+    let verified = app.verify(None).await;
+    assert!(
+        verified.differences.is_empty(),
+        "{:?}",
+        verified.differences
+    );
+}
