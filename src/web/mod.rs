@@ -22,6 +22,7 @@ mod assets;
 pub mod i18n;
 mod pages_admin;
 mod pages_auth;
+mod pages_gallery;
 mod pages_user;
 mod render;
 mod session;
@@ -74,6 +75,40 @@ pub fn routes(config: &mut web::ServiceConfig) {
         .route(
             "/tasks/{id}/prioritise",
             web::post().to(pages_user::prioritise),
+        )
+        .route("/gallery", web::get().to(pages_gallery::gallery))
+        .route("/gallery/feed", web::get().to(pages_gallery::feed))
+        .route("/gallery/likes", web::get().to(pages_gallery::likes))
+        .route("/gallery/mine", web::get().to(pages_gallery::mine))
+        .route(
+            "/gallery/publish",
+            web::get().to(pages_gallery::publish_page),
+        )
+        .route("/gallery/publish", web::post().to(pages_gallery::publish))
+        .route("/gallery/works/{id}", web::get().to(pages_gallery::work))
+        .route(
+            "/gallery/works/{id}/like",
+            web::post().to(pages_gallery::like),
+        )
+        .route(
+            "/gallery/works/{id}/unpublish",
+            web::post().to(pages_gallery::unpublish),
+        )
+        .route(
+            "/gallery/works/{id}/hide",
+            web::post().to(pages_gallery::hide),
+        )
+        .route(
+            "/gallery/creators/{id}",
+            web::get().to(pages_gallery::creator),
+        )
+        .route(
+            "/gallery/creators/{id}/follow",
+            web::post().to(pages_gallery::follow),
+        )
+        .route(
+            "/gallery/creators/{id}/block",
+            web::post().to(pages_gallery::block),
         )
         .route("/history", web::get().to(pages_user::history))
         .route("/points", web::get().to(pages_user::points))

@@ -29,12 +29,13 @@ const LEDGER_PAGE: i64 = 20;
 /// Seeds a user may fix: JSON's exact integers (the API's rule).
 const SEED_MAX: i64 = (1 << 53) - 1;
 
-/// `/`: the generate page when signed in, else the login page.
+/// `/`: the generate page when signed in, else the public gallery (a visitor sees what zhihui
+/// is before being asked to sign in).
 pub async fn home(page: Page) -> HttpResponse {
     if page.member.is_some() {
         Page::see_other("/generate")
     } else {
-        Page::see_other("/login")
+        Page::see_other("/gallery")
     }
 }
 
@@ -83,6 +84,8 @@ fn again_query(task: &TaskView) -> String {
 #[derive(Debug, Deserialize)]
 pub struct GenerateQuery {
     again: Option<String>,
+    /// A published work whose settings (and prompt, when shown) fill the form.
+    from_work: Option<String>,
 }
 
 /// The generate page: the form (the catalog's choices, only models the pool offers, the price
@@ -128,32 +131,51 @@ pub async fn generate_page(
         .iter()
         .map(|task| card_context(&page, task))
         .collect();
-    let form = match &again {
-        Some(task) => context! {
-            prompt => task.prompt.clone(),
-            negative_prompt => task.negative_prompt.clone(),
-            model => task.model.clone(),
-            resolution => format!("{}x{}", task.width, task.height),
-            steps => task.steps,
-            images => task.image_count,
-            cfg => task.cfg.normalize().to_string(),
-            sampler => task.sampler.clone(),
-            scheduler => task.scheduler.clone(),
-            seed => task.seed,
-            seed_fixed => true,
-        },
-        None => context! {
-            prompt => "",
-            negative_prompt => "",
-            model => models.first().cloned().unwrap_or_default(),
-            resolution => settings.default_resolution.clone(),
-            steps => settings.default_steps,
+    let from_work = match query.from_work.as_deref().map(Uuid::parse_str) {
+        Some(Ok(work_id)) => state.gallery.card(work_id).await?,
+        _ => None,
+    };
+    let form = match (&again, &from_work) {
+        (None, Some(card)) => context! {
+            prompt => card.prompt.clone().unwrap_or_default(),
+            negative_prompt => card.negative_prompt.clone().unwrap_or_default(),
+            model => card.settings.model.clone(),
+            resolution => format!("{}x{}", card.settings.width, card.settings.height),
+            steps => card.settings.steps,
             images => 1,
-            cfg => settings.default_cfg.normalize().to_string(),
-            sampler => settings.default_sampler.clone(),
-            scheduler => settings.default_scheduler.clone(),
+            cfg => card.settings.cfg.clone(),
+            sampler => card.settings.sampler.clone(),
+            scheduler => card.settings.scheduler.clone(),
             seed => "",
             seed_fixed => false,
+        },
+        _ => match &again {
+            Some(task) => context! {
+                prompt => task.prompt.clone(),
+                negative_prompt => task.negative_prompt.clone(),
+                model => task.model.clone(),
+                resolution => format!("{}x{}", task.width, task.height),
+                steps => task.steps,
+                images => task.image_count,
+                cfg => task.cfg.normalize().to_string(),
+                sampler => task.sampler.clone(),
+                scheduler => task.scheduler.clone(),
+                seed => task.seed,
+                seed_fixed => true,
+            },
+            None => context! {
+                prompt => "",
+                negative_prompt => "",
+                model => models.first().cloned().unwrap_or_default(),
+                resolution => settings.default_resolution.clone(),
+                steps => settings.default_steps,
+                images => 1,
+                cfg => settings.default_cfg.normalize().to_string(),
+                sampler => settings.default_sampler.clone(),
+                scheduler => settings.default_scheduler.clone(),
+                seed => "",
+                seed_fixed => false,
+            },
         },
     };
     let images: Vec<u32> = (1..=settings.images_per_task_max).collect();
@@ -162,6 +184,7 @@ pub async fn generate_page(
         context! {
             form,
             again => again.is_some(),
+            from_work => from_work.as_ref().map(|card| card.title.clone()),
             models,
             no_models,
             resolutions => settings.resolution_presets.clone(),

@@ -38,6 +38,27 @@ const TEMPLATES: &[(&str, &str)] = &[
     ("redeem.html", include_str!("templates/redeem.html")),
     ("sales.html", include_str!("templates/sales.html")),
     ("_sale.html", include_str!("templates/_sale.html")),
+    ("gallery.html", include_str!("templates/gallery.html")),
+    (
+        "_gallery_tabs.html",
+        include_str!("templates/_gallery_tabs.html"),
+    ),
+    ("_work_grid.html", include_str!("templates/_work_grid.html")),
+    ("work.html", include_str!("templates/work.html")),
+    (
+        "_like_button.html",
+        include_str!("templates/_like_button.html"),
+    ),
+    ("creator.html", include_str!("templates/creator.html")),
+    (
+        "_follow_button.html",
+        include_str!("templates/_follow_button.html"),
+    ),
+    ("publish.html", include_str!("templates/publish.html")),
+    (
+        "gallery_mine.html",
+        include_str!("templates/gallery_mine.html"),
+    ),
     ("admin/base.html", include_str!("templates/admin/base.html")),
     (
         "admin/overview.html",

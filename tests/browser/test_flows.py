@@ -410,3 +410,103 @@ def test_after_logging_out_the_browser_shows_none_of_the_users_images_from_its_c
     status, content_type = page.evaluate(fetch, src)
     assert status != 200, f"the image came back after logout ({status}, {content_type})"
     assert "image" not in (content_type or "")
+
+
+def test_a_creator_publishes_with_the_prompt_hidden_and_a_visitor_likes_and_follows_by_keyboard(stack, person):
+    """A creator publishes an image from their history with the prompt kept private; a visitor
+    lands on the gallery, signs up, likes the work and follows its creator with the keyboard
+    alone and without a reload, finds it in their feed, and makes one like it."""
+    admin = stack.token(*ADMIN)
+    creator = person("zh")
+    name = unique("huajia")
+    creator.register(name)
+    me = stack.api("GET", "/api/v1/me", stack.token(name, "correct horse"))[1]
+    assert stack.api("POST", f"/api/v1/admin/accounts/{me['id']}/grants", admin, {"amount": "5", "reason": "创作激励"})[0] == 201
+    secret_prompt = "月光下的敦煌飞天，金色丝带，壁画质感"
+    status, task = stack.api("POST", "/api/v1/tasks", stack.token(name, "correct horse"), {"prompt": secret_prompt, "steps": 4})
+    assert status == 201, task
+    token = stack.token(name, "correct horse")
+    wait_until(lambda: stack.api("GET", f"/api/v1/tasks/{task['task_id']}", token)[1]["status"] == "succeeded", "the image")
+
+    # From the history card to the publish form; the prompt stays private.
+    page = creator.go("/history")
+    page.locator(f"#task-{task['task_id']}").get_by_role("link", name="发布到画廊").click()
+    page.wait_for_url("**/gallery/publish?task=*")
+    page.fill("#title", "敦煌·月下飞天")
+    page.fill("#description", "试了三次才满意。")
+    page.uncheck("input[name=prompt_shown]")
+    page.click("form.publish button[type=submit]")
+    page.wait_for_url(re.compile(r".*/gallery/works/[0-9a-f-]{36}$"))
+    work_url = page.url
+    assert page.locator("h1").inner_text() == "敦煌·月下飞天"
+    assert secret_prompt not in page.content()
+    assert "作者没有公开提示词" in page.content()
+
+    # A visitor meets the gallery, not a login form; the work is there without its prompt.
+    visitor = person("zh", viewport=(390, 844))
+    page = visitor.go("/")
+    page.wait_for_url("**/gallery")
+    assert page.locator(".welcome h1").is_visible()
+    page.get_by_role("link", name="敦煌·月下飞天").first.click()
+    page.wait_for_url(work_url)
+    assert secret_prompt not in page.content()
+    image = page.locator(".work-images img").first
+    response = visitor.context.request.get(f"{stack.base}{image.get_attribute('src')}")
+    assert response.status == 200 and response.headers["x-aigc-label"] == "1"
+    assert secret_prompt.encode() not in response.body()
+
+    # They sign up, come back, and like it with the keyboard: the count moves, no reload.
+    fan = unique("guanzhong")
+    visitor.register(fan)
+    page = visitor.go(work_url.replace(stack.base, ""))
+    page.evaluate("window.__stayed = true")
+    like = page.locator("form.like button")
+    like.focus()
+    page.keyboard.press("Enter")
+    page.locator("form.like button[aria-pressed=true]").wait_for()
+    assert page.locator("form.like [data-field=likes]").inner_text() == "1"
+    assert page.evaluate("window.__stayed === true"), "the page reloaded"
+    # Pressed again: taken back, and again: liked once.
+    page.locator("form.like button").focus()
+    page.keyboard.press("Enter")
+    page.locator("form.like button[aria-pressed=false]").wait_for()
+    assert page.locator("form.like [data-field=likes]").inner_text() == "0"
+    page.locator("form.like button").focus()
+    page.keyboard.press("Enter")
+    page.locator("form.like button[aria-pressed=true]").wait_for()
+    assert page.locator("form.like [data-field=likes]").inner_text() == "1"
+
+    # To the creator's page, and follow by keyboard.
+    page.get_by_role("link", name=name).first.click()
+    page.wait_for_url("**/gallery/creators/*")
+    page.evaluate("window.__stayed = true")
+    follow = page.locator("form.follow button")
+    follow.focus()
+    page.keyboard.press("Enter")
+    page.locator("form.follow button[aria-pressed=true]").wait_for()
+    page.locator("#follower-count", has_text="1 位粉丝").wait_for()
+    assert page.evaluate("window.__stayed === true"), "the page reloaded"
+
+    # Their likes and their feed: the creator's next work reaches the feed.
+    page = visitor.go("/gallery/likes")
+    assert page.get_by_role("link", name="敦煌·月下飞天").is_visible()
+    status, second = stack.api("POST", "/api/v1/tasks", token, {"prompt": "敦煌的沙丘与驼队", "steps": 4})
+    assert status == 201, second
+    wait_until(lambda: stack.api("GET", f"/api/v1/tasks/{second['task_id']}", token)[1]["status"] == "succeeded", "the second image")
+    status, published = stack.api("POST", "/api/v1/gallery/works", token, {"task_id": second["task_id"], "title": "沙丘驼队", "prompt_shown": True})
+    assert status == 201, published
+
+    def in_feed():
+        page = visitor.go("/gallery/feed")
+        return page.get_by_role("link", name="沙丘驼队").count() > 0
+
+    wait_until(in_feed, "the new work in the follower's feed", timeout=10)
+    page = visitor.page
+    page.screenshot(path=str(stack_screenshot("gallery-feed-after-follow-zh-phone.png")), full_page=True)
+
+    # "Make one like this" fills the generate form with the shown prompt and the settings.
+    page = visitor.go(f"/gallery/works/{published['work_id']}")
+    page.get_by_role("link", name="做一张同款").click()
+    page.wait_for_url("**/generate?from_work=*")
+    assert page.input_value("#prompt") == "敦煌的沙丘与驼队"
+    assert page.input_value("#steps") == "4"

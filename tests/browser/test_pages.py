@@ -62,7 +62,33 @@ def showcase(stack):
     assert stack.api("POST", "/api/v1/admin/promotions", admin, {
         "title": "周末限时抢购", "points": "50", "price": "5", "stock": 50, "starts_at": iso(now + 3600), "ends_at": iso(now + 7200)})[0] == 201
     assert stack.api("POST", f"/api/v1/promotions/{sale['promotion_id']}/claims", token)[0] == 202
-    return {"name": name, "user_id": user_id, "code": code, "task": tasks[0]}
+    # Two works in the gallery (one with its prompt hidden), liked and followed by another user.
+    status, shown = stack.api("POST", "/api/v1/gallery/works", token, {
+        "task_id": tasks[0], "title": "雪地里的红狐狸", "description": "第一次用智绘画的狐狸。\n光线调了好几次。", "prompt_shown": True})
+    assert status == 201, shown
+    status, hidden = stack.api("POST", "/api/v1/gallery/works", token, {
+        "task_id": tasks[1], "title": "江南清晨", "prompt_shown": False})
+    assert status == 201, hidden
+    fan_name = unique("fensi")
+    assert stack.api("POST", "/api/v1/auth/register", body={"username": fan_name, "password": "correct horse"})[0] == 201
+    fan = stack.token(fan_name, "correct horse")
+    assert stack.api("PUT", f"/api/v1/gallery/works/{shown['work_id']}/like", fan)[0] == 200
+    assert stack.api("PUT", f"/api/v1/gallery/works/{shown['work_id']}/like", token)[0] == 200
+    assert stack.api("PUT", f"/api/v1/gallery/creators/{user_id}/follow", fan)[0] == 200
+    fan_id = stack.api("GET", "/api/v1/me", fan)[1]["id"]
+    assert stack.api("PUT", f"/api/v1/gallery/creators/{fan_id}/follow", token)[0] == 200
+    return {"name": name, "user_id": user_id, "code": code, "task": tasks[0], "unpublished": tasks[2],
+            "work": shown["work_id"], "hidden_prompt_work": hidden["work_id"], "fan_id": fan_id}
+
+
+def visitor_pages(showcase):
+    return [
+        ("login", "/login"),
+        ("register", "/register"),
+        ("gallery-visitor", "/gallery"),
+        ("work-visitor", f"/gallery/works/{showcase['work']}"),
+        ("creator-visitor", f"/gallery/creators/{showcase['user_id']}"),
+    ]
 
 
 def user_pages(showcase):
@@ -74,6 +100,16 @@ def user_pages(showcase):
         ("redeem", "/redeem"),
         ("sales", "/sales"),
         ("again", f"/generate?again={showcase['task']}"),
+        ("gallery-hot", "/gallery"),
+        ("gallery-new", "/gallery?sort=new"),
+        ("work", f"/gallery/works/{showcase['work']}"),
+        ("work-prompt-hidden", f"/gallery/works/{showcase['hidden_prompt_work']}"),
+        ("creator", f"/gallery/creators/{showcase['fan_id']}"),
+        ("gallery-feed", "/gallery/feed"),
+        ("gallery-likes", "/gallery/likes"),
+        ("gallery-mine", "/gallery/mine"),
+        ("publish", f"/gallery/publish?task={showcase['unpublished']}"),
+        ("like-this", f"/generate?from_work={showcase['work']}"),
     ]
 
 
@@ -122,9 +158,11 @@ def test_every_page_in_both_languages_at_both_sizes_is_screenshot(stack, browser
     for lang in LANGS:
         for size, viewport in VIEWPORTS.items():
             visitor = Person(browser, stack, lang, viewport)
-            for name, path in (("login", "/login"), ("register", "/register")):
+            for name, path in visitor_pages(showcase):
                 page = visitor.go(path)
                 settle(page)
+                if wider_than_the_screen(page) > 0:
+                    too_wide.append((f"{name}-{lang}-{size}", wider_than_the_screen(page)))
                 shoot(page, f"{name}-{lang}-{size}")
                 shots += 1
             visitor.close()
@@ -152,7 +190,7 @@ def test_every_page_in_both_languages_at_both_sizes_is_screenshot(stack, browser
                 shoot(page, f"{name}-{lang}-{size}")
                 shots += 1
             admin.close()
-    assert shots == 2 * 2 * (2 + 7 + 1 + 7)
+    assert shots == 2 * 2 * (5 + 17 + 1 + 7)
     assert not too_wide, f"pages wider than the screen (name, pixels): {too_wide}"
 
 
@@ -166,7 +204,7 @@ def test_no_page_has_a_serious_or_critical_accessibility_violation(stack, browse
         user.login(showcase["name"], "correct horse")
         admin = Person(browser, stack, lang)
         admin.login(*ADMIN)
-        visits = [(visitor, "login", "/login"), (visitor, "register", "/register")]
+        visits = [(visitor, name, path) for name, path in visitor_pages(showcase)]
         visits += [(user, name, path) for name, path in user_pages(showcase)]
         visits += [(user, "forbidden", "/admin")]
         visits += [(admin, name, path) for name, path in admin_pages(showcase)]

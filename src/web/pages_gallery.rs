@@ -1,0 +1,499 @@
+//! The gallery's pages: the public gallery (hot, new; the landing page of a visitor), a work, a
+//! creator, and for a signed-in user their feed, their likes, their works and publishing. Likes
+//! and follows are buttons in forms that htmx posts (with the session's CSRF token) and swaps in
+//! place: no reload, and a keyboard's Enter presses them as any button. Every action calls the
+//! gallery's own operation, as the API's handlers do; a refusal comes back in the reader's
+//! words, beside the form, which keeps what was typed.
+
+use actix_web::http::StatusCode;
+use actix_web::{HttpResponse, web};
+use minijinja::context;
+use minijinja::value::Value;
+use serde::Deserialize;
+use uuid::Uuid;
+use zhihui_domain::user::UserId;
+
+use super::render::{Page, WebError, encode_path};
+use crate::gallery::reads::{Cursor, ListedWork, WorkPage};
+use crate::gallery::{GalleryError, PublishRequest, WorkCard};
+use crate::http::gallery::public_image_path;
+
+/// Works per gallery page.
+const PAGE: usize = 24;
+
+fn work_context(card: &WorkCard, likes: u64, liked: Option<bool>) -> Value {
+    context! {
+        id => card.work_id.to_string(),
+        title => card.title.clone(),
+        creator => card.creator.to_string(),
+        creator_name => card.creator_name.clone(),
+        cover => card.images.first().map(|image| public_image_path(card.work_id, image)),
+        images => card.images.iter().map(|image| public_image_path(card.work_id, image)).collect::<Vec<_>>(),
+        width => card.settings.width,
+        height => card.settings.height,
+        likes,
+        liked,
+        published_at => card.published_at.to_rfc3339(),
+    }
+}
+
+fn listed(works: &[ListedWork]) -> Vec<Value> {
+    works
+        .iter()
+        .map(|work| work_context(&work.card, work.likes, work.liked_by_viewer))
+        .collect()
+}
+
+fn viewer(page: &Page) -> Option<UserId> {
+    page.member.as_ref().map(|member| member.session.user_id)
+}
+
+fn metadata(page: &Page) -> Result<crate::platform::event_store::EventMetadata, WebError> {
+    let member = page.member()?;
+    let actor = match member.session.role {
+        zhihui_domain::user::Role::Admin => format!("admin:{}", member.session.user_id),
+        zhihui_domain::user::Role::User => format!("user:{}", member.session.user_id),
+    };
+    Ok(crate::http::event_metadata(&page.request, actor))
+}
+
+/// A refusal of the gallery in the reader's words.
+fn message(page: &Page, error: GalleryError) -> Result<String, WebError> {
+    Ok(match error {
+        GalleryError::Invalid { field, .. } => page.t(&format!("gallery.invalid_{field}"), &[]),
+        GalleryError::Unexpected(error) => return Err(WebError::from(error)),
+        other => page.message_of(&crate::http::gallery::gallery_error(other)),
+    })
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ListQuery {
+    sort: Option<String>,
+    cursor: Option<String>,
+}
+
+fn cursor_of(query: &ListQuery) -> Option<Cursor> {
+    query.cursor.as_deref().and_then(Cursor::parse)
+}
+
+/// A grid of works and the link to the next page. An htmx request for the next page gets only
+/// the cards and the next link, appended where the link was.
+async fn grid(
+    page: &Page,
+    template: &str,
+    title_key: &str,
+    list: WorkPage,
+    base: &str,
+    extra: Value,
+) -> Result<HttpResponse, WebError> {
+    let separator = if base.contains('?') { '&' } else { '?' };
+    let next = list
+        .next
+        .as_ref()
+        .map(|cursor| format!("{base}{separator}cursor={cursor}"));
+    let context = context! {
+        works => listed(&list.works),
+        next,
+        title => page.t(title_key, &[]),
+        ..extra
+    };
+    if page.is_htmx() && page.request.query_string().contains("cursor=") {
+        return page.fragment("_work_grid.html", context);
+    }
+    page.render(template, context).await
+}
+
+/// `/gallery`: hot (default) or new.
+pub async fn gallery(page: Page, query: web::Query<ListQuery>) -> Result<HttpResponse, WebError> {
+    let sort = match query.sort.as_deref() {
+        Some("new") => "new",
+        _ => "hot",
+    };
+    let state = page.state();
+    let list = if sort == "new" {
+        state
+            .gallery
+            .newest(cursor_of(&query), PAGE, viewer(&page))
+            .await?
+    } else {
+        state
+            .gallery
+            .hot(cursor_of(&query), PAGE, viewer(&page))
+            .await?
+    };
+    let base = format!("/gallery?sort={sort}");
+    grid(
+        &page,
+        "gallery.html",
+        "gallery.title",
+        list,
+        &base,
+        context! { sort },
+    )
+    .await
+}
+
+/// `/gallery/feed`: the works of the creators the reader follows.
+pub async fn feed(page: Page, query: web::Query<ListQuery>) -> Result<HttpResponse, WebError> {
+    let user = page.member()?.session.user_id;
+    let list = page
+        .state()
+        .gallery
+        .feed(user, cursor_of(&query), PAGE)
+        .await?;
+    grid(
+        &page,
+        "gallery.html",
+        "gallery.feed",
+        list,
+        "/gallery/feed",
+        context! { sort => "feed" },
+    )
+    .await
+}
+
+/// `/gallery/likes`: what the reader liked, latest first.
+pub async fn likes(page: Page) -> Result<HttpResponse, WebError> {
+    let user = page.member()?.session.user_id;
+    let (works, _) = page.state().gallery.liked_by(user, None, 48).await?;
+    page.render(
+        "gallery.html",
+        context! {
+            works => listed(&works),
+            title => page.t("gallery.likes", &[]),
+            sort => "likes",
+        },
+    )
+    .await
+}
+
+/// `/gallery/mine`: the reader's works, whatever became of them.
+pub async fn mine(page: Page) -> Result<HttpResponse, WebError> {
+    let user = page.member()?.session.user_id;
+    let works = crate::http::gallery::works_of(page.state(), user).await?;
+    page.render(
+        "gallery_mine.html",
+        context! { works => super::render::ser(&works), sort => "mine" },
+    )
+    .await
+}
+
+/// To `path` after an action: htmx follows `HX-Redirect`, a plain form a 303.
+fn redirect(page: &Page, path: &str) -> HttpResponse {
+    if page.is_htmx() {
+        HttpResponse::Ok()
+            .insert_header(("HX-Redirect", path))
+            .finish()
+    } else {
+        Page::see_other(path)
+    }
+}
+
+fn not_found(page: &Page) -> WebError {
+    page.refusal(StatusCode::NOT_FOUND, "error.not_found")
+}
+
+/// `/gallery/works/{id}`.
+pub async fn work(page: Page, path: web::Path<String>) -> Result<HttpResponse, WebError> {
+    let work_id = Uuid::parse_str(&path).map_err(|_| not_found(&page))?;
+    let Some(view) = page.state().gallery.view(work_id, viewer(&page)).await? else {
+        return Err(not_found(&page));
+    };
+    let card = &view.card;
+    let own = viewer(&page).is_some_and(|user| user.as_uuid() == card.creator);
+    page.render(
+        "work.html",
+        context! {
+            work => work_context(card, view.likes, view.liked_by_viewer),
+            description => card.description.clone(),
+            prompt => card.prompt.clone(),
+            negative_prompt => card.negative_prompt.clone(),
+            settings => super::render::ser(&card.settings),
+            first_likers => view.first_likers.clone(),
+            own,
+            next => encode_path(page.request.path()),
+        },
+    )
+    .await
+}
+
+#[derive(Debug, Deserialize)]
+pub struct LikeForm {
+    /// `1`: like; `0`: take it back.
+    like: String,
+}
+
+/// `POST /gallery/works/{id}/like`: the button again, pressed (htmx), or back to the work.
+pub async fn like(
+    page: Page,
+    path: web::Path<String>,
+    form: web::Form<LikeForm>,
+) -> Result<HttpResponse, WebError> {
+    let user = page.member()?.session.user_id;
+    let work_id = Uuid::parse_str(&path).map_err(|_| not_found(&page))?;
+    let gallery = &page.state().gallery;
+    let outcome = if form.like == "1" {
+        gallery.like(user, work_id, &metadata(&page)?).await
+    } else {
+        gallery.unlike(user, work_id, &metadata(&page)?).await
+    };
+    let outcome = match outcome {
+        Ok(outcome) => outcome,
+        Err(error) => {
+            let text = message(&page, error)?;
+            if page.is_htmx() {
+                return page.alert(&format!("#like-{work_id}-messages"), "error", &text);
+            }
+            return Err(not_found(&page));
+        }
+    };
+    if !page.is_htmx() {
+        return Ok(redirect(&page, &format!("/gallery/works/{work_id}")));
+    }
+    page.fragment(
+        "_like_button.html",
+        context! { work => context! { id => work_id.to_string(), likes => outcome.likes, liked => Some(outcome.liked) } },
+    )
+}
+
+/// `/gallery/creators/{id}`.
+pub async fn creator(
+    page: Page,
+    path: web::Path<String>,
+    query: web::Query<ListQuery>,
+) -> Result<HttpResponse, WebError> {
+    let creator = Uuid::parse_str(&path).map_err(|_| not_found(&page))?;
+    let creator = UserId::from_uuid(creator);
+    let profile = match crate::http::gallery::creator_of(page.state(), viewer(&page), creator).await
+    {
+        Ok(profile) => profile,
+        Err(crate::http::ApiError::NotFound(_)) => return Err(not_found(&page)),
+        Err(error) => return Err(page.unexpected(error)),
+    };
+    let list = page
+        .state()
+        .gallery
+        .creator_works(creator, cursor_of(&query), PAGE, viewer(&page))
+        .await?;
+    let own = viewer(&page) == Some(creator);
+    grid(
+        &page,
+        "creator.html",
+        "gallery.creator",
+        list,
+        &format!("/gallery/creators/{creator}"),
+        context! { profile => super::render::ser(&profile), own, sort => "creator" },
+    )
+    .await
+}
+
+#[derive(Debug, Deserialize)]
+pub struct FollowForm {
+    /// `1`: follow; `0`: stop following.
+    follow: String,
+}
+
+/// `POST /gallery/creators/{id}/follow`.
+pub async fn follow(
+    page: Page,
+    path: web::Path<String>,
+    form: web::Form<FollowForm>,
+) -> Result<HttpResponse, WebError> {
+    let user = page.member()?.session.user_id;
+    let creator = Uuid::parse_str(&path).map_err(|_| not_found(&page))?;
+    let creator = UserId::from_uuid(creator);
+    let gallery = &page.state().gallery;
+    let outcome = if form.follow == "1" {
+        gallery.follow(user, creator, &metadata(&page)?).await
+    } else {
+        gallery.unfollow(user, creator, &metadata(&page)?).await
+    };
+    let outcome = match outcome {
+        Ok(outcome) => outcome,
+        Err(error) => {
+            let text = message(&page, error)?;
+            if page.is_htmx() {
+                return page.alert("#follow-messages", "error", &text);
+            }
+            return Err(not_found(&page));
+        }
+    };
+    if !page.is_htmx() {
+        return Ok(redirect(&page, &format!("/gallery/creators/{creator}")));
+    }
+    page.fragment(
+        "_follow_button.html",
+        context! {
+            profile => context! { creator => creator.to_string(), followers => outcome.followers, followed => Some(outcome.following) },
+            oob => true,
+        },
+    )
+}
+
+#[derive(Debug, Deserialize)]
+pub struct BlockForm {
+    /// `1`: block; `0`: take it back.
+    block: String,
+}
+
+/// `POST /gallery/creators/{id}/block`: then the creator's page again.
+pub async fn block(
+    page: Page,
+    path: web::Path<String>,
+    form: web::Form<BlockForm>,
+) -> Result<HttpResponse, WebError> {
+    let user = page.member()?.session.user_id;
+    let creator = Uuid::parse_str(&path).map_err(|_| not_found(&page))?;
+    let creator = UserId::from_uuid(creator);
+    let gallery = &page.state().gallery;
+    let done = if form.block == "1" {
+        gallery.block(user, creator, &metadata(&page)?).await
+    } else {
+        gallery.unblock(user, creator, &metadata(&page)?).await
+    };
+    match done {
+        Ok(()) => Ok(redirect(&page, &format!("/gallery/creators/{creator}"))),
+        Err(error) => {
+            let text = message(&page, error)?;
+            page.alert("#follow-messages", "error", &text)
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub struct PublishQuery {
+    task: String,
+}
+
+/// The task a publish form is for: the reader's own, succeeded, with its images.
+async fn publish_context(page: &Page, task: &str) -> Result<Value, WebError> {
+    let user = page.member()?.session.user_id;
+    let task_id = Uuid::parse_str(task).map_err(|_| not_found(page))?;
+    let view = crate::http::tasks::task_view(page.state(), user, task_id)
+        .await
+        .map_err(|_| not_found(page))?;
+    Ok(context! {
+        task => super::render::ser(&view),
+        title_max => zhihui_domain::gallery::work::TITLE_LENGTH_MAX,
+        description_max => zhihui_domain::gallery::work::DESCRIPTION_LENGTH_MAX,
+    })
+}
+
+/// `/gallery/publish?task=<id>`: the form.
+pub async fn publish_page(
+    page: Page,
+    query: web::Query<PublishQuery>,
+) -> Result<HttpResponse, WebError> {
+    let context = publish_context(&page, &query.task).await?;
+    page.render(
+        "publish.html",
+        context! { form => context! { title => "", description => "", prompt_shown => true }, ..context },
+    )
+    .await
+}
+
+#[derive(Debug, Deserialize)]
+pub struct PublishForm {
+    task: String,
+    title: String,
+    #[serde(default)]
+    description: String,
+    /// Present (`1`) when the prompt is shown.
+    prompt_shown: Option<String>,
+    /// The images chosen, in the order of the task (a repeated field).
+    #[serde(default)]
+    image: Vec<String>,
+}
+
+/// `POST /gallery/publish`: published, to the work's page; refused, the form again with what
+/// the reader typed and why.
+pub async fn publish(page: Page, body: web::Bytes) -> Result<HttpResponse, WebError> {
+    let user = page.member()?.session.user_id;
+    // `serde_urlencoded` has no repeated fields: read them by hand.
+    let mut form = PublishForm {
+        task: String::new(),
+        title: String::new(),
+        description: String::new(),
+        prompt_shown: None,
+        image: Vec::new(),
+    };
+    for (key, value) in url::form_urlencoded::parse(&body) {
+        match &*key {
+            "task" => form.task = value.into_owned(),
+            "title" => form.title = value.into_owned(),
+            "description" => form.description = value.into_owned(),
+            "prompt_shown" => form.prompt_shown = Some(value.into_owned()),
+            "image" => form.image.push(value.into_owned()),
+            _ => {}
+        }
+    }
+    let task_id = Uuid::parse_str(&form.task).map_err(|_| not_found(&page))?;
+    let published = page
+        .state()
+        .gallery
+        .publish(
+            user,
+            PublishRequest {
+                task_id,
+                images: form.image.clone(),
+                title: form.title.clone(),
+                description: form.description.clone(),
+                prompt_shown: form.prompt_shown.is_some(),
+            },
+            &metadata(&page)?,
+        )
+        .await;
+    match published {
+        Ok(work_id) => Ok(redirect(&page, &format!("/gallery/works/{work_id}"))),
+        Err(error) => {
+            let text = message(&page, error)?;
+            page.alert("#publish-messages", "error", &text)
+        }
+    }
+}
+
+/// `POST /gallery/works/{id}/unpublish` (its creator).
+pub async fn unpublish(page: Page, path: web::Path<String>) -> Result<HttpResponse, WebError> {
+    let user = page.member()?.session.user_id;
+    let work_id = Uuid::parse_str(&path).map_err(|_| not_found(&page))?;
+    match page
+        .state()
+        .gallery
+        .unpublish(user, work_id, &metadata(&page)?)
+        .await
+    {
+        Ok(()) => Ok(redirect(&page, "/gallery/mine")),
+        Err(GalleryError::Unexpected(error)) => Err(WebError::from(error)),
+        Err(_) => Err(not_found(&page)),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub struct HideForm {
+    reason: String,
+}
+
+/// `POST /gallery/works/{id}/hide` (an admin).
+pub async fn hide(
+    page: Page,
+    path: web::Path<String>,
+    form: web::Form<HideForm>,
+) -> Result<HttpResponse, WebError> {
+    let admin = page.admin()?.session.user_id;
+    let work_id = Uuid::parse_str(&path).map_err(|_| not_found(&page))?;
+    match page
+        .state()
+        .gallery
+        .hide(admin, work_id, &form.reason, &metadata(&page)?)
+        .await
+    {
+        Ok(()) => Ok(redirect(&page, "/gallery?sort=new")),
+        Err(error) => {
+            let text = message(&page, error)?;
+            if page.is_htmx() {
+                return page.alert("#hide-messages", "error", &text);
+            }
+            Err(page.refusal(StatusCode::UNPROCESSABLE_ENTITY, "gallery.invalid_reason"))
+        }
+    }
+}
