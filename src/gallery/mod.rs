@@ -914,18 +914,32 @@ impl GalleryService {
     }
 }
 
-/// Commands on keys of different tags, sent at once and answered in order. Not a pipeline: on a
-/// Redis Cluster a pipeline may touch only one slot, while these go to their own nodes; on one
-/// Redis the shared connection writes them back to back all the same.
+/// Commands on keys of different tags, answered in order. On one Redis they go as one
+/// pipeline (one round trip); on a Redis Cluster, where a pipeline may touch only one slot, as
+/// separate commands sent at once, each to its own node.
 pub(crate) async fn each<T: redis::FromRedisValue>(
     connection: &crate::platform::redis_store::RedisConnection,
     commands: impl Iterator<Item = redis::Cmd>,
 ) -> anyhow::Result<Vec<T>> {
-    let sent = commands.map(|command| {
-        let mut connection = connection.clone();
-        async move { command.query_async::<T>(&mut connection).await }
-    });
-    Ok(futures::future::try_join_all(sent).await?)
+    use crate::platform::redis_store::RedisConnection;
+    if let RedisConnection::Cluster(_) = connection {
+        let sent = commands.map(|command| {
+            let mut connection = connection.clone();
+            async move { command.query_async::<T>(&mut connection).await }
+        });
+        return Ok(futures::future::try_join_all(sent).await?);
+    }
+    let mut pipe = redis::pipe();
+    let mut count = 0;
+    for command in commands {
+        pipe.add_command(command);
+        count += 1;
+    }
+    if count == 0 {
+        return Ok(Vec::new());
+    }
+    let mut connection = connection.clone();
+    Ok(pipe.query_async(&mut connection).await?)
 }
 
 fn short_name(user: Uuid) -> String {

@@ -288,20 +288,17 @@ impl GalleryWorker {
                 .filter(|(_, live)| **live)
                 .map(|(follower, _)| *follower)
                 .collect();
-            let sent = live.iter().map(|follower| {
+            let pushes = live.iter().flat_map(|follower| {
                 let inbox = keys.inbox(*follower);
-                let mut connection = connection.clone();
-                async move {
-                    redis::pipe()
-                        .zadd(&inbox, work_id.to_string(), published_at.timestamp_millis())
-                        .ignore()
-                        .zremrangebyrank(&inbox, 0, -(inbox_max + 1))
-                        .ignore()
-                        .query_async::<()>(&mut connection)
-                        .await
-                }
+                let mut add = redis::cmd("ZADD");
+                add.arg(&inbox)
+                    .arg(published_at.timestamp_millis())
+                    .arg(work_id.to_string());
+                let mut bound = redis::cmd("ZREMRANGEBYRANK");
+                bound.arg(&inbox).arg(0).arg(-(inbox_max + 1));
+                [add, bound]
             });
-            futures::future::try_join_all(sent)
+            let _: Vec<i64> = super::each(&connection, pushes)
                 .await
                 .context("pushing a work into inboxes")?;
             pushed += live.len() as u64;
