@@ -251,7 +251,7 @@ pub async fn like(
         return Ok(redirect(&page, &format!("/gallery/works/{work_id}")));
     }
     page.fragment(
-        "_like_button.html",
+        "_like_inner.html",
         context! { work => context! { id => work_id.to_string(), likes => outcome.likes, liked => Some(outcome.liked) } },
     )
 }
@@ -322,7 +322,7 @@ pub async fn follow(
         return Ok(redirect(&page, &format!("/gallery/creators/{creator}")));
     }
     page.fragment(
-        "_follow_button.html",
+        "_follow_inner.html",
         context! {
             profile => context! { creator => creator.to_string(), followers => outcome.followers, followed => Some(outcome.following) },
             oob => true,

@@ -49,10 +49,18 @@ const TEMPLATES: &[(&str, &str)] = &[
         "_like_button.html",
         include_str!("templates/_like_button.html"),
     ),
+    (
+        "_like_inner.html",
+        include_str!("templates/_like_inner.html"),
+    ),
     ("creator.html", include_str!("templates/creator.html")),
     (
         "_follow_button.html",
         include_str!("templates/_follow_button.html"),
+    ),
+    (
+        "_follow_inner.html",
+        include_str!("templates/_follow_inner.html"),
     ),
     ("publish.html", include_str!("templates/publish.html")),
     (
