@@ -1034,7 +1034,7 @@ pub(crate) async fn apply_work_lists(
 ) -> anyhow::Result<()> {
     let member = work_id.to_string();
     let bound = -(list_max as isize + 1);
-    let new = reads::new_list_key(keys);
+    let new = keys.newest();
     if status.is_visible() {
         let published_ms = published_at.timestamp_millis();
         redis::pipe()

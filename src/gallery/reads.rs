@@ -21,17 +21,12 @@ use uuid::Uuid;
 use zhihui_domain::gallery::work::WorkId;
 use zhihui_domain::user::UserId;
 
-use super::keys::Keys;
 use super::{GalleryService, WorkCard};
 
 /// Longest page.
 pub const PAGE_MAX: usize = 48;
 /// Members of a following set read for common follows, at most.
 const FOLLOWING_READ_MAX: isize = 5_000;
-
-pub(crate) fn new_list_key(keys: &Keys) -> String {
-    keys.newest()
-}
 
 /// Where a sorted-set page starts: below or at `max`, skipping `offset` entries of score `max`.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -217,13 +212,13 @@ impl GalleryService {
         viewer: Option<UserId>,
     ) -> anyhow::Result<WorkPage> {
         if cursor.is_none() && viewer.is_none() {
-            let sources = [new_list_key(self.keys())];
+            let sources = [self.keys().newest()];
             return Box::pin(self.public_page(format!("new:{limit}"), || {
                 self.sorted_set_page(&sources, None, limit, None)
             }))
             .await;
         }
-        self.sorted_set_page(&[new_list_key(self.keys())], cursor, limit, viewer)
+        self.sorted_set_page(&[self.keys().newest()], cursor, limit, viewer)
             .await
     }
 

@@ -13,6 +13,7 @@ use serde::Deserialize;
 use uuid::Uuid;
 use zhihui_domain::user::UserId;
 
+use super::pages_user::metadata;
 use super::render::{Page, WebError, encode_path};
 use crate::gallery::reads::{Cursor, ListedWork, WorkPage};
 use crate::gallery::{GalleryError, PublishRequest, WorkCard};
@@ -46,15 +47,6 @@ fn listed(works: &[ListedWork]) -> Vec<Value> {
 
 fn viewer(page: &Page) -> Option<UserId> {
     page.member.as_ref().map(|member| member.session.user_id)
-}
-
-fn metadata(page: &Page) -> Result<crate::platform::event_store::EventMetadata, WebError> {
-    let member = page.member()?;
-    let actor = match member.session.role {
-        zhihui_domain::user::Role::Admin => format!("admin:{}", member.session.user_id),
-        zhihui_domain::user::Role::User => format!("user:{}", member.session.user_id),
-    };
-    Ok(crate::http::event_metadata(&page.request, actor))
 }
 
 /// A refusal of the gallery in the reader's words.

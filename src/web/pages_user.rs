@@ -43,7 +43,10 @@ fn user_of(page: &Page) -> Result<UserId, WebError> {
     Ok(page.member()?.session.user_id)
 }
 
-fn metadata(page: &Page) -> Result<crate::platform::event_store::EventMetadata, WebError> {
+/// The event metadata of the signed-in reader's action (the gallery's pages use it too).
+pub(super) fn metadata(
+    page: &Page,
+) -> Result<crate::platform::event_store::EventMetadata, WebError> {
     let member = page.member()?;
     let actor = match member.session.role {
         zhihui_domain::user::Role::Admin => format!("admin:{}", member.session.user_id),
