@@ -5,6 +5,8 @@
 //!    instances (each its own pools and caches, as two `zhihui serve` processes), each like a
 //!    real command (the work's stream read, the pair's like appended, the like set and the
 //!    ranking written); then a hundred of those likers like again on both instances at once.
+//!    Each design first makes WARM_UP likes on another work (connections opened, statements
+//!    planned), not counted.
 //!    Exactly LIKERS must be counted, in Redis and (after the projection) in `works`. Beside the
 //!    plain SQL design: one transaction per like that inserts a unique (work, user) row and, when
 //!    it was new, runs `UPDATE works SET likes = likes + 1` (the row lock every like waits on).
@@ -63,6 +65,8 @@ use zhihui_domain::user::UserId;
 
 const CLIENTS: usize = 64;
 const LIKERS: usize = 10_000;
+/// Likes made before each design is measured (its connections opened, its statements planned).
+const WARM_UP: usize = 2_000;
 const POOL_SIZE: usize = 32;
 const FOLLOWED: usize = 500;
 const FEED_READS: usize = 2_000;
@@ -199,22 +203,16 @@ async fn publish(
         .map_err(|error| anyhow::anyhow!("publishing: {error}"))
 }
 
-fn p(samples: &mut [Duration], at: f64) -> f64 {
-    samples.sort();
-    percentile(samples, at).map_or(0.0, ms)
-}
-
-async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
-    let a = instance(settings)?;
-    zhihui::platform::postgres::migrate(&a.pg_pool).await?;
-    let b = instance(settings)?;
-    let mut figures: Vec<Figure> = Vec::new();
-
-    // 1. Likes on one hot work.
-    let creator = UserId::from_uuid(Uuid::now_v7());
-    let work = publish(&a.gallery, &a, creator, "热门作品").await?;
+/// `count` distinct new users like `work` from CLIENTS clients, every other one on `b`: the time
+/// it took, each like's latency, and the users.
+async fn like_all(
+    a: &GalleryService,
+    b: &GalleryService,
+    work: Uuid,
+    count: usize,
+) -> anyhow::Result<(f64, Vec<Duration>, Vec<UserId>)> {
     let likers: Arc<Vec<UserId>> = Arc::new(
-        (0..LIKERS)
+        (0..count)
             .map(|_| UserId::from_uuid(Uuid::now_v7()))
             .collect(),
     );
@@ -223,9 +221,9 @@ async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
     let mut clients = Vec::new();
     for client in 0..CLIENTS {
         let gallery = if client % 2 == 0 {
-            a.gallery.clone()
+            a.clone()
         } else {
-            b.gallery.clone()
+            b.clone()
         };
         let (likers, next) = (likers.clone(), next.clone());
         clients.push(tokio::spawn(async move {
@@ -249,6 +247,28 @@ async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
         latencies.extend(client.await??);
     }
     let elapsed = started.elapsed().as_secs_f64();
+    Ok((elapsed, latencies, Arc::unwrap_or_clone(likers)))
+}
+
+fn p(samples: &mut [Duration], at: f64) -> f64 {
+    samples.sort();
+    percentile(samples, at).map_or(0.0, ms)
+}
+
+async fn run(settings: &Settings, seconds: u64) -> anyhow::Result<Vec<Figure>> {
+    let a = instance(settings)?;
+    zhihui::platform::postgres::migrate(&a.pg_pool).await?;
+    let b = instance(settings)?;
+    let mut figures: Vec<Figure> = Vec::new();
+
+    // 1. Likes on one hot work.
+    let creator = UserId::from_uuid(Uuid::now_v7());
+    let work = publish(&a.gallery, &a, creator, "热门作品").await?;
+    // Warm-up, on another work and not counted: both instances' connections opened and their
+    // statements planned, as in a server that has been running (the peer warms up alike).
+    let warm = publish(&a.gallery, &a, creator, "热身").await?;
+    like_all(&a.gallery, &b.gallery, warm, WARM_UP).await?;
+    let (elapsed, mut latencies, likers) = like_all(&a.gallery, &b.gallery, work, LIKERS).await?;
     let ours = LIKERS as f64 / elapsed;
     let ours_p99 = p(&mut latencies, 0.99);
     // Double clicks: a hundred likers like again, on both instances at once.
@@ -585,11 +605,36 @@ async fn row_lock_likes(settings: &Settings) -> anyhow::Result<(f64, f64)> {
                  liked_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (work_id, user_id));",
         )
         .await?;
+    // Warm-up on another work, as zhihui's likes are warmed up.
+    let warm = Uuid::now_v7();
+    client
+        .execute("INSERT INTO peer_works VALUES ($1, 0)", &[&warm])
+        .await?;
     let work = Uuid::now_v7();
     client
         .execute("INSERT INTO peer_works VALUES ($1, 0)", &[&work])
         .await?;
     drop(client);
+    row_lock_like_all(&pool, warm, WARM_UP).await?;
+    let (elapsed, mut latencies) = row_lock_like_all(&pool, work, LIKERS).await?;
+    let rate = LIKERS as f64 / elapsed;
+    let counted: i64 = pool
+        .get()
+        .await?
+        .query_one("SELECT likes FROM peer_works WHERE work_id = $1", &[&work])
+        .await?
+        .get(0);
+    anyhow::ensure!(counted == LIKERS as i64, "the SQL peer counted {counted}");
+    Ok((rate, p(&mut latencies, 0.99)))
+}
+
+/// `count` distinct new users like `work` the plain SQL way from CLIENTS clients: the time it
+/// took and each like's latency.
+async fn row_lock_like_all(
+    pool: &deadpool_postgres::Pool,
+    work: Uuid,
+    count: usize,
+) -> anyhow::Result<(f64, Vec<Duration>)> {
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
     let mut clients = Vec::new();
@@ -598,7 +643,7 @@ async fn row_lock_likes(settings: &Settings) -> anyhow::Result<(f64, f64)> {
         clients.push(tokio::spawn(async move {
             let mut latencies = Vec::new();
             loop {
-                if next.fetch_add(1, Ordering::Relaxed) >= LIKERS {
+                if next.fetch_add(1, Ordering::Relaxed) >= count {
                     return anyhow::Ok(latencies);
                 }
                 let user = Uuid::now_v7();
@@ -607,12 +652,12 @@ async fn row_lock_likes(settings: &Settings) -> anyhow::Result<(f64, f64)> {
                 let insert = client
                     .prepare_cached("INSERT INTO peer_likes (work_id, user_id) VALUES ($1, $2) ON CONFLICT DO NOTHING")
                     .await?;
-                let count = client
+                let increment = client
                     .prepare_cached("UPDATE peer_works SET likes = likes + 1 WHERE work_id = $1")
                     .await?;
                 let transaction = client.transaction().await?;
                 if transaction.execute(&insert, &[&work, &user]).await? == 1 {
-                    transaction.execute(&count, &[&work]).await?;
+                    transaction.execute(&increment, &[&work]).await?;
                 }
                 transaction.commit().await?;
                 latencies.push(sent.elapsed());
@@ -623,15 +668,7 @@ async fn row_lock_likes(settings: &Settings) -> anyhow::Result<(f64, f64)> {
     for client in clients {
         latencies.extend(client.await??);
     }
-    let rate = LIKERS as f64 / started.elapsed().as_secs_f64();
-    let counted: i64 = pool
-        .get()
-        .await?
-        .query_one("SELECT likes FROM peer_works WHERE work_id = $1", &[&work])
-        .await?
-        .get(0);
-    anyhow::ensure!(counted == LIKERS as i64, "the SQL peer counted {counted}");
-    Ok((rate, p(&mut latencies, 0.99)))
+    Ok((started.elapsed().as_secs_f64(), latencies))
 }
 
 /// The server's count of works read from their source.
