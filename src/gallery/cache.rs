@@ -130,7 +130,7 @@ where
                 self.shared(key, lock_key, load).await.map(Arc::new)
             })
             .await
-            .map_err(|error: Arc<anyhow::Error>| anyhow::anyhow!("{error:#}"))
+            .map_err(shared_failure)
     }
 
     /// Drop this process's copy of `key` (another process changed it, or this one did).
@@ -244,4 +244,27 @@ where
             .context("storing a cached gallery value")?;
         Ok(value)
     }
+}
+
+/// A load's failure as each of its waiters gets it: `moka` hands every waiter the same
+/// `Arc`, and the failure's causes stay reachable through it, so a store that is away is still
+/// told apart from a bug (a 503 to retry, not a 500).
+#[derive(Debug)]
+pub(crate) struct SharedFailure(pub(crate) Arc<anyhow::Error>);
+
+impl std::fmt::Display for SharedFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#}", self.0)
+    }
+}
+
+impl std::error::Error for SharedFailure {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(self.0.as_ref().as_ref())
+    }
+}
+
+/// `moka`'s shared failure as an error of its own, its causes kept.
+pub(crate) fn shared_failure(error: Arc<anyhow::Error>) -> anyhow::Error {
+    anyhow::Error::new(SharedFailure(error))
 }

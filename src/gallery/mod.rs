@@ -798,7 +798,7 @@ impl GalleryService {
             Box::pin(self.fresh_view(work_id, None)).await.map(Arc::new)
         }))
         .await
-        .map_err(|error: Arc<anyhow::Error>| anyhow::anyhow!("{error:#}"))?;
+        .map_err(cache::shared_failure)?;
         Ok(view.as_ref().clone())
     }
 
@@ -893,7 +893,7 @@ impl GalleryService {
                 .try_get_with(key, async { Box::pin(load()).await.map(Arc::new) }),
         )
         .await
-        .map_err(|error: Arc<anyhow::Error>| anyhow::anyhow!("{error:#}"))?;
+        .map_err(cache::shared_failure)?;
         Ok(page.as_ref().clone())
     }
 

@@ -248,27 +248,30 @@ impl Application {
                 });
             // Pages, scripts, styles and JSON compressed when the client accepts it (images are
             // marked identity and left alone); every answer with its security headers.
-            app.wrap(actix_web::middleware::from_fn(crate::web::security_headers))
-                .wrap(actix_web::middleware::Compress::default())
-                .wrap(actix_web::middleware::from_fn(
-                    crate::http::metrics::record_http,
-                ))
-                .wrap(
-                    // The request line with secrets in its query redacted (a browser's socket
-                    // sends its bearer token as `?token=`).
-                    actix_web::middleware::Logger::new("%{request}xi %s %Dms")
-                        .custom_request_replace("request", |request| {
-                            crate::http::redacted_request_line(
-                                request.method().as_str(),
-                                request.path(),
-                                request.query_string(),
-                                request.version(),
-                            )
-                        })
-                        .log_target("zhihui::http"),
-                )
-                .app_data(state.clone())
-                .default_service(web::to(crate::http::fallback))
+            app.wrap(actix_web::middleware::from_fn(
+                crate::web::translate_failures,
+            ))
+            .wrap(actix_web::middleware::from_fn(crate::web::security_headers))
+            .wrap(actix_web::middleware::Compress::default())
+            .wrap(actix_web::middleware::from_fn(
+                crate::http::metrics::record_http,
+            ))
+            .wrap(
+                // The request line with secrets in its query redacted (a browser's socket
+                // sends its bearer token as `?token=`).
+                actix_web::middleware::Logger::new("%{request}xi %s %Dms")
+                    .custom_request_replace("request", |request| {
+                        crate::http::redacted_request_line(
+                            request.method().as_str(),
+                            request.path(),
+                            request.query_string(),
+                            request.version(),
+                        )
+                    })
+                    .log_target("zhihui::http"),
+            )
+            .app_data(state.clone())
+            .default_service(web::to(crate::web::fallback))
         })
         .shutdown_timeout(Duration::from_millis(settings.http.shutdown_timeout_ms).as_secs())
         .listen(listener)

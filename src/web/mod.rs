@@ -33,7 +33,7 @@ use actix_web::http::header::{self, HeaderValue};
 use actix_web::middleware::Next;
 use actix_web::web;
 
-pub use render::Web;
+pub use render::{Web, translate_failures};
 pub use session::{CSRF_HEADER, SESSION_COOKIE, csrf_matches, csrf_token};
 
 /// The Content-Security-Policy of every page: scripts, styles, images and sockets from this
@@ -61,7 +61,7 @@ pub fn routes(config: &mut web::ServiceConfig) {
     config
         .route("/", web::get().to(pages_user::home))
         .route("/assets/{name}", web::get().to(assets::serve))
-        .route("/lang/{lang}", web::get().to(pages_auth::choose_language))
+        .route("/lang/{lang}", web::post().to(pages_auth::choose_language))
         .route("/login", web::get().to(pages_auth::login_page))
         .route("/login", web::post().to(pages_auth::login))
         .route("/login/code", web::post().to(pages_auth::send_code))
@@ -158,6 +158,31 @@ pub fn routes(config: &mut web::ServiceConfig) {
             web::post().to(pages_admin::end_promotion),
         )
         .route("/admin/audit", web::get().to(pages_admin::audit));
+}
+
+/// What no route answers: a browser asking for a page gets the failure page in its language
+/// with the site's navigation (404, or 405 for a path of ours under another method); programs
+/// get the API's problem+json.
+pub async fn fallback(request: actix_web::HttpRequest) -> actix_web::HttpResponse {
+    let response = crate::http::fallback(request.clone()).await;
+    if !render::wants_page(&request) {
+        return response;
+    }
+    let status = response.status();
+    let key = if status == actix_web::http::StatusCode::METHOD_NOT_ALLOWED {
+        "error.method_not_allowed"
+    } else {
+        "error.not_found"
+    };
+    let Some(body) = render::failure_page(&request, status, key).await else {
+        return response;
+    };
+    let mut page = actix_web::HttpResponse::build(status);
+    page.content_type("text/html; charset=utf-8");
+    if let Some(allow) = response.headers().get(header::ALLOW) {
+        page.insert_header((header::ALLOW, allow.clone()));
+    }
+    page.body(body)
 }
 
 /// Security headers on every answer: pages get the strict CSP; every answer gets `nosniff`, is

@@ -4,7 +4,7 @@
 
 use actix_web::cookie::Cookie;
 use actix_web::http::StatusCode;
-use actix_web::{HttpResponse, web};
+use actix_web::{HttpRequest, HttpResponse, web};
 use minijinja::context;
 use serde::Deserialize;
 
@@ -232,12 +232,31 @@ pub async fn logout(page: Page) -> Result<HttpResponse, WebError> {
 
 /// `GET /lang/{lang}?next=`: remember the language for a year and go back.
 pub async fn choose_language(
-    page: Page,
+    request: HttpRequest,
     path: web::Path<String>,
     query: web::Query<NextQuery>,
-) -> Result<HttpResponse, WebError> {
-    let Some(lang) = Lang::parse(&path) else {
-        return Err(page.refusal(StatusCode::NOT_FOUND, "error.not_found"));
+) -> HttpResponse {
+    // A POST from our own pages only (a cross-site form or image cannot switch anyone's
+    // language). The choice is a cookie of its own, not the session: no CSRF token is needed,
+    // and the plain form works without script.
+    let refused = if session::from_another_site(&request) {
+        Some((StatusCode::FORBIDDEN, "error.another_site"))
+    } else if Lang::parse(&path).is_none() {
+        Some((StatusCode::NOT_FOUND, "error.not_found"))
+    } else {
+        None
+    };
+    let lang = match (refused, Lang::parse(&path)) {
+        (None, Some(lang)) => lang,
+        (refused, _) => {
+            let (status, key) = refused.unwrap_or((StatusCode::NOT_FOUND, "error.not_found"));
+            let body = super::render::failure_page(&request, status, key)
+                .await
+                .unwrap_or_default();
+            return HttpResponse::build(status)
+                .content_type("text/html; charset=utf-8")
+                .body(body);
+        }
     };
     let next = match query.next.as_deref() {
         Some(next) => {
@@ -258,8 +277,8 @@ pub async fn choose_language(
         .same_site(actix_web::cookie::SameSite::Lax)
         .max_age(actix_web::cookie::time::Duration::days(365))
         .finish();
-    Ok(HttpResponse::SeeOther()
+    HttpResponse::SeeOther()
         .cookie(cookie)
         .insert_header((actix_web::http::header::LOCATION, next))
-        .finish())
+        .finish()
 }

@@ -215,7 +215,15 @@ pub struct WebError {
     body: String,
     location: Option<String>,
     htmx: bool,
+    /// A failure made where the reader is unknown (a conversion): its page is written in the
+    /// reader's language by [`translate_failures`], saying this catalog key.
+    translate: Option<&'static str>,
+    retry_after_s: Option<u64>,
 }
+
+/// The mark of an answer [`translate_failures`] writes again in the reader's language.
+#[derive(Clone, Copy, Debug)]
+struct Untranslated(&'static str);
 
 impl std::fmt::Display for WebError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -240,21 +248,62 @@ impl ResponseError for WebError {
                 .insert_header((actix_web::http::header::LOCATION, location.as_str()))
                 .finish();
         }
-        HttpResponse::build(self.status)
-            .content_type("text/html; charset=utf-8")
-            .body(self.body.clone())
+        let mut response = HttpResponse::build(self.status);
+        response.content_type("text/html; charset=utf-8");
+        if let Some(seconds) = self.retry_after_s {
+            response.insert_header((actix_web::http::header::RETRY_AFTER, seconds.to_string()));
+        }
+        let mut response = response.body(self.body.clone());
+        if let Some(key) = self.translate {
+            response.extensions_mut().insert(Untranslated(key));
+        }
+        response
+    }
+}
+
+/// A failure of ours or of a store, as a page: a store failing over or restarting is a 503 to
+/// retry (with `Retry-After`), never a 500; what is left is our bug, logged here.
+impl From<ApiError> for WebError {
+    fn from(error: ApiError) -> WebError {
+        let (status, key, retry_after_s) = match error {
+            ApiError::Unavailable { .. } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "error.unavailable",
+                Some(crate::http::problem::UNAVAILABLE_RETRY_AFTER_S),
+            ),
+            ApiError::TooManyRequests { retry_after_s, .. } => (
+                StatusCode::TOO_MANY_REQUESTS,
+                "error.too_many",
+                Some(retry_after_s),
+            ),
+            ApiError::Unexpected(error) => {
+                tracing::error!(error = %crate::platform::telemetry::error_chain(&error), "a page failed");
+                (StatusCode::INTERNAL_SERVER_ERROR, "error.unexpected", None)
+            }
+            other => {
+                tracing::error!(error = %other, "a page failed on a refusal it did not expect");
+                (StatusCode::INTERNAL_SERVER_ERROR, "error.unexpected", None)
+            }
+        };
+        WebError {
+            status,
+            // Written again in the reader's language by `translate_failures`; this stands only
+            // if that cannot be done.
+            body: format!(
+                "<!doctype html><title>{}</title><p>Please try again later / 请稍后再试</p>",
+                status.as_u16()
+            ),
+            location: None,
+            htmx: false,
+            translate: Some(key),
+            retry_after_s,
+        }
     }
 }
 
 impl From<anyhow::Error> for WebError {
     fn from(error: anyhow::Error) -> WebError {
-        tracing::error!(error = %crate::platform::telemetry::error_chain(&error), "a page failed");
-        WebError {
-            status: StatusCode::INTERNAL_SERVER_ERROR,
-            body: "<!doctype html><title>500</title><p>Internal error / 内部错误</p>".into(),
-            location: None,
-            htmx: false,
-        }
+        WebError::from(ApiError::from(error))
     }
 }
 
@@ -349,6 +398,8 @@ impl Page {
                 body: String::new(),
                 location: Some(format!("/login?next={}", encode_path(next))),
                 htmx: self.is_htmx(),
+                translate: None,
+                retry_after_s: None,
             }
         })
     }
@@ -366,11 +417,8 @@ impl Page {
     /// A plain error page saying `key`'s text.
     pub fn refusal(&self, status: StatusCode, key: &str) -> WebError {
         let context = context! {
-            lang => self.lang.code(),
-            lang_tag => self.lang.tag(),
-            status => status.as_u16(),
-            message => self.t(key, &[]),
-            signed_in => self.member.is_some(),
+            ..self.base_context(),
+            ..context! { status => status.as_u16(), message => self.t(key, &[]) }
         };
         match self.web.render("error.html", context) {
             Ok(body) => WebError {
@@ -378,6 +426,8 @@ impl Page {
                 body,
                 location: None,
                 htmx: false,
+                translate: None,
+                retry_after_s: None,
             },
             Err(error) => WebError::from(error),
         }
@@ -426,10 +476,7 @@ impl Page {
 
     /// An unexpected API error becomes the 500 page; any other is the caller's to show.
     pub fn unexpected(&self, error: ApiError) -> WebError {
-        match error {
-            ApiError::Unexpected(error) => WebError::from(error),
-            other => WebError::from(anyhow::anyhow!("{other}")),
-        }
+        WebError::from(error)
     }
 
     /// What every template gets: the language, the reader, the CSRF token, where they are.
@@ -585,6 +632,59 @@ pub fn safe_next(next: Option<&str>) -> String {
     } else {
         "/generate".into()
     }
+}
+
+/// Whether a request asks for a page (a browser's navigation), not data: it accepts HTML and is
+/// not addressed to the API.
+pub fn wants_page(request: &HttpRequest) -> bool {
+    !request.path().starts_with("/api/")
+        && request
+            .headers()
+            .get(actix_web::http::header::ACCEPT)
+            .and_then(|value| value.to_str().ok())
+            .is_some_and(|accept| accept.contains("text/html"))
+}
+
+/// The failure page saying `key`, in the reader's language and with the site's navigation; the
+/// reader's session is looked up when the store that keeps it answers (it may be what failed).
+pub async fn failure_page(request: &HttpRequest, status: StatusCode, key: &str) -> Option<String> {
+    let state = request.app_data::<web::Data<AppState>>()?.clone();
+    let web = request.app_data::<web::Data<Web>>()?.clone();
+    let member = session::member_of(&state, request).await.ok().flatten();
+    let page = Page {
+        request: request.clone(),
+        lang: Lang::of_request(request),
+        member,
+        state,
+        web,
+    };
+    let context = context! {
+        ..page.base_context(),
+        ..context! { status => status.as_u16(), message => page.t(key, &[]) }
+    };
+    page.web.render("error.html", context).ok()
+}
+
+/// Answers marked [`Untranslated`] (failures converted where the reader was unknown) written
+/// again as the failure page in the reader's language, status and headers kept.
+pub async fn translate_failures(
+    request: actix_web::dev::ServiceRequest,
+    next: actix_web::middleware::Next<impl actix_web::body::MessageBody + 'static>,
+) -> Result<actix_web::dev::ServiceResponse<actix_web::body::BoxBody>, actix_web::Error> {
+    let response = next.call(request).await?;
+    let Some(Untranslated(key)) = response
+        .response()
+        .extensions()
+        .get::<Untranslated>()
+        .copied()
+    else {
+        return Ok(response.map_into_boxed_body());
+    };
+    let status = response.status();
+    let Some(body) = failure_page(response.request(), status, key).await else {
+        return Ok(response.map_into_boxed_body());
+    };
+    Ok(response.map_body(|_, _| actix_web::body::BoxBody::new(body)))
 }
 
 #[cfg(test)]

@@ -19,6 +19,7 @@ mod languages;
 mod ledger;
 mod metrics;
 mod migrations;
+mod pages;
 mod pool;
 mod processes;
 mod promotions;

@@ -510,3 +510,57 @@ def test_a_creator_publishes_with_the_prompt_hidden_and_a_visitor_likes_and_foll
     page.wait_for_url("**/generate?from_work=*")
     assert page.input_value("#prompt") == "敦煌的沙丘与驼队"
     assert page.input_value("#steps") == "4"
+
+
+def test_a_failed_request_says_what_happened_in_the_page_language_and_keeps_what_was_typed(stack, person):
+    # Whatever fails (a dropped connection, a proxy's own 413, an address that does not exist),
+    # the person reads what happened in their language, and what they typed is still there.
+    cases = [
+        ("zh", "连接中断", "提交的内容太长", "找不到这个页面或内容。", "一只在雪地里奔跑的红狐狸，电影感光线"),
+        ("en", "The connection dropped", "too long for this form", "There is no such page or item.", "a red fox running in the snow"),
+    ]
+    for lang, offline, too_large, missing, prompt in cases:
+        user = person(lang, (390, 844))
+        user.register(unique("shibai"))
+        page = user.go("/generate")
+        page.fill("#prompt", prompt)
+        alert = page.locator("#generate-messages .notice.error")
+
+        def dropped(route):
+            if route.request.method == "POST":
+                route.abort("connectionreset")
+            else:
+                route.continue_()
+
+        page.route("**/generate", dropped)
+        page.click("#generate-form button[type=submit]")
+        alert.wait_for()
+        assert offline in alert.inner_text()
+        assert page.input_value("#prompt") == prompt
+        page.unroute("**/generate")
+
+        def refused_by_a_proxy(route):
+            if route.request.method == "POST":
+                route.fulfill(status=413, content_type="text/plain", body="Request Entity Too Large")
+            else:
+                route.continue_()
+
+        page.route("**/generate", refused_by_a_proxy)
+        page.click("#generate-form button[type=submit]")
+        wait_until(lambda: too_large in alert.inner_text(), what="the 413 said")
+        assert page.input_value("#prompt") == prompt
+        assert page.locator("#tasks article.task").count() == 0
+        page.unroute("**/generate")
+        page.screenshot(path=str(stack_screenshot(f"failure-413-{lang}-phone.png")), full_page=True)
+
+        response = page.goto(f"{stack.base}/画廊/没有这个页面")
+        assert response.status == 404
+        assert response.headers["content-type"].startswith("text/html")
+        assert page.locator("[data-failure]").inner_text() == missing
+        assert page.locator("header nav a[href='/gallery']").count() == 1
+        width = page.evaluate("document.documentElement.scrollWidth")
+        assert width <= 390, f"the 404 page is {width} px wide on a 390 px phone"
+        page.screenshot(path=str(stack_screenshot(f"not-found-{lang}-phone.png")), full_page=True)
+        # htmx logs the failures this test causes on purpose; nothing else may be logged.
+        expected = ("htmx:afterRequest", "htmx:sendError", "Response Status Error Code 413")
+        user.problems = [problem for problem in user.problems if not problem.startswith(expected)]

@@ -224,6 +224,43 @@ document.addEventListener("htmx:afterSwap", (event) => {
   if (event.target.id === "tasks") event.target.parentElement?.querySelector(".empty")?.remove();
 });
 
+// A request that failed says so, in the page's language, where its form shows its messages (or
+// at the top of the page). htmx leaves the form as it was, so what the person typed stays.
+function failureText(xhr) {
+  const status = xhr ? xhr.status : 0;
+  if (!status) return body.dataset.failedOffline;
+  const type = xhr.getResponseHeader("Content-Type") || "";
+  if (type.startsWith("text/html")) {
+    const page = new DOMParser().parseFromString(xhr.responseText, "text/html");
+    const said = page.querySelector("[data-failure], .notice");
+    if (said && said.textContent.trim()) return said.textContent.trim();
+  }
+  if (status === 413) return body.dataset.failedTooLarge;
+  if (status === 429) return body.dataset.failedTooMany;
+  if (status === 502 || status === 503 || status === 504) return body.dataset.failedUnavailable;
+  return fill(body.dataset.failed, { status });
+}
+
+function showFailure(element, text) {
+  let region = null;
+  for (let at = element; at && !region; at = at.parentElement) {
+    region = at.querySelector(".messages, [id$='-messages']");
+  }
+  region = region || document.getElementById("page-messages");
+  if (!region) return;
+  const notice = document.createElement("div");
+  notice.className = "notice error";
+  notice.setAttribute("role", "alert");
+  notice.textContent = text;
+  region.replaceChildren(notice);
+}
+
+document.addEventListener("htmx:responseError", (event) => {
+  showFailure(event.detail.elt, failureText(event.detail.xhr));
+});
+document.addEventListener("htmx:sendError", (event) => showFailure(event.detail.elt, failureText(null)));
+document.addEventListener("htmx:timeout", (event) => showFailure(event.detail.elt, failureText(null)));
+
 updatePrice();
 updateSeed();
 if (document.querySelector("[data-countdown]")) {
