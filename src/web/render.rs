@@ -388,10 +388,13 @@ impl Page {
     pub fn member(&self) -> Result<&Member, WebError> {
         self.member.as_ref().ok_or_else(|| {
             let path = self.request.path();
+            // After signing in, back to the page the reader was on: the address itself for a
+            // GET, the page that sent a form otherwise (our own pages send `Referer` to us).
+            let referring = referring_page(&self.request);
             let next = if self.request.method() == actix_web::http::Method::GET {
                 path
             } else {
-                "/generate"
+                referring.as_deref().unwrap_or("/generate")
             };
             WebError {
                 status: StatusCode::SEE_OTHER,
@@ -632,6 +635,30 @@ pub fn safe_next(next: Option<&str>) -> String {
     } else {
         "/generate".into()
     }
+}
+
+/// The path and query of the page of ours that sent `request` (its `Referer`, when it names
+/// this site), for going back to it.
+fn referring_page(request: &HttpRequest) -> Option<String> {
+    let referer = request
+        .headers()
+        .get(actix_web::http::header::REFERER)?
+        .to_str()
+        .ok()?;
+    let url = url::Url::parse(referer).ok()?;
+    let host = match url.port() {
+        Some(port) => format!("{}:{port}", url.host_str()?),
+        None => url.host_str()?.to_owned(),
+    };
+    if host != request.connection_info().host() {
+        return None;
+    }
+    let back = match url.query() {
+        Some(query) => format!("{}?{query}", url.path()),
+        None => url.path().to_owned(),
+    };
+    (back.starts_with('/') && !back.starts_with("//") && !back.starts_with("/login"))
+        .then_some(back)
 }
 
 /// Whether a request asks for a page (a browser's navigation), not data: it accepts HTML and is

@@ -187,3 +187,40 @@ async fn the_language_changes_only_by_a_post_from_our_own_pages() {
         "the switch is a form: {body}"
     );
 }
+
+#[tokio::test]
+async fn a_form_sent_after_the_session_ended_returns_to_its_own_page_after_signing_in() {
+    let app = spawn_app().await;
+    let client = browser();
+    let send = |referer: String| {
+        client
+            .post(format!("{}/checkin", app.address))
+            .header("Origin", app.address.as_str())
+            .header("Referer", referer)
+            .header("Cookie", "zhihui_session=ended-long-ago")
+            .send()
+    };
+    let location = |response: &reqwest::Response| {
+        response
+            .headers()
+            .get("location")
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned)
+    };
+    let response = send(format!("{}/history?status=failed", app.address))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 303);
+    assert_eq!(
+        location(&response).as_deref(),
+        Some("/login?next=/history%3Fstatus%3Dfailed")
+    );
+    // A page of another site is never where anyone is sent back to.
+    let response = send("https://elsewhere.example/history".into())
+        .await
+        .unwrap();
+    assert_eq!(
+        location(&response).as_deref(),
+        Some("/login?next=/generate")
+    );
+}
