@@ -262,6 +262,7 @@ impl AppState {
                 redis.clone(),
                 clock.clone(),
                 auth.password_failures_max,
+                auth.password_failures_max_all_sources,
                 Duration::from_millis(auth.password_lockout_ms),
             ),
             sessions: Sessions::new(

@@ -190,7 +190,7 @@ pub(crate) async fn register_user(
         (status = 401, description = "`wrong-credentials`, `wrong-code` or `code-expired`", body = crate::http::problem::Problem),
         (status = 409, description = "`credentials-changed`: the password or role changed during this login (log in again)", body = crate::http::problem::Problem),
         (status = 422, description = "a field breaks its rule", body = crate::http::problem::Problem),
-        (status = 429, description = "`username-locked` or `phone-locked` until `retry_at`; `too-many-logins` from this client this minute (`Retry-After`)", body = crate::http::problem::Problem),
+        (status = 429, description = "`username-locked` (wrong passwords from this address, or from this browser, or for a browser never logged in from after many from every address) or `phone-locked` until `retry_at`; `too-many-logins` from this client this minute (`Retry-After`)", body = crate::http::problem::Problem),
     )
 )]
 pub async fn login(
@@ -222,7 +222,10 @@ pub(crate) async fn log_in(
     let since = state.sessions.login_epoch().await?;
     let user = match (body.username, body.password, body.phone, body.code) {
         (Some(username), Some(password), None, None) => {
-            password_login(state, &username, &password).await?
+            let device = request
+                .cookie(crate::http::cookie::LOGIN_DEVICE_COOKIE)
+                .map(|cookie| cookie.value().to_owned());
+            password_login(state, &username, &password, device.as_deref(), client).await?
         }
         (None, None, Some(phone), Some(code)) => {
             let metadata = event_metadata(request, "anonymous:phone-login".into());
@@ -292,13 +295,19 @@ async fn password_login(
     state: &AppState,
     username: &str,
     password: &str,
+    device: Option<&str>,
+    client: String,
 ) -> Result<RegisteredUser, ApiError> {
     // A name that cannot exist cannot log in; answering like any wrong password keeps the
     // username rules from becoming an oracle.
     let Ok(username) = Username::parse(username) else {
         return Err(wrong_credentials());
     };
-    if let GuardState::Locked { until } = state.password_guard.check(&username).await? {
+    let source = state
+        .password_guard
+        .source_of(&username, device, client)
+        .await?;
+    if let GuardState::Locked { until } = state.password_guard.check(&username, &source).await? {
         return Err(locked(state, "username-locked", "this username", until));
     }
     let user = state
@@ -307,11 +316,15 @@ async fn password_login(
         .await?;
     let hash = user.as_ref().and_then(|user| user.password_hash.as_ref());
     if state.passwords.verify(password, hash).await? {
-        state.password_guard.reset(&username).await?;
+        state.password_guard.reset(&username, &source).await?;
         // `verify` is false without a hash, and a hash only exists on a found user.
         return user.ok_or_else(wrong_credentials);
     }
-    match state.password_guard.record_failure(&username).await? {
+    match state
+        .password_guard
+        .record_failure(&username, &source)
+        .await?
+    {
         GuardState::Locked { until } => {
             Err(locked(state, "username-locked", "this username", until))
         }

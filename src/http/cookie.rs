@@ -11,6 +11,9 @@ use hmac::{KeyInit, Mac};
 
 /// The session cookie's name.
 pub const SESSION_COOKIE: &str = "zhihui_session";
+/// The cookie of a browser a user logged in from (see `identity::PasswordGuard`): its wrong
+/// passwords are counted apart from everyone else's, so a guesser cannot lock its owner out.
+pub const LOGIN_DEVICE_COOKIE: &str = "zhihui_device";
 /// The header a signed-in browser's state-changing requests carry.
 pub const CSRF_HEADER: &str = "x-csrf-token";
 /// What the CSRF digest is computed over (versioned: a new scheme gets a new label).

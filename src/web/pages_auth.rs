@@ -102,8 +102,35 @@ pub async fn login(
             code: None,
         },
     };
+    let password_login = request.password.is_some();
     match crate::http::auth::log_in(page.state(), &page.request, request).await {
-        Ok(login) => Ok(signed_in(&page, login.token, &next)),
+        Ok(login) => {
+            let mut response = signed_in(&page, login.token, &next);
+            // This browser is now known for this username: its wrong passwords are counted
+            // apart, so a guesser elsewhere cannot lock its owner out of it.
+            if password_login
+                && let Some(username) = form.username.as_deref()
+                && let Ok(username) = zhihui_domain::identity::Username::parse(username)
+            {
+                let token = page
+                    .state()
+                    .password_guard
+                    .remember_device(&username)
+                    .await?;
+                let cookie = Cookie::build(crate::http::cookie::LOGIN_DEVICE_COOKIE, token)
+                    .path("/")
+                    .http_only(true)
+                    .same_site(actix_web::cookie::SameSite::Strict)
+                    .secure(page.web().secure_cookies(&page.request))
+                    .max_age(actix_web::cookie::time::Duration::seconds(
+                        i64::try_from(crate::identity::LOGIN_DEVICE_TTL.as_secs())
+                            .unwrap_or(i64::MAX),
+                    ))
+                    .finish();
+                response.add_cookie(&cookie).map_err(anyhow::Error::from)?;
+            }
+            Ok(response)
+        }
         Err(ApiError::Unexpected(error)) => Err(WebError::from(error)),
         Err(error) => {
             let message = page.message_of(&error);

@@ -808,3 +808,143 @@ async fn a_login_that_began_before_a_password_change_gets_no_session() {
     );
     app.login("racer", "new horse battery").await;
 }
+
+/// A login from `address` (as a proxy in front says it, `X-Forwarded-For`), with the browser's
+/// device cookie when given.
+async fn login_from(
+    app: &TestApp,
+    address: &str,
+    device: Option<&str>,
+    username: &str,
+    password: &str,
+) -> (u16, Value) {
+    let mut request = app
+        .http
+        .post(format!("{}/api/v1/auth/login", app.address))
+        .header("X-Forwarded-For", address)
+        .json(&json!({"username": username, "password": password}));
+    if let Some(device) = device {
+        request = request.header("Cookie", format!("zhihui_device={device}"));
+    }
+    let response = request.send().await.unwrap();
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test]
+async fn a_guesser_is_stopped_and_cannot_lock_the_owner_out() {
+    let app = spawn_app_with(|settings| {
+        settings.http.client_ip_from_forwarded = true;
+        settings.auth.password_failures_max = 5;
+        settings.auth.password_failures_max_all_sources = 20;
+    })
+    .await;
+    let (name, right) = ("xiaoming", "正确的马电池订书钉");
+    app.register(name, right).await;
+    // The owner logs in once at their own browser (the login page): it is known from then on.
+    let page_login = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap()
+        .post(format!("{}/login", app.address))
+        .header("Origin", app.address.as_str())
+        .header("X-Forwarded-For", "198.51.100.2")
+        .header("Content-Type", "application/x-www-form-urlencoded")
+        .body(
+            url::form_urlencoded::Serializer::new(String::new())
+                .append_pair("method", "password")
+                .append_pair("username", name)
+                .append_pair("password", right)
+                .finish(),
+        )
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(page_login.status(), 303);
+    let device_cookie = page_login
+        .headers()
+        .get_all("set-cookie")
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .find(|cookie| cookie.starts_with("zhihui_device="))
+        .expect("a device cookie after a password login")
+        .to_owned();
+    let device = device_cookie["zhihui_device=".len()..]
+        .split(';')
+        .next()
+        .unwrap()
+        .to_owned();
+    assert!(device_cookie.contains("HttpOnly"), "{device_cookie}");
+    assert!(device_cookie.contains("SameSite=Strict"), "{device_cookie}");
+
+    // A guesser at one address: five wrong passwords, and that address is stopped, even with
+    // the right password.
+    for _ in 0..4 {
+        assert_eq!(
+            login_from(&app, "203.0.113.7", None, name, "猜一猜")
+                .await
+                .0,
+            401
+        );
+    }
+    let (status, problem) = login_from(&app, "203.0.113.7", None, name, "猜一猜").await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (429, Some("/problems/username-locked"))
+    );
+    assert_eq!(
+        login_from(&app, "203.0.113.7", None, name, right).await.0,
+        429
+    );
+    // The owner elsewhere, even at a browser that never logged in, gets in.
+    assert_eq!(
+        login_from(&app, "198.51.100.9", None, name, right).await.0,
+        200
+    );
+
+    // Guessers spread over twenty addresses: every unknown browser is stopped...
+    for n in 0..20 {
+        let address = format!("192.0.2.{}", n + 1);
+        let (status, _) = login_from(&app, &address, None, name, "再猜一次").await;
+        assert!(status == 401 || status == 429, "{status}");
+    }
+    let (status, problem) = login_from(&app, "192.0.2.200", None, name, right).await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (429, Some("/problems/username-locked"))
+    );
+    // ...and the owner at their own browser still gets in, from any address.
+    assert_eq!(
+        login_from(&app, "192.0.2.201", Some(&device), name, right)
+            .await
+            .0,
+        200
+    );
+    // A device cookie is no key to another username.
+    app.register("xiaohong", right).await;
+    for _ in 0..5 {
+        login_from(&app, "192.0.2.202", Some(&device), "xiaohong", "猜").await;
+    }
+    assert_eq!(
+        login_from(&app, "192.0.2.202", Some(&device), "xiaohong", right)
+            .await
+            .0,
+        429
+    );
+    // A known browser has its own count: five wrong passwords there stop it too.
+    for _ in 0..5 {
+        login_from(&app, "192.0.2.203", Some(&device), name, "猜").await;
+    }
+    assert_eq!(
+        login_from(&app, "192.0.2.203", Some(&device), name, right)
+            .await
+            .0,
+        429
+    );
+    // And every lock ends.
+    app.clock.advance(Duration::from_secs(15 * 60));
+    assert_eq!(
+        login_from(&app, "203.0.113.7", None, name, right).await.0,
+        200
+    );
+}

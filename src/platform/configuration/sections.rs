@@ -558,8 +558,12 @@ pub struct AuthSettings {
     pub code_sender: CodeSenderKind,
     /// Offset from UTC of the calendar day used by daily limits (480 = UTC+8).
     pub day_utc_offset_minutes: i32,
-    /// This many wrong passwords in a row lock a username.
+    /// This many wrong passwords in a row from one source (a client address, or a browser that
+    /// logged in as the user before) lock that source out of the username.
     pub password_failures_max: u32,
+    /// This many wrong passwords from every address together lock the username for browsers
+    /// it was never logged in from (a guesser spread over many addresses).
+    pub password_failures_max_all_sources: u32,
     /// How long such a lock lasts.
     pub password_lockout_ms: u64,
     /// A username or phone claim whose user was never recorded (a crash between the two appends)
