@@ -149,6 +149,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn every_read_model_is_named_in_both_languages() {
+        for projection in zhihui_projections::ProjectionName::ALL {
+            let key = format!("projection.{}", projection.as_str());
+            assert!(
+                ZH.contains_key(&key) && EN.contains_key(&key),
+                "{key} is missing"
+            );
+        }
+    }
+
+    #[test]
     fn both_catalogs_have_the_same_keys_and_placeholders() {
         let zh: Vec<&String> = ZH.keys().collect();
         let en: Vec<&String> = EN.keys().collect();
