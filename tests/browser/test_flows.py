@@ -564,3 +564,24 @@ def test_a_failed_request_says_what_happened_in_the_page_language_and_keeps_what
         # htmx logs the failures this test causes on purpose; nothing else may be logged.
         expected = ("htmx:afterRequest", "htmx:sendError", "Response Status Error Code 413")
         user.problems = [problem for problem in user.problems if not problem.startswith(expected)]
+
+
+def test_a_prompt_sent_after_the_session_ended_comes_back_after_signing_in(stack, person):
+    user = person("zh", (390, 844))
+    name = unique("guoqi")
+    user.register(name)
+    page = user.go("/generate")
+    prompt = "黄昏时分的江南古镇，小桥流水，水墨画风格"
+    page.fill("#prompt", prompt)
+    # The session ends (expired, or signed out in another tab) while the person types.
+    user.context.clear_cookies()
+    page.click("#generate-form button[type=submit]")
+    page.wait_for_url("**/login**")
+    page.fill("#username", name)
+    page.fill("#password", "correct horse")
+    page.locator("form", has=page.locator("#username")).locator("button[type=submit]").click()
+    page.wait_for_url("**/generate")
+    assert page.input_value("#prompt") == prompt
+    # Given back once: the next visit starts empty.
+    page = user.go("/generate")
+    assert page.input_value("#prompt") == ""

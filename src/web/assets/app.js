@@ -261,6 +261,41 @@ document.addEventListener("htmx:responseError", (event) => {
 document.addEventListener("htmx:sendError", (event) => showFailure(event.detail.elt, failureText(null)));
 document.addEventListener("htmx:timeout", (event) => showFailure(event.detail.elt, failureText(null)));
 
+// A prompt being sent is kept in this tab until it is answered: a session that ended sends the
+// person to sign in, and what they typed comes back with them (never to another tab or after
+// the tab is closed: sessionStorage).
+const DRAFT = "zhihui.generate.draft";
+const DRAFT_FIELDS = ["prompt", "negative_prompt"];
+
+document.addEventListener("htmx:beforeRequest", (event) => {
+  const form = event.detail.elt;
+  if (form.id !== "generate-form") return;
+  const fields = {};
+  for (const name of DRAFT_FIELDS) if (form.elements[name]) fields[name] = form.elements[name].value;
+  sessionStorage.setItem(DRAFT, JSON.stringify(fields));
+});
+document.addEventListener("htmx:afterRequest", (event) => {
+  if (event.detail.elt.id !== "generate-form" || !event.detail.successful) return;
+  if (!event.detail.xhr.getResponseHeader("HX-Redirect")) sessionStorage.removeItem(DRAFT);
+});
+
+function restoreDraft() {
+  const form = document.getElementById("generate-form");
+  const saved = sessionStorage.getItem(DRAFT);
+  if (!form || !saved) return;
+  sessionStorage.removeItem(DRAFT);
+  try {
+    const fields = JSON.parse(saved);
+    for (const name of DRAFT_FIELDS) {
+      const field = form.elements[name];
+      if (field && !field.value && typeof fields[name] === "string") field.value = fields[name];
+    }
+  } catch {
+    // A draft this page cannot read is dropped.
+  }
+}
+
+restoreDraft();
 updatePrice();
 updateSeed();
 if (document.querySelector("[data-countdown]")) {
