@@ -193,14 +193,7 @@ impl GalleryService {
         limit: usize,
         viewer: Option<UserId>,
     ) -> anyhow::Result<WorkPage> {
-        if cursor.is_none() && viewer.is_none() {
-            let sources = [self.keys().hot()];
-            return Box::pin(self.public_page(format!("hot:{limit}"), || {
-                self.sorted_set_page(&sources, None, limit, None)
-            }))
-            .await;
-        }
-        self.sorted_set_page(&[self.keys().hot()], cursor, limit, viewer)
+        self.whole_list(self.keys().hot(), "hot", cursor, limit, viewer)
             .await
     }
 
@@ -211,15 +204,28 @@ impl GalleryService {
         limit: usize,
         viewer: Option<UserId>,
     ) -> anyhow::Result<WorkPage> {
+        self.whole_list(self.keys().newest(), "new", cursor, limit, viewer)
+            .await
+    }
+
+    /// A list of the whole gallery (the sorted set `key`); its first page as visitors see it
+    /// is kept in memory under `name`.
+    async fn whole_list(
+        &self,
+        key: String,
+        name: &str,
+        cursor: Option<Cursor>,
+        limit: usize,
+        viewer: Option<UserId>,
+    ) -> anyhow::Result<WorkPage> {
+        let sources = [key];
         if cursor.is_none() && viewer.is_none() {
-            let sources = [self.keys().newest()];
-            return Box::pin(self.public_page(format!("new:{limit}"), || {
+            return Box::pin(self.public_page(format!("{name}:{limit}"), || {
                 self.sorted_set_page(&sources, None, limit, None)
             }))
             .await;
         }
-        self.sorted_set_page(&[self.keys().newest()], cursor, limit, viewer)
-            .await
+        self.sorted_set_page(&sources, cursor, limit, viewer).await
     }
 
     /// A creator's visible works, newest first (from the read model; the cursor is the last
