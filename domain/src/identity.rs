@@ -8,6 +8,8 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+use crate::rule::{Broken, Rule};
+
 /// Shortest username. Two-letter names are too easy to confuse and to squat.
 pub const USERNAME_LENGTH_MIN: usize = 3;
 /// Longest username: fits a UI line and an audit table column.
@@ -46,7 +48,7 @@ impl fmt::Display for UserId {
 /// Why a username or phone number was refused. The message names the rule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
-pub struct InvalidIdentifier(pub String);
+pub struct InvalidIdentifier(pub Broken);
 
 /// A username: 3 to 32 characters, ASCII letters, digits, `_`, `-` or `.`, starting with a letter.
 /// Stored lowercase, so `Alice` and `alice` are one name.
@@ -59,20 +61,24 @@ impl Username {
         let name = raw.trim().to_ascii_lowercase();
         let length = name.chars().count();
         if !(USERNAME_LENGTH_MIN..=USERNAME_LENGTH_MAX).contains(&length) {
-            return Err(InvalidIdentifier(format!(
-                "must be {USERNAME_LENGTH_MIN} to {USERNAME_LENGTH_MAX} characters long"
-            )));
+            return Err(InvalidIdentifier(
+                Broken::new(Rule::LengthBetween)
+                    .with("min", USERNAME_LENGTH_MIN)
+                    .with("max", USERNAME_LENGTH_MAX),
+            ));
         }
         if !name.starts_with(|c: char| c.is_ascii_lowercase()) {
-            return Err(InvalidIdentifier("must start with a letter".into()));
+            return Err(InvalidIdentifier(Broken::new(
+                Rule::UsernameStartsWithLetter,
+            )));
         }
         if let Some(bad) = name
             .chars()
             .find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || "_-.".contains(*c)))
         {
-            return Err(InvalidIdentifier(format!(
-                "may only contain letters, digits, '_', '-' and '.', not {bad:?}"
-            )));
+            return Err(InvalidIdentifier(
+                Broken::new(Rule::UsernameCharacters).with("character", format!("{bad:?}")),
+            ));
         }
         Ok(Username(name))
     }
@@ -118,25 +124,22 @@ impl PhoneNumber {
             None => (compact.clone(), true),
         };
         if digits.is_empty() || !digits.chars().all(|c| c.is_ascii_digit()) {
-            return Err(InvalidIdentifier(
-                "must be digits, optionally after a leading '+'".into(),
-            ));
+            return Err(InvalidIdentifier(Broken::new(Rule::PhoneDigits)));
         }
         if national_cn {
             return if digits.len() == 11 && digits.starts_with('1') {
                 Ok(PhoneNumber(format!("+86{digits}")))
             } else {
-                Err(InvalidIdentifier(
-                    "needs a country code (+...) unless it is an 11-digit mainland mobile number"
-                        .into(),
-                ))
+                Err(InvalidIdentifier(Broken::new(Rule::PhoneCountryCode)))
             };
         }
         if !(PHONE_DIGITS_MIN..=PHONE_DIGITS_MAX).contains(&digits.len()) || digits.starts_with('0')
         {
-            return Err(InvalidIdentifier(format!(
-                "must be '+', a country code and {PHONE_DIGITS_MIN} to {PHONE_DIGITS_MAX} digits in all"
-            )));
+            return Err(InvalidIdentifier(
+                Broken::new(Rule::PhoneLength)
+                    .with("min", PHONE_DIGITS_MIN)
+                    .with("max", PHONE_DIGITS_MAX),
+            ));
         }
         Ok(PhoneNumber(format!("+{digits}")))
     }
@@ -176,9 +179,7 @@ impl PasswordHash {
         if phc.starts_with("$argon2id$") {
             Ok(PasswordHash(phc.to_owned()))
         } else {
-            Err(InvalidIdentifier(
-                "a password hash must be an argon2id PHC string".into(),
-            ))
+            Err(InvalidIdentifier(Broken::new(Rule::PasswordHash)))
         }
     }
 

@@ -20,6 +20,7 @@ pub mod pool;
 pub mod promotion;
 pub mod redeem;
 pub mod revenue;
+pub mod rule;
 pub mod task;
 pub mod task_record;
 pub mod user;

@@ -6,6 +6,8 @@ use std::ops::{Add, Sub};
 use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
 
+use crate::rule::{Broken, Rule};
+
 /// Decimal places of every amount. A hundredth of a point is the smallest movement.
 pub const POINTS_SCALE: u32 = 2;
 /// Largest amount one command may move: far above any price or grant, far below overflow.
@@ -21,7 +23,7 @@ pub struct Points(Decimal);
 /// Why an amount was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
-pub struct InvalidAmount(pub String);
+pub struct InvalidAmount(pub Broken);
 
 impl Points {
     pub const ZERO: Points = Points(Decimal::ZERO);
@@ -71,15 +73,17 @@ pub struct Amount(Decimal);
 impl Amount {
     pub fn parse(value: Decimal) -> Result<Amount, InvalidAmount> {
         if value <= Decimal::ZERO {
-            return Err(InvalidAmount("must be greater than zero".into()));
+            return Err(InvalidAmount(Broken::new(Rule::GreaterThanZero)));
         }
         if value > Decimal::from(AMOUNT_MAX) {
-            return Err(InvalidAmount(format!("must be at most {AMOUNT_MAX}")));
+            return Err(InvalidAmount(
+                Broken::new(Rule::AtMost).with("max", AMOUNT_MAX),
+            ));
         }
         if value.normalize().scale() > POINTS_SCALE {
-            return Err(InvalidAmount(format!(
-                "must have at most {POINTS_SCALE} decimal places"
-            )));
+            return Err(InvalidAmount(
+                Broken::new(Rule::DecimalPlaces).with("places", POINTS_SCALE),
+            ));
         }
         let mut value = value;
         value.rescale(POINTS_SCALE);

@@ -19,6 +19,7 @@ use uuid::Uuid;
 use crate::decider::Decider;
 use crate::event::{DecodeError, DomainEvent, expect_version, parse_payload, payload_of};
 use crate::points::Amount;
+use crate::rule::{Broken, Rule};
 use crate::user::UserId;
 
 pub type PromotionId = Uuid;
@@ -175,8 +176,8 @@ pub enum PromotionError {
     Unknown,
     #[error("the promotion exists already")]
     AlreadyCreated,
-    #[error("{0}")]
-    Invalid(String),
+    #[error("{field}: {broken}")]
+    Invalid { field: &'static str, broken: Broken },
     #[error("the promotion has ended")]
     Ended,
     #[error("the promotion is open from {starts_at} until {ends_at}")]
@@ -237,17 +238,26 @@ impl PromotionSpec {
     pub fn check(&self) -> Result<(), PromotionError> {
         let title = self.title.trim();
         if title.is_empty() || title.chars().count() > TITLE_LENGTH_MAX {
-            return Err(PromotionError::Invalid(format!(
-                "title: 1 to {TITLE_LENGTH_MAX} characters"
-            )));
+            return Err(PromotionError::Invalid {
+                field: "title",
+                broken: Broken::new(Rule::LengthBetween)
+                    .with("min", 1)
+                    .with("max", TITLE_LENGTH_MAX),
+            });
         }
         if !(1..=STOCK_MAX).contains(&self.stock) {
-            return Err(PromotionError::Invalid(format!("stock: 1 to {STOCK_MAX}")));
+            return Err(PromotionError::Invalid {
+                field: "stock",
+                broken: Broken::new(Rule::Between)
+                    .with("min", 1)
+                    .with("max", STOCK_MAX),
+            });
         }
         if self.ends_at <= self.starts_at {
-            return Err(PromotionError::Invalid(
-                "ends_at: must be after starts_at".into(),
-            ));
+            return Err(PromotionError::Invalid {
+                field: "ends_at",
+                broken: Broken::new(Rule::After).with("other", "starts_at"),
+            });
         }
         Ok(())
     }
@@ -311,10 +321,12 @@ impl Decider for Promotion {
                 }
                 let stock_after = promotion.spec.stock.saturating_add(*by);
                 if *by == 0 || stock_after > STOCK_MAX {
-                    return Err(PromotionError::Invalid(format!(
-                        "add: 1 to {} (the stock stays at most {STOCK_MAX})",
-                        STOCK_MAX - promotion.spec.stock
-                    )));
+                    return Err(PromotionError::Invalid {
+                        field: "add",
+                        broken: Broken::new(Rule::StockAfter)
+                            .with("max", STOCK_MAX - promotion.spec.stock)
+                            .with("stock_max", STOCK_MAX),
+                    });
                 }
                 Ok(vec![PromotionEvent::StockRaised(StockRaised {
                     by: *by,

@@ -19,6 +19,7 @@ pub mod worker;
 
 use std::sync::Arc;
 use std::time::Duration;
+use zhihui_domain::rule::Broken;
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
@@ -100,11 +101,8 @@ pub struct PublishRequest {
 /// A refusal a user can act on; each names its rule.
 #[derive(Debug, thiserror::Error)]
 pub enum GalleryError {
-    #[error("{field}: {message}")]
-    Invalid {
-        field: &'static str,
-        message: String,
-    },
+    #[error("{field}: {broken}")]
+    Invalid { field: &'static str, broken: Broken },
     #[error("no such task")]
     NoSuchTask,
     #[error(transparent)]
@@ -339,12 +337,12 @@ impl GalleryService {
     ) -> Result<WorkId, GalleryError> {
         let title = WorkTitle::parse(&request.title).map_err(|error| GalleryError::Invalid {
             field: "title",
-            message: error.0,
+            broken: error.0,
         })?;
         let description = WorkDescription::parse(&request.description).map_err(|error| {
             GalleryError::Invalid {
                 field: "description",
-                message: error.0,
+                broken: error.0,
             }
         })?;
         let record = crate::tasks::view::record_at(&self.store, request.task_id, None)
@@ -412,7 +410,7 @@ impl GalleryService {
     ) -> Result<(), GalleryError> {
         let reason = HideReason::parse(reason).map_err(|error| GalleryError::Invalid {
             field: "reason",
-            message: error.0,
+            broken: error.0,
         })?;
         let command = WorkCommand::Hide {
             admin,

@@ -11,6 +11,7 @@ use uuid::Uuid;
 use zhihui_domain::DomainEvent;
 use zhihui_domain::account::{AccountCommand, AccountError, AccountEvent, account_stream};
 use zhihui_domain::points::Amount;
+use zhihui_domain::rule::{Broken, Rule};
 use zhihui_domain::user::UserId;
 
 use crate::http::extract::{Admin, Authenticated};
@@ -204,18 +205,19 @@ pub(crate) async fn ledger_page(
 ) -> Result<LedgerPage, ApiError> {
     let limit = limit.unwrap_or(LEDGER_PAGE_DEFAULT);
     if !(1..=LEDGER_PAGE_MAX).contains(&limit) {
-        return Err(ApiError::Validation {
-            field: "limit".into(),
-            message: format!("must be 1 to {LEDGER_PAGE_MAX}"),
-        });
+        return Err(ApiError::invalid(
+            "limit",
+            Broken::new(Rule::Between)
+                .with("min", 1)
+                .with("max", LEDGER_PAGE_MAX),
+        ));
     }
     // The cursor is the stream version of the last entry shown; entries before it come next.
     let before: i64 = match cursor {
         None => i64::MAX,
-        Some(cursor) => cursor.parse().map_err(|_| ApiError::Validation {
-            field: "cursor".into(),
-            message: "is not a cursor this API returned".into(),
-        })?,
+        Some(cursor) => cursor
+            .parse()
+            .map_err(|_| ApiError::invalid_by("cursor", Rule::Cursor))?,
     };
     let client = crate::platform::postgres::checkout(&state.pg_pool)
         .await
@@ -315,10 +317,10 @@ pub fn idempotency_key(request: &HttpRequest) -> Result<Option<String>, ApiError
         || key.len() > IDEMPOTENCY_KEY_LENGTH_MAX
         || !key.bytes().all(|byte| byte.is_ascii_graphic())
     {
-        return Err(ApiError::Validation {
-            field: "Idempotency-Key".into(),
-            message: format!("must be 1 to {IDEMPOTENCY_KEY_LENGTH_MAX} visible ASCII characters"),
-        });
+        return Err(ApiError::invalid(
+            "Idempotency-Key",
+            Broken::new(Rule::VisibleAscii).with("max", IDEMPOTENCY_KEY_LENGTH_MAX),
+        ));
     }
     Ok(Some(key.to_owned()))
 }
@@ -407,16 +409,16 @@ pub(crate) async fn grant_points(
     operation_id: Uuid,
     metadata: crate::platform::event_store::EventMetadata,
 ) -> Result<GrantResponse, ApiError> {
-    let amount = Amount::parse(body.amount).map_err(|error| ApiError::Validation {
-        field: "amount".into(),
-        message: error.to_string(),
-    })?;
+    let amount =
+        Amount::parse(body.amount).map_err(|error| ApiError::invalid("amount", error.0))?;
     let reason = body.reason.trim();
     if reason.is_empty() || reason.chars().count() > GRANT_REASON_LENGTH_MAX {
-        return Err(ApiError::Validation {
-            field: "reason".into(),
-            message: format!("must be 1 to {GRANT_REASON_LENGTH_MAX} characters"),
-        });
+        return Err(ApiError::invalid(
+            "reason",
+            Broken::new(Rule::LengthBetween)
+                .with("min", 1)
+                .with("max", GRANT_REASON_LENGTH_MAX),
+        ));
     }
     if state.users.get(user_id).await?.is_none() {
         return Err(ApiError::NotFound("no such user".into()));

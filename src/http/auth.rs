@@ -1,6 +1,7 @@
 //! `/api/v1/auth/*`: register, log in (password or phone code), ask for a code, log out.
 
 use std::time::Duration;
+use zhihui_domain::rule::{Broken, Rule};
 
 use actix_web::{HttpRequest, HttpResponse, web};
 use chrono::{DateTime, Utc};
@@ -116,24 +117,15 @@ pub struct CodeSent {
 }
 
 pub(crate) fn parse_username(raw: &str) -> Result<Username, ApiError> {
-    Username::parse(raw).map_err(|error| ApiError::Validation {
-        field: "username".into(),
-        message: error.to_string(),
-    })
+    Username::parse(raw).map_err(|error| ApiError::invalid("username", error.0))
 }
 
 pub(crate) fn parse_phone(raw: &str) -> Result<PhoneNumber, ApiError> {
-    PhoneNumber::parse(raw).map_err(|error| ApiError::Validation {
-        field: "phone".into(),
-        message: error.to_string(),
-    })
+    PhoneNumber::parse(raw).map_err(|error| ApiError::invalid("phone", error.0))
 }
 
 pub(crate) fn parse_password(field: &str, raw: &str) -> Result<PlainPassword, ApiError> {
-    PlainPassword::parse(raw).map_err(|message| ApiError::Validation {
-        field: field.into(),
-        message,
-    })
+    PlainPassword::parse(raw).map_err(|broken| ApiError::invalid(field, broken))
 }
 
 /// Register with a username and a password. Answers the new user; log in to get a token.
@@ -236,16 +228,10 @@ pub(crate) async fn log_in(
         (None, None, Some(_), None) => return Err(missing("code", "phone")),
         (None, None, None, Some(_)) => return Err(missing("phone", "code")),
         (None, None, None, None) => {
-            return Err(ApiError::Validation {
-                field: "username".into(),
-                message: "give username and password, or phone and code".into(),
-            });
+            return Err(ApiError::invalid_by("username", Rule::LoginEither));
         }
         _ => {
-            return Err(ApiError::Validation {
-                field: "phone".into(),
-                message: "give username and password, or phone and code, not both".into(),
-            });
+            return Err(ApiError::invalid_by("phone", Rule::LoginNotBoth));
         }
     };
     let Some((token, expires_at)) = state
@@ -269,10 +255,7 @@ pub(crate) async fn log_in(
 }
 
 fn missing(field: &str, with: &str) -> ApiError {
-    ApiError::Validation {
-        field: field.into(),
-        message: format!("is required with {with}"),
-    }
+    ApiError::invalid(field, Broken::new(Rule::RequiredWith).with("with", with))
 }
 
 fn wrong_credentials() -> ApiError {

@@ -4,7 +4,9 @@
 use actix_web::{HttpResponse, web};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
+use zhihui_domain::pool::{BACKEND_CAPACITY_MAX, BACKEND_NAME_LENGTH_MAX, BACKEND_URL_LENGTH_MAX};
 use zhihui_domain::pool::{NewBackend, PoolBackend, PoolError};
+use zhihui_domain::rule::{Broken, Rule};
 
 use crate::http::ApiError;
 use crate::http::extract::Admin;
@@ -104,18 +106,24 @@ pub(crate) fn pool_error(error: PoolServiceError) -> ApiError {
     };
     let detail = rejected.to_string();
     match rejected {
-        PoolError::InvalidName(_) => ApiError::Validation {
-            field: "name".into(),
-            message: detail,
-        },
-        PoolError::InvalidUrl(_) => ApiError::Validation {
-            field: "url".into(),
-            message: detail,
-        },
-        PoolError::InvalidCapacity(_) => ApiError::Validation {
-            field: "capacity".into(),
-            message: detail,
-        },
+        PoolError::InvalidName(name) => ApiError::invalid(
+            "name",
+            Broken::new(Rule::ServerName)
+                .with("value", format!("{name:?}"))
+                .with("max", BACKEND_NAME_LENGTH_MAX),
+        ),
+        PoolError::InvalidUrl(url) => ApiError::invalid(
+            "url",
+            Broken::new(Rule::ServerUrl)
+                .with("value", format!("{url:?}"))
+                .with("max", BACKEND_URL_LENGTH_MAX),
+        ),
+        PoolError::InvalidCapacity(_) => ApiError::invalid(
+            "capacity",
+            Broken::new(Rule::Between)
+                .with("min", 1)
+                .with("max", BACKEND_CAPACITY_MAX),
+        ),
         PoolError::NotFound(_) => ApiError::NotFound(detail),
         PoolError::NameTaken(_) => ApiError::Conflict {
             rule: "backend-name-taken",

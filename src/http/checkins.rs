@@ -5,6 +5,7 @@ use actix_web::{HttpRequest, HttpResponse, web};
 use chrono::NaiveDate;
 use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
+use zhihui_domain::rule::{Broken, Rule};
 
 use crate::http::extract::{Admin, Authenticated};
 use crate::http::{ApiError, event_metadata};
@@ -96,9 +97,11 @@ pub async fn month(
 ) -> Result<HttpResponse, ApiError> {
     let month = match &query.month {
         None => state.checkins.today(),
-        Some(text) => parse_month(text).ok_or_else(|| ApiError::Validation {
-            field: "month".into(),
-            message: format!("must be a month as YYYY-MM, got {text:?}"),
+        Some(text) => parse_month(text).ok_or_else(|| {
+            ApiError::invalid(
+                "month",
+                Broken::new(Rule::Month).with("value", format!("{text:?}")),
+            )
         })?,
     };
     let view = state.checkins.month(caller.user_id(), month).await?;
@@ -136,9 +139,11 @@ pub struct ActiveUsersResponse {
 }
 
 fn parse_day(field: &str, text: &str) -> Result<NaiveDate, ApiError> {
-    text.parse().map_err(|_| ApiError::Validation {
-        field: field.into(),
-        message: format!("must be a day as YYYY-MM-DD, got {text:?}"),
+    text.parse().map_err(|_| {
+        ApiError::invalid(
+            field,
+            Broken::new(Rule::Day).with("value", format!("{text:?}")),
+        )
     })
 }
 
@@ -156,12 +161,8 @@ fn report_range(
         Some(from) => parse_day("from", from)?,
         None => to - chrono::Duration::days(6),
     };
-    crate::identity::active_users::check_range(from, to).map_err(|(field, message)| {
-        ApiError::Validation {
-            field: field.into(),
-            message,
-        }
-    })?;
+    crate::identity::active_users::check_range(from, to)
+        .map_err(|(field, broken)| ApiError::invalid(field, broken))?;
     Ok((from, to))
 }
 

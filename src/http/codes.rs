@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 use zhihui_domain::points::Amount;
 use zhihui_domain::redeem::{Batch, BatchError, BatchSpec, SerialsError};
+use zhihui_domain::rule::{Broken, Rule};
 
 use crate::http::extract::{Admin, Authenticated};
 use crate::http::{ApiError, event_metadata};
@@ -151,10 +152,9 @@ pub fn redeem_error(error: RedeemError, state: &AppState) -> ApiError {
 
 fn batch_error(error: BatchCommandError) -> ApiError {
     match error {
-        BatchCommandError::Batch(BatchError::Spec(spec)) => ApiError::Validation {
-            field: spec.field.into(),
-            message: spec.message,
-        },
+        BatchCommandError::Batch(BatchError::Spec(spec)) => {
+            ApiError::invalid(spec.field, spec.broken)
+        }
         BatchCommandError::Batch(BatchError::NotFound) => {
             ApiError::NotFound("no such batch".into())
         }
@@ -270,10 +270,8 @@ pub(crate) async fn create_batch_of(
     body: &BatchRequest,
     metadata: &crate::platform::event_store::EventMetadata,
 ) -> Result<BatchView, ApiError> {
-    let points = Amount::parse(body.points).map_err(|error| ApiError::Validation {
-        field: "points".into(),
-        message: error.to_string(),
-    })?;
+    let points =
+        Amount::parse(body.points).map_err(|error| ApiError::invalid("points", error.0))?;
     let spec = BatchSpec {
         count: body.count,
         points,
@@ -353,10 +351,12 @@ pub(crate) async fn revoke_batch(
 ) -> Result<BatchView, ApiError> {
     let reason = reason.trim();
     if reason.is_empty() || reason.chars().count() > REVOKE_REASON_LENGTH_MAX {
-        return Err(ApiError::Validation {
-            field: "reason".into(),
-            message: format!("must be 1 to {REVOKE_REASON_LENGTH_MAX} characters"),
-        });
+        return Err(ApiError::invalid(
+            "reason",
+            Broken::new(Rule::LengthBetween)
+                .with("min", 1)
+                .with("max", REVOKE_REASON_LENGTH_MAX),
+        ));
     }
     let batch = state
         .codes

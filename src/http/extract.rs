@@ -281,12 +281,13 @@ pub fn ensure_owner(caller: &Authenticated, owner: UserId, what: &str) -> Result
 pub mod whole {
     use serde::de::Error;
     use serde::{Deserialize, Deserializer};
+    use zhihui_domain::rule::{Broken, Rule};
 
     /// The number as a `T`, or why not.
     pub fn of_number<T: TryFrom<i64> + TryFrom<u64>>(
         number: &serde_json::Number,
-    ) -> Result<T, String> {
-        let out_of_range = || format!("{number} is out of range");
+    ) -> Result<T, Broken> {
+        let out_of_range = || Broken::new(Rule::OutOfRange).with("value", number);
         if let Some(value) = number.as_u64() {
             return T::try_from(value).map_err(|_| out_of_range());
         }
@@ -298,7 +299,7 @@ pub mod whole {
             Some(value) if value.fract() == 0.0 && value.abs() < 9_007_199_254_740_992.0 => {
                 T::try_from(value as i64).map_err(|_| out_of_range())
             }
-            _ => Err(format!("must be a whole number, got {number}")),
+            _ => Err(Broken::new(Rule::WholeNumber).with("value", number)),
         }
     }
 

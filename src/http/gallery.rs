@@ -10,6 +10,7 @@ use zhihui_domain::gallery::block::BlockError;
 use zhihui_domain::gallery::follow::FollowError;
 use zhihui_domain::gallery::like::LikeError;
 use zhihui_domain::gallery::work::WorkError;
+use zhihui_domain::rule::{Broken, Rule};
 use zhihui_domain::user::UserId;
 
 use crate::gallery::reads::{Cursor, ListedWork, PAGE_MAX, WorkPage};
@@ -65,10 +66,7 @@ pub fn gallery_error(error: GalleryError) -> ApiError {
     };
     use actix_web::http::StatusCode;
     match error {
-        GalleryError::Invalid { field, message } => ApiError::Validation {
-            field: field.into(),
-            message,
-        },
+        GalleryError::Invalid { field, broken } => ApiError::invalid(field, broken),
         GalleryError::NoSuchTask => ApiError::NotFound("no such task".into()),
         GalleryError::Work(WorkError::NoSuchWork) | GalleryError::Like(LikeError::NoSuchWork) => {
             ApiError::NotFound("no such work".into())
@@ -77,15 +75,22 @@ pub fn gallery_error(error: GalleryError) -> ApiError {
         GalleryError::Work(rule @ WorkError::TaskNotSucceeded) => {
             refused(StatusCode::CONFLICT, "task-not-succeeded", rule.to_string())
         }
-        GalleryError::Work(
-            rule @ (WorkError::NoImages
-            | WorkError::TooManyImages
-            | WorkError::UnknownImage(_)
-            | WorkError::ImageTwice(_)),
-        ) => ApiError::Validation {
-            field: "images".into(),
-            message: rule.to_string(),
-        },
+        GalleryError::Work(WorkError::NoImages) => {
+            ApiError::invalid_by("images", Rule::WorkNoImages)
+        }
+        GalleryError::Work(WorkError::TooManyImages) => ApiError::invalid(
+            "images",
+            Broken::new(Rule::WorkTooManyImages)
+                .with("max", zhihui_domain::gallery::work::WORK_IMAGES_MAX),
+        ),
+        GalleryError::Work(WorkError::UnknownImage(image)) => ApiError::invalid(
+            "images",
+            Broken::new(Rule::WorkUnknownImage).with("image", image),
+        ),
+        GalleryError::Work(WorkError::ImageTwice(image)) => ApiError::invalid(
+            "images",
+            Broken::new(Rule::WorkImageTwice).with("image", image),
+        ),
         GalleryError::Work(rule @ WorkError::AlreadyPublished) => {
             refused(StatusCode::CONFLICT, "already-published", rule.to_string())
         }
@@ -132,10 +137,7 @@ impl PageQuery {
             None => Ok(None),
             Some(text) => Cursor::parse(text)
                 .map(Some)
-                .ok_or_else(|| ApiError::Validation {
-                    field: "cursor".into(),
-                    message: "must be the `next` of an earlier page".into(),
-                }),
+                .ok_or_else(|| ApiError::invalid_by("cursor", Rule::NextOfEarlierPage)),
         }
     }
 
@@ -143,10 +145,12 @@ impl PageQuery {
         match self.limit {
             None => Ok(24),
             Some(limit) if (1..=PAGE_MAX).contains(&limit) => Ok(limit),
-            Some(_) => Err(ApiError::Validation {
-                field: "limit".into(),
-                message: format!("must be between 1 and {PAGE_MAX}"),
-            }),
+            Some(_) => Err(ApiError::invalid(
+                "limit",
+                Broken::new(Rule::Between)
+                    .with("min", 1)
+                    .with("max", PAGE_MAX),
+            )),
         }
     }
 }
@@ -718,10 +722,10 @@ pub async fn my_likes(
 ) -> Result<HttpResponse, ApiError> {
     let before = match &query.cursor {
         None => None,
-        Some(text) => Some(parse_like_cursor(text).ok_or_else(|| ApiError::Validation {
-            field: "cursor".into(),
-            message: "must be the `next` of an earlier page".into(),
-        })?),
+        Some(text) => Some(
+            parse_like_cursor(text)
+                .ok_or_else(|| ApiError::invalid_by("cursor", Rule::NextOfEarlierPage))?,
+        ),
     };
     let (works, next) = state
         .gallery

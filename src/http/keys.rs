@@ -5,7 +5,9 @@ use actix_web::{HttpRequest, HttpResponse, web};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
+use zhihui_domain::api_key::KEY_NAME_LENGTH_MAX;
 use zhihui_domain::api_key::Scope;
+use zhihui_domain::rule::{Broken, Rule};
 use zhihui_domain::user::{ApiKey, UserError, UserId};
 
 use crate::http::extract::{Admin, Authenticated};
@@ -55,16 +57,28 @@ fn key_error(error: RegisterError) -> ApiError {
             rule: "too-many-keys",
             detail: error.to_string(),
         },
-        RegisterError::Rejected(error) => {
-            // The domain's messages start with the field they are about.
-            let text = error.to_string();
-            let (field, message) = text
-                .split_once(": ")
-                .map_or(("key".to_owned(), text.clone()), |(field, message)| {
-                    (field.to_owned(), message.to_owned())
-                });
-            ApiError::Validation { field, message }
+        RegisterError::Rejected(UserError::InvalidKeyName) => ApiError::invalid(
+            "name",
+            Broken::new(Rule::LengthBetween)
+                .with("min", 1)
+                .with("max", KEY_NAME_LENGTH_MAX),
+        ),
+        RegisterError::Rejected(UserError::NoScopes) => {
+            ApiError::invalid_by("scopes", Rule::AtLeastOneScope)
         }
+        RegisterError::Rejected(UserError::AdminScopeForbidden) => {
+            ApiError::invalid_by("scopes", Rule::AdminScope)
+        }
+        RegisterError::Rejected(UserError::ExpiryInPast) => {
+            ApiError::invalid_by("expires_at", Rule::InFuture)
+        }
+        RegisterError::Rejected(UserError::NoRequests) => {
+            ApiError::invalid_by("requests_per_minute", Rule::AtLeastOne)
+        }
+        RegisterError::Rejected(error @ UserError::KeyIdTaken(_)) => ApiError::Conflict {
+            rule: "idempotency-key-reused",
+            detail: error.to_string(),
+        },
         other => crate::http::auth::register_error(other),
     }
 }
@@ -72,21 +86,24 @@ fn key_error(error: RegisterError) -> ApiError {
 fn parse_request(state: &AppState, body: CreateKeyRequest) -> Result<NewKey, ApiError> {
     let mut scopes = Vec::with_capacity(body.scopes.len());
     for text in &body.scopes {
-        scopes.push(Scope::parse(text).ok_or_else(|| ApiError::Validation {
-            field: "scopes".into(),
-            message: format!(
-                "{text:?} is not a scope; the scopes are {}",
-                Scope::ALL.map(Scope::as_str).join(", ")
-            ),
+        scopes.push(Scope::parse(text).ok_or_else(|| {
+            ApiError::invalid(
+                "scopes",
+                Broken::new(Rule::NotScope)
+                    .with("value", format!("{text:?}"))
+                    .with("allowed", Scope::ALL.map(Scope::as_str).join(", ")),
+            )
         })?);
     }
     if let Some(rate) = body.requests_per_minute
         && !(1..=state.api_keys.rate_max).contains(&rate)
     {
-        return Err(ApiError::Validation {
-            field: "requests_per_minute".into(),
-            message: format!("must be 1 to {}", state.api_keys.rate_max),
-        });
+        return Err(ApiError::invalid(
+            "requests_per_minute",
+            Broken::new(Rule::Between)
+                .with("min", 1)
+                .with("max", state.api_keys.rate_max),
+        ));
     }
     Ok(NewKey {
         name: body.name,

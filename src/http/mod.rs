@@ -23,6 +23,7 @@ pub(crate) mod webhooks;
 use actix_web::{HttpRequest, web};
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
+use zhihui_domain::rule::{Broken, Rule};
 
 pub use openapi::ApiDoc;
 pub use problem::ApiError;
@@ -325,28 +326,24 @@ fn json_config() -> web::JsonConfig {
                 }
                 .into();
             }
-            let (field, message) = match &error {
+            let unreadable = |detail: String| Broken::new(Rule::Unreadable).with("detail", detail);
+            match &error {
                 actix_web::error::JsonPayloadError::Deserialize(inner) => {
                     // serde names the missing or mistyped field in its message.
-                    ("body".to_owned(), inner.to_string())
+                    ApiError::invalid("body", unreadable(inner.to_string()))
                 }
-                actix_web::error::JsonPayloadError::ContentType => (
-                    "content-type".to_owned(),
-                    "must be application/json".to_owned(),
-                ),
-                other => ("body".to_owned(), other.to_string()),
-            };
-            ApiError::Validation { field, message }.into()
+                actix_web::error::JsonPayloadError::ContentType => {
+                    ApiError::invalid_by("content-type", Rule::JsonContentType)
+                }
+                other => ApiError::invalid("body", unreadable(other.to_string())),
+            }
+            .into()
         })
 }
 
 fn query_config() -> web::QueryConfig {
     web::QueryConfig::default().error_handler(|error, _request| {
-        ApiError::Validation {
-            field: "query".into(),
-            message: error.to_string(),
-        }
-        .into()
+        ApiError::invalid("query", Broken::new(Rule::Unreadable).with("detail", error)).into()
     })
 }
 

@@ -9,16 +9,19 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 
 use crate::platform::postgres::sql_state_unavailable;
+use zhihui_domain::rule::{Broken, Rule};
 
 /// Every error an endpoint answers with. Variants with a `rule` name the rule that refused the
 /// request; it becomes the problem type (`/problems/<rule>`) so clients can branch on it.
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
-    #[error("{field}: {message}")]
-    Validation { field: String, message: String },
+    /// A field broke a named rule: programs read its English sentence, pages say the rule in
+    /// the reader's language.
+    #[error("{field}: {broken}")]
+    Validation { field: String, broken: Broken },
     /// Several fields are wrong: each is named with its problem (`errors` in the body).
-    #[error("{}", .0.iter().map(|(field, message)| format!("{field}: {message}")).collect::<Vec<_>>().join("; "))]
-    InvalidFields(Vec<(String, String)>),
+    #[error("{}", .0.iter().map(|(field, broken)| format!("{field}: {broken}")).collect::<Vec<_>>().join("; "))]
+    InvalidFields(Vec<(String, Broken)>),
     /// No valid credentials: a missing, unknown, expired or revoked token, or a failed login.
     #[error("{detail}")]
     Unauthorized { rule: &'static str, detail: String },
@@ -178,6 +181,9 @@ pub struct Problem {
     /// For validation errors: the field that was wrong.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
+    /// For validation errors: the name of the rule the field broke (e.g. `length_at_most`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
     /// For 503: the dependencies that failed their check.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dependencies: Option<Vec<String>>,
@@ -198,10 +204,25 @@ pub struct Problem {
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct FieldProblem {
     pub field: String,
+    /// The name of the rule the field broke.
+    pub rule: String,
     pub message: String,
 }
 
 impl ApiError {
+    /// `field` broke `broken`.
+    pub fn invalid(field: impl Into<String>, broken: Broken) -> ApiError {
+        ApiError::Validation {
+            field: field.into(),
+            broken,
+        }
+    }
+
+    /// `field` broke `rule`, whose sentence names no value.
+    pub fn invalid_by(field: impl Into<String>, rule: Rule) -> ApiError {
+        ApiError::invalid(field, Broken::new(rule))
+    }
+
     fn problem(&self) -> Problem {
         let status = self.status_code().as_u16();
         let (problem_type, title) = match self {
@@ -232,13 +253,21 @@ impl ApiError {
                 ApiError::InvalidFields(fields) => fields.first().map(|(field, _)| field.clone()),
                 _ => None,
             },
+            rule: match self {
+                ApiError::Validation { broken, .. } => Some(broken.rule.key().to_owned()),
+                ApiError::InvalidFields(fields) => fields
+                    .first()
+                    .map(|(_, broken)| broken.rule.key().to_owned()),
+                _ => None,
+            },
             errors: match self {
                 ApiError::InvalidFields(fields) => Some(
                     fields
                         .iter()
-                        .map(|(field, message)| FieldProblem {
+                        .map(|(field, broken)| FieldProblem {
                             field: field.clone(),
-                            message: message.clone(),
+                            rule: broken.rule.key().to_owned(),
+                            message: broken.to_string(),
                         })
                         .collect(),
                 ),

@@ -82,13 +82,8 @@ fn promotion_error(error: CommandError<PromotionError>) -> ApiError {
         CommandError::Rejected(PromotionError::Unknown) => {
             ApiError::NotFound("no such promotion".into())
         }
-        CommandError::Rejected(PromotionError::Invalid(message)) => {
-            let (field, message) = message
-                .split_once(": ")
-                .map_or(("body".to_owned(), message.clone()), |(field, message)| {
-                    (field.to_owned(), message.to_owned())
-                });
-            ApiError::Validation { field, message }
+        CommandError::Rejected(PromotionError::Invalid { field, broken }) => {
+            ApiError::invalid(field, broken)
         }
         CommandError::Rejected(PromotionError::AlreadyCreated) => ApiError::Conflict {
             rule: "idempotency-key-reused",
@@ -160,10 +155,7 @@ pub(crate) async fn create_promotion(
     metadata: crate::platform::event_store::EventMetadata,
 ) -> Result<PromotionView, ApiError> {
     let amount = |field: &str, value: Decimal| {
-        Amount::parse(value).map_err(|error| ApiError::Validation {
-            field: field.into(),
-            message: error.to_string(),
-        })
+        Amount::parse(value).map_err(|error| ApiError::invalid(field, error.0))
     };
     let spec = PromotionSpec {
         title: body.title.trim().to_owned(),

@@ -7,6 +7,7 @@ use chrono::{DateTime, Utc};
 use rust_decimal::Decimal;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
+use zhihui_domain::rule::{Broken, Rule};
 use zhihui_domain::task::{TaskId, TaskStatus};
 use zhihui_domain::task_record::TaskRecord;
 use zhihui_projections::tasks::{RECORD_COLUMNS, record_of_row};
@@ -134,7 +135,7 @@ pub(crate) fn task_error(error: TaskServiceError) -> ApiError {
         TaskServiceError::Invalid(fields) => ApiError::InvalidFields(
             fields
                 .into_iter()
-                .map(|field| (field.field.to_owned(), field.message))
+                .map(|field| (field.field.to_owned(), field.broken))
                 .collect(),
         ),
         TaskServiceError::NotFound => ApiError::NotFound("no such task".into()),
@@ -194,10 +195,7 @@ fn whole(field: &str, value: Option<serde_json::Number>) -> Result<Option<i64>, 
     };
     crate::http::extract::whole::of_number::<i64>(&number)
         .map(Some)
-        .map_err(|message| ApiError::Validation {
-            field: field.into(),
-            message,
-        })
+        .map_err(|broken| ApiError::invalid(field, broken))
 }
 
 /// The wait estimates of the queued views (one read of the queue's head for them all). An
@@ -445,18 +443,17 @@ pub(crate) async fn task_page(
 ) -> Result<TaskPage, ApiError> {
     let limit = query.limit.unwrap_or(TASK_PAGE_DEFAULT);
     if !(1..=TASK_PAGE_MAX).contains(&limit) {
-        return Err(ApiError::Validation {
-            field: "limit".into(),
-            message: format!("must be 1 to {TASK_PAGE_MAX}"),
-        });
+        return Err(ApiError::invalid(
+            "limit",
+            Broken::new(Rule::Between)
+                .with("min", 1)
+                .with("max", TASK_PAGE_MAX),
+        ));
     }
     /// 9999-12-31T23:59:59.999999Z in microseconds since the epoch.
     const CURSOR_MICROS_MAX: i64 = 253_402_300_799_999_999;
     // The cursor is `<submitted_at in µs>_<task id>` of the last task shown.
-    let bad_cursor = || ApiError::Validation {
-        field: "cursor".into(),
-        message: "is not a cursor this API returned".into(),
-    };
+    let bad_cursor = || ApiError::invalid_by("cursor", Rule::Cursor);
     let (before_at, before_id) = match &query.cursor {
         None => (DateTime::<Utc>::MAX_UTC, Uuid::max()),
         Some(cursor) => {
@@ -478,9 +475,11 @@ pub(crate) async fn task_page(
         Some(text) => Some(
             TaskStatus::parse(text)
                 .filter(|status| TaskStatus::RECORDED.contains(status))
-                .ok_or_else(|| ApiError::Validation {
-                    field: "status".into(),
-                    message: format!("is not a task status: {text:?}"),
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "status",
+                        Broken::new(Rule::NotTaskStatus).with("value", format!("{text:?}")),
+                    )
                 })?,
         ),
     };

@@ -2,10 +2,13 @@
 //! `webhooks` scope): register (the secret is in that answer only), list, rotate the secret,
 //! enable, disable, remove, the delivery log, and redelivery of one message or a time range.
 
+use crate::webhooks::safety::UnsafeUrl;
 use actix_web::{HttpRequest, HttpResponse, web};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
+use zhihui_domain::rule::{Broken, Rule};
+use zhihui_domain::webhook::{self, EndpointError};
 use zhihui_domain::webhook::{EndpointCommand, WebhookEventType};
 
 use crate::http::extract::Authenticated;
@@ -50,29 +53,54 @@ pub struct DeliveriesQuery {
 
 fn webhook_error(error: WebhookError) -> ApiError {
     match error {
-        WebhookError::Unsafe(unsafe_url) => ApiError::Validation {
-            field: "url".into(),
-            message: unsafe_url
-                .to_string()
-                .trim_start_matches("url: ")
-                .to_owned(),
-        },
-        WebhookError::Rejected(rejected) => {
-            let text = rejected.to_string();
-            let (field, message) = text
-                .split_once(": ")
-                .map_or(("body".to_owned(), text.clone()), |(field, message)| {
-                    (field.to_owned(), message.to_owned())
-                });
-            ApiError::Validation { field, message }
+        WebhookError::Unsafe(unsafe_url) => ApiError::invalid(
+            "url",
+            match unsafe_url {
+                UnsafeUrl::Malformed(detail) => {
+                    Broken::new(Rule::UrlMalformed).with("detail", detail)
+                }
+                UnsafeUrl::Credentials => Broken::new(Rule::UrlCredentials),
+                UnsafeUrl::Forbidden {
+                    host,
+                    address,
+                    reason,
+                } => Broken::new(Rule::UrlForbidden)
+                    .with("host", host)
+                    .with("address", address)
+                    .with("reason", reason),
+                UnsafeUrl::Unresolved(host) => Broken::new(Rule::UrlUnresolved).with("host", host),
+            },
+        ),
+        WebhookError::Rejected(EndpointError::InvalidUrl) => ApiError::invalid(
+            "url",
+            Broken::new(Rule::HttpUrl).with("max", webhook::URL_LENGTH_MAX),
+        ),
+        WebhookError::Rejected(EndpointError::NoEventTypes) => ApiError::invalid(
+            "event_types",
+            Broken::new(Rule::AtLeastOneEventType).with("allowed", event_type_names()),
+        ),
+        WebhookError::Rejected(EndpointError::OverlapInPast) => {
+            ApiError::invalid_by("previous_until", Rule::InFuture)
         }
-        WebhookError::NotFound => ApiError::NotFound("no such webhook endpoint".into()),
+        WebhookError::Rejected(error @ EndpointError::IdTaken(_)) => ApiError::Conflict {
+            rule: "idempotency-key-reused",
+            detail: error.to_string(),
+        },
+        WebhookError::Rejected(EndpointError::NotFound) | WebhookError::NotFound => {
+            ApiError::NotFound("no such webhook endpoint".into())
+        }
         error @ WebhookError::TooMany { .. } => ApiError::Conflict {
             rule: "too-many-webhooks",
             detail: error.to_string(),
         },
         WebhookError::Unexpected(error) => error.into(),
     }
+}
+
+fn event_type_names() -> String {
+    WebhookEventType::ALL
+        .map(WebhookEventType::as_str)
+        .join(", ")
 }
 
 fn parse_id(raw: &str) -> Result<Uuid, ApiError> {
@@ -98,17 +126,14 @@ pub async fn register(
 ) -> Result<HttpResponse, ApiError> {
     let mut event_types = Vec::new();
     for text in &body.event_types {
-        event_types.push(
-            WebhookEventType::parse(text).ok_or_else(|| ApiError::Validation {
-                field: "event_types".into(),
-                message: format!(
-                    "{text:?} is not an event type; they are {}",
-                    WebhookEventType::ALL
-                        .map(WebhookEventType::as_str)
-                        .join(", ")
-                ),
-            })?,
-        );
+        event_types.push(WebhookEventType::parse(text).ok_or_else(|| {
+            ApiError::invalid(
+                "event_types",
+                Broken::new(Rule::NotEventType)
+                    .with("value", format!("{text:?}"))
+                    .with("allowed", event_type_names()),
+            )
+        })?);
     }
     let registered = state
         .webhooks
@@ -272,10 +297,12 @@ pub async fn deliveries(
     let endpoint_id = parse_id(&path)?;
     let limit = query.limit.unwrap_or(20);
     if !(1..=DELIVERIES_PAGE_MAX).contains(&limit) {
-        return Err(ApiError::Validation {
-            field: "limit".into(),
-            message: format!("must be 1 to {DELIVERIES_PAGE_MAX}"),
-        });
+        return Err(ApiError::invalid(
+            "limit",
+            Broken::new(Rule::Between)
+                .with("min", 1)
+                .with("max", DELIVERIES_PAGE_MAX),
+        ));
     }
     let log = state
         .webhooks
@@ -303,16 +330,13 @@ pub async fn redeliver(
         (Some(_), None, None) => None,
         (None, Some(since), Some(until)) if since < until => Some((since, until)),
         (None, Some(_), Some(_)) => {
-            return Err(ApiError::Validation {
-                field: "until".into(),
-                message: "must be after since".into(),
-            });
+            return Err(ApiError::invalid(
+                "until",
+                Broken::new(Rule::After).with("other", "since"),
+            ));
         }
         _ => {
-            return Err(ApiError::Validation {
-                field: "message_id".into(),
-                message: "give message_id, or since and until".into(),
-            });
+            return Err(ApiError::invalid_by("message_id", Rule::MessageOrWindow));
         }
     };
     let queued = state

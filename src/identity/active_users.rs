@@ -13,6 +13,7 @@
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
+use zhihui_domain::rule::{Broken, Rule};
 
 use anyhow::Context;
 use chrono::NaiveDate;
@@ -28,14 +29,19 @@ pub const REPORT_DAYS_MAX: i64 = 400;
 
 /// Check a report's range: `from` not after `to`, at most [`REPORT_DAYS_MAX`] days. The error
 /// names the field and the rule.
-pub fn check_range(from: NaiveDate, to: NaiveDate) -> Result<(), (&'static str, String)> {
+pub fn check_range(from: NaiveDate, to: NaiveDate) -> Result<(), (&'static str, Broken)> {
     if from > to {
-        return Err(("from", format!("must not be after `to` ({to})")));
+        return Err((
+            "from",
+            Broken::new(Rule::NotAfter)
+                .with("other", "to")
+                .with("value", to),
+        ));
     }
     if (to - from).num_days() >= REPORT_DAYS_MAX {
         return Err((
             "from",
-            format!("a report spans at most {REPORT_DAYS_MAX} days"),
+            Broken::new(Rule::SpanAtMost).with("days", REPORT_DAYS_MAX),
         ));
     }
     Ok(())

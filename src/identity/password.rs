@@ -14,6 +14,7 @@
 //! most `HASHES_IN_FLIGHT_MAX` such blocks.
 
 use std::sync::{Arc, Mutex};
+use zhihui_domain::rule::{Broken, Rule};
 
 use anyhow::Context;
 use argon2::password_hash::phc::PasswordHash as Phc;
@@ -41,20 +42,16 @@ const SALT_LENGTH: usize = 16;
 pub struct PlainPassword(SecretString);
 
 impl PlainPassword {
-    pub fn parse(raw: &str) -> Result<PlainPassword, String> {
+    pub fn parse(raw: &str) -> Result<PlainPassword, Broken> {
         let length = raw.chars().count();
         if length < PASSWORD_LENGTH_MIN {
-            return Err(format!(
-                "must be at least {PASSWORD_LENGTH_MIN} characters long"
-            ));
+            return Err(Broken::new(Rule::LengthAtLeast).with("min", PASSWORD_LENGTH_MIN));
         }
         if length > PASSWORD_LENGTH_MAX {
-            return Err(format!(
-                "must be at most {PASSWORD_LENGTH_MAX} characters long"
-            ));
+            return Err(Broken::new(Rule::LengthAtMost).with("max", PASSWORD_LENGTH_MAX));
         }
         if raw.trim().is_empty() {
-            return Err("must not be only spaces".into());
+            return Err(Broken::new(Rule::NotOnlySpaces));
         }
         Ok(PlainPassword(SecretString::from(raw)))
     }
@@ -258,11 +255,13 @@ mod tests {
         assert!(
             PlainPassword::parse("short")
                 .unwrap_err()
+                .to_string()
                 .contains("at least 8")
         );
         assert!(
             PlainPassword::parse(&"x".repeat(129))
                 .unwrap_err()
+                .to_string()
                 .contains("at most 128")
         );
         assert!(PlainPassword::parse("         ").is_err());

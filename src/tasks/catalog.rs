@@ -4,6 +4,7 @@
 
 use rust_decimal::Decimal;
 use zhihui_domain::points::Amount;
+use zhihui_domain::rule::{Broken, Rule};
 use zhihui_domain::task::{PromptText, TaskSpec};
 
 use crate::platform::configuration::TaskSettings;
@@ -33,7 +34,7 @@ pub struct RequestedTask {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FieldError {
     pub field: &'static str,
-    pub message: String,
+    pub broken: Broken,
 }
 
 /// A request that passed the catalog: its parameters and its price.
@@ -65,7 +66,9 @@ fn one_of(
         Some(value) => {
             errors.push(FieldError {
                 field,
-                message: format!("{value:?} is not one of {}", allowed.join(", ")),
+                broken: Broken::new(Rule::OneOf)
+                    .with("value", format!("{value:?}"))
+                    .with("allowed", allowed.join(", ")),
             });
             default.to_owned()
         }
@@ -87,7 +90,10 @@ fn within(
             _ => {
                 errors.push(FieldError {
                     field,
-                    message: format!("must be an integer from {min} to {max}, got {value}"),
+                    broken: Broken::new(Rule::IntegerBetween)
+                        .with("min", min)
+                        .with("max", max)
+                        .with("value", value),
                 });
                 default
             }
@@ -116,7 +122,7 @@ impl Catalog {
             .map_err(|error| {
                 errors.push(FieldError {
                     field: "prompt",
-                    message: error.to_string(),
+                    broken: error.0,
                 })
             })
             .ok();
@@ -128,7 +134,7 @@ impl Catalog {
         .map_err(|error| {
             errors.push(FieldError {
                 field: "negative_prompt",
-                message: error.to_string(),
+                broken: error.0,
             })
         })
         .ok();
@@ -176,10 +182,11 @@ impl Catalog {
             Some(cfg) => {
                 errors.push(FieldError {
                     field: "cfg",
-                    message: format!(
-                        "must be from {} to {} with at most {CFG_SCALE_MAX} decimal place, got {cfg}",
-                        settings.cfg_min, settings.cfg_max
-                    ),
+                    broken: Broken::new(Rule::DecimalBetween)
+                        .with("min", settings.cfg_min)
+                        .with("max", settings.cfg_max)
+                        .with("places", CFG_SCALE_MAX)
+                        .with("value", cfg),
                 });
                 settings.default_cfg
             }
@@ -205,7 +212,10 @@ impl Catalog {
                 _ => {
                     errors.push(FieldError {
                         field: "seed",
-                        message: format!("must be an integer from 0 to {SEED_MAX}, got {seed}"),
+                        broken: Broken::new(Rule::IntegerBetween)
+                            .with("min", 0)
+                            .with("max", SEED_MAX)
+                            .with("value", seed),
                     });
                     0
                 }
@@ -217,10 +227,10 @@ impl Catalog {
             return Err(errors);
         };
         let price =
-            Amount::parse(settings.price_per_image * Decimal::from(images)).map_err(|error| {
+            Amount::parse(settings.price_per_image * Decimal::from(images)).map_err(|_| {
                 vec![FieldError {
                     field: "images",
-                    message: format!("the price of {images} images is not payable: {error}"),
+                    broken: Broken::new(Rule::NotPayable).with("images", images),
                 }]
             })?;
         Ok(CheckedTask {

@@ -160,6 +160,63 @@ mod tests {
     }
 
     #[test]
+    fn every_rule_a_field_can_break_is_said_in_both_languages() {
+        for rule in zhihui_domain::rule::Rule::ALL {
+            let key = format!("rule.{}", rule.key());
+            assert!(ZH.contains_key(&key), "{key} is missing in Chinese");
+            // The English page says what the API says.
+            assert_eq!(
+                EN.get(&key).map(String::as_str),
+                Some(rule.english()),
+                "{key}"
+            );
+        }
+    }
+
+    /// Every rule a refusal names (`rule: "..."`) and every field a validation error names is in
+    /// both catalogs, so no page shows the API's English in a Chinese page.
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn every_refusal_and_field_the_code_names_is_said_in_both_languages() {
+        let rule = regex::Regex::new(r#"rule: "([a-z0-9-]+)""#).unwrap();
+        let field =
+            regex::Regex::new(r#"(?:invalid(?:_by)?\(\s*|field: )"([A-Za-z_-]+)""#).unwrap();
+        let mut missing = Vec::new();
+        let mut files = vec![std::path::PathBuf::from(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/src"
+        ))];
+        while let Some(path) = files.pop() {
+            if path.is_dir() {
+                for entry in std::fs::read_dir(&path).unwrap() {
+                    files.push(entry.unwrap().path());
+                }
+                continue;
+            }
+            if path.extension().is_none_or(|extension| extension != "rs") {
+                continue;
+            }
+            let source = std::fs::read_to_string(&path).unwrap();
+            let keys = rule
+                .captures_iter(&source)
+                .map(|found| format!("error.{}", &found[1]))
+                .chain(
+                    field
+                        .captures_iter(&source)
+                        .map(|found| format!("field.{}", &found[1])),
+                );
+            for key in keys {
+                if !(ZH.contains_key(&key) && EN.contains_key(&key)) {
+                    missing.push(format!("{key} ({})", path.display()));
+                }
+            }
+        }
+        missing.sort();
+        missing.dedup();
+        assert!(missing.is_empty(), "not in the catalogs: {missing:#?}");
+    }
+
+    #[test]
     fn both_catalogs_have_the_same_keys_and_placeholders() {
         let zh: Vec<&String> = ZH.keys().collect();
         let en: Vec<&String> = EN.keys().collect();

@@ -274,19 +274,9 @@ fn submit_refusal(page: &Page, error: &TaskServiceError) -> String {
         TaskServiceError::ModelUnavailable { model } => {
             page.t("generate.model_unavailable", &[("model", model.clone())])
         }
-        TaskServiceError::Invalid(fields) => fields
-            .iter()
-            .map(|field| {
-                page.t(
-                    "error.field",
-                    &[
-                        ("field", page.t(&format!("field.{}", field.field), &[])),
-                        ("message", field.message.clone()),
-                    ],
-                )
-            })
-            .collect::<Vec<_>>()
-            .join("；"),
+        TaskServiceError::Invalid(fields) => {
+            page.fields_message(fields.iter().map(|field| (field.field, &field.broken)))
+        }
         other => page.message_of(&crate::http::tasks::task_error(clone_refusal(other))),
     }
 }

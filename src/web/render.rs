@@ -11,6 +11,7 @@ use actix_web::http::StatusCode;
 use actix_web::{FromRequest, HttpRequest, HttpResponse, ResponseError, web};
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, State, context};
+use zhihui_domain::rule::Broken;
 
 use super::i18n::Lang;
 use super::session::{self, Member};
@@ -440,12 +441,12 @@ impl Page {
     /// (`error.<rule>`), else the rule's detail; a field error names the field.
     pub fn message_of(&self, error: &ApiError) -> String {
         match error {
-            ApiError::Validation { field, message } => self.field_message(field, message),
-            ApiError::InvalidFields(fields) => fields
-                .iter()
-                .map(|(field, message)| self.field_message(field, message))
-                .collect::<Vec<_>>()
-                .join("；"),
+            ApiError::Validation { field, broken } => self.field_message(field, broken),
+            ApiError::InvalidFields(fields) => self.fields_message(
+                fields
+                    .iter()
+                    .map(|(field, broken)| (field.as_str(), broken)),
+            ),
             ApiError::NotFound(_) => self.t("error.not_found", &[]),
             ApiError::Unexpected(_) => self.t("error.unexpected", &[]),
             ApiError::Unavailable { .. } => self.t("error.unavailable", &[]),
@@ -464,17 +465,43 @@ impl Page {
         }
     }
 
-    fn field_message(&self, field: &str, message: &str) -> String {
+    /// `field` broke `broken`, said in the reader's language: the field's name and the rule's
+    /// sentence both from the catalog (`field.<name>`, `rule.<key>`).
+    pub fn field_message(&self, field: &str, broken: &Broken) -> String {
+        let mut broken = broken.clone();
+        // `other` and `with` name another field: said by its name too.
+        for (name, value) in &mut broken.args {
+            if matches!(*name, "other" | "with") {
+                *value = self.field_name(value);
+            }
+        }
+        let rule = broken.fill(&self.t(&format!("rule.{}", broken.rule.key()), &[]));
+        self.t(
+            "error.field",
+            &[("field", self.field_name(field)), ("message", rule)],
+        )
+    }
+
+    /// A field's name in the reader's language; the API's own name when the catalog has none.
+    fn field_name(&self, field: &str) -> String {
         let key = format!("field.{field}");
-        let name = if self.lang.has(&key) {
+        if self.lang.has(&key) {
             self.t(&key, &[])
         } else {
             field.to_owned()
-        };
-        self.t(
-            "error.field",
-            &[("field", name), ("message", message.to_owned())],
-        )
+        }
+    }
+
+    /// Several fields' messages in one line.
+    pub fn fields_message<'a>(
+        &self,
+        fields: impl IntoIterator<Item = (&'a str, &'a Broken)>,
+    ) -> String {
+        fields
+            .into_iter()
+            .map(|(field, broken)| self.field_message(field, broken))
+            .collect::<Vec<_>>()
+            .join(&self.t("error.separator", &[]))
     }
 
     /// An unexpected API error becomes the 500 page; any other is the caller's to show.

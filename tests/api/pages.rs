@@ -224,3 +224,157 @@ async fn a_form_sent_after_the_session_ended_returns_to_its_own_page_after_signi
         Some("/login?next=/generate")
     );
 }
+
+/// The catalogs as the pages use them (`section.key -> text`).
+fn catalog(lang: &str) -> std::collections::BTreeMap<String, String> {
+    let source = match lang {
+        "zh" => include_str!("../../src/web/i18n/zh.toml"),
+        _ => include_str!("../../src/web/i18n/en.toml"),
+    };
+    let table: toml::Table = source.parse().unwrap();
+    let mut out = std::collections::BTreeMap::new();
+    for (section, entries) in table {
+        if let toml::Value::Table(entries) = entries {
+            for (key, text) in entries {
+                if let toml::Value::String(text) = text {
+                    out.insert(format!("{section}.{key}"), text);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The words of every rule's sentence in `lang` that name no value: any of them in a page of the
+/// other language is a field error said in the wrong language.
+fn rule_words(lang: &str) -> Vec<String> {
+    catalog(lang)
+        .into_iter()
+        .filter(|(key, _)| key.starts_with("rule."))
+        .flat_map(|(_, text)| {
+            text.split(['{', '}'])
+                .step_by(2)
+                .map(str::trim)
+                .filter(|words| words.chars().count() >= 6)
+                .map(str::to_owned)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// A page's form sent with what a person might type: `(what, path, session, body)`, and what the
+/// page must say: `(field, rule, the rule's values)`.
+type Case<'a> = (
+    &'a str,
+    String,
+    Option<&'a str>,
+    String,
+    (&'a str, &'a str, Vec<(&'a str, &'a str)>),
+);
+
+/// `field` broke `rule` (its `{name}`s from `args`), as a page in `lang` says it.
+fn said(lang: &str, field: &str, rule: &str, args: &[(&str, &str)]) -> String {
+    let catalog = catalog(lang);
+    let mut sentence = catalog[&format!("rule.{rule}")].clone();
+    for (name, value) in args {
+        sentence = sentence.replace(&format!("{{{name}}}"), value);
+    }
+    catalog["error.field"]
+        .replace("{field}", &catalog[&format!("field.{field}")])
+        .replace("{message}", &sentence)
+}
+
+#[tokio::test]
+async fn a_field_error_in_a_page_is_said_in_the_pages_language_never_the_apis_english() {
+    let app = spawn_app().await;
+    let client = browser();
+    let admin = app.admin_token("guanliyuan").await;
+    let member_id = app.register("xiaohong", "correct horse").await;
+    let member = app.login("xiaohong", "correct horse").await;
+    let steps_min = app.settings.tasks.steps_min.to_string();
+    let steps_max = app.settings.tasks.steps_max.to_string();
+    let form = |pairs: &[(&str, &str)]| {
+        let mut body = url::form_urlencoded::Serializer::new(String::new());
+        for (name, value) in pairs {
+            body.append_pair(name, value);
+        }
+        body.finish()
+    };
+    // Each: a page's form, what a person might type, what the page must say.
+    let cases: Vec<Case> = vec![
+        (
+            "a username that breaks a rule",
+            "/register".into(),
+            None,
+            form(&[("username", "9lives"), ("password", "correct horse")]),
+            ("username", "username_starts_with_letter", vec![]),
+        ),
+        (
+            "a phone number without a country code",
+            "/login/code".into(),
+            None,
+            form(&[("phone", "2025550123")]),
+            ("phone", "phone_country_code", vec![]),
+        ),
+        (
+            "a prompt of only spaces",
+            "/generate".into(),
+            Some(member.as_str()),
+            form(&[("prompt", "   ")]),
+            ("prompt", "not_empty", vec![]),
+        ),
+        (
+            "steps out of range",
+            "/generate".into(),
+            Some(member.as_str()),
+            form(&[("prompt", "雪中的红狐狸"), ("steps", "500")]),
+            (
+                "steps",
+                "integer_between",
+                vec![("min", &steps_min), ("max", &steps_max), ("value", "500")],
+            ),
+        ),
+        (
+            "a grant too large",
+            format!("/admin/users/{member_id}/grant"),
+            Some(admin.as_str()),
+            form(&[("amount", "2000000000"), ("reason", "活动奖励")]),
+            ("amount", "at_most", vec![("max", "1000000000")]),
+        ),
+    ];
+    for lang in ["zh", "en"] {
+        let other = if lang == "zh" { "en" } else { "zh" };
+        let foreign = rule_words(other);
+        for (what, path, token, body, (field, rule, args)) in &cases {
+            let mut request = client
+                .post(format!("{}{path}", app.address))
+                .header("Origin", app.address.as_str())
+                .header("Accept", BROWSER_ACCEPT)
+                .header("Cookie", format!("lang={lang}"))
+                .header("Content-Type", "application/x-www-form-urlencoded")
+                .header("HX-Request", "true");
+            if let Some(token) = token {
+                request = request
+                    .header("Cookie", format!("lang={lang}; zhihui_session={token}"))
+                    .header(
+                        zhihui::http::cookie::CSRF_HEADER,
+                        zhihui::http::cookie::csrf_token(token),
+                    );
+            }
+            let response = request.body(body.clone()).send().await.unwrap();
+            let status = response.status().as_u16();
+            let page = response.text().await.unwrap();
+            let expected = said(lang, field, rule, args);
+            assert!(
+                page.contains(&expected),
+                "{what} ({lang}, {status}): the page should say {expected:?}: {page}"
+            );
+            for words in &foreign {
+                assert!(
+                    !page.contains(words.as_str()),
+                    "{what} ({lang}): {words:?} is the other language's: {page}"
+                );
+            }
+        }
+    }
+}

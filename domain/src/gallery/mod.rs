@@ -21,10 +21,12 @@ pub mod follow;
 pub mod like;
 pub mod work;
 
+use crate::rule::{Broken, Rule};
+
 /// Why a piece of text was refused; the message names the rule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
-pub struct InvalidText(pub String);
+pub struct InvalidText(pub Broken);
 
 /// `raw` trimmed, `min..=max` characters long, without control characters (line breaks and tabs
 /// allowed only where `multiline`).
@@ -38,23 +40,23 @@ pub(crate) fn checked_text(
     let length = text.chars().count();
     if length < min {
         return Err(InvalidText(if min == 1 {
-            "must not be empty".into()
+            Broken::new(Rule::NotEmpty)
         } else {
-            format!("must be at least {min} characters long")
+            Broken::new(Rule::LengthAtLeast).with("min", min)
         }));
     }
     if length > max {
-        return Err(InvalidText(format!(
-            "must be at most {max} characters long"
-        )));
+        return Err(InvalidText(
+            Broken::new(Rule::LengthAtMost).with("max", max),
+        ));
     }
     let allowed = |c: char| multiline && (c == '\n' || c == '\t' || c == '\r');
     if text.chars().any(|c| c.is_control() && !allowed(c)) {
-        return Err(InvalidText(if multiline {
-            "must not contain control characters other than line breaks and tabs".into()
+        return Err(InvalidText(Broken::new(if multiline {
+            Rule::NoControlCharacters
         } else {
-            "must be one line without control characters".into()
-        }));
+            Rule::OneLine
+        })));
     }
     Ok(text.to_owned())
 }

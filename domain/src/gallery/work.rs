@@ -577,12 +577,14 @@ mod tests {
     fn texts_are_counted_in_characters_and_their_rules_named() {
         assert!(WorkTitle::parse(&"雨".repeat(TITLE_LENGTH_MAX)).is_ok());
         assert_eq!(
-            WorkTitle::parse(&"雨".repeat(TITLE_LENGTH_MAX + 1)).unwrap_err(),
-            InvalidText("must be at most 60 characters long".into())
+            WorkTitle::parse(&"雨".repeat(TITLE_LENGTH_MAX + 1))
+                .unwrap_err()
+                .to_string(),
+            "must be at most 60 characters long"
         );
         assert_eq!(
-            WorkTitle::parse("   ").unwrap_err(),
-            InvalidText("must not be empty".into())
+            WorkTitle::parse("   ").unwrap_err().0.rule,
+            crate::rule::Rule::NotEmpty
         );
         assert!(WorkTitle::parse("两行\n标题").is_err());
         assert_eq!(WorkDescription::parse("  ").unwrap(), None);

@@ -23,6 +23,7 @@ use uuid::Uuid;
 use crate::Decider;
 use crate::event::{DecodeError, DomainEvent, expect_version, parse_payload, payload_of};
 use crate::points::Amount;
+use crate::rule::{Broken, Rule};
 use crate::user::UserId;
 
 pub use format::{CodeKeys, InvalidCode, RedeemCode, SERIAL_MAX, SigningKey};
@@ -215,10 +216,10 @@ pub struct BatchSpec {
 
 /// A batch request that breaks a rule, naming the field.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{field}: {message}")]
+#[error("{field}: {broken}")]
 pub struct BatchSpecError {
     pub field: &'static str,
-    pub message: String,
+    pub broken: Broken,
 }
 
 impl BatchSpec {
@@ -226,19 +227,21 @@ impl BatchSpec {
         if !(1..=BATCH_COUNT_MAX).contains(&self.count) {
             return Err(BatchSpecError {
                 field: "count",
-                message: format!("must be 1 to {BATCH_COUNT_MAX}"),
+                broken: Broken::new(Rule::Between)
+                    .with("min", 1)
+                    .with("max", BATCH_COUNT_MAX),
             });
         }
         if self.valid_until <= self.valid_from {
             return Err(BatchSpecError {
                 field: "valid_until",
-                message: "must be after valid_from".into(),
+                broken: Broken::new(Rule::After).with("other", "valid_from"),
             });
         }
         if self.note.chars().count() > BATCH_NOTE_LENGTH_MAX {
             return Err(BatchSpecError {
                 field: "note",
-                message: format!("must be at most {BATCH_NOTE_LENGTH_MAX} characters"),
+                broken: Broken::new(Rule::LengthAtMost).with("max", BATCH_NOTE_LENGTH_MAX),
             });
         }
         Ok(())

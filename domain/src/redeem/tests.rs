@@ -110,7 +110,9 @@ fn a_batch_checks_its_fields() {
         })
         .then_error(BatchError::Spec(BatchSpecError {
             field: "count",
-            message: "must be 1 to 1000000".into(),
+            broken: crate::rule::Broken::new(crate::rule::Rule::Between)
+                .with("min", 1)
+                .with("max", 1_000_000),
         }));
     bad = spec(10);
     bad.valid_until = bad.valid_from;

@@ -2,6 +2,7 @@
 //! the generation parameters (`TaskSpec`) and the images it made (`TaskImage`).
 
 use super::*;
+use crate::rule::{Broken, Rule};
 
 /// A prompt as a user typed it: trimmed, not empty unless allowed, within a length, without
 /// control characters other than line breaks and tabs. Valid by construction after `parse`.
@@ -12,7 +13,7 @@ pub struct PromptText(String);
 /// Why a prompt was refused; the message names the rule.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
-pub struct InvalidPrompt(pub String);
+pub struct InvalidPrompt(pub Broken);
 
 impl PromptText {
     pub fn parse(
@@ -22,22 +23,24 @@ impl PromptText {
     ) -> Result<PromptText, InvalidPrompt> {
         let text = text.trim();
         if text.is_empty() && !may_be_empty {
-            return Err(InvalidPrompt("must not be empty".into()));
+            return Err(InvalidPrompt(Broken::new(Rule::NotEmpty)));
         }
         let length = text.chars().count();
         if length > length_max {
-            return Err(InvalidPrompt(format!(
-                "must be at most {length_max} characters, got {length}"
-            )));
+            return Err(InvalidPrompt(
+                Broken::new(Rule::LengthAtMostGot)
+                    .with("max", length_max)
+                    .with("length", length),
+            ));
         }
         if let Some(bad) = text
             .chars()
             .find(|c| c.is_control() && !matches!(c, '\n' | '\r' | '\t'))
         {
-            return Err(InvalidPrompt(format!(
-                "must not contain the control character U+{:04X}",
-                u32::from(bad)
-            )));
+            return Err(InvalidPrompt(
+                Broken::new(Rule::NoControlCharacter)
+                    .with("character", format!("U+{:04X}", u32::from(bad))),
+            ));
         }
         Ok(PromptText(text.to_owned()))
     }
