@@ -54,8 +54,10 @@ pub async fn ticket(
 
 /// Notifications about the caller's tasks. Authenticate with `?ticket=<one-time ticket>` (from
 /// `POST /api/v1/ws/ticket`), `Authorization: Bearer <token>`, or, as a fallback, `?token=`.
-/// Messages are JSON: `{"type": "position" | "dispatched" | "progress" | "succeeded" | "failed" |
-/// "cancelled", "task_id", ...}`; `succeeded` carries image URLs.
+/// Messages are JSON: `{"type": "position" | "left_queue" | "dispatched" | "progress" |
+/// "succeeded" | "failed" | "cancelled", "task_id", ...}`; `succeeded` carries image URLs;
+/// `left_queue` says a task followed in the queue is no longer there (its state says why, and
+/// may have been told before it was followed).
 pub async fn socket(
     state: web::Data<AppState>,
     request: HttpRequest,
@@ -314,13 +316,18 @@ async fn follow(
     drop(user_socket.close(close_reason).await);
 }
 
-/// Tell the places that changed; tasks that left the queue are forgotten.
+/// Tell the places that changed, and the tasks that left the queue (then forgotten).
 async fn tell_positions(
     user_socket: &mut actix_ws::Session,
     following: &mut crate::tasks::positions::Following,
     snapshot: &crate::tasks::positions::Snapshot,
 ) -> Result<(), actix_ws::Closed> {
-    for (task_id, place) in following.changes(snapshot) {
+    let (moved, left) = following.changes(snapshot);
+    for task_id in left {
+        let message = json!({"type": "left_queue", "task_id": task_id});
+        user_socket.text(message.to_string()).await?;
+    }
+    for (task_id, place) in moved {
         let (estimated_start_at, estimated_end_at) = match place.estimate {
             Some(crate::tasks::pool::WaitEstimate::At { start, end }) => (Some(start), Some(end)),
             _ => (None, None),

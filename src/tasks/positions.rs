@@ -226,9 +226,10 @@ impl Following {
         }
     }
 
-    /// The places in `snapshot` that differ from what was told (now told); tasks it says left
-    /// the queue are forgotten.
-    pub fn changes(&mut self, snapshot: &Snapshot) -> Vec<(TaskId, Place)> {
+    /// The places in `snapshot` that differ from what was told (now told), and the tasks it
+    /// says left the queue (forgotten here: the page that shows one learns it left, even when
+    /// the news of why came before it followed the task).
+    pub fn changes(&mut self, snapshot: &Snapshot) -> (Vec<(TaskId, Place)>, Vec<TaskId>) {
         let mut changed = Vec::new();
         let mut left = Vec::new();
         for (task_id, told) in &mut self.told {
@@ -241,10 +242,10 @@ impl Following {
                 _ => {}
             }
         }
-        for task_id in left {
-            self.remove(task_id);
+        for task_id in &left {
+            self.remove(*task_id);
         }
-        changed
+        (changed, left)
     }
 }
 

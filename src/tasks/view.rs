@@ -55,6 +55,9 @@ pub struct TaskView {
     pub estimated_end_at: Option<DateTime<Utc>>,
     /// While queued without an estimate: why (no server in service offers its model, ...).
     pub estimate_note: Option<String>,
+    /// The server it was sent to, once dispatched: waiting there to run next (`dispatched`),
+    /// running there (`running`), or where it ran.
+    pub backend: Option<String>,
     /// Sampling progress while running.
     pub progress: Option<ProgressView>,
     pub images: Vec<ImageView>,
@@ -99,6 +102,7 @@ pub fn view_of(record: TaskRecord) -> TaskView {
         estimated_start_at: None,
         estimated_end_at: None,
         estimate_note: None,
+        backend: record.backend,
         progress: None,
         images: image_views(record.images),
         failure_reason: record.failure_reason,

@@ -1217,6 +1217,148 @@ async fn a_task_posted_ahead_waits_in_the_servers_queue_and_a_cancel_deletes_it_
     saga.resign().await;
 }
 
+/// Ten tasks, two servers: every card of the history page says what is true of its task, checked
+/// against the task's own state and the queue: running on its server, sent to its server and
+/// waiting there (posted ahead, or staged for it), or its place in the queue, each place once.
+/// The admin's servers page counts running and waiting apart.
+#[tokio::test]
+async fn every_card_says_where_its_task_is_running_waiting_on_a_server_or_its_place() {
+    let faults = Faults {
+        step_delay_ms: 400,
+        ..Faults::default()
+    };
+    let harness = harness_with(2, faults, |dispatch| {
+        dispatch.staged_per_backend = 2;
+        dispatch.posted_ahead_per_backend = 1;
+    })
+    .await;
+    let app = &harness.app;
+    let (_, token) = funded_user(app, "xiaolan", "10").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 2).await;
+    // 50 steps of 400 ms: the first two run for 20 s, time for every check below.
+    let mut tasks = Vec::new();
+    for _ in 0..10 {
+        tasks.push(submit_task(app, &token, 1, 50).await);
+    }
+    // Two run, two wait in the servers' own queues, two are staged for them, four are queued.
+    let started = tokio::time::Instant::now();
+    loop {
+        let mut running = 0;
+        let mut dispatched = 0;
+        for task in &tasks {
+            match status_of(&process, task).await.status {
+                TaskStatus::Running => running += 1,
+                TaskStatus::Dispatched => dispatched += 1,
+                _ => {}
+            }
+        }
+        if (running, dispatched) == (2, 4) {
+            break;
+        }
+        assert!(
+            started.elapsed() < DRIVE_LIMIT,
+            "never two running and four sent ahead: {running} running, {dispatched} dispatched"
+        );
+        saga.step().await.unwrap();
+    }
+    app.project().await;
+    let names = process.dispatcher.backend_names();
+    let page = |path: &str| {
+        let token = token.clone();
+        let url = format!("{}{path}", app.address);
+        async move {
+            reqwest::Client::new()
+                .get(url)
+                .header("Cookie", format!("lang=zh; zhihui_session={token}"))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        }
+    };
+    let history = page("/history").await;
+    let mut places = Vec::new();
+    for task in &tasks {
+        let start = history
+            .find(&format!(r#"data-task-id="{task}""#))
+            .unwrap_or_else(|| panic!("no card for {task}"));
+        let card = &history[start..];
+        let card = &card[..card.find("</article>").unwrap()];
+        let state = status_of(&process, task).await;
+        let says = |text: &str| card.contains(text);
+        match state.status {
+            TaskStatus::Running | TaskStatus::Dispatched => {
+                let backend = state
+                    .backend
+                    .clone()
+                    .expect("a server for a task sent to one");
+                assert!(names.contains(&backend));
+                let expected = if state.status == TaskStatus::Running {
+                    format!("正在服务器 {backend} 上生成。")
+                } else {
+                    format!("已交给服务器 {backend}，在那里等候")
+                };
+                assert!(says(&expected), "{task} ({:?}): {card}", state.status);
+                assert!(
+                    says(r#"<p data-field="position" hidden></p>"#),
+                    "{task} is not in the queue: {card}"
+                );
+                if state.status == TaskStatus::Dispatched {
+                    // Waiting is not running: no progress bar at 0 %.
+                    assert!(
+                        says(r#"hidden data-field="progress-row""#),
+                        "{task} shows progress while waiting: {card}"
+                    );
+                }
+            }
+            TaskStatus::Queued => {
+                let rank = process
+                    .tasks
+                    .queue
+                    .rank(Uuid::parse_str(task).unwrap())
+                    .await
+                    .unwrap()
+                    .expect("a queued task has a place");
+                assert!(
+                    says(&format!("排队第 {} 位", rank + 1)),
+                    "{task} is at place {}: {card}",
+                    rank + 1
+                );
+                assert!(!says(r#"<p data-field="server">"#), "{card}");
+                places.push(rank + 1);
+            }
+            other => panic!("{task} is {other:?}"),
+        }
+    }
+    places.sort_unstable();
+    assert_eq!(places, vec![1, 2, 3, 4], "each place once");
+
+    let admin = app.admin_token("guanliyuan").await;
+    let servers = reqwest::Client::new()
+        .get(format!("{}/admin/servers", app.address))
+        .header("Cookie", format!("lang=zh; zhihui_session={admin}"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for name in &names {
+        let start = servers.find(&format!(r#"id="server-{name}""#)).unwrap();
+        let row = &servers[start..];
+        let row = &row[..row.find("</tr>").unwrap()];
+        assert!(
+            row.contains("运行中 1（容量 1）· 在此等待 2"),
+            "{name}: {row}"
+        );
+    }
+    saga.resign().await;
+}
+
 /// One fill at the depth and slot lease the fill test uses.
 async fn fill(
     process: &AppState,

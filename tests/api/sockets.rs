@@ -251,16 +251,25 @@ async fn a_user_opens_at_most_the_configured_number_of_sockets() {
 /// anything else are collected too and returned.
 async fn hear_positions(socket: &mut Socket, expected: &[(String, u64)]) -> Vec<Value> {
     let mut heard = Vec::new();
+    hear_until(socket, &mut heard, |heard| {
+        expected.iter().all(|(task, position)| {
+            heard
+                .iter()
+                .any(|m| m["task_id"] == task.as_str() && m["position"] == *position)
+        })
+    })
+    .await;
+    heard
+}
+
+/// Read messages into `heard` until `enough` says so (or fail after [`LIMIT`]).
+async fn hear_until(
+    socket: &mut Socket,
+    heard: &mut Vec<Value>,
+    enough: impl Fn(&[Value]) -> bool,
+) {
     tokio::time::timeout(LIMIT, async {
-        loop {
-            let all = expected.iter().all(|(task, position)| {
-                heard
-                    .iter()
-                    .any(|m: &Value| m["task_id"] == task.as_str() && m["position"] == *position)
-            });
-            if all {
-                return;
-            }
+        while !enough(heard) {
             match socket.next().await {
                 Some(Ok(Message::Text(text))) => {
                     heard.push(serde_json::from_str(text.as_str()).unwrap());
@@ -271,8 +280,7 @@ async fn hear_positions(socket: &mut Socket, expected: &[(String, u64)]) -> Vec<
         }
     })
     .await
-    .unwrap_or_else(|_| panic!("never heard {expected:?}; heard {heard:?}"));
-    heard
+    .unwrap_or_else(|_| panic!("never heard what was awaited; heard {heard:?}"));
 }
 
 /// The places of a user's queued tasks follow the queue: when it opens, when a task ahead leaves,
@@ -318,4 +326,44 @@ async fn queue_places_reach_the_socket_when_it_opens_and_when_the_queue_moves() 
             "heard another user's task"
         );
     }
+}
+
+/// A task that left the queue before the socket followed it (its news was told to no one, the
+/// read model not yet caught up): the socket says it left, so no page keeps showing its old place
+/// beside the place of the task that took it.
+#[tokio::test]
+async fn a_task_that_left_the_queue_before_the_socket_opened_is_said_to_have_left() {
+    let app = app_with_pings_every(60_000, 8).await;
+    let (_, alice) = crate::tasks::funded_user(&app, "xiaoli", "10").await;
+    let mut tasks = Vec::new();
+    for prompt in ["雪中的红狐狸", "雨后的竹林"] {
+        let response = crate::tasks::submit(&app, &alice, &json!({"prompt": prompt}), None).await;
+        assert_eq!(response.status(), 201);
+        let body: Value = response.json().await.unwrap();
+        tasks.push(body["task_id"].as_str().unwrap().to_owned());
+    }
+    app.project().await;
+    let cancelled = app
+        .post(
+            &format!("/api/v1/tasks/{}/cancel", tasks[0]),
+            Some(&alice),
+            &json!({}),
+        )
+        .await;
+    assert_eq!(cancelled.status(), 200);
+    // Not projected: the read model still has the first task queued when the socket opens.
+    let mut socket = open(&app, &alice).await;
+    let mut heard = hear_positions(&mut socket, &[(tasks[1].clone(), 1)]).await;
+    hear_until(&mut socket, &mut heard, |heard| {
+        heard
+            .iter()
+            .any(|m| m["type"] == "left_queue" && m["task_id"] == tasks[0].as_str())
+    })
+    .await;
+    assert!(
+        !heard
+            .iter()
+            .any(|m| m["type"] == "position" && m["task_id"] == tasks[0].as_str()),
+        "a place for a task out of the queue: {heard:?}"
+    );
 }

@@ -51,29 +51,48 @@ function balanceChanged() {
   if (window.htmx) window.htmx.trigger(body, "balance-changed");
 }
 
+// A card still waiting in the queue: only such a card shows a place. A place read before the
+// task left the queue can arrive after the news that it left; it is not shown.
+function waitsInQueue(card) {
+  return card.dataset.status === "submitted" || card.dataset.status === "queued";
+}
+
 const handlers = {
   position(notice, card) {
-    if (!card) return;
+    if (!card || !waitsInQueue(card)) return;
     show(field(card, "position"), fill(card.dataset.positionTemplate, { position: notice.position }));
     if (notice.estimated_start_at) {
       show(field(card, "estimate"), fill(card.dataset.estimateTemplate, { start: timeText(notice.estimated_start_at) }));
     }
   },
+  // Sent to a server (which one is on the card the server draws), or out of the queue some
+  // other way: the card is drawn again from the task's own events.
   dispatched(notice, card) {
     if (!card) return;
+    card.dataset.status = "dispatched";
     hide(field(card, "position"));
     hide(field(card, "estimate"));
-    show(field(card, "status"), card.dataset.dispatchedText);
-    show(field(card, "progress-row"));
+    refreshCard(notice.task_id);
+  },
+  left_queue(notice, card) {
+    if (!card || !waitsInQueue(card)) return;
+    card.dataset.status = "";
+    hide(field(card, "position"));
+    hide(field(card, "estimate"));
+    refreshCard(notice.task_id);
   },
   progress(notice, card) {
     if (!card) return;
     const max = Number(notice.max) || 1;
     const value = Math.min(Number(notice.value) || 0, max);
     const percent = Math.round((value / max) * 100);
+    card.dataset.status = "running";
     hide(field(card, "position"));
     hide(field(card, "estimate"));
     show(field(card, "status"), card.dataset.runningText);
+    if (card.dataset.server) {
+      show(field(card, "server"), fill(card.dataset.runningOnTemplate, { server: card.dataset.server }));
+    }
     const bar = field(card, "progress");
     if (bar) {
       bar.max = max;

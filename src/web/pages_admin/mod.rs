@@ -129,7 +129,35 @@ async fn servers_context(page: &Page) -> Result<Value, WebError> {
             context! { difference => difference.to_string(), apply => difference.command() }
         })
         .collect();
-    Ok(context! { servers => ser(&servers), differences })
+    let load = in_flight_by_server(page).await?;
+    Ok(context! { servers => ser(&servers), differences, load })
+}
+
+/// Per server, the tasks running there and the tasks sent there that wait to run next (posted
+/// ahead so the GPU never idles), from the tasks' own events (the read model).
+async fn in_flight_by_server(page: &Page) -> Result<Value, WebError> {
+    let client = crate::platform::postgres::checkout(&page.state().pg_pool)
+        .await
+        .map_err(anyhow::Error::new)?;
+    let rows = client
+        .query(
+            "SELECT backend, count(*) FILTER (WHERE status = 'running'),
+                    count(*) FILTER (WHERE status = 'dispatched')
+               FROM tasks WHERE status IN ('dispatched', 'running') AND backend IS NOT NULL
+              GROUP BY backend",
+            &[],
+        )
+        .await
+        .map_err(anyhow::Error::new)?;
+    let load: std::collections::BTreeMap<String, Value> = rows
+        .iter()
+        .map(|row| {
+            let running: i64 = row.get(1);
+            let waiting: i64 = row.get(2);
+            (row.get(0), context! { running, waiting })
+        })
+        .collect();
+    Ok(Value::from(load))
 }
 
 /// The pool: every server's state, models and prompts in flight; add, drain, resume, remove.
@@ -171,7 +199,15 @@ pub async fn add_server(page: Page, form: web::Form<ServerForm>) -> Result<HttpR
     let backend =
         match zhihui_domain::pool::NewBackend::parse(form.name.trim(), form.url.trim(), capacity) {
             Ok(backend) => backend,
-            Err(error) => return page.alert("#servers-messages", "error", &error.to_string()),
+            Err(error) => {
+                return refused(
+                    &page,
+                    "#servers-messages",
+                    crate::http::backends::pool_error(
+                        crate::tasks::pool::PoolServiceError::Rejected(error),
+                    ),
+                );
+            }
         };
     if let Err(error) = page
         .state()
