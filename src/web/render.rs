@@ -118,6 +118,9 @@ pub struct Web {
     env: Environment<'static>,
     cookie_secure: CookieSecure,
     trust_forwarded: bool,
+    /// The platform's offset from UTC in minutes (its day's zone): times in it until the
+    /// reader's browser tells its own.
+    platform_offset: i32,
 }
 
 impl Web {
@@ -143,20 +146,27 @@ impl Web {
                 .map(|(_, source)| (*source).to_owned()))
         });
         env.set_undefined_behavior(minijinja::UndefinedBehavior::Chainable);
-        let offset_minutes = settings.auth.day_utc_offset_minutes;
+        let platform_offset = settings.auth.day_utc_offset_minutes;
         env.add_function("t", translate);
         // Our own URL, not user text: safe as it is.
         env.add_function("asset", |name: &str| {
             Value::from_safe_string(super::assets::url(name))
         });
-        env.add_filter("localtime", move |value: Value| {
-            local_time(&value, offset_minutes, "%Y-%m-%d %H:%M")
+        // One clock: in the reader's zone, or the platform's named (see `reader_zone`).
+        env.add_filter("localtime", move |state: &State, value: Value| {
+            let (offset, label) = reader_zone(state, platform_offset);
+            let text = local_time(&value, offset, "%Y-%m-%d %H:%M");
+            match label {
+                Some(label) if !text.is_empty() => format!("{text} ({label})"),
+                _ => text,
+            }
         });
-        env.add_filter("localdate", move |value: Value| {
-            local_time(&value, offset_minutes, "%Y-%m-%d")
+        env.add_filter("localdate", move |state: &State, value: Value| {
+            local_time(&value, reader_zone(state, platform_offset).0, "%Y-%m-%d")
         });
         Ok(Web {
             env,
+            platform_offset,
             cookie_secure: settings.web.cookie_secure,
             trust_forwarded: settings.http.client_ip_from_forwarded,
         })
@@ -197,6 +207,42 @@ fn translate(state: &State, key: &str, arguments: Kwargs) -> Result<String, mini
 }
 
 /// An RFC 3339 time shown at the platform's UTC offset (the day check-ins count by).
+/// The zone a page draws its times in: the one the reader's browser told (`tz_offset` in the
+/// context), else the platform's, with its name to show beside each time so that it cannot be
+/// read as the reader's own.
+fn reader_zone(state: &State, platform_offset: i32) -> (i32, Option<String>) {
+    match state
+        .lookup("tz_offset")
+        .and_then(|value| i32::try_from(value).ok())
+    {
+        Some(minutes) => (minutes, None),
+        None => (platform_offset, Some(zone_label(platform_offset))),
+    }
+}
+
+/// `UTC+8`, `UTC-5`, `UTC+5:30`.
+pub fn zone_label(minutes: i32) -> String {
+    let sign = if minutes < 0 { '-' } else { '+' };
+    let (hours, rest) = (minutes.unsigned_abs() / 60, minutes.unsigned_abs() % 60);
+    if rest == 0 {
+        format!("UTC{sign}{hours}")
+    } else {
+        format!("UTC{sign}{hours}:{rest:02}")
+    }
+}
+
+/// The zone the reader's browser told, in minutes east of UTC (the `tz` cookie the page's script
+/// sets); none that no place on earth has.
+fn browser_offset(request: &HttpRequest) -> Option<i32> {
+    request
+        .cookie(TZ_COOKIE)
+        .and_then(|cookie| cookie.value().parse::<i32>().ok())
+        .filter(|minutes| (-12 * 60..=14 * 60).contains(minutes))
+}
+
+/// Set by the page's script: the browser's offset from UTC in minutes east.
+const TZ_COOKIE: &str = "tz";
+
 fn local_time(value: &Value, offset_minutes: i32, format: &str) -> String {
     let Some(text) = value.as_str() else {
         return String::new();
@@ -512,6 +558,7 @@ impl Page {
     /// What every template gets: the language, the reader, the CSRF token, where they are.
     fn base_context(&self) -> Value {
         let member = self.member.as_ref();
+        let browser = browser_offset(&self.request);
         let other = match self.lang {
             Lang::Zh => Lang::En,
             Lang::En => Lang::Zh,
@@ -525,6 +572,9 @@ impl Page {
             signed_in => member.is_some(),
             is_admin => member.is_some_and(Member::is_admin),
             csrf => member.map(Member::csrf),
+            tz_offset => browser,
+            page_offset => browser.unwrap_or(self.web.platform_offset),
+            zone_label => browser.is_none().then(|| zone_label(self.web.platform_offset)),
         }
     }
 

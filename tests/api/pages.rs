@@ -378,3 +378,86 @@ async fn a_field_error_in_a_page_is_said_in_the_pages_language_never_the_apis_en
         }
     }
 }
+
+/// One clock: a page draws its times in the zone the reader's browser told (the `tz` cookie,
+/// minutes east of UTC, which the page's script sets), and before it has told one, in the
+/// platform's zone with that zone named; the page tells its script which zone it drew in, so
+/// the live estimates beside them read the same.
+#[tokio::test]
+async fn a_page_draws_its_times_in_the_readers_zone_or_names_the_zone_it_used() {
+    let app = spawn_app().await;
+    let (_, token) = crate::tasks::funded_user(&app, "xiaozhou", "10").await;
+    let response = crate::tasks::submit(
+        &app,
+        &token,
+        &serde_json::json!({"prompt": "黄昏的长城"}),
+        None,
+    )
+    .await;
+    assert_eq!(response.status(), 201);
+    let task: serde_json::Value = response.json().await.unwrap();
+    let task_id = task["task_id"].as_str().unwrap().to_owned();
+    app.project().await;
+    let submitted_at = app
+        .get_as(&token, &format!("/api/v1/tasks/{task_id}"))
+        .await
+        .json::<serde_json::Value>()
+        .await
+        .unwrap()["submitted_at"]
+        .as_str()
+        .unwrap()
+        .parse::<chrono::DateTime<chrono::Utc>>()
+        .unwrap();
+    let history = |cookie: String| {
+        let url = format!("{}/history", app.address);
+        async move {
+            browser()
+                .get(url)
+                .header("Cookie", cookie)
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        }
+    };
+    let when = |page: &str| {
+        let start = page.find(r#"<span class="when">"#).unwrap() + r#"<span class="when">"#.len();
+        page[start..start + page[start..].find("</span>").unwrap()].to_owned()
+    };
+    let in_zone = |minutes: i32| {
+        submitted_at
+            .with_timezone(&chrono::FixedOffset::east_opt(minutes * 60).unwrap())
+            .format("%Y-%m-%d %H:%M")
+            .to_string()
+    };
+    let platform = app.settings.auth.day_utc_offset_minutes;
+
+    // The browser has not told its zone yet: the platform's, named.
+    let page = history(format!("lang=zh; zhihui_session={token}")).await;
+    let label = if platform % 60 == 0 {
+        format!("UTC{:+}", platform / 60)
+    } else {
+        format!("UTC{:+}:{:02}", platform / 60, (platform % 60).abs())
+    };
+    assert_eq!(when(&page), format!("{} ({label})", in_zone(platform)));
+    assert!(
+        page.contains(&format!(r#"data-tz-offset="{platform}""#)),
+        "{page}"
+    );
+    assert!(
+        page.contains(&format!(r#"data-tz-label="{label}""#)),
+        "{page}"
+    );
+
+    // New York in winter (UTC-5), told by the browser: its own time, no zone to misread.
+    let page = history(format!("lang=en; zhihui_session={token}; tz=-300")).await;
+    assert_eq!(when(&page), in_zone(-300));
+    assert!(page.contains(r#"data-tz-offset="-300""#), "{page}");
+    assert!(!page.contains("data-tz-label"), "{page}");
+
+    // A zone no place has (past UTC+14) is not believed.
+    let page = history(format!("lang=zh; zhihui_session={token}; tz=9999")).await;
+    assert!(when(&page).ends_with(&format!("({label})")));
+}

@@ -18,12 +18,28 @@ function fill(template, values) {
   return template.replace(/\{(\w+)\}/g, (whole, name) => (name in values ? String(values[name]) : whole));
 }
 
+// One clock per page: a time drawn here is in the zone the server drew the page in (the
+// browser's own once it has told it, else the platform's, then named), in the server's format.
+const pageOffset = body.dataset.tzOffset ? Number(body.dataset.tzOffset) : NaN;
+const zoneLabel = body.dataset.tzLabel || "";
+
 function timeText(iso) {
   const at = new Date(iso);
   if (Number.isNaN(at.getTime())) return "";
-  return at.toLocaleString(lang === "zh" ? "zh-CN" : "en", {
-    month: "2-digit", day: "2-digit", hour: "2-digit", minute: "2-digit", second: "2-digit",
-  });
+  const offset = Number.isFinite(pageOffset) ? pageOffset : -at.getTimezoneOffset();
+  const shifted = new Date(at.getTime() + offset * 60000);
+  const two = (n) => String(n).padStart(2, "0");
+  const text = `${shifted.getUTCFullYear()}-${two(shifted.getUTCMonth() + 1)}-${two(shifted.getUTCDate())} ${two(shifted.getUTCHours())}:${two(shifted.getUTCMinutes())}`;
+  return zoneLabel ? `${text} (${zoneLabel})` : text;
+}
+
+// The browser's zone, remembered for the pages drawn next (minutes east of UTC).
+{
+  const minutes = -new Date().getTimezoneOffset();
+  if (!document.cookie.split("; ").includes(`tz=${minutes}`)) {
+    const secure = window.location.protocol === "https:" ? "; Secure" : "";
+    document.cookie = `tz=${minutes}; Path=/; Max-Age=31536000; SameSite=Lax${secure}`;
+  }
 }
 
 function field(card, name) {
