@@ -223,8 +223,13 @@ class Person:
             dialog.accept()
         self.page.on("dialog", accept)
 
-    def go(self, path):
-        self.page.goto(f"{self.stack.base}{path}")
+    def go(self, path, status=200):
+        """Open a page; its answer (after redirects) must be `status`, so an error page is never
+        taken for the page asked for."""
+        response = self.page.goto(f"{self.stack.base}{path}")
+        assert response is not None and response.status == status, (
+            f"GET {path}: {response.status if response else 'no answer'}, not {status}"
+        )
         return self.page
 
     def register(self, username, password="correct horse"):

@@ -13,9 +13,9 @@ from conftest import ADMIN, SCREENSHOTS, Person, unique, wait_until
 
 VIEWPORTS = {"phone": (390, 844), "desktop": (1366, 768)}
 LANGS = ("zh", "en")
-# The generate page must stay small and quick (under 150 KB, first paint under 500 ms on loopback).
-GENERATE_BYTES_MAX = 150 * 1024
-GENERATE_PAINT_MS_MAX = 500
+# Every page must stay small and quick (under 150 KB, first paint under 500 ms on loopback).
+PAGE_BYTES_MAX = 150 * 1024
+PAGE_PAINT_MS_MAX = 500
 NOTICE_TO_PAGE_MS_MAX = 100
 
 
@@ -204,12 +204,12 @@ def test_no_page_has_a_serious_or_critical_accessibility_violation(stack, browse
         user.login(showcase["name"], "correct horse")
         admin = Person(browser, stack, lang)
         admin.login(*ADMIN)
-        visits = [(visitor, name, path) for name, path in visitor_pages(showcase)]
-        visits += [(user, name, path) for name, path in user_pages(showcase)]
-        visits += [(user, "forbidden", "/admin")]
-        visits += [(admin, name, path) for name, path in admin_pages(showcase)]
-        for person, name, path in visits:
-            page = person.go(path)
+        visits = [(visitor, name, path, 200) for name, path in visitor_pages(showcase)]
+        visits += [(user, name, path, 200) for name, path in user_pages(showcase)]
+        visits += [(user, "forbidden", "/admin", 403)]
+        visits += [(admin, name, path, 200) for name, path in admin_pages(showcase)]
+        for person, name, path, status in visits:
+            page = person.go(path, status)
             settle(page)
             results = axe.run(page)
             violations = results.response["violations"]
@@ -232,7 +232,8 @@ def test_each_page_is_small_and_paints_fast(stack, browser, showcase):
     """Bytes over the wire (HTML, CSS, JS; images excluded) and first contentful paint, from a
     cold cache, as the browser's own performance timings tell."""
     figures = {}
-    pages = [("login", "/login", None)] + [(name, path, "user") for name, path in user_pages(showcase)]
+    pages = [(name, path, None) for name, path in visitor_pages(showcase)]
+    pages += [(name, path, "user") for name, path in user_pages(showcase)]
     pages += [(name, path, "admin") for name, path in admin_pages(showcase)]
     for name, path, who in pages:
         # A fresh browser context per page (nothing cached), signed in with a session made in
@@ -243,7 +244,7 @@ def test_each_page_is_small_and_paints_fast(stack, browser, showcase):
             person.login(*((showcase["name"], "correct horse") if who == "user" else ADMIN))
             fresh.context.add_cookies(person.context.cookies())
             person.close()
-        page = fresh.go(path)
+        page = fresh.go(path)  # an error page would fail here, not be measured
         settle(page)
         timings = page.evaluate(
             """() => {
@@ -269,10 +270,12 @@ def test_each_page_is_small_and_paints_fast(stack, browser, showcase):
     for name, timings in sorted(figures.items()):
         print(f"PAGE {name:18} total {timings['total']:7} B (html {timings['html']}, css+js {timings['css_js']}) "
               f"first paint {timings['first_contentful_paint_ms']} ms")
-    generate = figures["generate"]
-    assert generate["total"] < GENERATE_BYTES_MAX, generate
-    assert generate["first_contentful_paint_ms"] is not None
-    assert generate["first_contentful_paint_ms"] < GENERATE_PAINT_MS_MAX, generate
+    assert len(figures) == len(pages)
+    too_big = {name: timings["total"] for name, timings in figures.items() if timings["total"] >= PAGE_BYTES_MAX}
+    too_slow = {name: timings["first_contentful_paint_ms"] for name, timings in figures.items()
+                if timings["first_contentful_paint_ms"] is None or timings["first_contentful_paint_ms"] >= PAGE_PAINT_MS_MAX}
+    assert not too_big, f"pages over {PAGE_BYTES_MAX} bytes: {too_big}"
+    assert not too_slow, f"pages without a first paint under {PAGE_PAINT_MS_MAX} ms: {too_slow}"
 
 
 def test_a_progress_notice_shows_on_the_page_within_100_ms_of_its_frame(stack, browser, showcase):
