@@ -353,3 +353,64 @@ def test_a_page_is_served_with_its_security_headers(stack, browser, showcase):
     assert user.page.locator("[style]").count() == 0
     assert user.page.locator("style").count() == 0
     user.close()
+
+
+def test_what_revalidating_private_images_costs_the_history_page(stack, browser):
+    """Private images are `private, no-cache` (a logged-out browser must not show them from its
+    cache): every use asks again. What that costs a page of twenty images on a reload, beside what
+    the same reload costs the page's immutable assets (served from the cache, no request)."""
+    admin = stack.token(*ADMIN)
+    name = unique("tupian")
+    assert stack.api("POST", "/api/v1/auth/register", body={"username": name, "password": "correct horse"})[0] == 201
+    token = stack.token(name, "correct horse")
+    user_id = stack.api("GET", "/api/v1/me", token)[1]["id"]
+    assert stack.api("POST", f"/api/v1/admin/accounts/{user_id}/grants", admin, {"amount": "20", "reason": "测量缓存"})[0] == 201
+    for number in range(10):
+        status, body = stack.api("POST", "/api/v1/tasks", token, {"prompt": f"第 {number + 1} 张：山水", "steps": 2, "images": 2})
+        assert status == 201, body
+
+    def all_done():
+        listed = stack.api("GET", "/api/v1/tasks", token)[1]["tasks"]
+        return len(listed) == 10 and all(task["status"] == "succeeded" for task in listed)
+
+    wait_until(all_done, "twenty images")
+    user = Person(browser, stack, "zh")
+    user.login(name, "correct horse")
+    measure = """() => {
+        const navigation = performance.getEntriesByType('navigation')[0];
+        const resources = performance.getEntriesByType('resource');
+        const of = (entries) => ({
+            requests: entries.filter((entry) => entry.transferSize > 0).length,
+            from_cache: entries.filter((entry) => entry.transferSize === 0).length,
+            bytes: entries.reduce((sum, entry) => sum + entry.transferSize, 0),
+            body_bytes: entries.reduce((sum, entry) => sum + entry.encodedBodySize, 0),
+            slowest_ms: Math.round(Math.max(0, ...entries.map((entry) => entry.duration))),
+        });
+        return {
+            load_ms: Math.round(navigation.loadEventEnd),
+            images: of(resources.filter((entry) => entry.name.includes('/api/v1/images/'))),
+            assets: of(resources.filter((entry) => entry.name.includes('/assets/'))),
+        };
+    }"""
+    page = user.go("/history")
+    settle(page)
+    first = page.evaluate(measure)
+    figures = {"first": first, "reloads": []}
+    for _ in range(3):
+        page.reload()
+        settle(page)
+        figures["reloads"].append(page.evaluate(measure))
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    (SCREENSHOTS / "private-images.json").write_text(json.dumps(figures, indent=2) + "\n")
+    for label, figure in [("first", first)] + [(f"reload {n + 1}", figure) for n, figure in enumerate(figures["reloads"])]:
+        print(f"HISTORY {label:9} load {figure['load_ms']:5} ms · images: {figure['images']['requests']} requests "
+              f"({figure['images']['bytes']} bytes, {figure['images']['body_bytes']} of them bodies, slowest "
+              f"{figure['images']['slowest_ms']} ms), {figure['images']['from_cache']} from cache · assets: "
+              f"{figure['assets']['requests']} requests, {figure['assets']['from_cache']} from cache")
+    assert first["images"]["requests"] == 20 and first["images"]["body_bytes"] > 0, first
+    for again in figures["reloads"]:
+        # Each image asked again and answered 304 without its bytes; the assets never asked.
+        assert again["images"]["requests"] == 20 and again["images"]["body_bytes"] == 0, again
+        # (Resource timing reports a revalidated image as 200: the bytes say it was a 304.)
+        assert again["assets"]["requests"] == 0, again
+    user.close()
