@@ -198,10 +198,11 @@ def browser():
 class Person:
     """One browser context (its own cookies): a person at their own browser."""
 
-    def __init__(self, browser, stack, lang="zh", viewport=(1366, 768)):
+    def __init__(self, browser, stack, lang="zh", viewport=(1366, 768), timezone=None):
         locale = "zh-CN" if lang == "zh" else "en-US"
         self.context = browser.new_context(
             locale=locale,
+            timezone_id=timezone,
             viewport={"width": viewport[0], "height": viewport[1]},
             extra_http_headers={"Accept-Language": "zh-CN,zh;q=0.9" if lang == "zh" else "en-US,en;q=0.9"},
         )
@@ -257,8 +258,8 @@ class Person:
 def person(browser, stack):
     made = []
 
-    def make(lang="zh", viewport=(1366, 768)):
-        one = Person(browser, stack, lang, viewport)
+    def make(lang="zh", viewport=(1366, 768), timezone=None):
+        one = Person(browser, stack, lang, viewport, timezone)
         made.append(one)
         return one
 

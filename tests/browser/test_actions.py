@@ -3,6 +3,7 @@
 add a server, drain, resume and remove it, change a role, revoke a code batch, add stock, end a
 promotion. (Logging out is pressed in test_flows.)"""
 
+import re
 import time
 
 from conftest import ADMIN, SCREENSHOTS, unique, wait_until
@@ -37,6 +38,10 @@ def test_a_user_prioritises_a_waiting_task_and_it_moves_ahead_for_its_fee(stack,
     last = page.locator("#tasks article.task", has_text="夏夜的星空").first
     first = page.locator("#tasks article.task", has_text="春天的樱花").first
     wait_until(lambda: "排队第 2 位" in last.inner_text(), "the last task at place 2")
+    # The running ones say where they run; the waiting ones say their place, nothing else.
+    for prompt in ("秋天的枫林", "冬日的湖面"):
+        running = page.locator("#tasks article.task", has_text=prompt).first
+        wait_until(lambda: re.search(r"正在服务器 gpu-\d 上生成。", running.inner_text()), f"{prompt} running on a server")
     page.locator("#balance .amount", has_text="16.00").wait_for()
     last.locator("button", has_text="优先").click()
     assert user.dialogs and "5" in user.dialogs[-1] and "积分" in user.dialogs[-1]
@@ -45,6 +50,8 @@ def test_a_user_prioritises_a_waiting_task_and_it_moves_ahead_for_its_fee(stack,
     wait_until(lambda: "排队第 2 位" in first.inner_text(), "the task it passed at place 2")
     page.locator("#balance .amount", has_text="11.00").wait_for()
     shot(page, "action-prioritised-zh-desktop")
+    page.set_viewport_size({"width": 390, "height": 844})
+    shot(page, "action-prioritised-zh-phone")
     task_id = page.locator("#tasks article.task", has_text="夏夜的星空").first.get_attribute("data-task-id")
     token = stack.token(name, "correct horse")
     status, task = stack.api("GET", f"/api/v1/tasks/{task_id}", token)

@@ -585,3 +585,81 @@ def test_a_prompt_sent_after_the_session_ended_comes_back_after_signing_in(stack
     # Given back once: the next visit starts empty.
     page = user.go("/generate")
     assert page.input_value("#prompt") == ""
+
+
+def test_a_field_error_is_said_in_the_pages_language(stack, person):
+    """Ordinary mistakes, typed in the page: each rule is said in the page's language, never in the
+    API's English inside a Chinese page (or Chinese inside an English one)."""
+    said = {
+        "zh": {"prompt": "提示词：不能为空", "phone": "手机号：须带国家代码（+...），11 位中国大陆手机号除外"},
+        "en": {"prompt": "Prompt: must not be empty",
+               "phone": "Phone number: needs a country code (+...) unless it is an 11-digit mainland mobile number"},
+    }
+    for lang in ("zh", "en"):
+        for size, viewport in (("phone", (390, 844)), ("desktop", (1366, 768))):
+            visitor = person(lang, viewport)
+            page = visitor.go("/login")
+            page.fill("#phone", "2025550123")
+            page.click("#with-code ~ form[action^='/login/code'] button")
+            page.locator(".notice.error").wait_for()
+            assert page.locator(".notice.error").inner_text() == said[lang]["phone"]
+            page.screenshot(path=str(stack_screenshot(f"field-error-phone-{lang}-{size}.png")), full_page=True)
+            user = person(lang, viewport)
+            user.register(unique("kongge"))
+            page = user.go("/generate")
+            page.fill("#prompt", "    ")
+            page.click("#generate-form button[type=submit]")
+            messages = page.locator("#generate-messages")
+            wait_until(lambda: messages.inner_text().strip(), "the prompt's error")
+            assert messages.inner_text().strip() == said[lang]["prompt"], messages.inner_text()
+            # What was typed stays.
+            assert page.input_value("#prompt") == "    "
+            page.screenshot(path=str(stack_screenshot(f"field-error-prompt-{lang}-{size}.png")), full_page=True)
+
+
+def test_one_clock_the_browsers_zone_on_every_time_of_a_page(stack, person):
+    """A reader in New York: the first page, drawn before the browser told its zone, names the zone
+    it used; from then on every time (the server's and the live estimate the script draws) is New
+    York time in one format, with no zone to misread."""
+    user = person("en", timezone="America/New_York")
+    page = user.go("/login")
+    assert page.locator("body").get_attribute("data-tz-label") == "UTC+8"
+    name = unique("niuyue")
+    user.register(name)
+    page = user.go("/generate")
+    offset = page.evaluate("-new Date().getTimezoneOffset()")
+    assert offset in (-300, -240)
+    assert page.locator("body").get_attribute("data-tz-offset") == str(offset)
+    assert page.locator("body").get_attribute("data-tz-label") is None
+    admin = person("zh")
+    admin.login(*ADMIN)
+    grant(admin, name, 4, "时钟")
+    page = user.go("/generate")
+    user.accept_dialogs()
+    for prompt in ("Brooklyn Bridge at dawn", "Central Park in snow", "Times Square at night"):
+        submit(page, prompt, steps=50, images=1)
+    waiting = page.locator("#tasks article.task[data-status=queued]").first
+    waiting.wait_for()
+    estimate = waiting.locator("[data-field=estimate]")
+    wait_until(lambda: estimate.is_visible() and estimate.inner_text().strip(), "the waiting task's estimate")
+    # New York's wall clock now, as the page should draw it.
+    now = page.evaluate("""() => {
+        const at = new Date(); const two = (n) => String(n).padStart(2, '0');
+        return `${at.getFullYear()}-${two(at.getMonth() + 1)}-${two(at.getDate())} ${two(at.getHours())}`;
+    }""")
+    when = waiting.locator(".when").inner_text()
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}", when), when
+    assert when.startswith(now) or when[:13] < now, (when, now)
+    text = estimate.inner_text()
+    if "Expected to start at" in text:
+        start = text.split("Expected to start at ", 1)[1]
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2} \d{2}:\d{2}", start), text
+        assert start[:10] == when[:10] or start > when, (start, when)
+    assert "UTC" not in waiting.inner_text()
+    page.screenshot(path=str(stack_screenshot("one-clock-new-york-en-desktop.png")), full_page=True)
+    for card in page.locator("#tasks article.task").all():
+        if card.get_attribute("data-status") in ("queued", "dispatched", "running"):
+            button = card.locator("button.danger")
+            if button.count():
+                button.click()
+    wait_until(lambda: user.go("/points").locator("[data-testid=frozen]").inner_text() == "0.00", "every hold released or settled")
