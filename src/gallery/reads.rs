@@ -345,11 +345,16 @@ impl GalleryService {
             .await
     }
 
-    /// An inbox that expired (its owner was away) is rebuilt from the read models: the newest
-    /// works of the creators they follow. Reading it keeps it live.
+    /// An inbox that expired (its owner was away) is rebuilt: the newest works of the creators
+    /// they follow, from each creator's own list in Redis (written by the publishing request at
+    /// once). Not from the read models: a work published while its projection lags would be
+    /// missed, and the worker's push, which skips an inbox that is not live, would not bring it
+    /// back. Creators pulled at read time are left out (the feed reads them anyway). Reading an
+    /// inbox keeps it live.
     async fn ensure_inbox(&self, user: UserId) -> anyhow::Result<()> {
         let keys = self.keys();
         let idle_ms = i64::from(self.settings().inbox_idle_days) * 86_400_000;
+        let inbox_max = self.settings().inbox_max as usize;
         let mut connection = self.redis().connection().await?;
         let refreshed: bool = redis::cmd("PEXPIRE")
             .arg(keys.inbox_live(user))
@@ -364,25 +369,41 @@ impl GalleryService {
                 .context("keeping an inbox")?;
             return Ok(());
         }
-        let client = self.pool().get().await.context("getting a connection")?;
-        let rows = client
-            .query(
-                "SELECT w.work_id, w.published_at FROM follows f
-                   JOIN works w ON w.creator = f.creator AND w.status = 'published'
-                  WHERE f.follower = $1
-                  ORDER BY w.published_at DESC LIMIT $2",
-                &[&user.as_uuid(), &i64::from(self.settings().inbox_max)],
-            )
+        let following: Vec<String> = connection
+            .zrange(keys.following(user), 0, -1)
             .await
-            .context("rebuilding an inbox")?;
+            .context("reading whom a user follows")?;
+        let famous: HashSet<String> = connection
+            .smembers(keys.famous())
+            .await
+            .context("reading the pulled creators")?;
+        let creators: Vec<UserId> = following
+            .iter()
+            .filter(|id| !famous.contains(*id))
+            .filter_map(|id| Uuid::parse_str(id).ok().map(UserId::from_uuid))
+            .collect();
+        let lists: Vec<Vec<(String, f64)>> = super::each(
+            &connection,
+            creators.iter().map(|creator| {
+                let mut command = redis::cmd("ZREVRANGE");
+                command
+                    .arg(keys.creator_works(*creator))
+                    .arg(0)
+                    .arg(inbox_max.saturating_sub(1))
+                    .arg("WITHSCORES");
+                command
+            }),
+        )
+        .await
+        .context("reading the followed creators' works")?;
+        let mut newest: Vec<(String, f64)> = lists.into_iter().flatten().collect();
+        newest.sort_by(|a, b| b.1.total_cmp(&a.1));
+        newest.truncate(inbox_max);
         let inbox = keys.inbox(user);
         let mut pipe = redis::pipe();
         pipe.atomic().del(&inbox).ignore();
-        for row in &rows {
-            let work_id: Uuid = row.get(0);
-            let at: DateTime<Utc> = row.get(1);
-            pipe.zadd(&inbox, work_id.to_string(), at.timestamp_millis())
-                .ignore();
+        for (work_id, published_ms) in &newest {
+            pipe.zadd(&inbox, work_id, *published_ms).ignore();
         }
         pipe.cmd("PEXPIRE").arg(&inbox).arg(idle_ms).ignore();
         pipe.cmd("SET")
