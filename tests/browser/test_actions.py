@@ -38,10 +38,12 @@ def test_a_user_prioritises_a_waiting_task_and_it_moves_ahead_for_its_fee(stack,
     last = page.locator("#tasks article.task", has_text="夏夜的星空").first
     first = page.locator("#tasks article.task", has_text="春天的樱花").first
     wait_until(lambda: "排队第 2 位" in last.inner_text(), "the last task at place 2")
-    # The running ones say where they run; the waiting ones say their place, nothing else.
+    # The two sent to servers say where: running there, or waiting there (the dispatcher may
+    # keep a task for the server that has its model loaded); the queued ones say their place.
     for prompt in ("秋天的枫林", "冬日的湖面"):
-        running = page.locator("#tasks article.task", has_text=prompt).first
-        wait_until(lambda: re.search(r"正在服务器 gpu-\d 上生成。", running.inner_text()), f"{prompt} running on a server")
+        sent = page.locator("#tasks article.task", has_text=prompt).first
+        wait_until(lambda: re.search(r"正在服务器 gpu-\d 上生成。|已交给服务器 gpu-\d，在那里等候", sent.inner_text()), f"{prompt} on a server")
+    wait_until(lambda: "正在服务器 gpu-" in page.locator("#tasks").inner_text(), "a task running on a server")
     page.locator("#balance .amount", has_text="16.00").wait_for()
     last.locator("button", has_text="优先").click()
     assert user.dialogs and "5" in user.dialogs[-1] and "积分" in user.dialogs[-1]
