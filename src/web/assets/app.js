@@ -108,6 +108,11 @@ const handlers = {
     show(field(card, "status"), card.dataset.runningText);
     if (card.dataset.server) {
       show(field(card, "server"), fill(card.dataset.runningOnTemplate, { server: card.dataset.server }));
+    } else if (!card.dataset.askedServer) {
+      // Drawn before it was sent to a server (its "dispatched" came before the card was on the
+      // page): drawn again once, from its events, to say where it runs.
+      card.dataset.askedServer = "1";
+      refreshCard(notice.task_id);
     }
     const bar = field(card, "progress");
     if (bar) {
