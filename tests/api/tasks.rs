@@ -803,6 +803,65 @@ async fn crashes_after_charging_a_fee_or_recording_a_cancel_are_completed_by_the
     project_and_verify(&app).await;
 }
 
+/// A cancel recorded by a process whose Redis is away (a failover) answers what happened: the
+/// task is cancelled. Its follow-up (the queue entry, the hold's release) is the intent sweeper's
+/// to finish, as after a crash; nothing is lost or returned twice.
+#[tokio::test]
+async fn a_cancel_recorded_while_redis_is_away_answers_done_and_the_sweeper_finishes_it() {
+    let app = spawn_app().await;
+    let (user, token) = funded_user(&app, "xiaowu", "10").await;
+    let user_id = UserId::from_uuid(Uuid::parse_str(&user).unwrap());
+    let task = submitted_id(&app, &token, "雨夜的小巷").await;
+    let task_id = Uuid::parse_str(&task).unwrap();
+    // Another process, on the same database, whose Redis does not answer.
+    let mut settings = app.settings.clone();
+    crate::helpers::one_redis_at(
+        &mut settings,
+        format!("redis://127.0.0.1:{}", crate::helpers::dead_port()),
+    );
+    let pool = zhihui::platform::postgres::build_pool(&settings.database).unwrap();
+    let cut_off = zhihui::state::AppState::build(
+        &settings,
+        pool,
+        zhihui::state::Overrides {
+            clock: zhihui::platform::clock::Clock::Manual(app.clock.clone()),
+            code_sender: None,
+        },
+    )
+    .unwrap();
+    let outcome = cut_off
+        .tasks
+        .cancel(user_id, task_id, &metadata())
+        .await
+        .expect("a recorded cancel is answered as done");
+    assert_eq!(outcome.status, TaskStatus::Cancelled);
+    // Recorded, not yet released: the hold is still frozen, the queue still names the task.
+    let account = account_of(&app, &user).await;
+    assert_eq!(account.balance.frozen, Points::whole(1));
+    let services = app.services_on_app_clock();
+    assert!(services.tasks.queue.rank(task_id).await.unwrap().is_some());
+
+    app.clock.advance(Duration::from_millis(
+        app.settings.tasks.intent_resolve_after_ms + 1,
+    ));
+    let swept = services.tasks.sweep_once().await.unwrap();
+    assert_eq!(swept.intents_resolved, 1);
+    let account = account_of(&app, &user).await;
+    assert_eq!(account.balance.available, Points::whole(10));
+    assert_eq!(account.balance.frozen, Points::ZERO);
+    assert!(services.tasks.queue.rank(task_id).await.unwrap().is_none());
+    // Swept again: nothing more moves.
+    assert_eq!(
+        services.tasks.sweep_once().await.unwrap().intents_resolved,
+        0
+    );
+    assert_eq!(
+        account_of(&app, &user).await.balance.available,
+        Points::whole(10)
+    );
+    project_and_verify(&app).await;
+}
+
 #[tokio::test]
 async fn ollama_down_slow_or_answering_garbage_never_fails_a_submit() {
     for mode in [
