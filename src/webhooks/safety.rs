@@ -57,8 +57,10 @@ impl Network {
     }
 }
 
-/// An IPv4 address written as IPv6 (`::ffff:a.b.c.d`, NAT64 `64:ff9b::a.b.c.d`) is judged as
-/// the IPv4 address it reaches.
+/// An IPv4 address written as IPv6 is judged as the IPv4 address it reaches: mapped
+/// (`::ffff:a.b.c.d`), translated (SIIT, `::ffff:0:a.b.c.d`), compatible (`::a.b.c.d`) and NAT64's
+/// well-known prefix (`64:ff9b::a.b.c.d`). The forms that carry one inside other bits (6to4,
+/// Teredo) are judged by [`embedded_v4`] as well.
 fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
         IpAddr::V6(v6) => {
@@ -66,10 +68,19 @@ fn canonical(ip: IpAddr) -> IpAddr {
                 return IpAddr::V4(v4);
             }
             let segments = v6.segments();
-            if segments[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+            let last_two = || {
                 let [a, b] = segments[6].to_be_bytes();
                 let [c, d] = segments[7].to_be_bytes();
-                return IpAddr::V4(Ipv4Addr::new(a, b, c, d));
+                Ipv4Addr::new(a, b, c, d)
+            };
+            if segments[..6] == [0x64, 0xff9b, 0, 0, 0, 0]
+                || segments[..6] == [0, 0, 0, 0, 0xffff, 0]
+            {
+                return IpAddr::V4(last_two());
+            }
+            // IPv4-compatible (deprecated, still routed by some stacks); `::` and `::1` stay IPv6.
+            if segments[..6] == [0; 6] && u32::from(last_two()) > 1 {
+                return IpAddr::V4(last_two());
             }
             IpAddr::V6(v6)
         }
@@ -77,32 +88,59 @@ fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// The IPv4 addresses an IPv6 address carries in other bits: 6to4 (`2002:AABB:CCDD::/48`) and
+/// Teredo (`2001::/32`: its server, and its client stored inverted in the last 32 bits).
+fn embedded_v4(v6: Ipv6Addr) -> Vec<Ipv4Addr> {
+    let segments = v6.segments();
+    let of = |high: u16, low: u16| Ipv4Addr::from((u32::from(high) << 16) | u32::from(low));
+    match segments[..2] {
+        [0x2002, _] => vec![of(segments[1], segments[2])],
+        [0x2001, 0] => vec![
+            of(segments[2], segments[3]),
+            Ipv4Addr::from(!((u32::from(segments[6]) << 16) | u32::from(segments[7]))),
+        ],
+        _ => Vec::new(),
+    }
+}
+
+/// Why an IPv4 address is not a public one, if it is not (IANA's special-purpose registry: what
+/// is not globally reachable).
+fn v4_forbidden_because(v4: Ipv4Addr) -> Option<&'static str> {
+    let [a, b, c, _] = v4.octets();
+    if v4.is_loopback() {
+        Some("loopback")
+    } else if v4.is_unspecified() || a == 0 {
+        Some("unspecified")
+    } else if v4.is_private() {
+        Some("private")
+    } else if v4.is_link_local() {
+        // 169.254.169.254 is the cloud metadata service.
+        Some("link-local (cloud metadata)")
+    } else if a == 100 && (64..128).contains(&b) {
+        Some("shared address space (CGNAT)")
+    } else if v4.is_multicast() || v4.is_broadcast() || a >= 240 {
+        Some("multicast, broadcast or reserved")
+    } else if a == 192 && b == 0 && c == 0 {
+        Some("IETF protocol assignments")
+    } else if (a, b, c) == (192, 0, 2) || (a, b, c) == (198, 51, 100) || (a, b, c) == (203, 0, 113)
+    {
+        Some("documentation (TEST-NET)")
+    } else if a == 198 && (b == 18 || b == 19) {
+        Some("benchmarking")
+    } else if (a, b, c) == (192, 88, 99) {
+        Some("6to4 relay anycast")
+    } else {
+        None
+    }
+}
+
 /// Why an address is not a public one, if it is not.
 pub fn forbidden_because(ip: IpAddr) -> Option<&'static str> {
     match canonical(ip) {
-        IpAddr::V4(v4) => {
-            let [a, b, ..] = v4.octets();
-            if v4.is_loopback() {
-                Some("loopback")
-            } else if v4.is_unspecified() || a == 0 {
-                Some("unspecified")
-            } else if v4.is_private() {
-                Some("private")
-            } else if v4.is_link_local() {
-                // 169.254.169.254 is the cloud metadata service.
-                Some("link-local (cloud metadata)")
-            } else if a == 100 && (64..128).contains(&b) {
-                Some("shared address space (CGNAT)")
-            } else if v4.is_multicast() || v4.is_broadcast() || a >= 240 {
-                Some("multicast, broadcast or reserved")
-            } else if a == 192 && b == 0 && v4.octets()[2] == 0 {
-                Some("IETF protocol assignments")
-            } else {
-                None
-            }
-        }
+        IpAddr::V4(v4) => v4_forbidden_because(v4),
         IpAddr::V6(v6) => {
-            let first = v6.segments()[0];
+            let segments = v6.segments();
+            let first = segments[0];
             if v6.is_loopback() {
                 Some("loopback")
             } else if v6.is_unspecified() {
@@ -112,15 +150,49 @@ pub fn forbidden_because(ip: IpAddr) -> Option<&'static str> {
                 Some("unique local")
             } else if first & 0xffc0 == 0xfe80 {
                 Some("link-local")
+            } else if first & 0xffc0 == 0xfec0 {
+                Some("site-local")
             } else if v6.is_multicast() {
                 Some("multicast")
-            } else if v6 == Ipv6Addr::new(0, 0, 0, 0, 0, 0, 0, 1) {
-                Some("loopback")
+            } else if segments[..2] == [0x2001, 0x0db8] || (first == 0x3fff && segments[1] < 0x1000)
+            {
+                Some("documentation")
+            } else if segments[..4] == [0x100, 0, 0, 0] {
+                Some("discard-only")
+            } else if segments[..3] == [0x64, 0xff9b, 1] {
+                // Local-use NAT64 (64:ff9b:1::/48): where its IPv4 address sits depends on the
+                // operator's prefix length, so what it reaches cannot be told.
+                Some("local-use NAT64")
             } else {
-                None
+                embedded_v4(v6).into_iter().find_map(v4_forbidden_because)
             }
         }
     }
+}
+
+/// This host's own addresses, on every interface, read again at most every ten seconds: a
+/// receiver there reaches any service of ours that listens on all interfaces.
+fn own_addresses() -> Arc<Vec<IpAddr>> {
+    static OWN: std::sync::Mutex<Option<(std::time::Instant, Arc<Vec<IpAddr>>)>> =
+        std::sync::Mutex::new(None);
+    let mut own = OWN.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((read_at, addresses)) = own.as_ref()
+        && read_at.elapsed() < std::time::Duration::from_secs(10)
+    {
+        return addresses.clone();
+    }
+    let addresses: Arc<Vec<IpAddr>> = Arc::new(
+        if_addrs::get_if_addrs()
+            .map(|interfaces| {
+                interfaces
+                    .into_iter()
+                    .map(|interface| interface.ip())
+                    .collect()
+            })
+            .unwrap_or_default(),
+    );
+    *own = Some((std::time::Instant::now(), addresses.clone()));
+    addresses
 }
 
 /// The operator's allowed networks.
@@ -139,7 +211,16 @@ impl Allowed {
 
     /// Why `ip` may not be delivered to, if it may not.
     pub fn refuses(&self, ip: IpAddr) -> Option<&'static str> {
-        let reason = forbidden_because(ip)?;
+        self.refuses_among(ip, &own_addresses())
+    }
+
+    /// [`Allowed::refuses`] on a host whose own addresses are `own`.
+    fn refuses_among(&self, ip: IpAddr, own: &[IpAddr]) -> Option<&'static str> {
+        let reason = forbidden_because(ip).or_else(|| {
+            own.iter()
+                .any(|address| canonical(*address) == canonical(ip))
+                .then_some("an address of this host")
+        })?;
         if self.0.iter().any(|network| network.contains(ip)) {
             None
         } else {
@@ -266,6 +347,27 @@ mod tests {
             "::ffff:127.0.0.1",
             "::ffff:169.254.169.254",
             "64:ff9b::a9fe:a9fe",
+            // IPv4 inside IPv6: compatible, translated (SIIT), 6to4, Teredo (client inverted),
+            // local-use NAT64.
+            "::127.0.0.1",
+            "::ffff:0:7f00:1",
+            "2002:7f00:1::1",
+            "2002:a9fe:a9fe::",
+            "2001:0:4136:e378:8000:63bf:80ff:fffe",
+            "2001:0:7f00:1::1",
+            "64:ff9b:1::a00:1",
+            // Not globally reachable (IANA's special-purpose registry).
+            "192.0.2.10",
+            "198.51.100.7",
+            "203.0.113.9",
+            "198.18.0.1",
+            "198.19.255.254",
+            "240.0.0.1",
+            "192.88.99.1",
+            "2001:db8::1",
+            "3fff::1",
+            "100::1",
+            "fec0::1",
         ] {
             assert!(refused(inner).is_some(), "{inner} was taken");
         }
@@ -274,9 +376,37 @@ mod tests {
             "8.8.8.8",
             "2606:4700:4700::1111",
             "172.32.0.1",
+            "198.20.0.1",
+            "2002:5db8:d822::1",
+            "2001:0:4136:e378:8000:63bf:a247:d7dd",
         ] {
             assert_eq!(refused(public), None, "{public} was refused");
         }
+    }
+
+    #[test]
+    fn an_address_of_this_host_is_refused_unless_allowed() {
+        let own: Vec<IpAddr> = ["93.184.216.34", "2606:4700:4700::1111"]
+            .iter()
+            .filter_map(|text| text.parse().ok())
+            .collect();
+        let public = |text: &str| text.parse().unwrap_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+        let none = Allowed::default();
+        assert_eq!(
+            none.refuses_among(public("93.184.216.34"), &own),
+            Some("an address of this host")
+        );
+        assert_eq!(
+            none.refuses_among(public("::ffff:93.184.216.34"), &own),
+            Some("an address of this host")
+        );
+        assert_eq!(
+            none.refuses_among(public("2606:4700:4700::1111"), &own),
+            Some("an address of this host")
+        );
+        assert_eq!(none.refuses_among(public("8.8.8.8"), &own), None);
+        let allowed = Allowed::parse(&["93.184.216.0/24".into()]).unwrap_or_default();
+        assert_eq!(allowed.refuses_among(public("93.184.216.34"), &own), None);
     }
 
     #[test]

@@ -818,6 +818,22 @@ async fn inner_addresses_are_refused_at_registration_naming_the_address_and_why(
         ("http://[fe80::1]/", "link-local"),
         ("http://100.64.0.1/", "shared address space"),
         ("http://0.0.0.0/", "unspecified"),
+        // IPv4 inside IPv6: compatible, translated (SIIT), 6to4, Teredo, local-use NAT64.
+        ("http://[::127.0.0.1]/", "loopback"),
+        ("http://[::ffff:0:7f00:1]/", "loopback"),
+        ("http://[2002:7f00:1::1]/", "loopback"),
+        ("http://[2002:a9fe:a9fe::1]/", "link-local (cloud metadata)"),
+        ("http://[2001:0:4136:e378:8000:63bf:80ff:fffe]/", "loopback"),
+        ("http://[64:ff9b:1::a00:1]/", "local-use NAT64"),
+        // Not globally reachable.
+        ("http://192.0.2.10/", "documentation"),
+        ("http://198.51.100.7/", "documentation"),
+        ("http://203.0.113.9/", "documentation"),
+        ("http://198.18.0.1/", "benchmarking"),
+        ("http://240.0.0.1/", "reserved"),
+        ("http://[2001:db8::1]/", "documentation"),
+        ("http://[100::1]/", "discard-only"),
+        ("http://[fec0::1]/", "site-local"),
         ("ftp://example.com/", "not an http(s) URL"),
         ("http://user:pass@example.com/", "credentials"),
         ("not a url", "not an http(s) URL"),
@@ -841,6 +857,56 @@ async fn inner_addresses_are_refused_at_registration_naming_the_address_and_why(
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["field"], "event_types");
     assert!(body["detail"].as_str().unwrap().contains("task.succeeded"));
+}
+
+/// Addresses that carry an inner IPv4 address inside IPv6, and ranges that are not globally
+/// reachable: registered while an operator allowed every network, then refused at connect by a
+/// process whose operator allows none, each naming why, and never sent.
+#[tokio::test]
+async fn at_connect_ipv4_inside_ipv6_and_unroutable_ranges_are_refused() {
+    let app = spawn_app_with(|settings| {
+        settings.webhooks.allowed_networks = vec!["0.0.0.0/0".into(), "::/0".into()];
+        settings.webhooks.endpoints_per_user_max = 20;
+    })
+    .await;
+    let (user, token) = funded_user(&app, "biandi", "1").await;
+    let admin = app.admin_token("boss").await;
+    let port = dead_port();
+    let addresses = [
+        ("[::127.0.0.1]", "loopback"),
+        ("[::ffff:0:7f00:1]", "loopback"),
+        ("[2002:7f00:1::1]", "loopback"),
+        ("[2001:0:4136:e378:8000:63bf:80ff:fffe]", "loopback"),
+        ("[64:ff9b:1::a00:1]", "local-use NAT64"),
+        ("192.0.2.10", "documentation"),
+        ("198.18.0.1", "benchmarking"),
+        ("[2001:db8::1]", "documentation"),
+        ("[100::1]", "discard-only"),
+        ("[fec0::1]", "site-local"),
+    ];
+    let mut ids = Vec::new();
+    for (address, _) in addresses {
+        let url = format!("http://{address}:{port}/hook");
+        ids.push(endpoint(&app, &token, &url, &["points.credited"]).await.0);
+    }
+    grant(&app, &admin, &user, "1", "x").await;
+    let strict = deliveries_on(&app, Clock::Manual(app.clock.clone()), |webhooks| {
+        webhooks.allowed_networks.clear();
+    });
+    strict.route_all().await.unwrap();
+    let report = strict.send_due_once().await.unwrap();
+    assert_eq!(
+        (report.attempted, report.failed),
+        (addresses.len(), addresses.len())
+    );
+    for ((address, reason), id) in addresses.iter().zip(&ids) {
+        let log = delivery_log(&app, &token, id).await;
+        let error = log[0]["attempts"][0]["error"].as_str().unwrap();
+        assert!(
+            error.contains(reason) && error.contains("where webhooks never go"),
+            "{address}: {error}"
+        );
+    }
 }
 
 #[tokio::test]
