@@ -82,6 +82,15 @@ def test_an_admin_adds_drains_resumes_and_removes_a_server_from_the_page(stack, 
     row = page.locator(f"#server-{name}")
     row.wait_for()
     assert "running 0 of 2" in row.inner_text()
+    # Added: the form is empty again. The same name again is refused, and what was typed stays.
+    wait_until(lambda: page.input_value("#server-name") == "", "the add form emptied")
+    page.fill("#server-name", name)
+    page.fill("#server-url", "http://127.0.0.1:10")
+    page.click("form[action='/admin/servers'] button[type=submit]")
+    page.locator("#servers-messages .notice.error").wait_for()
+    assert "A server of that name exists." in page.locator("#servers-messages").inner_text()
+    assert page.input_value("#server-name") == name
+    assert page.input_value("#server-url") == "http://127.0.0.1:10"
 
     def listed():
         status, body = stack.api("GET", "/api/v1/admin/backends", token)

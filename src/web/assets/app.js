@@ -319,6 +319,14 @@ document.addEventListener("htmx:afterRequest", (event) => {
   if (!event.detail.xhr.getResponseHeader("HX-Redirect")) sessionStorage.removeItem(DRAFT);
 });
 
+// A form that adds something (a server) is emptied once what it added is shown; a refusal comes
+// back retargeted to the form's messages and leaves what was typed in place.
+document.addEventListener("htmx:afterRequest", (event) => {
+  const form = event.detail.elt;
+  if (!form.matches || !form.matches("form[data-reset-on-success]") || !event.detail.successful) return;
+  if (!event.detail.xhr.getResponseHeader("HX-Retarget")) form.reset();
+});
+
 function restoreDraft() {
   const form = document.getElementById("generate-form");
   const saved = sessionStorage.getItem(DRAFT);
