@@ -182,7 +182,7 @@ pub(crate) async fn register_user(
         (status = 401, description = "`wrong-credentials`, `wrong-code` or `code-expired`", body = crate::http::problem::Problem),
         (status = 409, description = "`credentials-changed`: the password or role changed during this login (log in again)", body = crate::http::problem::Problem),
         (status = 422, description = "a field breaks its rule", body = crate::http::problem::Problem),
-        (status = 429, description = "`username-locked` (wrong passwords from this address, or from this browser, or for a browser never logged in from after many from every address) or `phone-locked` until `retry_at`; `too-many-logins` from this client this minute (`Retry-After`)", body = crate::http::problem::Problem),
+        (status = 429, description = "`username-locked` (wrong passwords from this address, or from this browser, or for a browser never logged in from after many from every address) or `phone-locked` until `retry_at`; `too-many-logins` from this client in the last minute (`Retry-After`)", body = crate::http::problem::Problem),
     )
 )]
 pub async fn login(
@@ -206,7 +206,7 @@ pub(crate) async fn log_in(
         state.auth_settings.logins_per_client_per_minute,
         Duration::from_secs(60),
         "too-many-logins",
-        "this client has tried to log in too often this minute",
+        "this client has tried to log in too often in the last minute",
     )
     .await?;
     // Before the credentials are read: a password or role change from here on refuses this
@@ -359,7 +359,7 @@ pub(crate) async fn verify_code(
     responses(
         (status = 202, description = "a code is on its way", body = CodeSent),
         (status = 422, description = "the phone number breaks its rule", body = crate::http::problem::Problem),
-        (status = 429, description = "`too-many-sends` (one per interval), `daily-send-limit`, or `phone-locked`, until `retry_at`; `too-many-code-requests` from this client this hour, `code-requests-busy` (the overall ceiling this minute), with `Retry-After`", body = crate::http::problem::Problem),
+        (status = 429, description = "`too-many-sends` (one per interval), `daily-send-limit`, or `phone-locked`, until `retry_at`; `too-many-code-requests` from this client in the last hour, `code-requests-busy` (the overall ceiling in the last minute), with `Retry-After`", body = crate::http::problem::Problem),
         (status = 503, description = "`phone-login-disabled`: this server sends no codes (`auth.code_sender`)", body = crate::http::problem::Problem),
     )
 )]
@@ -393,7 +393,7 @@ pub(crate) async fn send_login_code(
         state.auth_settings.code_requests_per_client_per_hour,
         Duration::from_secs(3600),
         "too-many-code-requests",
-        "this client has asked for too many login codes this hour",
+        "this client has asked for too many login codes in the last hour",
     )
     .await?;
     admit(
@@ -402,7 +402,7 @@ pub(crate) async fn send_login_code(
         state.auth_settings.code_requests_per_minute_max,
         Duration::from_secs(60),
         "code-requests-busy",
-        "the server sends the most login codes it may this minute",
+        "the server has sent the most login codes it may in a minute",
     )
     .await?;
     match state.phone_codes.send(&phone).await? {

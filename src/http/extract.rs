@@ -201,7 +201,7 @@ async fn key_session(
             return Err(ApiError::TooManyRequests {
                 rule: "key-rate-limited",
                 detail: format!(
-                    "this key made its {} requests of this minute; again at {retry_at}",
+                    "this key made its {} requests of the last minute; again at {retry_at}",
                     grant.requests_per_minute
                 ),
                 retry_at,

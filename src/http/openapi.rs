@@ -455,7 +455,7 @@ pub fn document_json() -> Value {
             if scope.is_some() {
                 implied.push((
                     "429",
-                    "`key-rate-limited`: the API key made its requests of this minute (`Retry-After`)",
+                    "`key-rate-limited`: the API key made its requests of the last minute (`Retry-After`)",
                 ));
             }
             if reads_input {

@@ -1,8 +1,9 @@
 //! Admission limits that do not depend on who the caller claims to be: logins per client (an
 //! IP address), login-code requests per client and per minute overall. Checked before any
 //! password is hashed or code sent, so a flood from one client, or a spray of codes to many
-//! phones, is refused at the cost of one Redis call. Fixed windows on the application clock
-//! (`lua/rate_window.lua`).
+//! phones, is refused at the cost of one Redis call. Sliding windows on the application clock
+//! (`lua/rate_sliding.lua`): at most `max` in any `window`, never twice that across a boundary
+//! of the calendar.
 
 use std::net::IpAddr;
 use std::time::Duration;
@@ -34,8 +35,8 @@ impl Limits {
         Limits { redis, clock }
     }
 
-    /// Count one request of `scope` (e.g. `login:client:<ip>`) in its current `window`, at most
-    /// `max` per window.
+    /// Count one request of `scope` (e.g. `login:client:<ip>`): admitted when fewer than `max`
+    /// were admitted in the `window` that ends now.
     pub async fn admit(
         &self,
         scope: &str,
@@ -43,18 +44,18 @@ impl Limits {
         window: Duration,
     ) -> anyhow::Result<Admission> {
         let window_ms = millis(window).max(1) as i64;
-        let start = self.clock.now_ms().div_euclid(window_ms) * window_ms;
         let mut connection = self.redis.connection().await?;
-        let count: i64 = crate::identity::scripts::RATE_WINDOW
-            .key(self.redis.key(&format!("limit:{scope}:{start}")))
+        let free_at: i64 = crate::identity::scripts::RATE_SLIDING
+            .key(self.redis.key(&format!("limit:{scope}")))
             .arg(max)
-            .arg(window_ms * 2)
+            .arg(window_ms)
+            .arg(self.clock.now_ms())
             .invoke_async(&mut connection)
             .await
             .with_context(|| format!("counting {scope}"))?;
-        Ok(if count < 0 {
+        Ok(if free_at > 0 {
             Admission::Full {
-                retry_at: from_unix_ms(start + window_ms),
+                retry_at: from_unix_ms(free_at),
             }
         } else {
             Admission::Admitted

@@ -270,3 +270,73 @@ async fn each_key_has_its_own_rate_and_says_when_to_come_back() {
     app.clock.advance(std::time::Duration::from_secs(61));
     assert_eq!(app.get_as(&slow, "/api/v1/account").await.status(), 200);
 }
+
+/// The limit holds in every minute, not per calendar minute: sixty requests in 0.66 s across a
+/// minute's boundary pass thirty times, not sixty (a counter per calendar minute let both
+/// halves through), and the key comes back when its first request is a minute old.
+#[tokio::test]
+async fn a_key_limited_to_thirty_a_minute_passes_thirty_across_a_minutes_boundary() {
+    let app = spawn_app().await;
+    let (_, token) = funded_user(&app, "boundary", "1").await;
+    let key = make_key(
+        &app,
+        &token,
+        json!({"name": "整点", "scopes": ["account:read"], "requests_per_minute": 30}),
+    )
+    .await;
+    let key: Value = key.json().await.unwrap();
+    let key = key["key"].as_str().unwrap().to_owned();
+    let step = std::time::Duration::from_millis(11);
+    // 330 ms before the next minute starts.
+    let into_minute = app.clock.now().timestamp_millis().rem_euclid(60_000) as u64;
+    app.clock
+        .advance(std::time::Duration::from_millis(60_000 - into_minute - 330));
+    let first = app.clock.now();
+    let mut admitted = Vec::new();
+    let mut last_refusal = None;
+    for _ in 0..60 {
+        let response = app.get_as(&key, "/api/v1/account").await;
+        match response.status().as_u16() {
+            200 => admitted.push(app.clock.now()),
+            429 => last_refusal = Some(response),
+            other => panic!("{other}"),
+        }
+        app.clock.advance(step);
+    }
+    assert_eq!(admitted.len(), 30, "{admitted:?}");
+    assert!(
+        admitted
+            .iter()
+            .all(|at| *at < first + chrono::Duration::milliseconds(330)),
+        "the first thirty, all before the boundary: {admitted:?}"
+    );
+    let refusal = last_refusal.unwrap();
+    let retry_after: i64 = refusal.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let body: Value = refusal.json().await.unwrap();
+    assert_eq!(problem_type(&body), "/problems/key-rate-limited");
+    // Told to come back when the first request leaves the window (about 59.3 s from the last).
+    assert!((59..=60).contains(&retry_after), "{retry_after}");
+    let retry_at = chrono::DateTime::parse_from_rfc3339(body["retry_at"].as_str().unwrap())
+        .unwrap()
+        .with_timezone(&chrono::Utc);
+    assert_eq!(
+        retry_at.timestamp_millis(),
+        first.timestamp_millis() + 60_000
+    );
+
+    // A millisecond before: still refused; at that moment: one more, and no second.
+    let now = app.clock.now();
+    app.clock.advance(
+        (retry_at - now - chrono::Duration::milliseconds(1))
+            .to_std()
+            .unwrap(),
+    );
+    assert_eq!(app.get_as(&key, "/api/v1/account").await.status(), 429);
+    app.clock.advance(std::time::Duration::from_millis(1));
+    assert_eq!(app.get_as(&key, "/api/v1/account").await.status(), 200);
+    assert_eq!(app.get_as(&key, "/api/v1/account").await.status(), 429);
+}
