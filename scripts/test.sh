@@ -38,14 +38,15 @@ else
 fi
 # The tests that touch Redis again, on a Redis Cluster (3 masters, 3 replicas): a key that loses
 # its hash tag fails here with CROSSSLOT, and any other cluster-only difference shows. Left out:
-# the PostgreSQL failover tests (no Redis difference) and edges.rs (its own one-node Redis).
+# the PostgreSQL failover tests (no Redis difference), edges.rs (its own one-node Redis) and
+# cluster_edges.rs (its own cluster, which it grows and shrinks).
 echo "gate: tests on a Redis Cluster"
 eval "$(scripts/services.sh start-redis-cluster | sed 's/^/export /')"
-cluster_tests='package(zhihui) & kind(test) & !test(failover::) & !test(edges::)'
+cluster_tests='package(zhihui) & kind(test) & !test(failover::) & !test(edges::) & !test(cluster_edges::)'
 if cargo nextest --version >/dev/null 2>&1; then
     cargo nextest run --workspace --locked --no-fail-fast -E "$cluster_tests"
 else
-    cargo test -p zhihui --test api --locked --no-fail-fast -- --skip failover:: --skip edges::
+    cargo test -p zhihui --test api --locked --no-fail-fast -- --skip failover:: --skip edges:: --skip cluster_edges::
 fi
 unset REDIS_CLUSTER_NODES
 echo "gate: browser tests (scripts/browser-tests)"

@@ -21,6 +21,8 @@ use crate::platform::lua::redis_script;
 use crate::platform::redis_store::{RedisStore, user_tag};
 
 redis_script!(PAIR_APPLY, "gallery_pair.lua");
+redis_script!(INBOX_STORE, "gallery_inbox_store.lua");
+redis_script!(HOT_REPLACE, "gallery_hot_replace.lua");
 
 /// The tag of one work's keys.
 pub fn work_tag(work_id: Uuid) -> String {

@@ -399,20 +399,13 @@ impl GalleryService {
         let mut newest: Vec<(String, f64)> = lists.into_iter().flatten().collect();
         newest.sort_by(|a, b| b.1.total_cmp(&a.1));
         newest.truncate(inbox_max);
-        let inbox = keys.inbox(user);
-        let mut pipe = redis::pipe();
-        pipe.atomic().del(&inbox).ignore();
+        let mut invocation = super::keys::INBOX_STORE.key(keys.inbox(user));
+        invocation.key(keys.inbox_live(user)).arg(idle_ms);
         for (work_id, published_ms) in &newest {
-            pipe.zadd(&inbox, work_id, *published_ms).ignore();
+            invocation.arg(work_id).arg(*published_ms);
         }
-        pipe.cmd("PEXPIRE").arg(&inbox).arg(idle_ms).ignore();
-        pipe.cmd("SET")
-            .arg(keys.inbox_live(user))
-            .arg(1)
-            .arg("PX")
-            .arg(idle_ms)
-            .ignore();
-        pipe.query_async::<()>(&mut connection)
+        let _stored: i64 = invocation
+            .invoke_async(&mut connection)
             .await
             .context("storing a rebuilt inbox")?;
         Ok(())

@@ -338,22 +338,13 @@ impl GalleryWorker {
         scored.sort_by(|a, b| b.1.total_cmp(&a.1));
         scored.truncate(gallery.settings().hot_max as usize);
         let mut connection = gallery.redis().connection().await?;
-        let next = keys.hot_next();
-        let mut pipe = redis::pipe();
-        pipe.atomic().del(&next).ignore();
-        for chunk in scored.chunks(1_000) {
-            let members: Vec<(f64, &str)> = chunk
-                .iter()
-                .map(|(member, score)| (*score, member.as_str()))
-                .collect();
-            pipe.zadd_multiple(&next, &members).ignore();
+        let mut invocation = super::keys::HOT_REPLACE.key(keys.hot());
+        invocation.key(keys.hot_next());
+        for (member, score) in &scored {
+            invocation.arg(*score).arg(member);
         }
-        if scored.is_empty() {
-            pipe.del(keys.hot()).ignore();
-        } else {
-            pipe.rename(&next, keys.hot()).ignore();
-        }
-        pipe.query_async::<()>(&mut connection)
+        let _ranked: i64 = invocation
+            .invoke_async(&mut connection)
             .await
             .context("replacing the hot ranking")?;
         Ok(scored.len())

@@ -142,11 +142,7 @@ pub fn redis_unavailable(error: &redis::RedisError) -> bool {
                 | redis::ServerErrorKind::ReadOnly
         )
     }
-    if error.is_io_error()
-        || error.is_timeout()
-        || error.is_connection_dropped()
-        || error.is_connection_refusal()
-    {
+    if crate::platform::redis_store::connection_failed(error) {
         return true;
     }
     match error.kind() {

@@ -6,13 +6,19 @@
 //! slots as they move and as replicas are promoted). It is opened on first use rather than at
 //! start, so `serve` starts, and `/ready` answers 503 naming Redis, while Redis is down.
 //!
+//! A cluster connection whose map of slots is stale is opened again (see [`ClusterLink`]): the
+//! client library follows MOVED, but a node removed from the cluster keeps running and answers
+//! CLUSTERDOWN for every slot it used to hold, which the library retries on that same node.
+//!
 //! Every key goes through [`RedisStore::key`] or [`RedisStore::tagged`], which prepend the
 //! configured prefix (several deployments, and every integration test, share one Redis without
 //! seeing each other's keys) and give the key its hash tag: in a cluster a script, a pipeline or
 //! a multi-key command may only touch keys of one slot, so keys used together share a tag, and
 //! everything else spreads over the nodes by its own. ARCHITECTURE.md lists the key families.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use redis::aio::{
@@ -22,7 +28,6 @@ use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, Pipeline, RedisFuture, Value};
 use secrecy::ExposeSecret;
-use tokio::sync::OnceCell;
 
 use crate::platform::configuration::RedisSettings;
 
@@ -34,7 +39,122 @@ pub enum RedisConnection {
     /// A connection of its own to one Redis, for blocking reads (no response timeout).
     Dedicated(MultiplexedConnection),
     /// A cluster: commands go to the node that holds their slot.
-    Cluster(ClusterConnection),
+    Cluster(ClusterLink),
+}
+
+/// A cluster connection, and what its answers told of its map of slots. An answer that only a
+/// stale map explains (CLUSTERDOWN, MOVED or ASK left after the library's own redirects and
+/// retries, a node no longer in the map, a node that does not answer) marks it stale; the
+/// store then opens a new connection, which reads the map afresh from the seed nodes, at most
+/// once per [`REOPEN_INTERVAL`], keeping the old one while the new one cannot open. A
+/// connection is also opened again after [`CLUSTER_MAP_MAX_AGE`] whatever it answered.
+#[derive(Clone)]
+pub struct ClusterLink {
+    connection: ClusterConnection,
+    health: Arc<LinkHealth>,
+}
+
+impl std::fmt::Debug for ClusterLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterLink")
+            .field("stale", &self.is_stale())
+            .field("age", &self.health.opened.elapsed())
+            .finish_non_exhaustive()
+    }
+}
+
+struct LinkHealth {
+    opened: Instant,
+    stale: AtomicBool,
+    /// Milliseconds after `opened` of the last attempt to open a successor.
+    last_reopen_ms: AtomicU64,
+}
+
+/// The least time between two attempts to open a stale cluster connection again.
+pub const REOPEN_INTERVAL: Duration = Duration::from_secs(1);
+/// A cluster connection older than this is opened again: a slot that moved back to a node
+/// this process never asked meanwhile would otherwise stay mapped to where it went.
+pub const CLUSTER_MAP_MAX_AGE: Duration = Duration::from_secs(60);
+
+impl ClusterLink {
+    fn new(connection: ClusterConnection) -> ClusterLink {
+        ClusterLink {
+            connection,
+            health: Arc::new(LinkHealth {
+                opened: Instant::now(),
+                stale: AtomicBool::new(false),
+                last_reopen_ms: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    fn note(&self, result: &redis::RedisResult<impl Sized>) {
+        if let Err(error) = result
+            && map_looks_stale(error)
+            && !self.health.stale.swap(true, Ordering::Relaxed)
+        {
+            tracing::warn!(error = %error, "the Redis Cluster's map of slots looks stale: opening the connection again");
+        }
+    }
+
+    /// Whether to try opening a successor now (and, if so, the attempt is counted).
+    fn claim_reopen(&self) -> bool {
+        let age = self.health.opened.elapsed();
+        if !self.health.stale.load(Ordering::Relaxed) && age < CLUSTER_MAP_MAX_AGE {
+            return false;
+        }
+        let now_ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX).max(1);
+        let last = self.health.last_reopen_ms.load(Ordering::Relaxed);
+        let interval = u64::try_from(REOPEN_INTERVAL.as_millis()).unwrap_or(u64::MAX);
+        (last == 0 || now_ms.saturating_sub(last) >= interval)
+            && self
+                .health
+                .last_reopen_ms
+                .compare_exchange(last, now_ms, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    }
+
+    /// Whether this connection's map was found stale (for tests and metrics).
+    pub fn is_stale(&self) -> bool {
+        self.health.stale.load(Ordering::Relaxed)
+    }
+}
+
+/// The connection failed, timed out or was refused, rather than Redis answering.
+pub fn connection_failed(error: &redis::RedisError) -> bool {
+    error.is_io_error()
+        || error.is_timeout()
+        || error.is_connection_dropped()
+        || error.is_connection_refusal()
+}
+
+/// Errors that only a stale map of slots explains, or that a new map may cure.
+fn map_looks_stale(error: &redis::RedisError) -> bool {
+    use redis::{ErrorKind, ServerErrorKind};
+    if connection_failed(error) {
+        return true;
+    }
+    match error.kind() {
+        ErrorKind::Server(
+            ServerErrorKind::ClusterDown
+            | ServerErrorKind::Moved
+            | ServerErrorKind::Ask
+            | ServerErrorKind::MasterDown,
+        ) => true,
+        ErrorKind::ClusterConnectionNotFound | ErrorKind::Io => true,
+        _ => error.clone().into_server_errors().is_some_and(|errors| {
+            errors.iter().any(|(_, error)| {
+                matches!(
+                    error.kind(),
+                    Some(
+                        ServerErrorKind::ClusterDown
+                            | ServerErrorKind::Moved
+                            | ServerErrorKind::Ask
+                    )
+                )
+            })
+        }),
+    }
 }
 
 impl std::fmt::Debug for RedisConnection {
@@ -52,7 +172,15 @@ impl ConnectionLike for RedisConnection {
         match self {
             RedisConnection::Node(connection) => connection.req_packed_command(cmd),
             RedisConnection::Dedicated(connection) => connection.req_packed_command(cmd),
-            RedisConnection::Cluster(connection) => connection.req_packed_command(cmd),
+            RedisConnection::Cluster(link) => {
+                let link = link.clone();
+                Box::pin(async move {
+                    let mut connection = link.connection.clone();
+                    let result = connection.req_packed_command(cmd).await;
+                    link.note(&result);
+                    result
+                })
+            }
         }
     }
 
@@ -69,8 +197,16 @@ impl ConnectionLike for RedisConnection {
             RedisConnection::Dedicated(connection) => {
                 connection.req_packed_commands(pipeline, offset, count)
             }
-            RedisConnection::Cluster(connection) => {
-                connection.req_packed_commands(pipeline, offset, count)
+            RedisConnection::Cluster(link) => {
+                let link = link.clone();
+                Box::pin(async move {
+                    let mut connection = link.connection.clone();
+                    let result = connection
+                        .req_packed_commands(pipeline, offset, count)
+                        .await;
+                    link.note(&result);
+                    result
+                })
             }
         }
     }
@@ -79,7 +215,7 @@ impl ConnectionLike for RedisConnection {
         match self {
             RedisConnection::Node(connection) => connection.get_db(),
             RedisConnection::Dedicated(connection) => connection.get_db(),
-            RedisConnection::Cluster(connection) => connection.get_db(),
+            RedisConnection::Cluster(link) => link.connection.get_db(),
         }
     }
 }
@@ -112,6 +248,43 @@ pub struct ReplicasBehind {
     pub wait_ms: u64,
 }
 
+/// The process's shared connection: opened on first use, opened again when stale.
+#[derive(Default)]
+struct Shared {
+    current: std::sync::RwLock<Option<RedisConnection>>,
+    opening: tokio::sync::Mutex<()>,
+}
+
+impl Shared {
+    fn current(&self) -> Option<RedisConnection> {
+        self.current.read().ok().and_then(|current| current.clone())
+    }
+}
+
+impl RedisConnection {
+    /// A stale (or old) cluster connection whose turn to be opened again has come; the call
+    /// claims the turn.
+    fn wants_reopen(&self) -> bool {
+        match self {
+            RedisConnection::Cluster(link) => link.claim_reopen(),
+            _ => false,
+        }
+    }
+
+    /// Whether another caller already claimed this connection's reopening (it is being
+    /// replaced: wait for the successor rather than use it).
+    fn is_claimed_for_reopen(&self) -> bool {
+        match self {
+            RedisConnection::Cluster(link) => {
+                let stale_or_old =
+                    link.is_stale() || link.health.opened.elapsed() >= CLUSTER_MAP_MAX_AGE;
+                stale_or_old && link.health.last_reopen_ms.load(Ordering::Relaxed) != 0
+            }
+            _ => false,
+        }
+    }
+}
+
 thread_local! {
     /// This HTTP worker's twins of the shared connections, by store (see
     /// [`RedisStore::connection`]).
@@ -122,7 +295,7 @@ thread_local! {
 #[derive(Clone)]
 pub struct RedisStore {
     target: std::sync::Arc<Target>,
-    connection: std::sync::Arc<OnceCell<RedisConnection>>,
+    shared: Arc<Shared>,
     key_prefix: String,
     connect_timeout: Duration,
     response_timeout: Duration,
@@ -178,7 +351,7 @@ impl RedisStore {
         };
         Ok(RedisStore {
             target: std::sync::Arc::new(target),
-            connection: std::sync::Arc::new(OnceCell::new()),
+            shared: Arc::new(Shared::default()),
             key_prefix: settings.key_prefix.clone(),
             connect_timeout,
             response_timeout,
@@ -210,8 +383,57 @@ impl RedisStore {
         if crate::platform::worker_local::on_http_worker() {
             return self.worker_connection().await;
         }
-        let connection = self.connection.get_or_try_init(|| self.open()).await?;
-        Ok(connection.clone())
+        if let Some(current) = self.shared.current()
+            && !current.wants_reopen()
+        {
+            return Ok(current);
+        }
+        // One opening at a time; whoever waited here finds the new one.
+        let _opening = self.shared.opening.lock().await;
+        let current = self.shared.current();
+        if let Some(current) = &current
+            && !current.is_claimed_for_reopen()
+        {
+            return Ok(current.clone());
+        }
+        let opened = self.reopen(current).await?;
+        if let Ok(mut slot) = self.shared.current.write() {
+            *slot = Some(opened.clone());
+        }
+        Ok(opened)
+    }
+
+    /// `step` on the shared connection; when its error is one a stale map of the cluster's slots
+    /// explains, once more on the connection opened again in its place (a node removed from
+    /// the cluster would otherwise fail the step until a later call). Only for steps that are
+    /// safe to repeat.
+    pub async fn repeatable<T, F, Fut>(&self, mut step: F) -> anyhow::Result<T>
+    where
+        F: FnMut(RedisConnection) -> Fut,
+        Fut: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        let connection = self.connection().await?;
+        let cluster = matches!(connection, RedisConnection::Cluster(_));
+        match step(connection).await {
+            Err(error) if cluster && map_looks_stale(&error) => {
+                let connection = self.connection().await?;
+                Ok(step(connection).await?)
+            }
+            other => Ok(other?),
+        }
+    }
+
+    /// A new connection in place of `current` (none yet, or a stale cluster connection); when
+    /// it cannot be opened, the stale one serves on (it may still reach most slots).
+    async fn reopen(&self, current: Option<RedisConnection>) -> anyhow::Result<RedisConnection> {
+        match (self.open().await, current) {
+            (Ok(opened), _) => Ok(opened),
+            (Err(error), Some(current)) => {
+                tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "could not open the Redis Cluster connection again; the old one serves on");
+                Ok(current)
+            }
+            (Err(error), None) => Err(error),
+        }
     }
 
     /// This worker's twin of the shared connection.
@@ -222,17 +444,24 @@ impl RedisStore {
                 .find(|(target, _)| std::ptr::eq(target.as_ptr(), &*self.target))
                 .map(|(_, connection)| connection.clone())
         };
-        if let Some(connection) = TWINS.with(|twins| mine(&twins.borrow())) {
-            return Ok(connection);
+        let current = TWINS.with(|twins| mine(&twins.borrow()));
+        if let Some(connection) = &current
+            && !connection.wants_reopen()
+        {
+            return Ok(connection.clone());
         }
-        let opened = self.open().await?;
+        let replacing = current.is_some();
+        let opened = self.reopen(current).await?;
         Ok(TWINS.with(|twins| {
             let mut twins = twins.borrow_mut();
             // Twins of stores gone are dropped; two requests that opened one at once keep the
-            // first.
-            twins.retain(|(target, _)| target.strong_count() > 0);
+            // first (a stale one is replaced by its successor).
+            twins.retain(|(target, _)| {
+                target.strong_count() > 0
+                    && !(replacing && std::ptr::eq(target.as_ptr(), &*self.target))
+            });
             mine(&twins).unwrap_or_else(|| {
-                twins.push((std::sync::Arc::downgrade(&self.target), opened.clone()));
+                twins.push((Arc::downgrade(&self.target), opened.clone()));
                 opened
             })
         }))
@@ -253,7 +482,7 @@ impl RedisStore {
             Target::Cluster { client, .. } => client
                 .get_async_connection()
                 .await
-                .map(RedisConnection::Cluster)
+                .map(|connection| RedisConnection::Cluster(ClusterLink::new(connection)))
                 .context("connecting to the Redis Cluster"),
         }
     }
@@ -276,7 +505,7 @@ impl RedisStore {
             Target::Cluster { blocking, .. } => blocking
                 .get_async_connection()
                 .await
-                .map(RedisConnection::Cluster)
+                .map(|connection| RedisConnection::Cluster(ClusterLink::new(connection)))
                 .context("opening a Redis Cluster connection for blocking reads"),
         }
     }
@@ -352,16 +581,19 @@ impl RedisStore {
     ) -> anyhow::Result<T> {
         let mut connection = self.connection().await?;
         match &mut connection {
-            RedisConnection::Cluster(cluster) => {
+            RedisConnection::Cluster(link) => {
                 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr};
                 let route = Route::with_key(key, SlotAddr::Master);
-                let value = cluster
+                let value = link
+                    .connection
+                    .clone()
                     .route_command(
                         command,
                         RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
                     )
-                    .await?;
-                Ok(redis::from_redis_value(value)?)
+                    .await;
+                link.note(&value);
+                Ok(redis::from_redis_value(value?)?)
             }
             other => Ok(command.query_async(other).await?),
         }

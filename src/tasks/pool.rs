@@ -31,9 +31,12 @@ use crate::platform::clock::Clock;
 use crate::platform::command::{self, CommandError, RetryPolicy};
 use crate::platform::configuration::BackendSettings;
 use crate::platform::event_store::{AnyEventStore, EventMetadata};
+use crate::platform::lua::redis_script;
 use crate::platform::redis_store::RedisStore;
 use crate::tasks::queue::lease::Leases;
 use crate::tasks::queue::{HELD_KEY, HELD_VERSION_KEY};
+
+redis_script!(POOL_STATUS, "pool_status.lua");
 
 /// The leader's view of each server (hash: name -> JSON [`BackendStatus`]).
 pub const STATUS_KEY: &str = "dispatch:backends";
@@ -406,15 +409,13 @@ impl PoolService {
     /// The leader's view of every server, replacing the last one (a removed server drops out).
     pub async fn publish_status(&self, statuses: &[BackendStatus]) -> anyhow::Result<()> {
         let mut connection = self.redis.connection().await?;
-        let key = self.redis.key(STATUS_KEY);
-        let mut pipe = redis::pipe();
-        pipe.atomic().del(&key).ignore();
+        let mut invocation = POOL_STATUS.key(self.redis.key(STATUS_KEY));
         for status in statuses {
             let json = serde_json::to_string(status).context("encoding a backend status")?;
-            pipe.hset(&key, &status.name, json).ignore();
+            invocation.arg(&status.name).arg(json);
         }
-        let _: () = pipe
-            .query_async(&mut connection)
+        let _published: i64 = invocation
+            .invoke_async(&mut connection)
             .await
             .context("publishing the servers' status")?;
         Ok(())

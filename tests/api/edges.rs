@@ -71,8 +71,8 @@ async fn a_body_over_the_limit_is_a_413_not_a_422() {
 }
 
 /// A Redis server of this test's own, started with `scripts/redis.conf` in a fresh directory.
-struct OwnRedis {
-    child: std::process::Child,
+pub(crate) struct OwnRedis {
+    pub(crate) child: std::process::Child,
     port: u16,
     directory: std::path::PathBuf,
 }
@@ -82,7 +82,7 @@ impl OwnRedis {
         OwnRedis::start_with(port, directory, &[])
     }
 
-    fn start_with(port: u16, directory: &std::path::Path, extra: &[&str]) -> OwnRedis {
+    pub(crate) fn start_with(port: u16, directory: &std::path::Path, extra: &[&str]) -> OwnRedis {
         let child = std::process::Command::new("redis-server")
             .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/redis.conf"))
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])

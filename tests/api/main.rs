@@ -4,6 +4,7 @@
 mod audit;
 mod auth;
 mod checkins;
+mod cluster_edges;
 mod dispatch;
 mod edges;
 mod event_store;

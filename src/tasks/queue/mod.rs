@@ -185,15 +185,24 @@ impl TaskQueue {
         Ok(())
     }
 
-    /// Take a task out of the queue, with its model.
+    /// Take a task out of the queue, with its model (repeated once on a cluster connection
+    /// opened again, when the first attempt met a stale map of the slots).
     pub async fn remove(&self, task_id: TaskId) -> anyhow::Result<()> {
-        let mut connection = self.redis.connection().await?;
         let member = task_id.to_string();
-        let mut pipe = redis::pipe();
-        pipe.atomic().zrem(self.queue_key(), &member).ignore();
-        let _: () = self
-            .forgetting_work(&mut pipe, &member)
-            .query_async(&mut connection)
+        let _removed: i64 = self
+            .redis
+            .repeatable(|mut connection| {
+                let member = member.clone();
+                async move {
+                    crate::tasks::queue::scripts::QUEUE_REMOVE
+                        .key(self.queue_key())
+                        .key(self.models_key())
+                        .key(self.steps_key())
+                        .arg(member)
+                        .invoke_async(&mut connection)
+                        .await
+                }
+            })
             .await
             .context("removing a task from the queue")?;
         Ok(())

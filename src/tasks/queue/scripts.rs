@@ -9,6 +9,7 @@ redis_script!(QUEUE_TICKET, "queue_ticket.lua");
 redis_script!(QUEUE_ENQUEUE, "queue_enqueue.lua");
 redis_script!(QUEUE_PRIORITISE_TARGET, "queue_prioritise_target.lua");
 redis_script!(QUEUE_CLAIM, "queue_claim.lua");
+redis_script!(QUEUE_REMOVE, "queue_remove.lua");
 redis_script!(QUEUE_REQUEUE, "queue_requeue.lua");
 redis_script!(QUEUE_SCORES_AFTER, "queue_scores_after.lua");
 redis_script!(QUEUE_RANKS, "queue_ranks.lua");

@@ -1,0 +1,502 @@
+//! A Redis Cluster of the test's own that an operator grows and shrinks while zhihui works: a
+//! fourth master is added, the queue's slot and a user's slot move to it and back, and the node
+//! is removed (`redis-cli --cluster del-node` resets it and leaves it running, answering
+//! CLUSTERDOWN for every slot). No answer is a 500, nothing is lost or doubled, and the slots
+//! that moved back while zhihui was not looking are found again.
+
+#![allow(clippy::unwrap_used)]
+// The test reports what it counted (answers by status, the longest request) on stderr.
+#![allow(clippy::print_stderr)]
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use secrecy::SecretString;
+use serde_json::{Value, json};
+
+use crate::edges::OwnRedis;
+use crate::helpers::{TestApp, spawn_app_with};
+use zhihui_domain::points::Points;
+
+/// A port whose cluster bus (10000 above) is free too and below 65536.
+fn cluster_port() -> u16 {
+    loop {
+        let port = 20_000 + (rand::random::<u16>() % 25_000);
+        let free = |port: u16| std::net::TcpListener::bind(("127.0.0.1", port)).is_ok();
+        if free(port) && free(port + 10_000) {
+            return port;
+        }
+    }
+}
+
+async fn node(port: u16) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(format!("redis://127.0.0.1:{port}/0"))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+async fn command<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> T {
+    let mut command = redis::cmd(args[0]);
+    for arg in &args[1..] {
+        command.arg(*arg);
+    }
+    command.query_async(&mut node(port).await).await.unwrap()
+}
+
+fn redis_cli(args: &[&str]) {
+    let output = std::process::Command::new("redis-cli")
+        .args(args)
+        .output()
+        .expect("redis-cli (scripts/services.sh installs it)");
+    assert!(
+        output.status.success(),
+        "redis-cli {args:?}: {}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// Until every node in `ports` says the cluster is ok and knows `nodes` nodes.
+async fn until_settled(ports: &[u16], nodes: usize) {
+    let started = Instant::now();
+    loop {
+        let mut settled = true;
+        for port in ports {
+            let info: String = command(*port, &["CLUSTER", "INFO"]).await;
+            let known: String = command(*port, &["CLUSTER", "NODES"]).await;
+            settled &= info.contains("cluster_state:ok") && known.lines().count() == nodes;
+        }
+        if settled {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the cluster never settled"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Move `slot` from the master on `from` to the one on `to`, as `redis-cli --cluster reshard`
+/// does: importing and migrating, the keys one batch at a time, then the slot's new owner
+/// told to every master.
+async fn move_slot(slot: u16, from: u16, to: u16, masters: &[u16]) {
+    let slot = slot.to_string();
+    let from_id: String = command(from, &["CLUSTER", "MYID"]).await;
+    let to_id: String = command(to, &["CLUSTER", "MYID"]).await;
+    let _: () = command(to, &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id]).await;
+    let _: () = command(from, &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id]).await;
+    loop {
+        let keys: Vec<String> = command(from, &["CLUSTER", "GETKEYSINSLOT", &slot, "100"]).await;
+        if keys.is_empty() {
+            break;
+        }
+        let mut migrate = redis::cmd("MIGRATE");
+        migrate
+            .arg("127.0.0.1")
+            .arg(to)
+            .arg("")
+            .arg(0)
+            .arg(5000)
+            .arg("KEYS")
+            .arg(&keys);
+        let _: () = migrate.query_async(&mut node(from).await).await.unwrap();
+    }
+    // The source first: once it holds no slot it may turn into a replica of the target (replica
+    // migration), and a replica takes no SETSLOT; the others learn it by gossip if not from us.
+    let _: () = command(from, &["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]).await;
+    let _: () = command(to, &["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]).await;
+    for other in masters.iter().filter(|port| ![from, to].contains(port)) {
+        let mut setslot = redis::cmd("CLUSTER");
+        setslot.arg("SETSLOT").arg(&slot).arg("NODE").arg(&to_id);
+        let told: redis::RedisResult<()> = setslot.query_async(&mut node(*other).await).await;
+        if let Err(error) = told {
+            assert!(error.to_string().contains("only with masters"), "{error}");
+        }
+    }
+}
+
+/// The answers of one round of work, by status, and the longest request.
+#[derive(Default, Debug)]
+struct Answers {
+    by_status: BTreeMap<u16, usize>,
+    longest: Duration,
+    longest_was: String,
+}
+
+impl Answers {
+    /// `request` until it is answered other than 503 (at most 30 s), each answer counted.
+    async fn until_done<F, Fut>(&mut self, what: &str, mut request: F) -> reqwest::Response
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = reqwest::Response>,
+    {
+        let started = Instant::now();
+        loop {
+            let sent = Instant::now();
+            let response = request().await;
+            let took = sent.elapsed();
+            if took > self.longest {
+                self.longest = took;
+                self.longest_was = what.to_owned();
+            }
+            let status = response.status().as_u16();
+            *self.by_status.entry(status).or_default() += 1;
+            if status == 503 {
+                eprintln!("{what}: 503 after {took:?}");
+            }
+            assert_ne!(status, 500, "{what}: {:?}", response.text().await);
+            if status != 503 {
+                return response;
+            }
+            assert!(
+                response.headers().contains_key("retry-after"),
+                "{what}: a 503 says when"
+            );
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "{what}: still 503 after 30 s"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+/// One round of a user's work touching the queue's slot and the user's own: log in, cancel the
+/// task the last round left queued (the first queue step after a slot moved is a removal),
+/// submit another (retried under its idempotency key), read it and the account.
+async fn work(
+    app: &TestApp,
+    username: &str,
+    round: &str,
+    queued: &mut Option<String>,
+    answers: &mut Answers,
+) {
+    let credentials = json!({"username": username, "password": "a long password"});
+    let login = answers
+        .until_done("login", || {
+            app.post("/api/v1/auth/login", None, &credentials)
+        })
+        .await;
+    assert_eq!(login.status(), 200);
+    let token = login.json::<Value>().await.unwrap()["token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    if let Some(task) = queued.take() {
+        let cancelled = answers
+            .until_done("cancel", || async {
+                app.http
+                    .post(format!("{}/api/v1/tasks/{task}/cancel", app.address))
+                    .bearer_auth(&token)
+                    .send()
+                    .await
+                    .unwrap()
+            })
+            .await;
+        assert_eq!(cancelled.status(), 200);
+        assert_eq!(
+            cancelled.json::<Value>().await.unwrap()["status"],
+            "cancelled"
+        );
+    }
+    if round.is_empty() {
+        return;
+    }
+    let key = uuid::Uuid::now_v7().to_string();
+    let submitted = answers
+        .until_done("submit", || async {
+            app.http
+                .post(format!("{}/api/v1/tasks", app.address))
+                .bearer_auth(&token)
+                .header("Idempotency-Key", &key)
+                .json(&json!({"prompt": format!("扩容那天的{round}：雨中的长城")}))
+                .send()
+                .await
+                .unwrap()
+        })
+        .await;
+    assert_eq!(submitted.status(), 201);
+    let task = submitted.json::<Value>().await.unwrap()["task_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let path = format!("/api/v1/tasks/{task}");
+    let read = answers
+        .until_done("read the task", || app.get_as(&token, &path))
+        .await;
+    assert_eq!(read.status(), 200);
+    let account = answers
+        .until_done("read the account", || app.get_as(&token, "/api/v1/account"))
+        .await;
+    assert_eq!(account.status(), 200);
+    *queued = Some(task);
+}
+
+const USERS: [&str; 2] = ["yunhai", "shanshui"];
+/// How long the load goes on after the node's removal.
+const KEEP_WORKING: Duration = Duration::from_secs(60);
+
+/// The operator's hold on the users' loops: rounds done, a pause, an end.
+#[derive(Default)]
+struct Control {
+    rounds: [AtomicUsize; USERS.len()],
+    idle: [AtomicBool; USERS.len()],
+    paused: AtomicBool,
+    stopped: AtomicBool,
+}
+
+impl Control {
+    /// Until every user did `more` rounds after now.
+    async fn until_rounds(&self, more: usize) {
+        let from: Vec<usize> = self
+            .rounds
+            .iter()
+            .map(|r| r.load(Ordering::SeqCst))
+            .collect();
+        while self
+            .rounds
+            .iter()
+            .zip(&from)
+            .any(|(rounds, from)| rounds.load(Ordering::SeqCst) < from + more)
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Until no user has a request in flight.
+    async fn pause(&self) {
+        self.paused.store(true, Ordering::SeqCst);
+        while !self.idle.iter().all(|idle| idle.load(Ordering::SeqCst)) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn resume(&self) {
+        self.paused.store(false, Ordering::SeqCst);
+    }
+
+    fn stop(&self) {
+        self.stopped.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A user's rounds of work until stopped (a short breath between rounds: a steady load, not a
+/// flood), then the last task cancelled. Its answers and the number of rounds (one task each).
+async fn keep_working(
+    app: &TestApp,
+    username: &str,
+    index: usize,
+    control: &Control,
+) -> (Answers, usize) {
+    let mut answers = Answers::default();
+    let mut queued = None;
+    let mut round = 0;
+    while !control.stopped.load(Ordering::SeqCst) {
+        if control.paused.load(Ordering::SeqCst) {
+            control.idle[index].store(true, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        }
+        control.idle[index].store(false, Ordering::SeqCst);
+        work(
+            app,
+            username,
+            &format!("第{round}轮"),
+            &mut queued,
+            &mut answers,
+        )
+        .await;
+        round += 1;
+        control.rounds[index].fetch_add(1, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    work(app, username, "", &mut queued, &mut answers).await;
+    (answers, round)
+}
+
+#[tokio::test]
+async fn a_cluster_grown_and_shrunk_under_load_answers_no_500_and_loses_nothing() {
+    let directory = std::env::temp_dir().join(format!("zhihui-cluster-{}", uuid::Uuid::now_v7()));
+    let ports: Vec<u16> = (0..4).map(|_| cluster_port()).collect();
+    let _nodes: Vec<OwnRedis> = ports
+        .iter()
+        .map(|port| {
+            let dir = directory.join(port.to_string());
+            std::fs::create_dir_all(&dir).unwrap();
+            OwnRedis::start_with(
+                *port,
+                &dir,
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--appendonly",
+                    "no",
+                ],
+            )
+        })
+        .collect();
+    let address = |port: u16| format!("127.0.0.1:{port}");
+    let (first, masters, added) = (ports[0], ports[..3].to_vec(), ports[3]);
+    let mut create = vec!["--cluster".to_owned(), "create".to_owned()];
+    create.extend(masters.iter().map(|port| address(*port)));
+    create.extend(["--cluster-yes".to_owned()]);
+    redis_cli(&create.iter().map(String::as_str).collect::<Vec<_>>());
+    until_settled(&masters, 3).await;
+    redis_cli(&["--cluster", "add-node", &address(added), &address(first)]);
+    until_settled(&ports, 4).await;
+
+    let seeds = masters
+        .iter()
+        .map(|port| format!("redis://127.0.0.1:{port}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let app = spawn_app_with(|settings| {
+        settings.redis.cluster_nodes = SecretString::from(seeds);
+        settings.auth.argon2_memory_kib = 1024;
+        settings.auth.argon2_iterations = 1;
+    })
+    .await;
+    let admin = app.admin_token("operator").await;
+    let mut users = Vec::new();
+    for username in USERS {
+        let user = app.register(username, "a long password").await;
+        let granted = app
+            .post(
+                &format!("/api/v1/admin/accounts/{user}/grants"),
+                Some(&admin),
+                &json!({"amount": "10", "reason": "扩容测试"}),
+            )
+            .await;
+        assert_eq!(granted.status(), 201);
+        users.push(user);
+    }
+
+    // Where the slots live: `redis-cli --cluster create` gives three masters even ranges.
+    let owner = |slot: u16| masters[usize::from(slot / 5461).min(2)];
+    let queue_slot: u16 = command(first, &["CLUSTER", "KEYSLOT", "queue"]).await;
+    let user_slot: u16 = command(first, &["CLUSTER", "KEYSLOT", &format!("u:{}", users[0])]).await;
+    let control = Control::default();
+    let services = app.services_on_app_clock();
+    let operator = async {
+        control.until_rounds(1).await;
+        // Grown, under the load: the queue's slot, then the first user's, to the new master.
+        move_slot(queue_slot, owner(queue_slot), added, &ports).await;
+        control.until_rounds(2).await;
+        if user_slot != queue_slot {
+            move_slot(user_slot, owner(user_slot), added, &ports).await;
+        }
+        control.until_rounds(2).await;
+        // The queue's slot back, under the load.
+        move_slot(queue_slot, added, owner(queue_slot), &ports).await;
+        control.until_rounds(2).await;
+        // The load pauses: every cancel while the slots moved finished in its own request (a
+        // transaction would have been aborted by MOVED and its queue step left to the sweeper).
+        control.pause().await;
+        app.clock.advance(Duration::from_millis(
+            app.settings.tasks.intent_resolve_after_ms + 1,
+        ));
+        assert_eq!(
+            services.tasks.sweep_once().await.unwrap().intents_resolved,
+            0
+        );
+        // The user's slot back and the node removed while zhihui does not ask: its map still
+        // points that slot at the node that now answers CLUSTERDOWN.
+        if user_slot != queue_slot {
+            move_slot(user_slot, added, owner(user_slot), &ports).await;
+        }
+        let added_id: String = command(added, &["CLUSTER", "MYID"]).await;
+        redis_cli(&["--cluster", "del-node", &address(first), &added_id]);
+        until_settled(&masters, 3).await;
+        let removed = Instant::now();
+        control.resume();
+        // A minute of work after the removal.
+        control.until_rounds(3).await;
+        while removed.elapsed() < KEEP_WORKING {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        control.stop();
+    };
+    let (_, loads) = tokio::join!(
+        operator,
+        futures::future::join_all(
+            USERS
+                .iter()
+                .enumerate()
+                .map(|(index, username)| keep_working(&app, username, index, &control))
+        )
+    );
+
+    let mut answers = Answers::default();
+    let mut rounds = 0;
+    for (load, done) in loads {
+        for (status, count) in load.by_status {
+            *answers.by_status.entry(status).or_default() += count;
+        }
+        if load.longest > answers.longest {
+            answers.longest = load.longest;
+            answers.longest_was = load.longest_was;
+        }
+        rounds += done;
+    }
+    eprintln!(
+        "answers by status {:?} in {rounds} rounds of {} users; longest request {:?} ({})",
+        answers.by_status,
+        USERS.len(),
+        answers.longest,
+        answers.longest_was
+    );
+    assert!(!answers.by_status.contains_key(&500));
+    // Nothing lost or doubled: every task submitted was cancelled and every point is back.
+    app.clock.advance(Duration::from_millis(
+        app.settings.tasks.intent_resolve_after_ms + 1,
+    ));
+    let swept = app
+        .services_on_app_clock()
+        .tasks
+        .sweep_once()
+        .await
+        .unwrap()
+        .intents_resolved;
+    eprintln!("cancels finished by the sweeper: {swept}");
+    app.project().await;
+    let mut tasks_seen = 0;
+    for (username, user) in USERS.iter().zip(&users) {
+        let account = crate::tasks::account_of(&app, user).await;
+        assert_eq!(account.balance.available, Points::whole(10), "{username}");
+        assert_eq!(account.balance.frozen, Points::whole(0), "{username}");
+        let token = app.login(username, "a long password").await;
+        let mut cursor: Option<String> = None;
+        loop {
+            let path = match &cursor {
+                Some(cursor) => format!("/api/v1/tasks?limit=100&cursor={cursor}"),
+                None => "/api/v1/tasks?limit=100".to_owned(),
+            };
+            let page: Value = app.get_as(&token, &path).await.json().await.unwrap();
+            for task in page["tasks"].as_array().unwrap() {
+                assert_eq!(task["status"], "cancelled", "{task}");
+                tasks_seen += 1;
+            }
+            match page["next_cursor"].as_str() {
+                Some(next) => cursor = Some(next.to_owned()),
+                None => break,
+            }
+        }
+    }
+    assert_eq!(tasks_seen, rounds, "one task a round");
+    assert_eq!(app.services().tasks.queue.len().await.unwrap(), 0);
+    let verified = app.verify(None).await;
+    assert!(
+        verified.differences.is_empty(),
+        "{:?}",
+        verified.differences
+    );
+    let _ = std::fs::remove_dir_all(&directory);
+}
