@@ -509,10 +509,6 @@ async fn replay(name: &str, skip_body: &[&str]) -> Vec<String> {
 }
 
 async fn check(name: &str, skip_body: &[&str]) {
-    if read_jsonl(name).is_none() {
-        eprintln!("skipping {name}: transcripts not available");
-        return;
-    }
     let diffs = replay(name, skip_body).await;
     assert!(
         diffs.is_empty(),
@@ -572,4 +568,12 @@ async fn k_duplicate_clientid() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn l_misc_endpoints() {
     check("l_misc_endpoints", &["/history?"]).await;
+}
+
+/// A queue's order by `number` and `front`, `GET /queue` listing it, and `POST /queue` with
+/// `delete`: a pending prompt leaves, the running one is untouched (zhihui's cancel of a prompt
+/// waiting on a server relies on exactly this).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn e_queue_priority_delete() {
+    check("e_queue_priority_delete", &[]).await;
 }

@@ -529,6 +529,32 @@ async fn a_server_naming_more_or_foreign_outputs_fails_the_task_and_nothing_is_d
     saga.resign().await;
 }
 
+/// Whether the server's own history shows the prompt of `task_id` (the one its dispatch
+/// recorded) ended by an interrupt (ComfyUI's `execution_interrupted` status message).
+async fn interrupted_on_the_server(sim: &Simulator, app: &TestApp, task_id: &str) -> bool {
+    let prompt_id = task_events(app, task_id)
+        .await
+        .into_iter()
+        .find_map(|event| match event {
+            TaskEvent::Dispatched(dispatched) => Some(dispatched.prompt_id),
+            _ => None,
+        })
+        .expect("the task was dispatched");
+    let history: Value = reqwest::get(format!("{}/history/{prompt_id}", sim.base_url()))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    history[prompt_id.to_string()]["status"]["messages"]
+        .as_array()
+        .is_some_and(|messages| {
+            messages
+                .iter()
+                .any(|message| message[0] == "execution_interrupted")
+        })
+}
+
 #[tokio::test]
 async fn cancelling_a_running_task_interrupts_it_and_returns_its_points() {
     let faults = Faults {
@@ -570,6 +596,10 @@ async fn cancelling_a_running_task_interrupts_it_and_returns_its_points() {
         status_of(&process, &waiting).await.status,
         TaskStatus::Succeeded
     );
+    // And the server was told: its history shows the prompt interrupted (the saga would record
+    // the same outcome after giving up on an interrupt that never arrived).
+    assert!(interrupted_on_the_server(&harness.sims[0], &harness.app, &running).await);
+    assert!(!interrupted_on_the_server(&harness.sims[0], &harness.app, &waiting).await);
     assert_settled(&harness, &process, &user, 9).await;
     saga.resign().await;
 }
@@ -597,6 +627,9 @@ async fn a_task_past_its_timeout_is_interrupted_and_fails() {
     drive_until_idle(&mut saga).await;
     let reason = failure_reason(&harness.app, &task).await;
     assert!(reason.contains("longer than the limit of 1 s"), "{reason}");
+    // The server stopped running it: its history shows the prompt interrupted (without the
+    // interrupt it would still be running there, for 9 more seconds).
+    assert!(interrupted_on_the_server(&harness.sims[0], &harness.app, &task).await);
     assert_settled(&harness, &process, &user, 10).await;
     saga.resign().await;
 }

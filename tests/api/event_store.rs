@@ -1,6 +1,6 @@
 //! The event-store conformance suite: the same test functions run against PostgreSQL (always,
-//! with and without group commit) and against KurrentDB when `KURRENTDB_URL` is set. Then the
-//! hard cases of the PostgreSQL store: a held transaction under 32 concurrent writers, and a
+//! with and without group commit) and against KurrentDB (ignored tests, run where a server is:
+//! `KURRENTDB_URL`). Then the hard cases of the PostgreSQL store: a held transaction under 32 concurrent writers, and a
 //! connection killed mid-append.
 
 #![allow(clippy::unwrap_used)]
@@ -618,16 +618,17 @@ macro_rules! conformance {
                 }
             )*
         }
-        /// Runs only where a KurrentDB server is reachable (`KURRENTDB_URL`, e.g.
-        /// `esdb://localhost:2113?tls=false`); elsewhere each test says so and passes.
+        /// Need a KurrentDB server, so ignored by default: the gate's summary counts them as
+        /// skipped, never as passed. `KURRENTDB_URL=esdb://localhost:2113?tls=false cargo
+        /// nextest run --run-ignored only -E 'test(kurrentdb::)'` runs them (`scripts/test.sh`
+        /// does when `KURRENTDB_URL` is set); without the variable they fail.
         mod kurrentdb {
             $(
                 #[tokio::test]
+                #[ignore = "needs a KurrentDB server: set KURRENTDB_URL and run the ignored tests"]
                 async fn $name() {
-                    let Ok(url) = std::env::var("KURRENTDB_URL") else {
-                        eprintln!("KURRENTDB_URL not set: KurrentDB conformance not run");
-                        return;
-                    };
+                    let url = std::env::var("KURRENTDB_URL")
+                        .expect("KURRENTDB_URL names the KurrentDB server these tests run against");
                     let store = zhihui::platform::event_store::kurrent::KurrentEventStore::connect(&url)
                         .expect("KURRENTDB_URL is a valid connection string");
                     super::$name(&store).await;
@@ -1101,12 +1102,30 @@ async fn stored_events_cannot_be_updated_or_deleted() {
         .await
         .unwrap();
     let client = connect(&pg.settings).await;
+    // Refused by the append-only trigger, by name (not by any error the statement might meet).
+    let refusal = |result: Result<u64, tokio_postgres::Error>| {
+        let error = result.unwrap_err();
+        let error = error.as_db_error().expect("an error of the server");
+        (error.code().clone(), error.message().to_owned())
+    };
     let update = client
         .execute("UPDATE events SET event_type = 'B'", &[])
         .await;
-    assert!(update.unwrap_err().to_string().contains("db error"));
+    assert_eq!(
+        refusal(update),
+        (
+            tokio_postgres::error::SqlState::RAISE_EXCEPTION,
+            "events are append-only (UPDATE refused)".to_owned()
+        )
+    );
     let delete = client.execute("DELETE FROM events", &[]).await;
-    assert!(delete.is_err());
+    assert_eq!(
+        refusal(delete),
+        (
+            tokio_postgres::error::SqlState::RAISE_EXCEPTION,
+            "events are append-only (DELETE refused)".to_owned()
+        )
+    );
 }
 
 #[tokio::test]
