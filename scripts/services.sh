@@ -11,6 +11,12 @@
 #                                        DATABASE_URL (target_session_attrs=read-write)
 #   scripts/services.sh kill-primary     SIGKILL the primary's postmaster and its backends
 #   scripts/services.sh promote-standby  promote the standby (it becomes the read-write host)
+#   scripts/services.sh restart-old-primary  start the killed primary again as it was: a second
+#                                        read-write server on the old timeline (the mistake zhihui
+#                                        fences; see src/platform/pg_fencing.rs)
+#   scripts/services.sh rejoin-old-primary   the way back: stop it, pg_rewind it from the new
+#                                        primary (a fresh pg_basebackup if that fails), start it
+#                                        as the new primary's streaming standby
 #   scripts/services.sh stop-pg-pair     stop both
 # ZHIHUI_PG_PRIMARY_PORT / ZHIHUI_PG_STANDBY_PORT choose the ports, ZHIHUI_LOCAL_DIR the directory.
 #
@@ -142,7 +148,8 @@ stop_postgres() {
 # The pair's two servers share these options; the primary alone names a synchronous standby (a
 # promoted standby must not wait for a standby it does not have).
 pair_options() {
-    echo "-p $1 -c listen_addresses=127.0.0.1 -k $PAIR_DIR/run -c max_connections=200 -c shared_buffers=128MB -c wal_level=replica -c max_wal_senders=5 -c hot_standby=on -c wal_keep_size=256MB"
+    # wal_log_hints: pg_rewind can then bring an old primary back as a standby.
+    echo "-p $1 -c listen_addresses=127.0.0.1 -k $PAIR_DIR/run -c max_connections=200 -c shared_buffers=128MB -c wal_level=replica -c max_wal_senders=5 -c hot_standby=on -c wal_keep_size=256MB -c wal_log_hints=on"
 }
 
 start_pg_pair() {
@@ -162,6 +169,9 @@ start_pg_pair() {
             # initdb's pg_hba.conf already trusts replication connections from loopback.
             as_pg_user "$bin/initdb" -D "$PAIR_DIR/primary" -U "$PG_SUPERUSER" --auth=trust \
                 --encoding=UTF8 --locale=C.UTF-8 >"$PAIR_DIR/initdb.log"
+            # In the configuration file, not only on the command line: pg_rewind's own crash
+            # recovery of a killed primary starts it with the file's settings.
+            echo "wal_log_hints = on" >>"$PAIR_DIR/primary/postgresql.conf"
         fi
         log "starting the primary on 127.0.0.1:$PAIR_PRIMARY_PORT (synchronous standby: $PAIR_SYNCHRONOUS)"
         as_pg_user "$bin/pg_ctl" -D "$PAIR_DIR/primary" -l "$PAIR_DIR/primary.log" -w -t 60 start \
@@ -205,6 +215,59 @@ promote_standby() {
     local bin; bin="$(pg_bin_dir)"
     log "promoting the standby on port $PAIR_STANDBY_PORT"
     as_pg_user "$bin/pg_ctl" -D "$PAIR_DIR/standby" -w -t 60 promote >&2
+}
+
+# The old primary started again by mistake, as it was: read-write, on its old timeline, with no
+# synchronous standby to wait for (so nothing holds a write back: the case zhihui must fence).
+restart_old_primary() {
+    local bin; bin="$(pg_bin_dir)"
+    # The killed postmaster may not be gone yet (a zombie until it is reaped): its lock files
+    # would stop the start ("another server might be running"). Wait for it; a zombie that
+    # outlives the wait holds nothing, and its lock files go.
+    local pid tries=0
+    pid="$(head -n 1 "$PAIR_DIR/primary/postmaster.pid" 2>/dev/null || true)"
+    while [ -n "$pid" ] && [ -n "$(ps -o stat= -p "$pid" 2>/dev/null || true)" ]; do
+        tries=$((tries + 1))
+        if [ "$tries" -ge 100 ]; then
+            rm -f "$PAIR_DIR/primary/postmaster.pid" "$PAIR_DIR/run/.s.PGSQL.$PAIR_PRIMARY_PORT.lock"
+            break
+        fi
+        sleep 0.1
+    done
+    log "starting the old primary again as a primary on 127.0.0.1:$PAIR_PRIMARY_PORT"
+    as_pg_user "$bin/pg_ctl" -D "$PAIR_DIR/primary" -l "$PAIR_DIR/primary.log" -w -t 60 start \
+        -o "$(pair_options "$PAIR_PRIMARY_PORT")" >&2
+}
+
+# The way back for an old primary: it must not write again on its own timeline; it follows the
+# new primary (the promoted standby) from the point where their histories split.
+rejoin_old_primary() {
+    local bin; bin="$(pg_bin_dir)"
+    if [ -s "$PAIR_DIR/primary/postmaster.pid" ]; then
+        as_pg_user "$bin/pg_ctl" -D "$PAIR_DIR/primary" -m fast -w stop >&2 2>/dev/null || true
+    fi
+    local source="host=127.0.0.1 port=$PAIR_STANDBY_PORT user=$PG_SUPERUSER dbname=postgres"
+    # pg_rewind reads the new primary's timeline from its control file, written at a checkpoint:
+    # right after a promotion it may still say the old timeline ("no rewind required").
+    psql -h 127.0.0.1 -p "$PAIR_STANDBY_PORT" -U "$PG_SUPERUSER" -d postgres -qc CHECKPOINT
+    log "rewinding the old primary from the new one (port $PAIR_STANDBY_PORT)"
+    # -R writes standby.signal and primary_conninfo (the new primary) into the rewound copy.
+    if ! as_pg_user "$bin/pg_rewind" --target-pgdata="$PAIR_DIR/primary" --source-server="$source" \
+        -R >&2; then
+        log "pg_rewind failed: a fresh copy of the new primary instead"
+        rm -rf "$PAIR_DIR/primary"
+        as_pg_user "$bin/pg_basebackup" -h 127.0.0.1 -p "$PAIR_STANDBY_PORT" -U "$PG_SUPERUSER" \
+            -D "$PAIR_DIR/primary" -R -X stream --checkpoint=fast >&2
+    fi
+    log "starting the old primary as the new primary's standby on 127.0.0.1:$PAIR_PRIMARY_PORT"
+    as_pg_user "$bin/pg_ctl" -D "$PAIR_DIR/primary" -l "$PAIR_DIR/primary.log" -w -t 60 start \
+        -o "$(pair_options "$PAIR_PRIMARY_PORT")" >&2
+    local tries=0
+    until [ "$(psql -h 127.0.0.1 -p "$PAIR_STANDBY_PORT" -U "$PG_SUPERUSER" -d postgres -tAc \
+        "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming'")" = "1" ]; do
+        tries=$((tries + 1)); [ "$tries" -lt 120 ] || { log "the old primary never streamed; see $PAIR_DIR/primary.log"; exit 1; }
+        sleep 0.25
+    done
 }
 
 stop_pg_pair() {
@@ -376,12 +439,14 @@ case "${1:-start}" in
     start-pg-pair) start_pg_pair ;;
     kill-primary) kill_primary ;;
     promote-standby) promote_standby ;;
+    restart-old-primary) restart_old_primary ;;
+    rejoin-old-primary) rejoin_old_primary ;;
     stop-pg-pair) stop_pg_pair ;;
     start-redis-cluster) start_redis_cluster ;;
     stop-redis-cluster) stop_redis_cluster ;;
     kill-redis-master) kill_redis_master "${2:-}" ;;
     restart-redis-node) start_cluster_node "${2:?port}" ;;
     *)
-        echo "usage: $0 start|stop|env|start-pg-pair|kill-primary|promote-standby|stop-pg-pair|start-redis-cluster|stop-redis-cluster|kill-redis-master SLOT|restart-redis-node PORT" >&2; exit 2
+        echo "usage: $0 start|stop|env|start-pg-pair|kill-primary|promote-standby|restart-old-primary|rejoin-old-primary|stop-pg-pair|start-redis-cluster|stop-redis-cluster|kill-redis-master SLOT|restart-redis-node PORT" >&2; exit 2
         ;;
 esac

@@ -84,8 +84,11 @@ impl From<anyhow::Error> for ApiError {
                 || cause
                     .downcast_ref::<deadpool_postgres::PoolError>()
                     .is_some_and(|pool_error| match pool_error {
-                        deadpool_postgres::PoolError::Backend(error) => postgres_unavailable(error),
-                        deadpool_postgres::PoolError::Timeout(_) => true,
+                        // The pool's backend errors are its failures to open a connection: no
+                        // server (yet) takes writes, e.g. a standby not promoted yet ("database
+                        // does not allow writes", no SQLSTATE), a refused or reset connection.
+                        deadpool_postgres::PoolError::Backend(_)
+                        | deadpool_postgres::PoolError::Timeout(_) => true,
                         _ => false,
                     })
         });
@@ -417,6 +420,27 @@ mod tests {
             redis::RedisError::from((redis::ErrorKind::ClusterConnectionNotFound, "no node"));
         assert_eq!(
             status_of(anyhow::Error::new(gone)),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+    }
+
+    /// Between a primary's death and its standby's promotion, the pool cannot open a connection
+    /// (every server refuses, or says it takes no writes, with no SQLSTATE): a 503.
+    #[tokio::test]
+    async fn a_pool_that_cannot_open_a_connection_is_a_503_not_a_500() {
+        let Err(refused) = tokio_postgres::connect(
+            "host=127.0.0.1 port=1 user=nobody connect_timeout=2",
+            tokio_postgres::NoTls,
+        )
+        .await
+        else {
+            panic!("a connection to port 1 was accepted");
+        };
+        assert_eq!(refused.code(), None);
+        let error = anyhow::Error::new(deadpool_postgres::PoolError::Backend(refused))
+            .context("getting a connection");
+        assert_eq!(
+            ApiError::from(error).status_code(),
             StatusCode::SERVICE_UNAVAILABLE
         );
     }

@@ -172,6 +172,12 @@ pub const METRICS: &[Described] = &[
         "new works pushed into followers' inboxes (gallery worker leader)",
     ),
     described(
+        "zhihui_postgres_fenced_total",
+        Kind::Counter,
+        &[],
+        "connections refused to a PostgreSQL primary on an old timeline (an old primary started again after a failover)",
+    ),
+    described(
         "zhihui_settlement_repairs_total",
         Kind::Counter,
         &["kind"],
@@ -255,6 +261,7 @@ pub fn start_at_zero(store_kind: &'static str, repair_kinds: &[&'static str]) {
     }
     metrics::counter!("zhihui_gallery_cache_loads_total").increment(0);
     metrics::counter!("zhihui_gallery_inbox_pushes_total").increment(0);
+    metrics::counter!("zhihui_postgres_fenced_total").increment(0);
     for kind in crate::platform::notify::TaskNotice::KINDS {
         metrics::counter!("zhihui_notifications_sent_total", "kind" => *kind).increment(0);
     }

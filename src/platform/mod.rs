@@ -13,6 +13,7 @@ pub mod leader;
 pub mod lua;
 pub mod metrics;
 pub mod notify;
+pub mod pg_fencing;
 pub mod postgres;
 pub mod projector;
 pub mod redis_store;

@@ -12,7 +12,6 @@ use deadpool_postgres::{
     Hook, HookError, Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod, Runtime,
     Timeouts, WeakPool,
 };
-use tokio_postgres::NoTls;
 
 use crate::platform::configuration::DatabaseSettings;
 
@@ -105,9 +104,11 @@ fn twin_of(pool: &Pool) -> Option<Pool> {
 }
 
 fn pool_of_size(settings: &DatabaseSettings, max_size: usize) -> anyhow::Result<Pool> {
-    let manager = Manager::from_config(
+    // Host by host, skipping a primary on an old timeline (an old primary started again after a
+    // failover): see `pg_fencing`.
+    let manager = Manager::from_connect(
         settings.pg_config()?,
-        NoTls,
+        crate::platform::pg_fencing::FencedConnect,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },

@@ -52,7 +52,7 @@ fn value(samples: &HashMap<String, f64>, series: &str) -> f64 {
 }
 
 /// A scratch directory and a simulator in it offering the catalog's first model.
-async fn one_model_sim() -> (std::path::PathBuf, Simulator) {
+pub(crate) async fn one_model_sim() -> (std::path::PathBuf, Simulator) {
     let directory = std::env::temp_dir().join(format!("zhihui-metrics-{}", Uuid::now_v7()));
     let sim = Simulator::start(SimConfig {
         bind: "127.0.0.1:0".parse().unwrap(),

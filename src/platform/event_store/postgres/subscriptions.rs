@@ -263,6 +263,10 @@ pub(super) async fn listen_once(
     wakes: &broadcast::Sender<Wake>,
     pending: &PendingNotifications,
 ) -> anyhow::Result<()> {
+    // On the server the pool writes to, never a fenced old primary (see `pg_fencing`).
+    let config = crate::platform::pg_fencing::chosen_config(config)
+        .await
+        .context("choosing the server for the LISTEN connection")?;
     let (client, mut connection) = config
         .connect(tokio_postgres::NoTls)
         .await
