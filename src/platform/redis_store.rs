@@ -427,7 +427,11 @@ impl RedisStore {
     /// it cannot be opened, the stale one serves on (it may still reach most slots).
     async fn reopen(&self, current: Option<RedisConnection>) -> anyhow::Result<RedisConnection> {
         match (self.open().await, current) {
-            (Ok(opened), _) => Ok(opened),
+            (Ok(opened), Some(_)) => {
+                tracing::info!("opened the Redis Cluster connection again");
+                Ok(opened)
+            }
+            (Ok(opened), None) => Ok(opened),
             (Err(error), Some(current)) => {
                 tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "could not open the Redis Cluster connection again; the old one serves on");
                 Ok(current)

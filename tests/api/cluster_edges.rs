@@ -2,7 +2,9 @@
 //! fourth master is added, the queue's slot and a user's slot move to it and back, and the node
 //! is removed (`redis-cli --cluster del-node` resets it and leaves it running, answering
 //! CLUSTERDOWN for every slot). No answer is a 500, nothing is lost or doubled, and the slots
-//! that moved back while zhihui was not looking are found again.
+//! that moved back while zhihui was not looking are found again. And a master killed under every
+//! money route: 503s with Retry-After, never a 500, and every retry under its idempotency key
+//! lands once.
 
 #![allow(clippy::unwrap_used)]
 // The test reports what it counted (answers by status, the longest request) on stderr.
@@ -14,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use secrecy::SecretString;
 use serde_json::{Value, json};
+use uuid::Uuid;
 
 use crate::edges::OwnRedis;
 use crate::helpers::{TestApp, spawn_app_with};
@@ -237,6 +240,17 @@ async fn work(
 }
 
 const USERS: [&str; 2] = ["yunhai", "shanshui"];
+/// A node of the test's own cluster (a node is taken for dead after 2 s).
+const CLUSTER_NODE: &[&str] = &[
+    "--cluster-enabled",
+    "yes",
+    "--cluster-config-file",
+    "nodes.conf",
+    "--cluster-node-timeout",
+    "2000",
+    "--appendonly",
+    "no",
+];
 /// How long the load goes on after the node's removal.
 const KEEP_WORKING: Duration = Duration::from_secs(60);
 
@@ -327,20 +341,7 @@ async fn a_cluster_grown_and_shrunk_under_load_answers_no_500_and_loses_nothing(
         .map(|port| {
             let dir = directory.join(port.to_string());
             std::fs::create_dir_all(&dir).unwrap();
-            OwnRedis::start_with(
-                *port,
-                &dir,
-                &[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    "nodes.conf",
-                    "--cluster-node-timeout",
-                    "2000",
-                    "--appendonly",
-                    "no",
-                ],
-            )
+            OwnRedis::start_with(*port, &dir, CLUSTER_NODE)
         })
         .collect();
     let address = |port: u16| format!("127.0.0.1:{port}");
@@ -499,4 +500,433 @@ async fn a_cluster_grown_and_shrunk_under_load_answers_no_500_and_loses_nothing(
         verified.differences
     );
     let _ = std::fs::remove_dir_all(&directory);
+}
+
+/// A request sent again under the same idempotency key while it answers 503: the answers,
+/// counted, and the last (never a 503, within 30 s).
+async fn until_answered<F, Fut>(answers: &mut Answers, what: &str, request: F) -> (u16, Value)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = reqwest::Response>,
+{
+    let response = answers.until_done(what, request).await;
+    let status = response.status().as_u16();
+    let body = response.json::<Value>().await.unwrap_or(Value::Null);
+    (status, body)
+}
+
+/// A POST with a bearer token, a JSON body and an idempotency key.
+async fn keyed_post(
+    app: &TestApp,
+    token: &str,
+    path: String,
+    key: &str,
+    body: Value,
+) -> reqwest::Response {
+    app.http
+        .post(format!("{}{path}", app.address))
+        .bearer_auth(token)
+        .header("Idempotency-Key", key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// What one user's money rounds met, beside the answers.
+#[derive(Default)]
+struct Spent {
+    granted: u32,
+    redeemed: u32,
+    claims: u32,
+    prioritised: u32,
+}
+
+/// One round of every money route, through `app`: a grant (the admin's), two tasks submitted,
+/// the second prioritised, both cancelled, a code redeemed, a promotion claimed. Each retried
+/// under its idempotency key while it answers 503; every final answer is a success or a named
+/// outcome.
+#[allow(clippy::too_many_arguments)]
+async fn money_round(
+    app: &TestApp,
+    admin: &str,
+    user: &str,
+    token: &str,
+    code: &str,
+    promotion: Uuid,
+    answers: &mut Answers,
+    spent: &mut Spent,
+) {
+    let key = || Uuid::now_v7().to_string();
+    let grant_key = key();
+    let (status, _) = until_answered(answers, "grant", || {
+        keyed_post(
+            app,
+            admin,
+            format!("/api/v1/admin/accounts/{user}/grants"),
+            &grant_key,
+            json!({"amount": "10", "reason": "主节点宕机演练"}),
+        )
+    })
+    .await;
+    assert_eq!(status, 201, "grant");
+    spent.granted += 10;
+    let mut tasks = Vec::new();
+    for prompt in ["雨夜的霓虹街道", "清晨的稻田"] {
+        let submit_key = key();
+        let (status, body) = until_answered(answers, "submit", || {
+            keyed_post(
+                app,
+                token,
+                "/api/v1/tasks".into(),
+                &submit_key,
+                json!({"prompt": prompt}),
+            )
+        })
+        .await;
+        assert_eq!(status, 201, "submit: {body}");
+        tasks.push(body["task_id"].as_str().unwrap().to_owned());
+    }
+    let prioritise_key = key();
+    let (status, body) = until_answered(answers, "prioritise", || {
+        keyed_post(
+            app,
+            token,
+            format!("/api/v1/tasks/{}/prioritise", tasks[1]),
+            &prioritise_key,
+            json!({}),
+        )
+    })
+    .await;
+    match status {
+        200 => spent.prioritised += u32::from(body["charged_now"] == true),
+        409 => assert_eq!(body["type"], "/problems/already-first", "{body}"),
+        other => panic!("prioritise answered {other}: {body}"),
+    }
+    for task in &tasks {
+        let cancel_key = key();
+        let (status, body) = until_answered(answers, "cancel", || {
+            keyed_post(
+                app,
+                token,
+                format!("/api/v1/tasks/{task}/cancel"),
+                &cancel_key,
+                json!({}),
+            )
+        })
+        .await;
+        assert_eq!(
+            (status, body["status"].as_str()),
+            (200, Some("cancelled")),
+            "cancel: {body}"
+        );
+    }
+    let redeem_key = key();
+    let (status, body) = until_answered(answers, "redeem", || {
+        keyed_post(
+            app,
+            token,
+            "/api/v1/codes/redeem".into(),
+            &redeem_key,
+            json!({"code": code}),
+        )
+    })
+    .await;
+    assert_eq!(status, 200, "redeem: {body}");
+    spent.redeemed += 1;
+    let claim_key = key();
+    let (status, body) = until_answered(answers, "claim", || {
+        keyed_post(
+            app,
+            token,
+            format!("/api/v1/promotions/{promotion}/claims"),
+            &claim_key,
+            json!({}),
+        )
+    })
+    .await;
+    match status {
+        202 => spent.claims += 1,
+        409 => assert_eq!(body["type"], "/problems/already-claimed", "{body}"),
+        other => panic!("claim answered {other}: {body}"),
+    }
+}
+
+/// The master holding the queue (and the dispatcher's keys) is SIGKILLed while two users go
+/// through every money route, one request through each of two instances in turn: its replica
+/// is promoted by the cluster, and in between each route answers 503 with Retry-After, never a
+/// 500; each is sent again under its idempotency key until it succeeds or names its outcome.
+/// Then nothing lost or doubled: every code credited once, every task cancelled with its points
+/// back, every balance equal to its events (`audit verify`).
+#[tokio::test]
+async fn a_killed_master_under_every_money_route_answers_503_never_500_and_retries_land_once() {
+    let directory =
+        std::env::temp_dir().join(format!("zhihui-cluster-kill-{}", uuid::Uuid::now_v7()));
+    let ports: Vec<u16> = (0..6).map(|_| cluster_port()).collect();
+    let mut nodes: Vec<Option<OwnRedis>> = ports
+        .iter()
+        .map(|port| {
+            let dir = directory.join(port.to_string());
+            std::fs::create_dir_all(&dir).unwrap();
+            Some(OwnRedis::start_with(*port, &dir, CLUSTER_NODE))
+        })
+        .collect();
+    let address = |port: u16| format!("127.0.0.1:{port}");
+    let mut create = vec!["--cluster".to_owned(), "create".to_owned()];
+    create.extend(ports.iter().map(|port| address(*port)));
+    create.extend([
+        "--cluster-replicas".to_owned(),
+        "1".to_owned(),
+        "--cluster-yes".to_owned(),
+    ]);
+    redis_cli(&create.iter().map(String::as_str).collect::<Vec<_>>());
+    until_settled(&ports, 6).await;
+    // A replica that has not synced with its master yet could not take its place.
+    let started = Instant::now();
+    for port in &ports {
+        loop {
+            let role: String = command(*port, &["INFO", "replication"]).await;
+            if role.contains("role:master") || role.contains("master_link_status:up") {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "a replica never synced"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let seeds = ports
+        .iter()
+        .map(|port| format!("redis://127.0.0.1:{port}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let app = spawn_app_with(|settings| {
+        settings.redis.cluster_nodes = SecretString::from(seeds);
+        settings.auth.argon2_memory_kib = 1024;
+        settings.auth.argon2_iterations = 1;
+        settings.codes.page_size = 50;
+    })
+    .await;
+    let second = app.another_instance().await;
+    let admin = app.admin_token("operator").await;
+
+    // Codes (issued by the generator, read from the export) and promotions, before the load.
+    const ROUNDS_MAX: usize = 200;
+    let now = app.clock.now();
+    let batch = app
+        .post(
+            "/api/v1/admin/code-batches",
+            Some(&admin),
+            &json!({"count": 2 * ROUNDS_MAX, "points": "2", "valid_from": now - chrono::Duration::hours(1),
+                    "valid_until": now + chrono::Duration::hours(24), "note": "主节点宕机演练"}),
+        )
+        .await;
+    assert_eq!(batch.status(), 202);
+    let batch: Value = batch.json().await.unwrap();
+    let batch = Uuid::parse_str(batch["batch_id"].as_str().unwrap()).unwrap();
+    Box::pin(
+        zhihui::points::codes::issuer::CodeIssuer::new(app.services().codes)
+            .issue_batch(batch, None),
+    )
+    .await
+    .unwrap();
+    let csv = app
+        .get_as(
+            &admin,
+            &format!("/api/v1/admin/code-batches/{batch}/codes.csv"),
+        )
+        .await
+        .text()
+        .await
+        .unwrap();
+    let codes: Vec<String> = csv
+        .lines()
+        .skip(1)
+        .map(|line| line.split(',').nth(1).unwrap().to_owned())
+        .collect();
+    let mut promotions = Vec::new();
+    for n in 0..8 {
+        let created = app
+            .post(
+                "/api/v1/admin/promotions",
+                Some(&admin),
+                &json!({"title": format!("限时礼包{n}"), "points": "5", "price": "1", "stock": 1000,
+                        "starts_at": now - chrono::Duration::hours(1), "ends_at": now + chrono::Duration::hours(24)}),
+            )
+            .await;
+        assert_eq!(created.status(), 201);
+        let created: Value = created.json().await.unwrap();
+        promotions.push(Uuid::parse_str(created["promotion_id"].as_str().unwrap()).unwrap());
+    }
+    let mut users = Vec::new();
+    for username in USERS {
+        let user = app.register(username, "a long password").await;
+        let token = app.login(username, "a long password").await;
+        users.push((user, token));
+    }
+
+    // The master of the queue's slot, and the load around its death.
+    let queue_slot: u16 = command(ports[0], &["CLUSTER", "KEYSLOT", "queue"]).await;
+    let nodes_text: String = command(ports[0], &["CLUSTER", "NODES"]).await;
+    let victim = nodes_text
+        .lines()
+        .find(|line| {
+            line.contains("master")
+                && line.split_whitespace().skip(8).any(|range| {
+                    let (from, to) = range.split_once('-').unwrap_or((range, range));
+                    from.parse::<u16>().is_ok_and(|from| from <= queue_slot)
+                        && to.parse::<u16>().is_ok_and(|to| queue_slot <= to)
+                })
+        })
+        .and_then(|line| line.split_whitespace().nth(1))
+        .and_then(|address| address.split('@').next())
+        .and_then(|address| address.rsplit(':').next())
+        .and_then(|port| port.parse::<u16>().ok())
+        .unwrap();
+    let codes_per_user: Vec<Vec<String>> =
+        codes.chunks(ROUNDS_MAX).map(<[String]>::to_vec).collect();
+    let control = Control::default();
+    let operator = async {
+        control.until_rounds(2).await;
+        let index = ports.iter().position(|port| *port == victim).unwrap();
+        drop(nodes[index].take());
+        let killed = Instant::now();
+        let survivors: Vec<u16> = ports
+            .iter()
+            .copied()
+            .filter(|port| *port != victim)
+            .collect();
+        until_failed_over(&survivors, victim).await;
+        let promoted = killed.elapsed();
+        control.until_rounds(10).await;
+        control.stop();
+        promoted
+    };
+    let loads =
+        futures::future::join_all(users.iter().enumerate().map(|(index, (user, token))| {
+            let (control, admin, codes, promotions) =
+                (&control, &admin, &codes_per_user[index], &promotions);
+            let instances = [&app, &second];
+            async move {
+                let mut answers = Answers::default();
+                let mut spent = Spent::default();
+                let mut round = 0;
+                while !control.stopped.load(Ordering::SeqCst) && round < codes.len() {
+                    money_round(
+                        instances[round % 2],
+                        admin,
+                        user,
+                        token,
+                        &codes[round],
+                        promotions[round % promotions.len()],
+                        &mut answers,
+                        &mut spent,
+                    )
+                    .await;
+                    round += 1;
+                    control.rounds[index].fetch_add(1, Ordering::SeqCst);
+                }
+                (answers, spent, round)
+            }
+        }));
+    let (promoted, loads) = tokio::join!(operator, loads);
+
+    let mut answers = Answers::default();
+    let mut rounds = 0;
+    for (load, _, done) in &loads {
+        for (status, count) in &load.by_status {
+            *answers.by_status.entry(*status).or_default() += count;
+        }
+        if load.longest > answers.longest {
+            answers.longest = load.longest;
+            answers.longest_was = load.longest_was.clone();
+        }
+        rounds += done;
+    }
+    eprintln!(
+        "master of the queue's slot killed, its replica promoted after {promoted:?}; answers by status {:?} in {rounds} money rounds; longest request {:?} ({})",
+        answers.by_status, answers.longest, answers.longest_was
+    );
+    assert!(!answers.by_status.contains_key(&500));
+    // Nothing lost or doubled: each retried grant landed once, each code once, every task
+    // cancelled with its points back, the claims persisted, every balance equal to its events.
+    let services = app.services_on_app_clock();
+    loop {
+        let mut read = 0;
+        for (index, instance) in [&app, &second].iter().enumerate() {
+            let report = instance
+                .services()
+                .promotions
+                .consume_once(&format!("consumer-{index}"), None)
+                .await
+                .unwrap();
+            assert_eq!(report.failed, 0, "{report:?}");
+            read += report.read;
+        }
+        if read == 0 {
+            break;
+        }
+    }
+    app.clock.advance(Duration::from_millis(
+        app.settings.tasks.intent_resolve_after_ms + 1,
+    ));
+    services.tasks.sweep_once().await.unwrap();
+    app.project().await;
+    let client = crate::helpers::connect(&app.settings).await;
+    for ((user, _), (_, spent, done)) in users.iter().zip(&loads) {
+        let account = crate::tasks::account_of(&app, user).await;
+        assert_eq!(account.balance.frozen, Points::ZERO, "{user}");
+        let grants: i64 = client
+            .query_one(
+                "SELECT count(*) FROM events WHERE stream_id = 'account-' || $1 AND event_type = 'PointsGranted'",
+                &[user],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(
+            grants,
+            i64::try_from(*done).unwrap(),
+            "one grant a round, retries included"
+        );
+        assert_eq!(spent.granted, 10 * u32::try_from(*done).unwrap());
+        assert_eq!(spent.redeemed, u32::try_from(*done).unwrap());
+        eprintln!(
+            "{user}: {done} rounds, {} prioritised with a fee, {} claims accepted",
+            spent.prioritised, spent.claims
+        );
+    }
+    let verified = app.verify(None).await;
+    assert!(
+        verified.differences.is_empty(),
+        "{:?}",
+        verified.differences
+    );
+    drop(nodes);
+    let _ = std::fs::remove_dir_all(&directory);
+}
+
+/// Until the survivors say the cluster is ok and one of them took the dead node's place.
+async fn until_failed_over(survivors: &[u16], dead: u16) {
+    let started = Instant::now();
+    loop {
+        let mut ok = true;
+        for port in survivors {
+            let info: String = command(*port, &["CLUSTER", "INFO"]).await;
+            ok &= info.contains("cluster_state:ok");
+        }
+        let known: String = command(survivors[0], &["CLUSTER", "NODES"]).await;
+        let dead_failed = known
+            .lines()
+            .any(|line| line.contains(&format!(":{dead}@")) && line.contains("fail"));
+        if ok && dead_failed {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the cluster never failed over"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
