@@ -714,37 +714,18 @@ async fn a_killed_master_under_every_money_route_answers_503_never_500_and_retri
     // Codes (issued by the generator, read from the export) and promotions, before the load.
     const ROUNDS_MAX: usize = 200;
     let now = app.clock.now();
-    let batch = app
-        .post(
-            "/api/v1/admin/code-batches",
-            Some(&admin),
-            &json!({"count": 2 * ROUNDS_MAX, "points": "2", "valid_from": now - chrono::Duration::hours(1),
-                    "valid_until": now + chrono::Duration::hours(24), "note": "主节点宕机演练"}),
-        )
-        .await;
-    assert_eq!(batch.status(), 202);
-    let batch: Value = batch.json().await.unwrap();
-    let batch = Uuid::parse_str(batch["batch_id"].as_str().unwrap()).unwrap();
-    Box::pin(
-        zhihui::points::codes::issuer::CodeIssuer::new(app.services().codes)
-            .issue_batch(batch, None),
+    let (_, codes) = crate::redeem::issued_batch(
+        &app,
+        &admin,
+        u32::try_from(2 * ROUNDS_MAX).unwrap(),
+        "2",
+        (
+            now - chrono::Duration::hours(1),
+            now + chrono::Duration::hours(24),
+        ),
     )
-    .await
-    .unwrap();
-    let csv = app
-        .get_as(
-            &admin,
-            &format!("/api/v1/admin/code-batches/{batch}/codes.csv"),
-        )
-        .await
-        .text()
-        .await
-        .unwrap();
-    let codes: Vec<String> = csv
-        .lines()
-        .skip(1)
-        .map(|line| line.split(',').nth(1).unwrap().to_owned())
-        .collect();
+    .await;
+    let codes: Vec<String> = codes.into_iter().map(|(_, code)| code).collect();
     let mut promotions = Vec::new();
     for n in 0..8 {
         let created = app
@@ -852,22 +833,7 @@ async fn a_killed_master_under_every_money_route_answers_503_never_500_and_retri
     // Nothing lost or doubled: each retried grant landed once, each code once, every task
     // cancelled with its points back, the claims persisted, every balance equal to its events.
     let services = app.services_on_app_clock();
-    loop {
-        let mut read = 0;
-        for (index, instance) in [&app, &second].iter().enumerate() {
-            let report = instance
-                .services()
-                .promotions
-                .consume_once(&format!("consumer-{index}"), None)
-                .await
-                .unwrap();
-            assert_eq!(report.failed, 0, "{report:?}");
-            read += report.read;
-        }
-        if read == 0 {
-            break;
-        }
-    }
+    crate::promotions::consume_all(&[&app, &second]).await;
     app.clock.advance(Duration::from_millis(
         app.settings.tasks.intent_resolve_after_ms + 1,
     ));

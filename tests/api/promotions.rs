@@ -90,7 +90,7 @@ async fn claim_all(
 }
 
 /// Run the consumers of both instances until the stream has nothing new.
-async fn consume_all(instances: &[&TestApp]) -> usize {
+pub(crate) async fn consume_all(instances: &[&TestApp]) -> usize {
     let services: Vec<_> = instances.iter().map(|app| app.services()).collect();
     let mut persisted = 0;
     loop {

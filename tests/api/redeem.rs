@@ -111,7 +111,7 @@ async fn export(app: &TestApp, admin: &str, batch: Uuid) -> Vec<(u32, String)> {
 }
 
 /// A batch created over HTTP, issued by another process, and its codes from the export.
-async fn issued_batch(
+pub(crate) async fn issued_batch(
     app: &TestApp,
     admin: &str,
     count: u32,
