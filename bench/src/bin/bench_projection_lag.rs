@@ -5,7 +5,8 @@
 //!
 //! Two cases, each SECONDS long (default 5): 64 clients as fast as they go (saturated, the
 //! machine's two cores shared by clients, PostgreSQL and the runner), and a paced 1,000
-//! commands/s. Prints p50/p99/max per case, then `RESULT projection_lag_p99_ms <value> ms` for the
+//! commands/s. Every event appended in a case is measured in it: the case ends when the runner
+//! has reported as many lags as the clients appended events (a case that cannot is an error). Prints p50/p99/max per case, then `RESULT projection_lag_p99_ms <value> ms` for the
 //! saturated case.
 //!
 //!     DATABASE_URL=postgres://zhihui@127.0.0.1:55432/zhihui \
@@ -125,20 +126,34 @@ async fn run(
             commands += client.await??;
         }
         let elapsed = started.elapsed().as_secs_f64();
-        // The runner's last batches: wait until it has applied everything appended.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let mut samples = Vec::new();
-        while let Ok(batch) = lags.try_recv() {
-            samples.extend(batch);
+        // Every event counted: each command appended one, and the runner reports one lag per
+        // event it applied, so wait for exactly as many lags as commands (the slowest come last;
+        // a fixed wait would drop them from this case and count them in the next).
+        let expected = usize::try_from(commands)?;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+        let mut samples = Vec::with_capacity(expected);
+        while samples.len() < expected {
+            match tokio::time::timeout_at(deadline, lags.recv()).await {
+                Ok(Some(batch)) => samples.extend(batch),
+                Ok(None) => anyhow::bail!("the runner stopped"),
+                Err(_) => anyhow::bail!(
+                    "the runner applied {} of the {expected} events appended within 60 s",
+                    samples.len()
+                ),
+            }
         }
+        anyhow::ensure!(
+            samples.len() == expected,
+            "{} lags for {expected} events: the runner applied events nobody appended",
+            samples.len()
+        );
         samples.sort_unstable();
-        anyhow::ensure!(!samples.is_empty(), "the runner applied nothing");
         let percentile = |p: f64| {
             zhihui::cli::bench_support::percentile(&samples, p).unwrap_or(0) as f64 / 1000.0
         };
         let (p50, p99, max) = (percentile(0.50), percentile(0.99), percentile(1.0));
         println!(
-            "{case:>9}: {:.0} commands/s, {} events applied; lag p50 {p50:.1} ms, p99 {p99:.1} ms, max {max:.1} ms",
+            "{case:>9}: {:.0} commands/s, {commands} events appended, {} applied and measured; lag p50 {p50:.1} ms, p99 {p99:.1} ms, max {max:.1} ms",
             commands as f64 / elapsed,
             samples.len()
         );
