@@ -88,6 +88,14 @@ pub trait DomainEvent: Sized {
     /// The payload as JSON.
     fn to_payload(&self) -> Payload;
 
+    /// The id this event must be stored under, when the whole log may hold it at most once
+    /// whichever stream it is appended to: the store refuses a second event with that id
+    /// (PostgreSQL), which makes the event's existence the rule (a code's credit: one per code,
+    /// whatever account tries). `None` (most events): a fresh id per append.
+    fn unique_id(&self) -> Option<uuid::Uuid> {
+        None
+    }
+
     /// Read a stored event, upcasting older schema versions.
     fn from_stored(
         event_type: &str,

@@ -18,9 +18,7 @@ use crate::{ProjectedEvent, Tables};
 
 /// The user id of an account stream (`account-<uuid>`).
 pub fn account_user_id(stream: &str) -> Option<Uuid> {
-    stream
-        .strip_prefix("account-")
-        .and_then(|id| Uuid::parse_str(id).ok())
+    zhihui_domain::account::user_of_account_stream(stream).map(|user| user.as_uuid())
 }
 
 /// The ledger's name for each movement.

@@ -2,6 +2,7 @@
 //! progress and revocation, one row per issued code with its redemption and its credit. Reads
 //! the batch and code events and the `PointsCredited` events (only code credits change a row), by
 //! event type: reading every account event for the few credits would double the ledger's reads.
+//! A code's credit is its redemption (redeemer, time) when no `CodeRedeemed` came first.
 //! Redemptions and credits are written in sets (one statement for each kind per run of them
 //! between batch events), not a statement per code: a busy redemption path projects thousands a
 //! second.
@@ -146,9 +147,18 @@ pub async fn apply(
             if e.kind != CreditKind::RedeemCode {
                 continue;
             }
-            let Some((_batch, serial)) = parse_credit_reference(&e.reference) else {
+            let Some((batch_id, serial)) = parse_credit_reference(&e.reference) else {
                 continue;
             };
+            // The credit is the redemption (one append) or follows it (a code's own stream, from
+            // before that or on KurrentDB): the first to name a redeemer sets it.
+            pending.redeemed(&zhihui_domain::redeem::CodeRedeemed {
+                serial,
+                batch_id,
+                user_id: zhihui_domain::user::UserId::from_uuid(user_id),
+                points: e.amount,
+                at: e.at,
+            })?;
             pending.credited(serial, user_id, e.at)?;
         }
     }

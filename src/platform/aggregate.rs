@@ -16,6 +16,15 @@
 //! returned only when the batch's append succeeded (so the version it was decided on was the
 //! latest) or, when nothing was appended, after a read of the stream shows nothing came after
 //! the cached version. If something did, the batch is decided again on it.
+//!
+//! An event with a unique id (`DomainEvent::unique_id`: a code's credit) that the log already
+//! holds in another stream makes the store refuse the whole append (`EventIdReused`). The actor
+//! catches up first (the id may be in this very stream, appended by another process: the command
+//! is then a repeat); if nothing came, only the command that made the event is refused, with that
+//! store error, and the rest of the batch is decided and appended again without it. An append
+//! the store answers as a duplicate while it carries such an id may be another process's append
+//! of the same event (not a retry of ours): the actor catches up and decides again, so the
+//! command answers as the repeat it is.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -48,6 +57,14 @@ struct Request<D: Decider> {
     command: D::Command,
     metadata: EventMetadata,
     reply: Reply<D>,
+}
+
+/// What a batch decided for one of its commands.
+enum Decision<D: Decider> {
+    Events(Vec<D::Event>),
+    Rejected(D::Error),
+    /// Its event's unique id is already stored in another stream.
+    IdTaken(uuid::Uuid),
 }
 
 /// The actors of one aggregate type, by stream.
@@ -248,41 +265,59 @@ where
         &mut self,
         batch: &[Request<D>],
     ) -> anyhow::Result<Vec<Result<Handled<D>, CommandError<D::Error>>>> {
-        for attempt in 1..=self.retry.attempts_max {
+        // Requests whose event the log already holds under its unique id in another stream (a
+        // code credited to another account): refused, and the rest decided again without them.
+        let mut id_taken: Vec<Option<uuid::Uuid>> = vec![None; batch.len()];
+        let mut attempt = 0;
+        while attempt < self.retry.attempts_max {
             let (mut state, version) = match self.state.take() {
                 Some(cached) => cached,
                 None => self.catch_up(D::initial_state(), None).await?,
             };
             let base = (state.clone(), version);
-            let mut decisions: Vec<Result<Vec<D::Event>, D::Error>> =
-                Vec::with_capacity(batch.len());
+            let mut decisions: Vec<Decision<D>> = Vec::with_capacity(batch.len());
             let mut new_events = Vec::new();
-            for request in batch {
+            // Which request would append each event that carries a unique id.
+            let mut unique_owners: Vec<(uuid::Uuid, usize)> = Vec::new();
+            for (index, request) in batch.iter().enumerate() {
+                if let Some(event_id) = id_taken[index] {
+                    decisions.push(Decision::IdTaken(event_id));
+                    continue;
+                }
                 match D::decide(&state, &request.command) {
                     Ok(events) => {
                         for event in &events {
                             state = D::evolve(state, event);
+                            if let Some(event_id) = event.unique_id() {
+                                unique_owners.push((event_id, index));
+                            }
                         }
                         new_events.extend(to_new_events(&events, &request.metadata));
-                        decisions.push(Ok(events));
+                        decisions.push(Decision::Events(events));
                     }
-                    Err(error) => decisions.push(Err(error)),
+                    Err(error) => decisions.push(Decision::Rejected(error)),
                 }
             }
-            let finish = |state: &D::State, decisions: Vec<Result<Vec<D::Event>, D::Error>>| {
+            let finish = |state: &D::State, decisions: Vec<Decision<D>>| {
                 decisions
                     .into_iter()
                     .map(|decision| match decision {
-                        Ok(events) => Ok(Handled {
+                        Decision::Events(events) => Ok(Handled {
                             new_events: events,
                             state_after: state.clone(),
                         }),
-                        Err(error) => Err(CommandError::Rejected(error)),
+                        Decision::Rejected(error) => Err(CommandError::Rejected(error)),
+                        Decision::IdTaken(event_id) => Err(CommandError::Store(
+                            anyhow::Error::new(EventStoreError::EventIdReused { event_id }),
+                        )),
                     })
                     .collect()
             };
             if new_events.is_empty() {
-                if decisions.iter().any(Result::is_err) {
+                if decisions
+                    .iter()
+                    .any(|decision| !matches!(decision, Decision::Events(_)))
+                {
                     // A refusal counts only on the stream's latest version: the cache may miss
                     // what another process appended (a freeze, a grant), and nothing appended
                     // here could reveal the conflict. Read what came after the cached version;
@@ -291,6 +326,7 @@ where
                     let moved = latest_version != version;
                     self.state = Some((latest_state, latest_version));
                     if moved {
+                        attempt += 1;
                         continue;
                     }
                     let results = finish(&state, decisions);
@@ -306,6 +342,15 @@ where
                 Some(version) => ExpectedVersion::Exact(version),
             };
             match self.store.append(&self.stream, expected, new_events).await {
+                Ok(outcome) if outcome.duplicate && !unique_owners.is_empty() => {
+                    // The store held this batch's first event already: with a unique id, that
+                    // may be another process's append of the same event (a double click through
+                    // two instances), not ours. Decide again on what the stream holds: the
+                    // command is then a repeat, and says so.
+                    let (state, latest_version) = self.catch_up(base.0, base.1).await?;
+                    self.state = Some((state, latest_version));
+                    attempt += 1;
+                }
                 Ok(outcome) => {
                     // The append checked `version` was the latest: every refusal of this batch
                     // was decided on the stream's latest state too.
@@ -317,7 +362,29 @@ where
                     // Another process appended: catch up from our base and decide again.
                     let (state, version) = self.catch_up(base.0, base.1).await?;
                     self.state = Some((state, version));
+                    attempt += 1;
                     crate::platform::command::backoff(self.retry, attempt).await;
+                }
+                Err(EventStoreError::EventIdReused { event_id }) => {
+                    // Stored in this stream by another process (the cache missed it: deciding
+                    // again on the latest state makes the command a repeat), or in another
+                    // stream: then the command that made it is refused.
+                    let (state, latest_version) = self.catch_up(base.0, base.1).await?;
+                    let moved = latest_version != version;
+                    self.state = Some((state, latest_version));
+                    if moved {
+                        attempt += 1;
+                        continue;
+                    }
+                    let Some(&(_, owner)) =
+                        unique_owners.iter().find(|(unique, _)| *unique == event_id)
+                    else {
+                        anyhow::bail!(
+                            "appending to {}: event id {event_id} is stored elsewhere, and no command of this batch made it",
+                            self.stream
+                        );
+                    };
+                    id_taken[owner] = Some(event_id);
                 }
                 Err(error) => {
                     // Unknown whether it landed: forget the cache, the next batch reloads.

@@ -166,7 +166,8 @@ pub fn to_new_events<E: DomainEvent>(events: &[E], metadata: &EventMetadata) -> 
     events
         .iter()
         .map(|event| NewEvent {
-            id: Uuid::now_v7(),
+            // An event the log may hold once carries its own id; every other a fresh one.
+            id: event.unique_id().unwrap_or_else(Uuid::now_v7),
             event_type: event.event_type().to_owned(),
             schema_version: event.schema_version(),
             payload: event.to_payload(),

@@ -1151,26 +1151,104 @@ async fn an_event_id_reused_in_another_stream_is_refused() {
     let pg = pg_store(true).await;
     let prefix = prefix();
     let shared = event("A", 0);
-    pg.store
-        .append(
-            &format!("{prefix}one"),
-            ExpectedVersion::NoStream,
-            vec![shared.clone()],
-        )
-        .await
-        .unwrap();
-    let reused = pg
-        .store
-        .append(
-            &format!("{prefix}two"),
-            ExpectedVersion::NoStream,
-            vec![shared.clone()],
-        )
-        .await;
+    let append_to = |name: &str| {
+        let stream = format!("{prefix}{name}");
+        let events = vec![shared.clone()];
+        let store = &pg.store;
+        async move {
+            store
+                .append(&stream, ExpectedVersion::NoStream, events)
+                .await
+        }
+    };
+    let first = append_to("one").await.unwrap();
+    // The same append again stores nothing, and says so.
+    let again = append_to("one").await.unwrap();
+    assert_eq!(
+        (first.duplicate, again.duplicate, again.stream_version),
+        (false, true, first.stream_version)
+    );
+    let reused = append_to("two").await;
     assert!(
         matches!(reused, Err(EventStoreError::EventIdReused { event_id }) if event_id == shared.id),
         "{reused:?}"
     );
+}
+
+/// An append whose event id a concurrent transaction stores first waits on the unique key and
+/// then gets the same typed answer as one that finds the id already stored (not an
+/// "unavailable" store): a rule held by a unique id (one credit per code) relies on it. Also when
+/// the id is not the append's first event, and with or without group commit.
+#[tokio::test]
+async fn an_event_id_stored_by_a_concurrent_append_is_refused_as_reused_once_that_commits() {
+    for group_commit in [false, true] {
+        let pg = pg_store(group_commit).await;
+        let prefix = prefix();
+        for shared_first in [true, false] {
+            let shared = Uuid::now_v7();
+            let (holder, _) = hold_an_append(
+                &pg.settings,
+                &format!("{prefix}held-{shared_first}"),
+                shared,
+            )
+            .await;
+            let mut events = vec![event("B", 0), event("B", 1)];
+            let place = if shared_first { 0 } else { 1 };
+            events[place].id = shared;
+            let store = pg.store.clone();
+            let stream = format!("{prefix}waiting-{shared_first}");
+            let waiting = tokio::spawn(async move {
+                store
+                    .append(&stream, ExpectedVersion::NoStream, events)
+                    .await
+            });
+            // Commit only once the append waits on the key (before, it would find the id
+            // stored and answer without the wait this test is about).
+            let watcher = connect(&pg.settings).await;
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            loop {
+                let waiting_on_lock: i64 = watcher
+                    .query_one(
+                        "SELECT count(*) FROM pg_stat_activity
+                          WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                        &[],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                if waiting_on_lock > 0 {
+                    break;
+                }
+                assert!(
+                    !waiting.is_finished(),
+                    "the append ended before the holder committed"
+                );
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the append never waited"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            holder.batch_execute("COMMIT").await.unwrap();
+            let answer = waiting.await.unwrap();
+            assert!(
+                matches!(answer, Err(EventStoreError::EventIdReused { event_id }) if event_id == shared),
+                "group commit {group_commit}, shared id first {shared_first}: {answer:?}"
+            );
+            // Nothing of the refused append was stored.
+            let stored = pg
+                .store
+                .read_stream(
+                    &format!("{prefix}waiting-{shared_first}"),
+                    Direction::Forwards,
+                    ReadFrom::Start,
+                    10,
+                )
+                .await
+                .unwrap();
+            assert!(stored.is_empty(), "{stored:?}");
+        }
+    }
 }
 
 /// One append of the batch-append oracle test: a stream (without its namespace), what it

@@ -251,6 +251,68 @@ async fn a_thousand_concurrent_freezes_of_ten_on_a_hundred_points_give_exactly_t
     assert_eq!(entries, 11);
 }
 
+/// A command whose event carries a unique id (a code's credit) already stored on another
+/// account is refused alone: the commands batched with it on the same account append.
+#[tokio::test]
+async fn a_credit_whose_unique_id_another_account_holds_is_refused_alone_in_its_batch() {
+    let app = spawn_app().await;
+    let services = app.services();
+    let code_credit = |serial: u32| AccountCommand::Credit {
+        operation_id: zhihui_domain::redeem::credit_operation_id(serial),
+        kind: zhihui_domain::account::CreditKind::RedeemCode,
+        amount: Amount::whole(30),
+        reference: zhihui_domain::redeem::credit_reference(Uuid::nil(), serial),
+        at: app.clock.now(),
+    };
+    let grant = |points: i64| AccountCommand::Grant {
+        operation_id: Uuid::now_v7(),
+        amount: Amount::whole(points),
+        reason: "奖励".into(),
+        at: app.clock.now(),
+    };
+    let first = account_stream(UserId::from_uuid(Uuid::now_v7()));
+    let second = account_stream(UserId::from_uuid(Uuid::now_v7()));
+    services
+        .accounts
+        .execute(&first, code_credit(7), metadata("test"))
+        .await
+        .unwrap();
+    // One batch on the second account (queued before its actor first runs): a grant, the
+    // taken credit, another code's credit, a grant.
+    let on_second = |command| {
+        services
+            .accounts
+            .execute(&second, command, metadata("test"))
+    };
+    let (before, taken, other_code, after) = tokio::join!(
+        on_second(grant(5)),
+        on_second(code_credit(7)),
+        on_second(code_credit(8)),
+        on_second(grant(2)),
+    );
+    assert!(
+        matches!(&taken, Err(CommandError::Store(error)) if error.to_string().contains("already used by a different append")),
+        "{taken:?}"
+    );
+    for handled in [&before, &other_code, &after] {
+        assert_eq!(handled.as_ref().unwrap().new_events.len(), 1);
+    }
+    let state = after.unwrap().state_after;
+    assert_eq!(state.balance.available.as_decimal(), Decimal::from(37));
+    // The stored stream says the same: three events, 37 points.
+    let loaded = zhihui::platform::command::load::<zhihui_domain::account::Account>(
+        &services.event_store,
+        &second,
+    )
+    .await
+    .unwrap();
+    assert_eq!(loaded.version, Some(2));
+    assert_eq!(
+        loaded.state.balance.available.as_decimal(),
+        Decimal::from(37)
+    );
+}
+
 #[tokio::test]
 async fn sixty_four_clients_on_one_account_never_see_a_concurrency_error() {
     let app = spawn_app().await;

@@ -261,7 +261,7 @@ async fn a_hundred_concurrent_redemptions_of_one_code_on_two_processes_give_one_
     let taken = statuses.iter().filter(|status| **status == 409).count();
     assert_eq!((ok, taken), (1, 99), "{statuses:?}");
 
-    // One redemption event, one credit event.
+    // One event: the credit, stored under the code's id; no stream of the code's own.
     let serial = app.services().codes.keys().decode(&code).unwrap().serial();
     let redemptions = app
         .services()
@@ -274,17 +274,19 @@ async fn a_hundred_concurrent_redemptions_of_one_code_on_two_processes_give_one_
         )
         .await
         .unwrap();
-    assert_eq!(redemptions.len(), 1);
+    assert!(redemptions.is_empty(), "{redemptions:?}");
     let client = crate::helpers::connect(&app.settings).await;
-    let credits: i64 = client
-        .query_one(
-            "SELECT count(*) FROM events WHERE event_type = 'PointsCredited' AND payload->>'reference' LIKE $1",
+    let credits: Vec<Uuid> = client
+        .query(
+            "SELECT event_id FROM events WHERE event_type = 'PointsCredited' AND payload->>'reference' LIKE $1",
             &[&format!("code:{batch}:{serial}")],
         )
         .await
         .unwrap()
-        .get(0);
-    assert_eq!(credits, 1);
+        .iter()
+        .map(|row| row.get(0))
+        .collect();
+    assert_eq!(credits, [zhihui_domain::redeem::credit_event_id(serial)]);
     project_and_verify(&app).await;
 }
 
@@ -630,15 +632,18 @@ async fn a_generator_stopped_mid_batch_is_resumed_without_a_repeated_or_skipped_
     project_and_verify(&app).await;
 }
 
+/// Redemptions recorded as earlier versions did (and as KurrentDB still does): the code's own
+/// stream names its redeemer, then the account is credited in a second append.
 #[tokio::test]
-async fn a_redemption_whose_credit_was_lost_is_credited_by_the_retry_or_the_reconciler() {
+async fn a_redemption_in_its_codes_stream_whose_credit_was_lost_is_credited_by_the_retry_or_the_reconciler()
+ {
     let app = spawn_codes_app().await;
     let admin = app.admin_token("admin").await;
     let now = test_epoch();
     let (batch, codes) =
         issued_batch(&app, &admin, 2, "30", (now - hours(1), now + hours(1))).await;
     let (dave_id, dave) = user(&app, "dave").await;
-    let (erin_id, _erin) = user(&app, "erin").await;
+    let (erin_id, erin) = user(&app, "erin").await;
 
     // Both requests died after the code's stream and before the account.
     let services = app.services_on_app_clock();
@@ -658,6 +663,13 @@ async fn a_redemption_whose_credit_was_lost_is_credited_by_the_retry_or_the_reco
         )
         .await
         .unwrap();
+    }
+    // Dave's code is his, though neither Redis nor his account knows it yet: the code's stream
+    // says so, on either process.
+    let other = app.another_instance().await;
+    for instance in [&app, &other] {
+        let (status, problem, _) = problem_type(redeem(instance, &erin, &codes[0].1).await).await;
+        assert_eq!((status, problem.as_str()), (409, "/problems/code-redeemed"));
     }
     // Dave retries: the repeat credits him (once).
     let retry: Value = redeem(&app, &dave, &codes[0].1).await.json().await.unwrap();
@@ -736,21 +748,54 @@ async fn audit_verify_finds_a_code_credited_twice_or_without_redemption() {
     let (grace_id, _) = user(&app, "grace").await;
     assert_eq!(redeem(&app, &frank, &codes[0].1).await.status(), 200);
 
-    // Sabotage: grace is credited frank's code, and a code nobody redeemed.
     let services = app.services();
+    let credit = |serial: u32| zhihui_domain::account::AccountCommand::Credit {
+        operation_id: zhihui_domain::redeem::credit_operation_id(serial),
+        kind: zhihui_domain::account::CreditKind::RedeemCode,
+        amount: Amount::whole(30),
+        reference: zhihui_domain::redeem::credit_reference(batch, serial),
+        at: now,
+    };
+    let grace_account = zhihui_domain::account::account_stream(grace_id);
+    // Crediting grace frank's code the way every path does is refused by the store itself.
+    let refused = services
+        .accounts
+        .execute(&grace_account, credit(codes[0].0), metadata())
+        .await;
+    assert!(
+        matches!(
+            &refused,
+            Err(zhihui::platform::command::CommandError::Store(error))
+                if error.to_string().contains("already used by a different append")
+        ),
+        "{refused:?}"
+    );
+
+    // Sabotage: what a bug writing credits under fresh ids would store: grace credited frank's
+    // code, and a code nobody redeemed.
     for (serial, _) in &codes {
+        let loaded = zhihui::platform::command::load::<zhihui_domain::account::Account>(
+            &services.event_store,
+            &grace_account,
+        )
+        .await
+        .unwrap();
+        let events = <zhihui_domain::account::Account as zhihui_domain::Decider>::decide(
+            &loaded.state,
+            &credit(*serial),
+        )
+        .unwrap();
+        let mut stored = zhihui::platform::command::to_new_events(&events, &metadata());
+        stored[0].id = Uuid::now_v7();
         services
-            .accounts
-            .execute(
-                &zhihui_domain::account::account_stream(grace_id),
-                zhihui_domain::account::AccountCommand::Credit {
-                    operation_id: zhihui_domain::redeem::credit_operation_id(*serial),
-                    kind: zhihui_domain::account::CreditKind::RedeemCode,
-                    amount: Amount::whole(30),
-                    reference: zhihui_domain::redeem::credit_reference(batch, *serial),
-                    at: now,
-                },
-                metadata(),
+            .event_store
+            .append(
+                &grace_account,
+                loaded.version.map_or(
+                    zhihui::platform::event_store::ExpectedVersion::NoStream,
+                    zhihui::platform::event_store::ExpectedVersion::Exact,
+                ),
+                stored,
             )
             .await
             .unwrap();

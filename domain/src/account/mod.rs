@@ -32,6 +32,14 @@ pub fn account_stream(user_id: UserId) -> String {
     format!("account-{user_id}")
 }
 
+/// The user whose account stream this is (`account-<uuid>`).
+pub fn user_of_account_stream(stream: &str) -> Option<UserId> {
+    stream
+        .strip_prefix("account-")
+        .and_then(|id| Uuid::parse_str(id).ok())
+        .map(UserId::from_uuid)
+}
+
 /// Hold ids are task ids: a task's hold is found by its id.
 pub type HoldId = Uuid;
 /// Idempotency handle of a grant, charge, refund or credit.
@@ -605,6 +613,16 @@ impl DomainEvent for AccountEvent {
 
     fn schema_version(&self) -> u32 {
         1
+    }
+
+    /// A code's credit is stored under an id derived from its code: the log holds it once.
+    fn unique_id(&self) -> Option<Uuid> {
+        match self {
+            AccountEvent::Credited(e) if e.kind == CreditKind::RedeemCode => {
+                Some(crate::redeem::credit_event_id_of_operation(e.operation_id))
+            }
+            _ => None,
+        }
     }
 
     fn to_payload(&self) -> crate::event::Payload {

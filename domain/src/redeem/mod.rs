@@ -7,12 +7,17 @@
 //! - `codebatch-<batch id>`: one batch ([`CodeBatch`]): created with its range, points and
 //!   validity window; issued page by page (each page continues exactly where the last ended, so a
 //!   resumed generator can neither repeat nor skip a serial); revoked.
-//! - `code-<serial>`: one code's redemption ([`CodeRedemption`]): the first user to append wins,
-//!   every other is refused; the same user again is a repeat.
+//! - `code-<serial>`: one code's redemption ([`CodeRedemption`]), where the store cannot hold an
+//!   event id once across the whole log (KurrentDB checks ids per stream): the first user to
+//!   append wins, every other is refused; the same user again is a repeat.
 //!
-//! The credit itself is an account event (`PointsCredited`, kind `redeem_code`) whose operation
-//! id is derived from the serial ([`credit_operation_id`]) and whose reference names the batch and
-//! serial ([`credit_reference`]).
+//! The credit is an account event (`PointsCredited`, kind `redeem_code`) whose operation id is
+//! derived from the serial ([`credit_operation_id`]), whose reference names the batch and serial
+//! ([`credit_reference`]), and whose event id is derived from the serial too
+//! ([`credit_event_id`]). On PostgreSQL, where an event id is unique across the log, that credit
+//! alone is the redemption: one append, and a second account's credit of the same code is the
+//! store's "id reused" refusal. Codes redeemed before (or on KurrentDB) also have their
+//! `code-<serial>` stream; every reader takes both.
 
 pub mod format;
 
@@ -63,6 +68,20 @@ const CREDIT_NAMESPACE: Uuid = Uuid::from_u128(0x7a68_6968_7569_4000_8000_636f_6
 /// one account redeem it).
 pub fn credit_operation_id(serial: u32) -> Uuid {
     Uuid::new_v5(&CREDIT_NAMESPACE, &serial.to_be_bytes())
+}
+
+/// Namespace of the event ids of code credits (distinct from the operation ids').
+const CREDIT_EVENT_NAMESPACE: Uuid = Uuid::from_u128(0x7a68_6968_7569_4000_8000_6372_6564_6974);
+
+/// The event id of the credit of `serial`: one per code across the whole log, so a store that
+/// keeps event ids unique lets exactly one account be credited with it.
+pub fn credit_event_id(serial: u32) -> Uuid {
+    credit_event_id_of_operation(credit_operation_id(serial))
+}
+
+/// [`credit_event_id`] from the credit's operation id (what the account event carries).
+pub fn credit_event_id_of_operation(operation_id: Uuid) -> Uuid {
+    Uuid::new_v5(&CREDIT_EVENT_NAMESPACE, operation_id.as_bytes())
 }
 
 /// The `reference` of a code credit: `code:<batch id>:<serial>`.

@@ -254,6 +254,38 @@ fn credit_ids_and_references_name_the_code() {
 }
 
 #[test]
+fn a_codes_credit_is_stored_under_one_id_per_code_and_no_other_credit_is() {
+    use crate::account::{Account, AccountCommand, AccountEvent, CreditKind};
+    let credit = |at_seconds: i64, serial: u32, kind: CreditKind| {
+        let events = Account::decide(
+            &Account::initial_state(),
+            &AccountCommand::Credit {
+                operation_id: credit_operation_id(serial),
+                kind,
+                amount: Amount::whole(50),
+                reference: credit_reference(batch_id(), serial),
+                at: at(at_seconds),
+            },
+        )
+        .unwrap();
+        assert_eq!(events.len(), 1);
+        events.into_iter().next().unwrap()
+    };
+    // Whenever and on whatever account, a code's credit has the code's id: the log holds one.
+    let first = credit(10, 105, CreditKind::RedeemCode);
+    let second = credit(20, 105, CreditKind::RedeemCode);
+    assert_ne!(first, second);
+    assert_eq!(first.unique_id(), Some(credit_event_id(105)));
+    assert_eq!(second.unique_id(), Some(credit_event_id(105)));
+    assert_ne!(credit_event_id(105), credit_event_id(106));
+    assert_ne!(credit_event_id(105), credit_operation_id(105));
+    assert!(matches!(first, AccountEvent::Credited(_)));
+    // Other credits (a check-in bonus with the same operation id, say) take fresh ids.
+    assert_eq!(credit(10, 105, CreditKind::CheckInBonus).unique_id(), None);
+    assert_eq!(redeemed(1).unique_id(), None);
+}
+
+#[test]
 fn events_survive_storage() {
     for event in [created(3, 1), issued(1, 3)] {
         let back = BatchEvent::from_stored(event.event_type(), 1, &event.to_payload()).unwrap();

@@ -1,9 +1,14 @@
 //! The redeem-code half of `audit verify`: every code credit against its code's redemption and
 //! batch, and the `code_batches` / `redeem_codes` read models against the events.
 //!
+//! A code's redemption is its credit when the credit carries the event id derived from the code
+//! (one append: the store holds that id once), or the `CodeRedeemed` of its own stream (codes
+//! redeemed before, or on KurrentDB), which the credit follows.
+//!
 //! What is checked:
 //! - a code is credited at most once over all accounts, to the user who redeemed it, for its
-//!   batch's points; it was redeemed inside its batch's window and only once issued;
+//!   batch's points; a credit that is not the redemption itself follows one in the code's stream;
+//!   it was redeemed inside its batch's window and only once issued;
 //! - every redemption is credited, within the settlement bound (younger ones are pending: a
 //!   request between the code's stream and the account right now, or one that died and awaits
 //!   the settlement reconciler);
@@ -19,7 +24,8 @@ use rust_decimal::Decimal;
 use uuid::Uuid;
 use zhihui_domain::account::{AccountEvent, CreditKind};
 use zhihui_domain::redeem::{
-    Batch, BatchEvent, BatchId, CodeBatch, CodeRedeemed, RedemptionEvent, parse_credit_reference,
+    Batch, BatchEvent, BatchId, CodeBatch, CodeRedeemed, RedemptionEvent, credit_event_id,
+    parse_credit_reference,
 };
 use zhihui_domain::{Decider, DomainEvent};
 
@@ -30,6 +36,9 @@ struct Credit {
     user_id: Uuid,
     batch_id: BatchId,
     amount: Decimal,
+    at: DateTime<Utc>,
+    /// Stored under the id derived from its code: the credit is the redemption.
+    under_code_id: bool,
 }
 
 #[derive(Default)]
@@ -72,7 +81,7 @@ impl CodeFold {
         Ok(())
     }
 
-    pub(super) fn account_event(&mut self, user_id: Uuid, event: &AccountEvent) {
+    pub(super) fn account_event(&mut self, user_id: Uuid, event_id: Uuid, event: &AccountEvent) {
         let AccountEvent::Credited(credit) = event else {
             return;
         };
@@ -84,8 +93,24 @@ impl CodeFold {
                 user_id,
                 batch_id,
                 amount: credit.amount.as_decimal(),
+                at: credit.at,
+                under_code_id: event_id == credit_event_id(serial),
             }),
             None => self.unreadable.push((user_id, credit.reference.clone())),
+        }
+    }
+
+    /// Who redeemed `serial`, by the events: its own stream's redeemer, or the account whose
+    /// credit carries the code's id.
+    fn redeemer(&self, serial: u32) -> Option<Uuid> {
+        match self.redemptions.get(&serial) {
+            Some((redeemed, _, _)) => Some(redeemed.user_id.as_uuid()),
+            None => self
+                .credits
+                .get(&serial)?
+                .iter()
+                .find(|credit| credit.under_code_id)
+                .map(|credit| credit.user_id),
         }
     }
 
@@ -111,24 +136,53 @@ impl CodeFold {
             );
         }
         let batch = |batch_id: &BatchId| self.batches.get(batch_id).and_then(|(b, _)| b.as_ref());
+        // Where a batch says a redemption could not have happened.
+        let redemption_differences =
+            |serial: u32, batch_id: BatchId, at: DateTime<Utc>, points: Decimal| {
+                let mut found = Vec::new();
+                match batch(&batch_id) {
+                    None => found.push("redeemed from a batch that does not exist".to_owned()),
+                    Some(batch) => {
+                        if !batch.has_issued(serial) {
+                            found.push("redeemed but never issued".into());
+                        }
+                        if !batch.spec.valid_at(at) {
+                            found.push(format!(
+                                "redeemed at {at} outside its window {} .. {}",
+                                batch.spec.valid_from, batch.spec.valid_until
+                            ));
+                        }
+                        if batch.spec.points.as_decimal() != points {
+                            found.push("redeemed for another amount than its batch's".into());
+                        }
+                    }
+                }
+                found
+            };
         for (serial, credits) in &self.credits {
             let key = format!("serial {serial}");
             if credits.len() > 1 {
                 difference(key.clone(), format!("credited {} times", credits.len()));
             }
-            let redemption = self.redemptions.get(serial).map(|(r, _, _)| r);
+            let in_its_stream = self.redemptions.contains_key(serial);
+            let redeemer = self.redeemer(*serial);
             for credit in credits {
-                match redemption {
+                if !in_its_stream && credit.under_code_id {
+                    // The credit is the redemption: the batch must allow it.
+                    for detail in
+                        redemption_differences(*serial, credit.batch_id, credit.at, credit.amount)
+                    {
+                        difference(key.clone(), detail);
+                    }
+                }
+                match redeemer {
                     None => difference(
                         key.clone(),
                         format!("credited to {} but never redeemed", credit.user_id),
                     ),
-                    Some(redeemed) if redeemed.user_id.as_uuid() != credit.user_id => difference(
+                    Some(redeemer) if redeemer != credit.user_id => difference(
                         key.clone(),
-                        format!(
-                            "credited to {} but redeemed by {}",
-                            credit.user_id, redeemed.user_id
-                        ),
+                        format!("credited to {} but redeemed by {redeemer}", credit.user_id),
                     ),
                     Some(_) => {}
                 }
@@ -157,31 +211,13 @@ impl CodeFold {
             if *events > 1 {
                 difference(key.clone(), format!("{events} redemption events"));
             }
-            match batch(&redeemed.batch_id) {
-                None => difference(
-                    key.clone(),
-                    "redeemed from a batch that does not exist".into(),
-                ),
-                Some(batch) => {
-                    if !batch.has_issued(*serial) {
-                        difference(key.clone(), "redeemed but never issued".into());
-                    }
-                    if !batch.spec.valid_at(redeemed.at) {
-                        difference(
-                            key.clone(),
-                            format!(
-                                "redeemed at {} outside its window {} .. {}",
-                                redeemed.at, batch.spec.valid_from, batch.spec.valid_until
-                            ),
-                        );
-                    }
-                    if batch.spec.points != redeemed.points {
-                        difference(
-                            key.clone(),
-                            "redeemed for another amount than its batch's".into(),
-                        );
-                    }
-                }
+            for detail in redemption_differences(
+                *serial,
+                redeemed.batch_id,
+                redeemed.at,
+                redeemed.points.as_decimal(),
+            ) {
+                difference(key.clone(), detail);
             }
             if !self.credits.contains_key(serial) {
                 if now - *recorded_at > settle_within {
@@ -272,10 +308,7 @@ impl CodeFold {
             let serial = u32::try_from(row.get::<_, i32>(0))?;
             let by: Uuid = row.get(1);
             redeemed_seen.insert(serial);
-            let expected = self
-                .redemptions
-                .get(&serial)
-                .map(|(r, _, _)| r.user_id.as_uuid());
+            let expected = self.redeemer(serial);
             if expected != Some(by) {
                 differences.push(Difference {
                     read_model: "redeem_codes",
@@ -284,7 +317,17 @@ impl CodeFold {
                 });
             }
         }
-        for serial in self.redemptions.keys() {
+        let redeemed_serials: std::collections::BTreeSet<&u32> = self
+            .redemptions
+            .keys()
+            .chain(
+                self.credits
+                    .iter()
+                    .filter(|(_, credits)| credits.iter().any(|credit| credit.under_code_id))
+                    .map(|(serial, _)| serial),
+            )
+            .collect();
+        for serial in redeemed_serials {
             if !redeemed_seen.contains(serial) {
                 differences.push(Difference {
                     read_model: "redeem_codes",

@@ -257,7 +257,7 @@ pub async fn verify(
                 .with_context(|| format!("decoding event {}", recorded.id))?;
                 revenue.account_event(recorded, &event);
                 task_fold.account_event(user_id, recorded, &event);
-                code_fold.account_event(user_id, &event);
+                code_fold.account_event(user_id, recorded.id, &event);
                 checkin_fold.account_event(user_id, &event);
                 promotion_fold.account_event(user_id, &event);
                 let folded = accounts.entry(user_id).or_default();

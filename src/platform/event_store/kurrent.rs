@@ -223,6 +223,8 @@ impl EventStore for KurrentEventStore {
         Ok(AppendOutcome {
             stream_version: result.next_expected_version,
             position: position_from(result.position),
+            // KurrentDB answers a repeated append like a new one.
+            duplicate: false,
         })
     }
 

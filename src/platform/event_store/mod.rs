@@ -130,6 +130,10 @@ pub struct AppendOutcome {
     pub stream_version: u64,
     /// Global position of the last appended event.
     pub position: Position,
+    /// The store already held these event ids at these versions, so it stored nothing: a retry of
+    /// an append that landed, or (ids that are not fresh: `DomainEvent::unique_id`) the same
+    /// events appended by another writer. PostgreSQL tells; KurrentDB does not (always false).
+    pub duplicate: bool,
 }
 
 /// Where a stream read starts (inclusive).
@@ -306,6 +310,26 @@ impl AnyEventStore {
         match self {
             AnyEventStore::Postgres(_) => "postgres",
             AnyEventStore::Kurrent(_) => "kurrentdb",
+        }
+    }
+
+    /// Whether the store refuses an event id already used anywhere in the log (`EventIdReused`):
+    /// PostgreSQL, by its unique key. KurrentDB checks ids per stream only (and only for recent
+    /// appends), so a rule held by a unique event id needs a stream of its own there.
+    pub fn event_ids_unique_across_streams(&self) -> bool {
+        matches!(self, AnyEventStore::Postgres(_))
+    }
+
+    /// The event stored under `event_id`, where the store indexes ids across the log
+    /// (PostgreSQL); `None` on KurrentDB, which has no such index (what is found by id there
+    /// also has a stream of its own: see `event_ids_unique_across_streams`).
+    pub async fn event_by_id(
+        &self,
+        event_id: Uuid,
+    ) -> Result<Option<RecordedEvent>, EventStoreError> {
+        match self {
+            AnyEventStore::Postgres(store) => store.event_by_id(event_id).await,
+            AnyEventStore::Kurrent(_) => Ok(None),
         }
     }
 }

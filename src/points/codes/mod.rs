@@ -5,13 +5,16 @@
 //! one Lua step in Redis (`lua/code_redeem.lua`) checks the user's failure limit and the cached
 //! batch (issued, not revoked, inside its window) and sets the code's redeemed marker. Redis is
 //! a cache: when it does not hold the batch (flushed, evicted, never loaded) the batch is loaded
-//! from its stream and the step runs again, and whatever the marker says, the code's own stream
-//! decides: the first `CodeRedeemed` append (expected version: no stream) wins, another user is
-//! refused, the same user again is a repeat. The batch's latest event is read before that append,
-//! so a revocation counts even if Redis lost its mark (a failover) or never had it. Then the account is credited with an
-//! operation id derived from the serial (idempotent); if the process dies between the two
-//! appends, the user's retry or the settlement reconciler ([`CodeService::repair_credits_once`])
-//! credits it.
+//! from its stream and the step runs again, and whatever the marker says, the store decides.
+//! The batch's latest event is read first, so a revocation counts even if Redis lost its mark (a
+//! failover) or never had it. Then, on PostgreSQL, one append: the credit on the redeemer's
+//! account under the event id derived from the code, which the log holds once (another account
+//! is refused by the store, the same one is a repeat of its operation). Where event ids are
+//! unique per stream only (KurrentDB), the code's own stream decides first (the first
+//! `CodeRedeemed` append, expected version "no stream", wins) and the credit follows in a second
+//! append; if the process dies between the two, the user's retry or the settlement reconciler
+//! ([`CodeService::repair_credits_once`]) credits it. Codes redeemed that way before still have
+//! their stream, which still decides them.
 
 pub mod issuer;
 pub mod scripts;
@@ -29,7 +32,8 @@ use zhihui_domain::account::{Account, AccountCommand, AccountState, CreditKind, 
 use zhihui_domain::redeem::{
     Batch, BatchCommand, BatchError, BatchId, BatchSpec, CodeBatch, CodeKeys, CodeRedeemed,
     CodeRedemption, RedemptionCommand, RedemptionError, SERIALS_STREAM, SerialAllocator,
-    SerialsCommand, SerialsError, batch_stream, code_stream, credit_operation_id, credit_reference,
+    SerialsCommand, SerialsError, batch_stream, code_stream, credit_event_id, credit_operation_id,
+    credit_reference,
 };
 use zhihui_domain::user::UserId;
 
@@ -37,7 +41,7 @@ use crate::platform::aggregate::AggregateService;
 use crate::platform::clock::Clock;
 use crate::platform::command::{self, CommandError, RetryPolicy};
 use crate::platform::configuration::CodeSettings;
-use crate::platform::event_store::{AnyEventStore, EventMetadata};
+use crate::platform::event_store::{AnyEventStore, EventMetadata, EventStoreError};
 use crate::platform::redis_store::RedisStore;
 
 mod redeem;
@@ -135,6 +139,9 @@ pub struct CodeService {
     forged: Arc<Mutex<HashMap<UserId, Forged>>>,
     /// Batches created by this process, for its generator to start at once.
     pub(crate) created: issuer::Wake,
+    /// Whether the log holds redemptions in codes' own streams (see
+    /// `legacy_redemptions_exist`), once asked.
+    legacy_redemptions: Arc<tokio::sync::OnceCell<bool>>,
 }
 
 impl CodeService {
@@ -156,6 +163,7 @@ impl CodeService {
             settings,
             forged: Arc::default(),
             created: issuer::Wake::default(),
+            legacy_redemptions: Arc::default(),
         })
     }
 
@@ -580,11 +588,41 @@ impl CodeService {
             .map_err(|_| anyhow::anyhow!("{text:?} is not a valid code (malformed or forged)"))?;
         let serial = code.serial();
         let batch = self.batch_of_serial(serial).await?.map(|(batch, _)| batch);
-        let redemption = command::load::<CodeRedemption>(&self.store, &code_stream(serial))
+        let mut redemption = command::load::<CodeRedemption>(&self.store, &code_stream(serial))
             .await?
             .state;
         let mut credit = None;
-        if let Some(redemption) = &redemption {
+        if redemption.is_none() {
+            // Redeemed in one append: the credit stored under the code's id is the redemption.
+            let stored = self
+                .store
+                .event_by_id(credit_event_id(serial))
+                .await
+                .context("finding the code's credit")?;
+            if let Some(stored) = stored {
+                let user_id = zhihui_domain::account::user_of_account_stream(&stored.stream)
+                    .with_context(|| format!("the code's credit is in {}", stored.stream))?;
+                let event = <zhihui_domain::account::AccountEvent as zhihui_domain::DomainEvent>::from_stored(
+                    &stored.event_type,
+                    stored.schema_version,
+                    &stored.payload,
+                )
+                .context("decoding the code's credit")?;
+                if let zhihui_domain::account::AccountEvent::Credited(e) = event {
+                    let batch_id = zhihui_domain::redeem::parse_credit_reference(&e.reference)
+                        .map(|(batch_id, _)| batch_id)
+                        .with_context(|| format!("the code's credit names {:?}", e.reference))?;
+                    redemption = Some(CodeRedeemed {
+                        serial,
+                        batch_id,
+                        user_id,
+                        points: e.amount,
+                        at: e.at,
+                    });
+                    credit = Some(e);
+                }
+            }
+        } else if let Some(redemption) = &redemption {
             let operation_id = credit_operation_id(serial);
             command::load_inspecting::<Account>(
                 &self.store,

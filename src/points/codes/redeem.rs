@@ -1,8 +1,8 @@
 //! Redemption: a code is parsed and its signature checked offline (a forged code costs no
 //! lookup, and a user sending many is slowed), then the Redis fast path (`lua/code_redeem.lua`)
-//! tells a used or revoked code at once, and the code's stream decides: one redemption per code,
-//! then the credit on the redeemer's account. `repair_credits_once` credits what a crash left
-//! unpaid.
+//! tells a used or revoked code at once, and the store decides: one credit per code, held by its
+//! event id (or by the code's own stream where ids are unique per stream only).
+//! `repair_credits_once` credits what a crash left unpaid between a code's stream and its credit.
 
 use super::*;
 
@@ -159,6 +159,125 @@ impl CodeService {
                 (batch.batch_id, Marker::Taken, batch.spec.points)
             }
         };
+        if self.store.event_ids_unique_across_streams() {
+            return self
+                .redeem_in_one_append(user_id, serial, batch_id, points, now, metadata)
+                .await;
+        }
+        self.redeem_in_two_appends(user_id, serial, batch_id, points, marker, now, metadata)
+            .await
+    }
+
+    /// The redemption is the credit: one append to the redeemer's account, under the event id
+    /// derived from the code (`credit_event_id`), which the store holds once across the log. A
+    /// second account's credit of the code is the store's "id reused" answer; the same
+    /// account's is a repeat of its operation.
+    async fn redeem_in_one_append(
+        &self,
+        user_id: UserId,
+        serial: u32,
+        batch_id: BatchId,
+        points: zhihui_domain::points::Amount,
+        now: DateTime<Utc>,
+        metadata: &EventMetadata,
+    ) -> Result<Redemption, RedeemError> {
+        let mut redeemed_before = false;
+        let mut at = now;
+        // A code redeemed before redemptions took one append holds its redeemer in its own
+        // stream (and its credit carries no derived id): that stream still decides it.
+        if self.legacy_redemptions_exist().await? {
+            let loaded = command::load::<CodeRedemption>(&self.store, &code_stream(serial))
+                .await
+                .context("reading a code's stream")?;
+            if let Some(redeemed) = loaded.state {
+                if redeemed.user_id != user_id {
+                    return Err(RedeemError::RedeemedByAnother);
+                }
+                // Ours: a repeat, or the credit a crash left unpaid.
+                redeemed_before = true;
+                at = redeemed.at;
+            }
+        }
+        let credited = self
+            .accounts
+            .execute(
+                &account_stream(user_id),
+                AccountCommand::Credit {
+                    operation_id: credit_operation_id(serial),
+                    kind: CreditKind::RedeemCode,
+                    amount: points,
+                    reference: credit_reference(batch_id, serial),
+                    at,
+                },
+                metadata.clone(),
+            )
+            .await;
+        match credited {
+            Ok(handled) => Ok(Redemption {
+                serial,
+                batch_id,
+                points,
+                redeemed_now: !redeemed_before && !handled.new_events.is_empty(),
+                account: handled.state_after,
+            }),
+            Err(CommandError::Store(error))
+                if error.chain().any(|cause| {
+                    matches!(
+                        cause.downcast_ref::<EventStoreError>(),
+                        Some(EventStoreError::EventIdReused { .. })
+                    )
+                }) =>
+            {
+                Err(RedeemError::RedeemedByAnother)
+            }
+            Err(CommandError::Contended { .. }) => Err(RedeemError::Contended),
+            Err(error) => Err(RedeemError::Store(anyhow::anyhow!(
+                "crediting code {serial}: {error}"
+            ))),
+        }
+    }
+
+    /// Whether this store holds redemptions in codes' own streams: always on KurrentDB; on
+    /// PostgreSQL those recorded before redemptions took one append. Asked once per process: no
+    /// process of this version writes one on PostgreSQL (processes of the earlier version must
+    /// be stopped before this one redeems: they would credit a code without its derived id).
+    pub(super) async fn legacy_redemptions_exist(&self) -> anyhow::Result<bool> {
+        if !self.store.event_ids_unique_across_streams() {
+            return Ok(true);
+        }
+        self.legacy_redemptions
+            .get_or_try_init(|| async {
+                let client = crate::platform::postgres::checkout(&self.pool)
+                    .await
+                    .context("getting a connection")?;
+                let row = client
+                    .query_one(
+                        "SELECT EXISTS (SELECT 1 FROM events WHERE event_type = 'CodeRedeemed')",
+                        &[],
+                    )
+                    .await
+                    .context("looking for redemptions in codes' own streams")?;
+                anyhow::Ok(row.get::<_, bool>(0))
+            })
+            .await
+            .copied()
+    }
+
+    /// Where event ids are unique per stream only (KurrentDB): the code's own stream decides
+    /// who redeemed it (the first append, expected version "no stream", wins), then the
+    /// redeemer's account is credited; a crash between the two is repaired by the user's retry
+    /// or `repair_credits_once`.
+    #[allow(clippy::too_many_arguments)]
+    async fn redeem_in_two_appends(
+        &self,
+        user_id: UserId,
+        serial: u32,
+        batch_id: BatchId,
+        points: zhihui_domain::points::Amount,
+        marker: Marker,
+        now: DateTime<Utc>,
+        metadata: &EventMetadata,
+    ) -> Result<Redemption, RedeemError> {
         let command = RedemptionCommand::Redeem {
             serial,
             batch_id,

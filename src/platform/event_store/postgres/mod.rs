@@ -205,6 +205,29 @@ impl Window for PostgresEventStore {
     }
 }
 
+impl PostgresEventStore {
+    /// The event stored under `event_id`, wherever it is (event ids are unique across the log).
+    pub async fn event_by_id(
+        &self,
+        event_id: Uuid,
+    ) -> Result<Option<RecordedEvent>, EventStoreError> {
+        let client = crate::platform::postgres::checkout(&self.inner.pool)
+            .await
+            .map_err(unavailable)?;
+        let statement = client
+            .prepare_cached(&format!(
+                "SELECT {EVENT_COLUMNS} FROM events WHERE event_id = $1"
+            ))
+            .await
+            .map_err(unavailable)?;
+        let row = client
+            .query_opt(&statement, &[&event_id])
+            .await
+            .map_err(unavailable)?;
+        row.as_ref().map(event_from_row).transpose()
+    }
+}
+
 impl EventStore for PostgresEventStore {
     async fn append(
         &self,

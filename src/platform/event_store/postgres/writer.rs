@@ -45,8 +45,11 @@ impl PostgresEventStore {
                     .await
                     .context("appending")
             })
-            .await
-            .map_err(unavailable)?;
+            .await;
+            let row = match row {
+                Ok(row) => row,
+                Err(error) => return Err(failed_append(&self.inner.pool, events, error).await),
+            };
             match interpret(stream, expected, events, &row)? {
                 Interpreted::Done(outcome) => {
                     if outcome.is_ok() {
@@ -107,16 +110,18 @@ pub(super) async fn group_writer(
                 // may or may not have committed, and only the event ids can tell.
                 let mut results = Vec::with_capacity(batch.len());
                 for request in &batch {
-                    results.push(
-                        until_known(unknown_outcome_retry_max, || {
-                            commit_batch(&pool, std::slice::from_ref(request), one_statement)
-                        })
-                        .await
-                        .map_or_else(
-                            |error| Interpreted::Done(Err(EventStoreError::Unavailable(error))),
-                            |mut single| single.remove(0),
-                        ),
-                    );
+                    let single = until_known(unknown_outcome_retry_max, || {
+                        commit_batch(&pool, std::slice::from_ref(request), one_statement)
+                    })
+                    .await;
+                    results.push(match single {
+                        Ok(mut single) => single.remove(0),
+                        Err(error) => {
+                            Interpreted::Done(Err(
+                                failed_append(&pool, &request.events, error).await
+                            ))
+                        }
+                    });
                 }
                 results
             }
@@ -398,6 +403,7 @@ pub(super) fn interpret(
                 commit: from_i64(commit),
                 prepare: from_i64(prepare),
             },
+            duplicate: status == "duplicate",
         })
     };
     Ok(match status {
@@ -417,6 +423,42 @@ pub(super) fn interpret(
             )));
         }
     })
+}
+
+/// What an append that failed with `error` tells its caller. `zhihui_append` answers an event id
+/// already stored itself (`id_reused`), but one stored by a concurrent append surfaces as the
+/// unique key's violation once that append commits (ours waited on the key): the same answer,
+/// naming the id found stored. Anything else: the store is unavailable.
+async fn failed_append(pool: &Pool, events: &[NewEvent], error: anyhow::Error) -> EventStoreError {
+    let id_taken = error.chain().any(|cause| {
+        cause
+            .downcast_ref::<tokio_postgres::Error>()
+            .and_then(tokio_postgres::Error::as_db_error)
+            .is_some_and(|db| db.constraint() == Some("events_event_id_unique"))
+    });
+    if !id_taken {
+        return EventStoreError::Unavailable(error);
+    }
+    let ids: Vec<Uuid> = events.iter().map(|event| event.id).collect();
+    let stored = async {
+        let client = crate::platform::postgres::checkout(pool)
+            .await
+            .context("getting a connection")?;
+        client
+            .query_opt(
+                "SELECT event_id FROM events WHERE event_id = ANY($1) LIMIT 1",
+                &[&ids],
+            )
+            .await
+            .context("finding the event id a concurrent append stored")
+    };
+    match stored.await {
+        Ok(Some(row)) => EventStoreError::EventIdReused {
+            event_id: row.get(0),
+        },
+        Ok(None) => EventStoreError::Unavailable(error),
+        Err(lookup) => EventStoreError::Unavailable(error.context(format!("{lookup:#}"))),
+    }
 }
 
 /// Run `attempt` until it succeeds, fails for a reason a retry cannot change, or `retry_max` has
