@@ -58,7 +58,7 @@ pub fn reason_of(event: &AccountEvent) -> Option<String> {
     }
 }
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct LedgerColumns {
     user_id: Vec<Uuid>,
     stream_version: Vec<i64>,
@@ -75,6 +75,7 @@ struct LedgerColumns {
     correlation_id: Vec<Uuid>,
 }
 
+#[derive(Debug)]
 struct LastBalance {
     available: Decimal,
     frozen: Decimal,
@@ -82,11 +83,36 @@ struct LastBalance {
     updated_at: DateTime<Utc>,
 }
 
+/// A batch folded into rows: one ledger row per movement, each account's last balance.
+#[derive(Debug, Default)]
+pub struct LedgerRows {
+    ledger: LedgerColumns,
+    balances: HashMap<Uuid, LastBalance>,
+}
+
+impl LedgerRows {
+    /// Ledger rows folded.
+    pub fn len(&self) -> usize {
+        self.ledger.user_id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ledger.user_id.is_empty()
+    }
+}
+
 pub async fn apply(
     transaction: &tokio_postgres::Transaction<'_>,
     tables: &Tables,
     events: &[ProjectedEvent],
 ) -> anyhow::Result<()> {
+    let rows = fold(events)?;
+    write(transaction, tables, &rows).await
+}
+
+/// Decode a batch and fold it into rows (no IO: a replay runs it beside the previous batch's
+/// write).
+pub fn fold(events: &[ProjectedEvent]) -> anyhow::Result<LedgerRows> {
     let mut ledger = LedgerColumns::default();
     let mut balances: HashMap<Uuid, LastBalance> = HashMap::new();
     for recorded in events {
@@ -132,6 +158,16 @@ pub async fn apply(
             },
         );
     }
+    Ok(LedgerRows { ledger, balances })
+}
+
+/// Write folded rows: two statements, pipelined.
+pub async fn write(
+    transaction: &tokio_postgres::Transaction<'_>,
+    tables: &Tables,
+    rows: &LedgerRows,
+) -> anyhow::Result<()> {
+    let LedgerRows { ledger, balances } = rows;
     if ledger.user_id.is_empty() {
         return Ok(());
     }
@@ -169,7 +205,7 @@ pub async fn apply(
     let mut versions = Vec::with_capacity(balances.len());
     let mut updated = Vec::with_capacity(balances.len());
     for (user_id, balance) in balances {
-        user_ids.push(user_id);
+        user_ids.push(*user_id);
         available.push(balance.available);
         frozen.push(balance.frozen);
         versions.push(balance.stream_version);
@@ -188,10 +224,83 @@ pub async fn apply(
     let account_params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] =
         [&user_ids, &available, &frozen, &versions, &updated];
     let upsert_accounts = transaction.execute(&upsert_accounts, &account_params);
+    if tables.is_rebuild() {
+        // A rebuild applies each event once (its rows and checkpoint commit together) into a
+        // table loaded before its keys are built: a binary COPY, the cheapest way in.
+        drop(insert_ledger);
+        copy_ledger(transaction, &tables.name("ledger_entries"), ledger).await?;
+        upsert_accounts
+            .await
+            .context("upserting account balances")?;
+        return Ok(());
+    }
     // Issued together, tokio-postgres pipelines the two statements (each prepared, then run)
     // instead of waiting for one before sending the other.
     let (inserted, upserted) = futures::join!(insert_ledger, upsert_accounts);
     inserted.context("inserting ledger entries")?;
     upserted.context("upserting account balances")?;
+    Ok(())
+}
+
+/// The ledger's rows into `table` by `COPY ... FROM STDIN BINARY`.
+async fn copy_ledger(
+    transaction: &tokio_postgres::Transaction<'_>,
+    table: &str,
+    ledger: &LedgerColumns,
+) -> anyhow::Result<()> {
+    use tokio_postgres::binary_copy::BinaryCopyInWriter;
+    use tokio_postgres::types::Type;
+    let sink = transaction
+        .copy_in(&format!(
+            "COPY {table} (user_id, stream_version, event_id, occurred_at, kind, amount,
+                           available_after, frozen_after, task_id, operation_id, reason, actor,
+                           correlation_id) FROM STDIN BINARY"
+        ))
+        .await
+        .context("starting the ledger's COPY")?;
+    let writer = BinaryCopyInWriter::new(
+        sink,
+        &[
+            Type::UUID,
+            Type::INT8,
+            Type::UUID,
+            Type::TIMESTAMPTZ,
+            Type::TEXT,
+            Type::NUMERIC,
+            Type::NUMERIC,
+            Type::NUMERIC,
+            Type::UUID,
+            Type::UUID,
+            Type::TEXT,
+            Type::TEXT,
+            Type::UUID,
+        ],
+    );
+    futures::pin_mut!(writer);
+    for row in 0..ledger.user_id.len() {
+        writer
+            .as_mut()
+            .write(&[
+                &ledger.user_id[row],
+                &ledger.stream_version[row],
+                &ledger.event_id[row],
+                &ledger.occurred_at[row],
+                &ledger.kind[row],
+                &ledger.amount[row],
+                &ledger.available_after[row],
+                &ledger.frozen_after[row],
+                &ledger.task_id[row],
+                &ledger.operation_id[row],
+                &ledger.reason[row],
+                &ledger.actor[row],
+                &ledger.correlation_id[row],
+            ])
+            .await
+            .context("copying a ledger row")?;
+    }
+    writer
+        .finish()
+        .await
+        .context("finishing the ledger's COPY")?;
     Ok(())
 }

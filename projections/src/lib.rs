@@ -111,6 +111,15 @@ impl ProjectionName {
         }
     }
 
+    /// Its tables whose rows are only ever inserted, one per event (never upserted): a rebuild
+    /// loads them before building any of their keys.
+    pub fn insert_only_tables(&self) -> &'static [&'static str] {
+        match self {
+            ProjectionName::Ledger => &["ledger_entries"],
+            _ => &[],
+        }
+    }
+
     /// The events it reads.
     pub fn reads(&self) -> Reads {
         let prefixes = |prefixes: &[&str]| {
@@ -135,6 +144,29 @@ impl ProjectionName {
         }
     }
 
+    /// Make a batch ready to write without IO: decoded and folded into rows where the
+    /// projection splits its work so (the ledger), else kept as events. A replay prepares the
+    /// next batch while the previous one is written.
+    pub fn prepare(&self, events: Vec<ProjectedEvent>) -> anyhow::Result<Prepared> {
+        Ok(match self {
+            ProjectionName::Ledger => Prepared::Ledger(Box::new(accounts::fold(&events)?)),
+            _ => Prepared::Events(events),
+        })
+    }
+
+    /// Write a prepared batch inside the caller's transaction: what [`Self::apply`] does.
+    pub async fn write_prepared(
+        &self,
+        transaction: &tokio_postgres::Transaction<'_>,
+        tables: &Tables,
+        prepared: &Prepared,
+    ) -> anyhow::Result<()> {
+        match prepared {
+            Prepared::Ledger(rows) => accounts::write(transaction, tables, rows).await,
+            Prepared::Events(events) => self.apply(transaction, tables, events).await,
+        }
+    }
+
     /// Apply one batch (in global order) inside the caller's transaction.
     pub async fn apply(
         &self,
@@ -155,6 +187,15 @@ impl ProjectionName {
     }
 }
 
+/// A batch ready to write ([`ProjectionName::prepare`]).
+#[derive(Debug)]
+pub enum Prepared {
+    /// The ledger's rows, folded (boxed: a page holds one).
+    Ledger(Box<accounts::LedgerRows>),
+    /// Events of a projection that decodes them as it writes.
+    Events(Vec<ProjectedEvent>),
+}
+
 /// Where a projection writes: the live tables, or `<table>__rebuild` during a replay.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Tables {
@@ -166,6 +207,11 @@ impl Tables {
     pub const REBUILD: Tables = Tables {
         suffix: "__rebuild",
     };
+
+    /// Whether these are a replay's tables.
+    pub fn is_rebuild(&self) -> bool {
+        *self == Tables::REBUILD
+    }
 
     /// The actual name of a live table under this choice. Table names are constants of this
     /// crate, never user input, so formatting them into SQL is safe.

@@ -3,9 +3,11 @@
 //! live tables keep serving, and the live runner keeps projecting, until the swap.
 //!
 //! - Build: pages of `replay.batch_size` events, one transaction each (a long write transaction
-//!   would hold the global log's horizon back for everyone: see ARCHITECTURE.md), with the next
-//!   page read while the current one is written. The rebuild has its own checkpoint row
-//!   (`<name>__rebuild`), so rows and progress still commit together.
+//!   would hold the global log's horizon back for everyone: see ARCHITECTURE.md), in a pipeline:
+//!   the page after next read, the next decoded and folded, the current one written. The rebuild
+//!   has its own checkpoint row (`<name>__rebuild`), so rows and progress still commit together.
+//!   Tables whose rows are only inserted (the ledger's) are loaded by binary `COPY` before any of
+//!   their keys exist; keys and indexes are built after the load.
 //! - Swap, in one transaction: lock `projection_checkpoints` (runners block before they write, so
 //!   they hold no transaction id and the log stays readable), read what the live runner applied
 //!   beyond the rebuild, apply it to the rebuild tables, rename the tables, carry the checkpoint
@@ -22,8 +24,8 @@ use deadpool_postgres::Pool;
 use zhihui_projections::{ProjectionName, Tables};
 
 use crate::platform::configuration::ProjectionSettings;
-use crate::platform::event_store::{AnyEventStore, EventStore, Position};
-use crate::platform::projector::{Projector, position_from_sql, position_to_sql};
+use crate::platform::event_store::{AnyEventStore, EventStore, Position, RecordedEvent};
+use crate::platform::projector::{PreparedPage, Projector, position_from_sql, position_to_sql};
 
 /// What a replay did.
 #[derive(Debug, Clone)]
@@ -139,7 +141,10 @@ async fn add_secondary_indexes(pool: &Pool, projection: ProjectionName) -> anyho
     let transaction = client.transaction().await?;
     for table in projection.tables() {
         let rebuild = Tables::REBUILD.name(table);
-        let unique = constraint_definitions(&transaction, table, "u").await?;
+        let mut unique = constraint_definitions(&transaction, table, "u").await?;
+        if projection.insert_only_tables().contains(table) {
+            unique.extend(constraint_definitions(&transaction, table, "p").await?);
+        }
         for definition in &unique {
             transaction
                 .batch_execute(&format!("ALTER TABLE {rebuild} ADD {definition}"))
@@ -211,8 +216,12 @@ pub async fn prepare_tables(pool: &Pool, projection: ProjectionName) -> anyhow::
             ))
             .await
             .with_context(|| format!("creating {rebuild}"))?;
-        // The primary key now (upserts need it as their conflict target); the other indexes
-        // after the load, which is faster than maintaining them row by row.
+        // The primary key now (upserts need it as their conflict target), except on a table
+        // only inserted into; the other indexes after the load, which is faster than
+        // maintaining them row by row.
+        if projection.insert_only_tables().contains(table) {
+            continue;
+        }
         for definition in constraint_definitions(&transaction, table, "p").await? {
             transaction
                 .batch_execute(&format!("ALTER TABLE {rebuild} ADD {definition}"))
@@ -269,8 +278,14 @@ async fn count_events(
     u64::try_from(row.get::<_, i64>(0)).ok()
 }
 
-/// Apply pages from the rebuild checkpoint until the end of the log; the next page is read while
-/// the current one is written. Returns the events applied.
+/// Pages in flight between two stages of [`build`]: enough to keep each stage busy, few enough
+/// to bound memory (a page of the largest batch is a few MB).
+const PIPELINE_PAGES: usize = 2;
+
+/// Apply pages from the rebuild checkpoint until the end of the log, three stages at once: the
+/// log read ahead (a task), the next page decoded and folded (a blocking thread: CPU only), the
+/// current page written with its checkpoint (here). On two cores PostgreSQL reads and writes while
+/// this process decodes. Returns the events applied.
 async fn build(
     projector: &Projector,
     store: &AnyEventStore,
@@ -279,33 +294,175 @@ async fn build(
     applied_before: u64,
     progress: &mut dyn ReplayProgress,
 ) -> anyhow::Result<u64> {
+    // A page that could not be prepared still reaches the writer, with its events: applied
+    // with the runner's retries, a poison event among them is found and named.
+    type Ready = anyhow::Result<(Vec<RecordedEvent>, Position, anyhow::Result<PreparedPage>)>;
     let filter = crate::platform::event_store::filter_of(projection);
-    let read = |after: Option<Position>| {
-        let store = store.clone();
-        let filter = filter.clone();
-        tokio::spawn(async move { store.read_all(after, batch_size, &filter).await })
-    };
     let mut position = projector.checkpoint().await?;
-    let mut next = read(position);
+    let (read_sender, mut read_pages) = tokio::sync::mpsc::channel::<ReadPage>(PIPELINE_PAGES);
+    let reader = match store {
+        // Pages cut ahead by their boundaries, then read on several connections at once.
+        AnyEventStore::Postgres(postgres) => tokio::spawn(read_ranges(
+            postgres.clone(),
+            position,
+            batch_size,
+            filter,
+            read_sender,
+        )),
+        AnyEventStore::Kurrent(_) => tokio::spawn(read_pages_in_turn(
+            store.clone(),
+            position,
+            batch_size,
+            filter,
+            read_sender,
+        )),
+    };
+    let (ready_sender, mut ready_pages) = tokio::sync::mpsc::channel::<Ready>(PIPELINE_PAGES);
+    let preparer = {
+        let projector = projector.clone();
+        tokio::spawn(async move {
+            while let Some(read) = read_pages.recv().await {
+                let ready = match read {
+                    Ok((events, scanned_to)) => {
+                        let projector = projector.clone();
+                        tokio::task::spawn_blocking(move || {
+                            let page = projector.prepare(&events);
+                            (events, scanned_to, page)
+                        })
+                        .await
+                        .context("the page preparer failed")
+                    }
+                    Err(error) => Err(error),
+                };
+                if ready_sender.send(ready).await.is_err() {
+                    return;
+                }
+            }
+        })
+    };
     let mut applied = 0u64;
+    let written = async {
+        while let Some(ready) = ready_pages.recv().await {
+            let (events, scanned_to, page) = ready?;
+            let written = match page {
+                Ok(page) => projector.apply_prepared(position, &page, scanned_to).await,
+                Err(error) => Err(error),
+            };
+            if let Err(error) = written {
+                if crate::platform::projector::Halt::of(&error).is_some() {
+                    return Err(error);
+                }
+                // Again with the runner's retries, which find and name a poison event.
+                tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "a replay page failed; applying it with retries");
+                projector.apply_page(position, &events, scanned_to).await?;
+            }
+            position = Some(scanned_to);
+            applied += events.len() as u64;
+            progress.applied(applied_before + applied);
+        }
+        anyhow::Ok(())
+    }
+    .await;
+    reader.abort();
+    preparer.abort();
+    written?;
+    Ok(applied)
+}
+
+/// A page the replay read: its events and the position it ends at.
+type ReadPage = anyhow::Result<(Vec<RecordedEvent>, Position)>;
+
+/// Pages read at once by [`read_ranges`] (each its own connection).
+const PARALLEL_READS: usize = 2;
+/// Pages whose boundaries are found in one go.
+const BOUNDARY_PAGES: usize = 8;
+
+/// Read the log after `after` in pages, one after another, until a page reaches its end.
+async fn read_pages_in_turn(
+    store: AnyEventStore,
+    mut after: Option<Position>,
+    batch_size: usize,
+    filter: crate::platform::event_store::EventFilter,
+    pages: tokio::sync::mpsc::Sender<ReadPage>,
+) {
     loop {
-        let slice = next
-            .await
-            .context("the log reader failed")?
-            .context("reading the log")?;
-        let Some(scanned_to) = slice.scanned_to.filter(|to| Some(*to) != position) else {
-            return Ok(applied);
+        let slice = match store.read_all(after, batch_size, &filter).await {
+            Ok(slice) => slice,
+            Err(error) => {
+                let _ = pages
+                    .send(Err(anyhow::Error::new(error).context("reading the log")))
+                    .await;
+                return;
+            }
         };
-        next = read(Some(scanned_to));
-        projector
-            .apply_page(position, &slice.events, scanned_to)
-            .await?;
-        position = Some(scanned_to);
-        applied += slice.events.len() as u64;
-        progress.applied(applied_before + applied);
-        if slice.end_of_log {
-            next.abort();
-            return Ok(applied);
+        let Some(scanned_to) = slice.scanned_to.filter(|to| Some(*to) != after) else {
+            return;
+        };
+        after = Some(scanned_to);
+        // A closed channel: the writer stopped; so does the reader.
+        if pages.send(Ok((slice.events, scanned_to))).await.is_err() || slice.end_of_log {
+            return;
+        }
+    }
+}
+
+/// Read the log after `after` in pages cut ahead by their boundaries (PostgreSQL), several at
+/// once, handed on in the log's order, until a round of boundaries reaches the log's end. One
+/// reader spent about half its time in PostgreSQL and half parsing rows here; two keep both
+/// cores on it.
+async fn read_ranges(
+    store: crate::platform::event_store::postgres::PostgresEventStore,
+    mut after: Option<Position>,
+    batch_size: usize,
+    filter: crate::platform::event_store::EventFilter,
+    pages: tokio::sync::mpsc::Sender<ReadPage>,
+) {
+    use futures::StreamExt;
+    loop {
+        let boundaries = match store
+            .page_boundaries(after, batch_size, BOUNDARY_PAGES)
+            .await
+        {
+            Ok(boundaries) => boundaries,
+            Err(error) => {
+                let _ = pages
+                    .send(Err(
+                        anyhow::Error::new(error).context("cutting the log into pages")
+                    ))
+                    .await;
+                return;
+            }
+        };
+        let mut from = after;
+        let ranges: Vec<(Option<Position>, Position)> = boundaries
+            .ends
+            .iter()
+            .map(|until| (from.replace(*until), *until))
+            .collect();
+        let mut reads = futures::stream::iter(ranges)
+            .map(|(from, until)| {
+                let store = store.clone();
+                let filter = filter.clone();
+                async move {
+                    (
+                        until,
+                        store.read_range(from, until, batch_size, &filter).await,
+                    )
+                }
+            })
+            .buffered(PARALLEL_READS);
+        while let Some((until, read)) = reads.next().await {
+            let page = read
+                .map(|slice| (slice.events, until))
+                .map_err(|error| anyhow::Error::new(error).context("reading the log"));
+            let failed = page.is_err();
+            if pages.send(page).await.is_err() || failed {
+                return;
+            }
+        }
+        match boundaries.ends.last() {
+            Some(last) if !boundaries.reached_the_end => after = Some(*last),
+            _ => return,
         }
     }
 }

@@ -92,12 +92,21 @@ pub struct Projector {
     lag_observer: Option<tokio::sync::mpsc::UnboundedSender<Vec<i64>>>,
 }
 
+/// A page decoded and folded, ready for its transaction ([`Projector::prepare`]).
+#[derive(Debug)]
+pub struct PreparedPage {
+    prepared: zhihui_projections::Prepared,
+    /// Events the page holds (the checkpoint's count).
+    events: usize,
+    last_recorded_at: Option<DateTime<Utc>>,
+}
+
 #[derive(Debug, Clone, Copy)]
 struct Checkpoint {
     position: Option<Position>,
 }
 
-pub(crate) fn to_projected(event: &RecordedEvent) -> ProjectedEvent {
+pub fn to_projected(event: &RecordedEvent) -> ProjectedEvent {
     ProjectedEvent {
         id: event.id,
         stream: event.stream.clone(),
@@ -248,43 +257,8 @@ impl Projector {
         events: &[RecordedEvent],
         scanned_to: Position,
     ) -> anyhow::Result<Option<i64>> {
-        let mut client = self.pool.get().await.context("getting a connection")?;
-        let transaction = client.transaction().await.context("starting a batch")?;
-        let checkpoint = self.lock_checkpoint(&transaction).await?;
-        if checkpoint.position != expected {
-            return Err(Halt::CheckpointMoved {
-                projection: self.checkpoint_name.clone(),
-                found: checkpoint.position,
-                expected,
-            }
-            .into());
-        }
-        let projected: Vec<ProjectedEvent> = events.iter().map(to_projected).collect();
-        self.projection
-            .apply(&transaction, &self.tables, &projected)
-            .await?;
-        let (commit, prepare) = position_to_sql(Some(scanned_to))?;
-        let last_recorded_at = events.last().map(|event| event.recorded_at);
-        let count = i64::try_from(events.len())?;
-        transaction
-            .execute(
-                "UPDATE projection_checkpoints
-                    SET commit_position = $2, prepare_position = $3,
-                        events_applied = events_applied + $4,
-                        last_recorded_at = COALESCE($5, last_recorded_at), updated_at = now()
-                  WHERE projection = $1",
-                &[
-                    &self.checkpoint_name,
-                    &commit,
-                    &prepare,
-                    &count,
-                    &last_recorded_at,
-                ],
-            )
-            .await
-            .context("moving the checkpoint")?;
-        transaction.commit().await.context("committing a batch")?;
-        let committed_at = Utc::now();
+        let page = self.prepare(events)?;
+        let committed_at = self.commit_prepared(expected, &page, scanned_to).await?;
         if let Some(observer) = &self.lag_observer {
             let lags = events
                 .iter()
@@ -297,7 +271,79 @@ impl Projector {
             // The observer going away only ends the measurement.
             let _ = observer.send(lags);
         }
-        Ok(last_recorded_at.map(|at| (committed_at - at).num_milliseconds().max(0)))
+        Ok(page
+            .last_recorded_at
+            .map(|at| (committed_at - at).num_milliseconds().max(0)))
+    }
+
+    /// Decode and fold `events` for [`Self::apply_prepared`] (no IO).
+    pub fn prepare(&self, events: &[RecordedEvent]) -> anyhow::Result<PreparedPage> {
+        Ok(PreparedPage {
+            prepared: self
+                .projection
+                .prepare(events.iter().map(to_projected).collect())?,
+            events: events.len(),
+            last_recorded_at: events.last().map(|event| event.recorded_at),
+        })
+    }
+
+    /// Write a prepared page and move the checkpoint from `expected` to `scanned_to`, in one
+    /// transaction: [`Self::apply_page`] without retries, for a replay that prepares the next
+    /// page meanwhile (it falls back to `apply_page` on an error, which names a poison event).
+    pub async fn apply_prepared(
+        &self,
+        expected: Option<Position>,
+        page: &PreparedPage,
+        scanned_to: Position,
+    ) -> anyhow::Result<()> {
+        self.commit_prepared(expected, page, scanned_to)
+            .await
+            .map(|_committed_at| ())
+    }
+
+    /// Refuses if the checkpoint is not at `expected` (another runner moved it). Returns when the
+    /// batch committed.
+    async fn commit_prepared(
+        &self,
+        expected: Option<Position>,
+        page: &PreparedPage,
+        scanned_to: Position,
+    ) -> anyhow::Result<DateTime<Utc>> {
+        let mut client = self.pool.get().await.context("getting a connection")?;
+        let transaction = client.transaction().await.context("starting a batch")?;
+        let checkpoint = self.lock_checkpoint(&transaction).await?;
+        if checkpoint.position != expected {
+            return Err(Halt::CheckpointMoved {
+                projection: self.checkpoint_name.clone(),
+                found: checkpoint.position,
+                expected,
+            }
+            .into());
+        }
+        self.projection
+            .write_prepared(&transaction, &self.tables, &page.prepared)
+            .await?;
+        let (commit, prepare) = position_to_sql(Some(scanned_to))?;
+        let count = i64::try_from(page.events)?;
+        transaction
+            .execute(
+                "UPDATE projection_checkpoints
+                    SET commit_position = $2, prepare_position = $3,
+                        events_applied = events_applied + $4,
+                        last_recorded_at = COALESCE($5, last_recorded_at), updated_at = now()
+                  WHERE projection = $1",
+                &[
+                    &self.checkpoint_name,
+                    &commit,
+                    &prepare,
+                    &count,
+                    &page.last_recorded_at,
+                ],
+            )
+            .await
+            .context("moving the checkpoint")?;
+        transaction.commit().await.context("committing a batch")?;
+        Ok(Utc::now())
     }
 
     /// Sabotage for tests: read a page and apply it, then kill this very connection before the

@@ -199,6 +199,52 @@ async fn replay_produces_read_models_equal_to_the_live_ones_and_keeps_index_name
     assert!(differences.is_empty(), "{differences:?}");
 }
 
+/// A page the replay cannot prepare (an event this build cannot read) is applied with the
+/// runner's retries, which name the event; nothing is swapped in and the live tables stay.
+#[tokio::test]
+async fn a_replay_stops_at_a_poison_event_naming_it_and_swaps_nothing_in() {
+    let app = spawn_app().await;
+    let user = UserId::from_uuid(Uuid::now_v7());
+    activity(&app, user, 4).await;
+    app.project().await;
+    let live = snapshot(&app).await;
+    let services = app.services();
+    let stream = account_stream(user);
+    use zhihui::platform::event_store::EventStore;
+    // Stored after the live runner passed (it never sees it in this test).
+    services
+        .event_store
+        .append(
+            &stream,
+            zhihui::platform::event_store::ExpectedVersion::Any,
+            vec![zhihui::platform::event_store::NewEvent {
+                id: Uuid::now_v7(),
+                event_type: "PointsGranted".into(),
+                schema_version: 1,
+                payload: serde_json::json!({"operation_id": "不是一个 uuid"}).into(),
+                metadata: metadata(),
+            }],
+        )
+        .await
+        .unwrap();
+    let error = zhihui::cli::replay::replay(
+        &services.pg_pool,
+        &services.event_store,
+        ProjectionName::Ledger,
+        &app.settings.projections,
+        3,
+        &mut Quiet,
+    )
+    .await
+    .unwrap_err();
+    let error = format!("{error:#}");
+    assert!(
+        error.contains("stopped") && error.contains(&format!("of stream {stream}")),
+        "{error}"
+    );
+    assert_eq!(snapshot(&app).await, live);
+}
+
 #[tokio::test]
 async fn a_swap_closes_the_gap_when_the_live_runner_moved_on_during_the_rebuild() {
     let app = spawn_app().await;

@@ -8,8 +8,9 @@
 //! The events are real: decided by the account decider (a grant, then freeze/release and
 //! freeze/settle pairs, 100 events per account, the last hold left open) and appended through the event store, 100 per
 //! append. The live projection first applies them all, so the replay also proves equal to it:
-//! the row counts and the sum of balances are compared after the swap. It creates a fresh
-//! database `zhihui_bench_<uuid>` next to DATABASE_URL's and drops it at the end.
+//! the row counts and the sum of balances are compared after the swap. Then where the time goes:
+//! each stage of a replay (read, decode, fold, write) timed alone over the same events. It
+//! creates a fresh database `zhihui_bench_<uuid>` next to DATABASE_URL's and drops it at the end.
 
 #![allow(clippy::print_stdout, clippy::print_stderr)]
 
@@ -156,10 +157,10 @@ async fn run(
         },
     );
     let live_events = projector.catch_up().await?;
+    let live_per_second = live_events as f64 / live.elapsed().as_secs_f64();
     println!(
-        "live projection (project_batch, no read-ahead): {live_events} events in {:.1} s ({:.0} events/s)",
+        "live projection (project_batch, no read-ahead): {live_events} events in {:.1} s ({live_per_second:.0} events/s)",
         live.elapsed().as_secs_f64(),
-        live_events as f64 / live.elapsed().as_secs_f64()
     );
     let client = pool.get().await?;
     // Let the server settle after the load, as a database in service would have: statistics,
@@ -209,9 +210,146 @@ async fn run(
         after.0,
         after.1
     );
-    Ok(vec![(
-        "replay_events_per_second".into(),
-        report.events_per_second(),
-        "events/s",
-    )])
+    let mut figures = vec![
+        (
+            "replay_events_per_second".into(),
+            report.events_per_second(),
+            "events/s",
+        ),
+        (
+            "replay_live_runner_events_per_second".into(),
+            live_per_second,
+            "events/s",
+        ),
+    ];
+    figures.extend(time_split(&pool, &store, batch_size).await?);
+    Ok(figures)
+}
+
+/// Where a replay's time goes, each stage timed alone over the same events (one core's work
+/// each, as the replay runs them): reading the log page by page; decoding every payload; folding
+/// the pages into rows (decode included); writing the folded rows (one transaction per page, into
+/// fresh rebuild tables, as the replay does).
+async fn time_split(
+    pool: &deadpool_postgres::Pool,
+    store: &zhihui::platform::event_store::AnyEventStore,
+    batch_size: usize,
+) -> anyhow::Result<Vec<zhihui::cli::bench_support::Figure>> {
+    use zhihui::cli::bench_support::{process_cpu_us, processes_cpu_us};
+    use zhihui::platform::event_store::EventStore;
+    let filter = zhihui::platform::event_store::filter_of(ProjectionName::Ledger);
+    let own_before = process_cpu_us(std::process::id())?;
+    let postgres_before = processes_cpu_us("postgres")?.unwrap_or(0.0);
+    let reading = Instant::now();
+    let mut pages = Vec::new();
+    let mut after = None;
+    loop {
+        let slice = store.read_all(after, batch_size, &filter).await?;
+        let Some(scanned_to) = slice.scanned_to.filter(|to| Some(*to) != after) else {
+            break;
+        };
+        after = Some(scanned_to);
+        let end = slice.end_of_log;
+        pages.push((slice.events, scanned_to));
+        if end {
+            break;
+        }
+    }
+    let read = reading.elapsed();
+    let events: usize = pages.iter().map(|(page, _)| page.len()).sum();
+    // Who spent the read's time: PostgreSQL (finding the rows, writing the JSON out) or this
+    // process (parsing the rows).
+    let read_postgres_us =
+        (processes_cpu_us("postgres")?.unwrap_or(0.0) - postgres_before) / events.max(1) as f64;
+    let read_own_us = (process_cpu_us(std::process::id())? - own_before) / events.max(1) as f64;
+
+    let decoding = Instant::now();
+    let mut decoded = 0usize;
+    for (page, _) in &pages {
+        for event in page {
+            let _event =
+                <zhihui_domain::account::AccountEvent as zhihui_domain::DomainEvent>::from_stored(
+                    &event.event_type,
+                    event.schema_version,
+                    &event.payload,
+                )?;
+            decoded += 1;
+        }
+    }
+    let decode = decoding.elapsed();
+
+    let projected: Vec<Vec<zhihui_projections::ProjectedEvent>> = pages
+        .iter()
+        .map(|(page, _)| {
+            page.iter()
+                .map(zhihui::platform::projector::to_projected)
+                .collect()
+        })
+        .collect();
+    let folding = Instant::now();
+    let mut rows = Vec::with_capacity(projected.len());
+    for page in &projected {
+        rows.push(zhihui_projections::accounts::fold(page)?);
+    }
+    let fold = folding.elapsed();
+
+    zhihui::cli::replay::prepare_tables(pool, ProjectionName::Ledger).await?;
+    let writing = Instant::now();
+    for page in &rows {
+        let mut client = pool.get().await?;
+        let transaction = client.transaction().await?;
+        zhihui_projections::accounts::write(
+            &transaction,
+            &zhihui_projections::Tables::REBUILD,
+            page,
+        )
+        .await?;
+        transaction.commit().await?;
+    }
+    let write = writing.elapsed();
+    zhihui::cli::replay::prepare_tables(pool, ProjectionName::Ledger).await?;
+    let per_event = |time: std::time::Duration| time.as_secs_f64() * 1e6 / events.max(1) as f64;
+    println!(
+        "time split over {events} events ({decoded} decoded), each stage alone: read {:.2} s ({:.2} µs/event; CPU: PostgreSQL {read_postgres_us:.2}, this process {read_own_us:.2}), decode {:.2} s ({:.2}), fold without decode {:.2} s ({:.2}), write {:.2} s ({:.2})",
+        read.as_secs_f64(),
+        per_event(read),
+        decode.as_secs_f64(),
+        per_event(decode),
+        fold.saturating_sub(decode).as_secs_f64(),
+        per_event(fold.saturating_sub(decode)),
+        write.as_secs_f64(),
+        per_event(write),
+    );
+    Ok(vec![
+        (
+            "replay_split_read_us_per_event".into(),
+            per_event(read),
+            "us",
+        ),
+        (
+            "replay_split_read_postgres_cpu_us_per_event".into(),
+            read_postgres_us,
+            "us",
+        ),
+        (
+            "replay_split_read_own_cpu_us_per_event".into(),
+            read_own_us,
+            "us",
+        ),
+        (
+            "replay_split_decode_us_per_event".into(),
+            per_event(decode),
+            "us",
+        ),
+        (
+            "replay_split_fold_us_per_event".into(),
+            per_event(fold.saturating_sub(decode)),
+            "us",
+        ),
+        (
+            "replay_split_write_us_per_event".into(),
+            per_event(write),
+            "us",
+        ),
+    ])
 }

@@ -55,6 +55,7 @@ use super::{
 };
 
 mod reader;
+pub use reader::PageBoundaries;
 mod subscriptions;
 mod writer;
 use reader::*;

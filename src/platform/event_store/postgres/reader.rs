@@ -40,7 +40,148 @@ pub(super) const WINDOW_SQL: &str = "SELECT w.event_id, w.stream_id, w.stream_ve
           AND transaction_id < pg_snapshot_xmin(pg_current_snapshot()) \
         ORDER BY transaction_id, global_position LIMIT $3) w ON true";
 
+/// Positions that cut the log after ($1, $2) into pages of $3 events, at most $4 pages, below the
+/// snapshot's horizon (so everything up to them is finished and stays as read); the last row is
+/// the last event scanned, which ends a partial page. An index-only walk of the order.
+const BOUNDARIES_SQL: &str = "SELECT commit_position, global_position, scanned FROM ( \
+       SELECT transaction_id::text::bigint AS commit_position, global_position, \
+              row_number() OVER (ORDER BY transaction_id, global_position) AS n, \
+              count(*) OVER () AS scanned \
+         FROM (SELECT transaction_id, global_position FROM events \
+                WHERE (transaction_id, global_position) > ($1::bigint::text::xid8, $2::bigint) \
+                  AND transaction_id < pg_snapshot_xmin(pg_current_snapshot()) \
+                ORDER BY transaction_id, global_position LIMIT $3::bigint * $4::bigint) o) w \
+  WHERE n % $3::bigint = 0 OR n = scanned ORDER BY n";
+
+/// The events after ($1, $2) up to and including ($3, $4), a range [`BOUNDARIES_SQL`] found
+/// finished: no horizon to check. Filtered as `WINDOW_SQL` is ($5, $6). The LIMIT ($7, the
+/// page's size: never reached) makes the plan walk the order's index, as the window's does;
+/// without it the generic plan expects a third of the table and scans and sorts all of it.
+const RANGE_SQL: &str = "SELECT w.event_id, w.stream_id, w.stream_version, w.event_type, \
+       w.schema_version, \
+       CASE WHEN w.wanted THEN w.payload END AS payload, \
+       CASE WHEN w.wanted THEN w.metadata END AS metadata, \
+       w.recorded_at, w.commit_position, w.global_position, w.wanted \
+  FROM (SELECT event_id, stream_id, stream_version, event_type, schema_version, payload, \
+               metadata, recorded_at, transaction_id::text::bigint AS commit_position, \
+               global_position, \
+               CASE $5::smallint WHEN 0 THEN true \
+                                 WHEN 1 THEN stream_id ^@ ANY($6::text[]) \
+                                 ELSE event_type = ANY($6::text[]) END AS wanted \
+          FROM events \
+         WHERE (transaction_id, global_position) > ($1::bigint::text::xid8, $2::bigint) \
+           AND (transaction_id, global_position) <= ($3::bigint::text::xid8, $4::bigint) \
+         ORDER BY transaction_id, global_position LIMIT $7) w";
+
+/// What [`PostgresEventStore::page_boundaries`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PageBoundaries {
+    /// Each page's last position, in the log's order.
+    pub ends: Vec<Position>,
+    /// Fewer events than asked for were there: the last page reaches the end of the log as it
+    /// was then.
+    pub reached_the_end: bool,
+}
+
 impl PostgresEventStore {
+    /// Where the next `pages` pages of `page_size` events after `after` end (each page's last
+    /// position; the last may end a shorter page), among finished transactions only. Empty: the
+    /// log has nothing after `after` yet. With [`Self::read_range`], a reader that reads pages
+    /// at once on several connections (a replay) instead of one after another.
+    pub async fn page_boundaries(
+        &self,
+        after: Option<Position>,
+        page_size: usize,
+        pages: usize,
+    ) -> Result<PageBoundaries, EventStoreError> {
+        self.settle().await?;
+        let client = crate::platform::postgres::checkout(&self.inner.pool)
+            .await
+            .map_err(unavailable)?;
+        let (after_commit, after_prepare) = sql_position(after)?;
+        let statement = client
+            .prepare_cached(BOUNDARIES_SQL)
+            .await
+            .map_err(unavailable)?;
+        let rows = client
+            .query(
+                &statement,
+                &[
+                    &after_commit,
+                    &after_prepare,
+                    &i64::try_from(page_size.max(1)).unwrap_or(i64::MAX),
+                    &i64::try_from(pages.max(1)).unwrap_or(i64::MAX),
+                ],
+            )
+            .await
+            .map_err(unavailable)?;
+        let mut boundaries: Vec<Position> = Vec::with_capacity(rows.len());
+        let mut scanned = 0_i64;
+        for row in &rows {
+            scanned = row.try_get(2).map_err(unavailable)?;
+            let position = Position {
+                commit: from_i64(row.try_get(0).map_err(unavailable)?),
+                prepare: from_i64(row.try_get(1).map_err(unavailable)?),
+            };
+            // The last event can also end a full page: one boundary, not two.
+            if boundaries.last() != Some(&position) {
+                boundaries.push(position);
+            }
+        }
+        let asked = page_size.max(1).saturating_mul(pages.max(1));
+        Ok(PageBoundaries {
+            ends: boundaries,
+            reached_the_end: usize::try_from(scanned).unwrap_or(0) < asked,
+        })
+    }
+
+    /// The events after `after` up to and including `until`, a boundary [`Self::page_boundaries`]
+    /// returned, filtered; `scanned_to` is `until`.
+    pub async fn read_range(
+        &self,
+        after: Option<Position>,
+        until: Position,
+        page_size: usize,
+        filter: &EventFilter,
+    ) -> Result<AllSlice, EventStoreError> {
+        let client = crate::platform::postgres::checkout(&self.inner.pool)
+            .await
+            .map_err(unavailable)?;
+        let statement = client
+            .prepare_cached(RANGE_SQL)
+            .await
+            .map_err(unavailable)?;
+        let (kind, list) = filter_parameters(filter);
+        let (after_commit, after_prepare) = sql_position(after)?;
+        let (until_commit, until_prepare) = sql_position(Some(until))?;
+        let rows = client
+            .query(
+                &statement,
+                &[
+                    &after_commit,
+                    &after_prepare,
+                    &until_commit,
+                    &until_prepare,
+                    &kind,
+                    &list,
+                    &i64::try_from(page_size).unwrap_or(i64::MAX),
+                ],
+            )
+            .await
+            .map_err(unavailable)?;
+        let mut events = Vec::with_capacity(rows.len());
+        for row in &rows {
+            if row.try_get("wanted").map_err(unavailable)? {
+                events.push(event_from_row(row)?);
+            }
+        }
+        Ok(AllSlice {
+            events,
+            scanned_to: Some(until),
+            end_of_log: false,
+        })
+    }
+
     /// Wait until every transaction that had committed events when this call began is below the
     /// horizon, so `read_all` includes the caller's own committed appends (read-your-writes, as
     /// KurrentDB gives on `$all`). Waits at most `read_all_settle_max_ms`; then the read returns
@@ -100,13 +241,7 @@ impl PostgresEventStore {
         let client = crate::platform::postgres::checkout(&self.inner.pool)
             .await
             .map_err(unavailable)?;
-        let after = after.unwrap_or(Position {
-            commit: 0,
-            prepare: 0,
-        });
-        let after_commit = i64::try_from(after.commit).map_err(|_| position_out_of_range(after))?;
-        let after_prepare =
-            i64::try_from(after.prepare).map_err(|_| position_out_of_range(after))?;
+        let (after_commit, after_prepare) = sql_position(after)?;
         let limit = i64::try_from(max_count).unwrap_or(i64::MAX);
         // One statement, so one snapshot for the window and the "held back" check (they must
         // agree), and outside a transaction block: read-only, it takes no transaction id and so
@@ -120,11 +255,7 @@ impl PostgresEventStore {
             .prepare_cached(WINDOW_SQL)
             .await
             .map_err(unavailable)?;
-        let (kind, list): (i16, &[String]) = match filter {
-            EventFilter::All => (0, &[]),
-            EventFilter::StreamPrefixes(prefixes) => (1, prefixes),
-            EventFilter::EventTypes(types) => (2, types),
-        };
+        let (kind, list) = filter_parameters(filter);
         let rows = client
             .query(
                 &statement,
@@ -188,6 +319,27 @@ impl PostgresEventStore {
             return Ok(read);
         }
         self.read_window(after, max_count, filter).await
+    }
+}
+
+/// A position as the statements take it (`None`: before the first event).
+fn sql_position(position: Option<Position>) -> Result<(i64, i64), EventStoreError> {
+    let position = position.unwrap_or(Position {
+        commit: 0,
+        prepare: 0,
+    });
+    Ok((
+        i64::try_from(position.commit).map_err(|_| position_out_of_range(position))?,
+        i64::try_from(position.prepare).map_err(|_| position_out_of_range(position))?,
+    ))
+}
+
+/// A filter as the statements take it: 0 every event, 1 stream prefixes, 2 event types; the list.
+fn filter_parameters(filter: &EventFilter) -> (i16, &[String]) {
+    match filter {
+        EventFilter::All => (0, &[]),
+        EventFilter::StreamPrefixes(prefixes) => (1, prefixes),
+        EventFilter::EventTypes(types) => (2, types),
     }
 }
 
