@@ -76,6 +76,78 @@ pub fn processes_cpu_us(name: &str) -> anyhow::Result<Option<f64>> {
     Ok(total)
 }
 
+/// What `wrk --latency` printed for one run. Only 2xx (and 3xx) answers count as served: a route
+/// that answers errors fast must not look fast.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct WrkOutput {
+    /// Answers received, whatever their status.
+    pub answers: f64,
+    pub duration_s: f64,
+    pub p99_ms: f64,
+    /// Answers whose status was neither 2xx nor 3xx.
+    pub non_2xx: u64,
+    /// Requests that got no answer: connect, read and write errors, timeouts.
+    pub socket_errors: u64,
+}
+
+impl WrkOutput {
+    pub fn parse(text: &str) -> anyhow::Result<WrkOutput> {
+        use anyhow::Context as _;
+        let mut run = WrkOutput::default();
+        for line in text.lines() {
+            let words: Vec<&str> = line
+                .split(|c: char| c.is_whitespace() || c == ',')
+                .filter(|word| !word.is_empty())
+                .collect();
+            match words.as_slice() {
+                ["99%", value] => run.p99_ms = wrk_ms(value).context("wrk's p99")?,
+                ["Non-2xx", "or", "3xx", "responses:", value] => run.non_2xx = value.parse()?,
+                ["Socket", "errors:", rest @ ..] => {
+                    // connect N read N write N timeout N
+                    run.socket_errors = rest
+                        .chunks(2)
+                        .filter_map(|pair| pair.get(1)?.parse::<u64>().ok())
+                        .sum();
+                }
+                [count, "requests", "in", took, ..] => {
+                    run.answers = count.parse()?;
+                    run.duration_s = wrk_ms(took).context("wrk's duration")? / 1000.0;
+                }
+                _ => {}
+            }
+        }
+        anyhow::ensure!(
+            run.answers > 0.0 && run.duration_s > 0.0,
+            "wrk made no request: {text}"
+        );
+        Ok(run)
+    }
+
+    /// Answers with a 2xx or 3xx status, per second.
+    pub fn ok_per_second(&self) -> f64 {
+        (self.answers - self.non_2xx as f64).max(0.0) / self.duration_s
+    }
+
+    /// Requests that were not served: error statuses and requests without an answer.
+    pub fn errors(&self) -> u64 {
+        self.non_2xx + self.socket_errors
+    }
+}
+
+/// A wrk time such as `812.00us`, `3.41ms`, `1.02s` or `10.00s`, in ms.
+pub fn wrk_ms(value: &str) -> Option<f64> {
+    let split = value.find(|c: char| c.is_ascii_alphabetic())?;
+    let (number, unit) = value.split_at(split);
+    let number: f64 = number.parse().ok()?;
+    match unit {
+        "us" => Some(number / 1000.0),
+        "ms" => Some(number),
+        "s" => Some(number * 1000.0),
+        "m" => Some(number * 60_000.0),
+        _ => None,
+    }
+}
+
 /// The whole machine's CPU time so far (`/proc/stat`, every core), in µs.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct MachineCpu {
@@ -271,4 +343,47 @@ pub async fn clean_redis(state: &crate::state::AppState) -> anyhow::Result<()> {
             .await?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    /// wrk 4.2's output, as `--latency` prints it.
+    const WRK_OUTPUT: &str = "Running 10s test @ http://127.0.0.1:8080/api/v1/me
+  2 threads and 64 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency     4.12ms    2.01ms  41.30ms   80.11%
+    Req/Sec     7.91k   512.33     9.02k    70.50%
+  Latency Distribution
+     50%    3.80ms
+     75%    4.90ms
+     90%    6.40ms
+     99%   11.25ms
+  157400 requests in 10.00s, 41.23MB read
+  Socket errors: connect 0, read 3, write 0, timeout 12
+  Non-2xx or 3xx responses: 400
+Requests/sec:  15740.00
+Transfer/sec:      4.12MB
+";
+
+    #[test]
+    fn a_wrk_rate_counts_only_the_answers_that_served() {
+        let run = WrkOutput::parse(WRK_OUTPUT).unwrap();
+        assert_eq!(
+            (
+                run.answers,
+                run.duration_s,
+                run.p99_ms,
+                run.non_2xx,
+                run.socket_errors
+            ),
+            (157_400.0, 10.0, 11.25, 400, 15)
+        );
+        // wrk's own Requests/sec (15,740) counts the 400 error answers too.
+        assert_eq!(run.ok_per_second(), 15_700.0);
+        assert_eq!(run.errors(), 415);
+        assert!(WrkOutput::parse("Running 1s test\n").is_err());
+    }
 }

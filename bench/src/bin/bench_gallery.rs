@@ -715,7 +715,7 @@ async fn external(settings: &Settings, work: Uuid, seconds: u64) -> anyhow::Resu
     let hot_page = wrk_run(seconds, &hot_url).await?;
     let loads = source_loads(&http, &base).await? - loads_before;
     let sql = sql_work_reads(settings, work, seconds).await?;
-    println!("| request, wrk 2 threads 64 connections | 2xx per second | p99 ms | non-2xx |");
+    println!("| request, wrk 2 threads 64 connections | 2xx per second | p99 ms | errors |");
     println!("|---|---|---|---|");
     println!(
         "| GET /health (the ceiling) | {:.0} | {:.2} | {} |",
@@ -757,47 +757,28 @@ async fn external(settings: &Settings, work: Uuid, seconds: u64) -> anyhow::Resu
         ),
         ("gallery_sql_work_reads_per_second".into(), sql, "reads/s"),
         ("gallery_steady_state_source_reads".into(), loads, "reads"),
+        (
+            "gallery_work_page_errors".into(),
+            work_page.2 as f64,
+            "requests",
+        ),
+        (
+            "gallery_hot_page_errors".into(),
+            hot_page.2 as f64,
+            "requests",
+        ),
     ])
 }
 
-/// wrk's (2xx per second, p99 ms, non-2xx) for `url`.
+/// wrk's (2xx per second, p99 ms, errors: error answers and requests without one) for `url`.
 async fn wrk_run(seconds: u64, url: &str) -> anyhow::Result<(f64, f64, u64)> {
     let output = tokio::process::Command::new("wrk")
         .args(["-t2", "-c64", &format!("-d{seconds}s"), "--latency", url])
         .output()
         .await?;
-    let text = String::from_utf8_lossy(&output.stdout);
-    let (mut requests, mut duration_s, mut p99, mut non_2xx) = (0.0, 0.0, 0.0, 0u64);
-    for line in text.lines() {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        match words.as_slice() {
-            ["99%", value] => p99 = wrk_ms(value).unwrap_or(0.0),
-            ["Non-2xx", "or", "3xx", "responses:", value] => non_2xx = value.parse()?,
-            [count, "requests", "in", took, ..] => {
-                requests = count.parse()?;
-                duration_s = wrk_ms(took.trim_end_matches(',')).unwrap_or(0.0) / 1000.0;
-            }
-            _ => {}
-        }
-    }
-    anyhow::ensure!(
-        requests > 0.0 && duration_s > 0.0,
-        "wrk made no request: {text}"
-    );
-    Ok(((requests - non_2xx as f64) / duration_s, p99, non_2xx))
-}
-
-fn wrk_ms(value: &str) -> Option<f64> {
-    let split = value.find(|c: char| c.is_ascii_alphabetic())?;
-    let (number, unit) = value.split_at(split);
-    let number: f64 = number.parse().ok()?;
-    match unit {
-        "us" => Some(number / 1000.0),
-        "ms" => Some(number),
-        "s" => Some(number * 1000.0),
-        "m" => Some(number * 60_000.0),
-        _ => None,
-    }
+    let run =
+        zhihui::cli::bench_support::WrkOutput::parse(&String::from_utf8_lossy(&output.stdout))?;
+    Ok((run.ok_per_second(), run.p99_ms, run.errors()))
 }
 
 /// The plain SQL design of a work's page: its row and its like count, read per request.

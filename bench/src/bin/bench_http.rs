@@ -316,9 +316,11 @@ const WRK_CONNECTIONS: usize = 64;
 
 /// What wrk saw of one route.
 struct WrkRun {
+    /// Answers that served (2xx or 3xx) per second: wrk's own rate counts error answers too.
     per_second: f64,
     p99_ms: f64,
-    non_2xx: u64,
+    /// Error answers and requests without an answer.
+    errors: u64,
     /// The server's CPU time (user + system) per answered request, µs.
     server_cpu_us: f64,
     /// PostgreSQL's (every `postgres` process: backends, autovacuum, WAL writer) per request, µs.
@@ -329,23 +331,9 @@ struct WrkRun {
     machine_us: f64,
 }
 
-/// A wrk latency such as `812.00us`, `3.41ms` or `1.02s`, in ms.
-fn wrk_ms(value: &str) -> Option<f64> {
-    let split = value.find(|c: char| c.is_ascii_alphabetic())?;
-    let (number, unit) = value.split_at(split);
-    let number: f64 = number.parse().ok()?;
-    match unit {
-        "us" => Some(number / 1000.0),
-        "ms" => Some(number),
-        "s" => Some(number * 1000.0),
-        "m" => Some(number * 60_000.0),
-        _ => None,
-    }
-}
-
 /// Run wrk (2 threads, [`WRK_CONNECTIONS`]) against `url` for `seconds`, with `args` before it.
 async fn wrk(pid: u32, seconds: u64, args: &[String], url: &str) -> anyhow::Result<WrkRun> {
-    use zhihui::cli::bench_support::{machine_cpu_us, process_cpu_us, processes_cpu_us};
+    use zhihui::cli::bench_support::{WrkOutput, machine_cpu_us, process_cpu_us, processes_cpu_us};
     // No such process on this host (a remote store): nothing of it is counted.
     let of = |name| processes_cpu_us(name).map(|cpu_us| cpu_us.unwrap_or(0.0));
     let cpu_before = process_cpu_us(pid)?;
@@ -370,32 +358,16 @@ async fn wrk(pid: u32, seconds: u64, args: &[String], url: &str) -> anyhow::Resu
     let machine = machine_cpu_us()?.busy_us - machine_before;
     let text = String::from_utf8_lossy(&output.stdout);
     anyhow::ensure!(output.status.success(), "wrk failed: {text}");
-    let mut run = WrkRun {
-        per_second: 0.0,
-        p99_ms: 0.0,
-        non_2xx: 0,
-        server_cpu_us: 0.0,
-        postgres_cpu_us: 0.0,
-        redis_cpu_us: 0.0,
-        machine_us: 0.0,
-    };
-    let mut requests = 0.0;
-    for line in text.lines() {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        match words.as_slice() {
-            ["Requests/sec:", value] => run.per_second = value.parse()?,
-            ["99%", value] => run.p99_ms = wrk_ms(value).context("wrk's p99")?,
-            ["Non-2xx", "or", "3xx", "responses:", value] => run.non_2xx = value.parse()?,
-            [count, "requests", "in", ..] => requests = count.parse()?,
-            _ => {}
-        }
-    }
-    anyhow::ensure!(requests > 0.0, "wrk made no request: {text}");
-    run.server_cpu_us = cpu / requests;
-    run.postgres_cpu_us = postgres / requests;
-    run.redis_cpu_us = redis / requests;
-    run.machine_us = machine / requests;
-    Ok(run)
+    let parsed = WrkOutput::parse(&text)?;
+    Ok(WrkRun {
+        per_second: parsed.ok_per_second(),
+        p99_ms: parsed.p99_ms,
+        errors: parsed.errors(),
+        server_cpu_us: cpu / parsed.answers,
+        postgres_cpu_us: postgres / parsed.answers,
+        redis_cpu_us: redis / parsed.answers,
+        machine_us: machine / parsed.answers,
+    })
 }
 
 /// The routes of the request path under an external load generator (wrk), each beside GET
@@ -487,7 +459,7 @@ async fn external_load(
     println!();
     println!("wrk, 2 threads, {WRK_CONNECTIONS} connections, {seconds} s per route, same server:");
     println!(
-        "| route | per second | p99 ms | share of /health | CPU µs per request: server | PostgreSQL | Redis | machine | non-2xx |"
+        "| route | 2xx per second | p99 ms | share of /health | CPU µs per request: server | PostgreSQL | Redis | machine | errors |"
     );
     println!("|---|---|---|---|---|---|---|---|---|");
     let mut figures = Vec::new();
@@ -511,7 +483,7 @@ async fn external_load(
             run.postgres_cpu_us,
             run.redis_cpu_us,
             run.machine_us,
-            run.non_2xx
+            run.errors
         );
         figures.push((
             format!("http_wrk_{key}_per_second"),
@@ -532,8 +504,8 @@ async fn external_load(
         figures.push((format!("http_wrk_{key}_redis_cpu"), run.redis_cpu_us, "µs"));
         figures.push((format!("http_wrk_{key}_machine"), run.machine_us, "µs"));
         figures.push((
-            format!("http_wrk_{key}_non_2xx"),
-            run.non_2xx as f64,
+            format!("http_wrk_{key}_errors"),
+            run.errors as f64,
             "requests",
         ));
         if key != "health" {
