@@ -4,14 +4,20 @@
 //! [`estimate`] is a pure function: it replays the dispatcher's order on the servers' slots (each
 //! task in queue order takes the slot, among the servers offering its model, that frees first;
 //! its run is its steps times the measured seconds per step there). [`StepTimes`] is what the
-//! leader measures: per server and model, the median of the last [`STEP_SAMPLES_MAX`] seconds per
-//! step of finished tasks (a moving percentile, so one slow task does not move it much).
+//! leader measures: per server and model, the mean of the last [`STEP_SAMPLES_MAX`] seconds per
+//! step of finished tasks, each sample capped at [`STEP_SAMPLE_CAP`] times their median. A wait is
+//! a sum of the runs ahead, and a sum grows by the mean: a median misses the slow runs (a model
+//! loaded, a straggler) that real servers make every so often, and the estimates behind a long
+//! queue fall short by that much times its length. The cap keeps one hung run from moving the
+//! measure for the next 32 tasks.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-/// Samples kept per server and model: enough for a stable median, few enough to follow a change
+/// A sample counts for at most this many times the median of its server and model.
+pub const STEP_SAMPLE_CAP: f64 = 4.0;
+/// Samples kept per server and model: enough for a stable mean, few enough to follow a change
 /// of hardware or load within minutes.
 pub const STEP_SAMPLES_MAX: usize = 32;
 /// Seconds per step assumed for a server and model nothing was measured for yet (an SD 1.5 step
@@ -129,24 +135,26 @@ impl StepTimes {
         samples.push_back(per_step);
     }
 
-    /// The median seconds per step of each model measured on `server`.
+    /// The seconds per step of each model measured on `server`: the capped mean of its samples.
     pub fn of(&self, server: &str) -> BTreeMap<String, f64> {
         self.samples
             .iter()
             .filter(|((name, _), _)| name == server)
-            .map(|((_, model), samples)| (model.clone(), median(samples)))
+            .map(|((_, model), samples)| (model.clone(), capped_mean(samples)))
             .collect()
     }
 }
 
-fn median(samples: &VecDeque<f64>) -> f64 {
+fn capped_mean(samples: &VecDeque<f64>) -> f64 {
     let mut sorted: Vec<f64> = samples.iter().copied().collect();
     sorted.sort_by(f64::total_cmp);
-    match sorted.len() {
-        0 => SECONDS_PER_STEP_UNMEASURED,
+    let median = match sorted.len() {
+        0 => return SECONDS_PER_STEP_UNMEASURED,
         len if len % 2 == 1 => sorted[len / 2],
         len => (sorted[len / 2 - 1] + sorted[len / 2]) / 2.0,
-    }
+    };
+    let cap = median * STEP_SAMPLE_CAP;
+    sorted.iter().map(|sample| sample.min(cap)).sum::<f64>() / sorted.len() as f64
 }
 
 #[cfg(test)]
@@ -215,13 +223,16 @@ mod tests {
     }
 
     #[test]
-    fn the_step_time_is_a_moving_median_per_server_and_model() {
+    fn the_step_time_is_a_moving_capped_mean_per_server_and_model() {
         let mut times = StepTimes::default();
-        for seconds in [10.5, 10.5, 100.5, 10.5] {
+        for seconds in [10.5, 10.5, 30.5, 10.5] {
             times.record("gpu", "a", 10, seconds);
         }
-        // One slow run does not move the median.
-        assert_eq!(times.of("gpu")["a"], 1.0);
+        // A slow run counts in full: the queue's sum of runs grows by it.
+        assert_eq!(times.of("gpu")["a"], 1.5);
+        // A hung one counts for four times the median (1 s per step) at most.
+        times.record("gpu", "a", 10, 1000.5);
+        assert_eq!(times.of("gpu")["a"], (1.0 + 1.0 + 3.0 + 1.0 + 4.0) / 5.0);
         for _ in 0..STEP_SAMPLES_MAX {
             times.record("gpu", "a", 10, 20.5);
         }
