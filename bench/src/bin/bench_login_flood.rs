@@ -8,8 +8,10 @@
 //!
 //! In each: FLOOD concurrent clients from one address keep logging in to random names for
 //! SECONDS; a real user, from another address, logs in and reads `GET /api/v1/account` in turn
-//! for the same time. Reported: the real user's login and account p50/p99, and what the flood
-//! got (401 wrong credentials, 429 refused at once, errors).
+//! for the same time. Reported: the real user's login and account p50/p99 (a login counted only
+//! when it signed the user in: a refusal is fast and would flatter the figure), the real user's
+//! refused logins by answer, and what the flood got (401 wrong credentials, 429 refused at once,
+//! errors).
 //!
 //!     DATABASE_URL=postgres://zhihui@127.0.0.1:55432/zhihui REDIS_URL=redis://127.0.0.1:56379/0 \
 //!         cargo build --release -p zhihui -p zhihui-bench && \
@@ -48,7 +50,10 @@ async fn main() -> anyhow::Result<()> {
 }
 
 struct Outcome {
+    /// The real user's logins that signed them in.
     login: Vec<Duration>,
+    /// The real user's logins that did not, by answer.
+    refused: BTreeMap<String, u64>,
     account: Vec<Duration>,
     flood: BTreeMap<String, u64>,
 }
@@ -92,12 +97,22 @@ async fn run(settings: Settings, flood: usize, seconds: u64) -> anyhow::Result<V
             p(&account, 0.5),
             p(&account, 0.99)
         );
+        let refused: u64 = outcome.refused.values().sum();
+        println!(
+            "  real user's refused logins: {refused} {:?}",
+            outcome.refused
+        );
         println!("  the flood got: {:?}", outcome.flood);
         let tag = if index == 0 { "before" } else { "after" };
         figures.push((
             format!("login_flood_{tag}_login_p99"),
             p(&login, 0.99),
             "ms",
+        ));
+        figures.push((
+            format!("login_flood_{tag}_real_user_refused"),
+            refused as f64,
+            "logins",
         ));
         figures.push((
             format!("login_flood_{tag}_account_p99"),
@@ -165,6 +180,7 @@ async fn case(base: &str, index: usize, flood: usize, seconds: u64) -> anyhow::R
         }));
     }
     let mut login = Vec::new();
+    let mut refused = BTreeMap::<String, u64>::new();
     let mut account = Vec::new();
     while Instant::now() < until {
         let started = Instant::now();
@@ -176,11 +192,19 @@ async fn case(base: &str, index: usize, flood: usize, seconds: u64) -> anyhow::R
             .await?;
         let status = response.status();
         let body: Value = response.json().await.unwrap_or(Value::Null);
-        login.push(started.elapsed());
+        let took = started.elapsed();
         let Some(token) = body["token"].as_str() else {
-            println!("  the real user's login answered {status}: {body}");
+            let problem = body["type"].as_str().unwrap_or_default();
+            *refused
+                .entry(format!(
+                    "{} {}",
+                    status.as_u16(),
+                    problem.trim_start_matches("/problems/")
+                ))
+                .or_insert(0) += 1;
             continue;
         };
+        login.push(took);
         let started = Instant::now();
         http.get(format!("{base}/api/v1/account"))
             .header("x-forwarded-for", user)
@@ -196,6 +220,7 @@ async fn case(base: &str, index: usize, flood: usize, seconds: u64) -> anyhow::R
     let flood = outcomes.lock().unwrap_or_else(|e| e.into_inner()).clone();
     Ok(Outcome {
         login,
+        refused,
         account,
         flood,
     })
