@@ -322,15 +322,11 @@ where
                     // what another process appended (a freeze, a grant), and nothing appended
                     // here could reveal the conflict. Read what came after the cached version;
                     // if anything did, decide the batch again on it.
-                    let (latest_state, latest_version) = self.catch_up(base.0, base.1).await?;
-                    let moved = latest_version != version;
-                    self.state = Some((latest_state, latest_version));
-                    if moved {
+                    if self.catch_up_from(base).await? {
                         attempt += 1;
                         continue;
                     }
-                    let results = finish(&state, decisions);
-                    return Ok(results);
+                    return Ok(finish(&state, decisions));
                 }
                 // Only repeats: an idempotent repeat stays one at every later version.
                 let results = finish(&state, decisions);
@@ -347,8 +343,7 @@ where
                     // may be another process's append of the same event (a double click through
                     // two instances), not ours. Decide again on what the stream holds: the
                     // command is then a repeat, and says so.
-                    let (state, latest_version) = self.catch_up(base.0, base.1).await?;
-                    self.state = Some((state, latest_version));
+                    self.catch_up_from(base).await?;
                     attempt += 1;
                 }
                 Ok(outcome) => {
@@ -360,8 +355,7 @@ where
                 }
                 Err(EventStoreError::WrongExpectedVersion { .. }) => {
                     // Another process appended: catch up from our base and decide again.
-                    let (state, version) = self.catch_up(base.0, base.1).await?;
-                    self.state = Some((state, version));
+                    self.catch_up_from(base).await?;
                     attempt += 1;
                     crate::platform::command::backoff(self.retry, attempt).await;
                 }
@@ -369,10 +363,7 @@ where
                     // Stored in this stream by another process (the cache missed it: deciding
                     // again on the latest state makes the command a repeat), or in another
                     // stream: then the command that made it is refused.
-                    let (state, latest_version) = self.catch_up(base.0, base.1).await?;
-                    let moved = latest_version != version;
-                    self.state = Some((state, latest_version));
-                    if moved {
+                    if self.catch_up_from(base).await? {
                         attempt += 1;
                         continue;
                     }
@@ -403,6 +394,15 @@ where
                 })
             })
             .collect())
+    }
+
+    /// Catch up from `base` (the state and version a decision was made on), keep what the
+    /// stream holds now as the cache, and answer whether it moved past `base`.
+    async fn catch_up_from(&mut self, base: (D::State, Option<u64>)) -> anyhow::Result<bool> {
+        let (state, version) = self.catch_up(base.0, base.1).await?;
+        let moved = version != base.1;
+        self.state = Some((state, version));
+        Ok(moved)
     }
 
     async fn catch_up(
