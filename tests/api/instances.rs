@@ -77,7 +77,7 @@ async fn run_until_ended(
     drive_until_idle(saga).await;
 }
 
-/// The repro: a grant through A, a submit through B, a cancel through A. A's account
+/// What failed once: a grant through A, a submit through B, a cancel through A. A's account
 /// actor cached the account after the grant and never saw B's freeze; before the fix it refused
 /// the release as an unknown hold, the cancel answered 200 and the point stayed frozen forever.
 #[tokio::test]

@@ -581,7 +581,7 @@ async fn a_code_generator_killed_mid_batch_is_resumed_by_another_process() {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let seconds = started.elapsed().as_secs_f64();
-    // The issue asks for this figure (BENCHMARKS.md quotes it); `--no-capture` shows it.
+    // BENCHMARKS.md quotes this figure; `--no-capture` shows it.
     #[allow(clippy::print_stdout)]
     {
         println!(
