@@ -8,9 +8,11 @@ cd "$ROOT"
 started="$(date +%s)"
 # Start (or reuse) PostgreSQL and Redis; exports DATABASE_URL and REDIS_URL for the tests.
 eval "$(scripts/services.sh start | sed 's/^/export /')"
-# Every test creates its own database; drop those left by earlier runs on this cluster.
-psql "$DATABASE_URL" -tAc "SELECT datname FROM pg_database WHERE datname LIKE 'zhihui\_test\_%'" \
-    | while read -r stale; do psql "$DATABASE_URL" -qc "DROP DATABASE IF EXISTS \"$stale\"" >/dev/null; done
+# Every test creates its own database and key prefix: drop those left by earlier runs on these
+# services now, and this run's when it ends (passed or not), so that nothing measured later on
+# the same services pays for them.
+scripts/tidy.sh
+trap 'scripts/tidy.sh || true' EXIT
 
 # Tools the tests run: a real Prometheus and promtool (metrics tests), jq and the system
 # Python's websockets (README's first flow, run as written).
