@@ -1054,7 +1054,10 @@ async fn an_append_whose_answer_is_lost_lands_exactly_once() {
                 held_back_recheck_max_ms: 20,
                 subscription_idle_recheck_ms: 1_000,
                 read_all_settle_max_ms: 300,
-                listen_config: settings.database.pg_config().unwrap(),
+                // Straight to the server, not through the proxy: the LISTEN connection sends
+                // the warm-up's notification as a prepared statement too, and one that reached
+                // the proxy after it was armed took the loss meant for the append.
+                listen_config: upstream.clone(),
                 unknown_outcome_retry_max_ms: 10_000,
             },
         );
