@@ -2,8 +2,15 @@
 //! follow streams. A like or a follow is once per pair on its pair's own stream, so an insert that
 //! finds its row (or a delete that finds none) only happens when a batch is applied again after a
 //! crash before its commit; the like count moves only with a row actually inserted or deleted.
+//! A run of like events in a batch is folded to each pair's last state and written as one
+//! statement (one like at a time, a burst of likes on one work was applied at about 2,000 a
+//! second, each a statement and an update of the work's row, seconds behind the likes).
+
+use std::collections::HashMap;
 
 use anyhow::Context;
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
 use zhihui_domain::DomainEvent;
 use zhihui_domain::gallery::follow::FollowEvent;
 use zhihui_domain::gallery::like::LikeEvent;
@@ -20,11 +27,16 @@ pub async fn apply(
     events: &[ProjectedEvent],
 ) -> anyhow::Result<()> {
     let works = tables.name("works");
-    let likes = tables.name("work_likes");
+    let work_likes = tables.name("work_likes");
     let follows = tables.name("follows");
+    let mut likes = PendingLikes::default();
     for recorded in events {
         let context = || format!("event {} of {}", recorded.id, recorded.stream);
         let version = i64::try_from(recorded.stream_version)?;
+        if !recorded.stream.starts_with("like-") {
+            // Likes commute with one another, not with a work's own events.
+            likes.write(transaction, &works, &work_likes).await?;
+        }
         if recorded.stream.starts_with("work-") {
             let event = WorkEvent::from_stored(
                 &recorded.event_type,
@@ -98,36 +110,11 @@ pub async fn apply(
             .with_context(context)?;
             match event {
                 LikeEvent::Liked(e) => {
-                    transaction
-                        .execute(
-                            &format!(
-                                "WITH added AS (
-                                     INSERT INTO {likes} (work_id, user_id, liked_at)
-                                     VALUES ($1, $2, $3) ON CONFLICT DO NOTHING RETURNING work_id)
-                                 UPDATE {works} SET like_count = like_count + 1
-                                  WHERE work_id IN (SELECT work_id FROM added)"
-                            ),
-                            &[&e.work_id, &e.user_id.as_uuid(), &e.liked_at],
-                        )
-                        .await
-                        .context("recording a like")?;
+                    likes.record(e.work_id, e.user_id.as_uuid(), Some(e.liked_at))
                 }
-                LikeEvent::Unliked(e) => {
-                    transaction
-                        .execute(
-                            &format!(
-                                "WITH removed AS (
-                                     DELETE FROM {likes} WHERE work_id = $1 AND user_id = $2
-                                     RETURNING work_id)
-                                 UPDATE {works} SET like_count = like_count - 1
-                                  WHERE work_id IN (SELECT work_id FROM removed)"
-                            ),
-                            &[&e.work_id, &e.user_id.as_uuid()],
-                        )
-                        .await
-                        .context("recording an unlike")?;
-                }
+                LikeEvent::Unliked(e) => likes.record(e.work_id, e.user_id.as_uuid(), None),
             }
+            continue;
         } else if recorded.stream.starts_with("follow-") {
             let event = FollowEvent::from_stored(
                 &recorded.event_type,
@@ -160,5 +147,79 @@ pub async fn apply(
             }
         }
     }
-    Ok(())
+    likes.write(transaction, &works, &work_likes).await
+}
+
+/// A run of like events, folded to each pair's last state (liked at, or not liked): a burst of
+/// likes is one statement instead of one per like, and the hot work's row is updated once.
+#[derive(Default)]
+struct PendingLikes {
+    /// (work, user) -> liked at (None: unliked), and the order pairs came in.
+    last: HashMap<(Uuid, Uuid), Option<DateTime<Utc>>>,
+    order: Vec<(Uuid, Uuid)>,
+}
+
+impl PendingLikes {
+    fn record(&mut self, work: Uuid, user: Uuid, liked_at: Option<DateTime<Utc>>) {
+        if self.last.insert((work, user), liked_at).is_none() {
+            self.order.push((work, user));
+        }
+    }
+
+    /// Write the run: a pair liked in the end gets its row (its time updated when it was there
+    /// already: an unlike and a like again), a pair not liked in the end loses it; each work's
+    /// count moves by the rows that were not there before and are now, less those that were and
+    /// are not. Every part of one statement sees the rows as they were before it.
+    async fn write(
+        &mut self,
+        transaction: &tokio_postgres::Transaction<'_>,
+        works: &str,
+        work_likes: &str,
+    ) -> anyhow::Result<()> {
+        if self.order.is_empty() {
+            return Ok(());
+        }
+        let mut work_ids = Vec::with_capacity(self.order.len());
+        let mut user_ids = Vec::with_capacity(self.order.len());
+        let mut times = Vec::with_capacity(self.order.len());
+        for pair in self.order.drain(..) {
+            work_ids.push(pair.0);
+            user_ids.push(pair.1);
+            times.push(self.last.remove(&pair).flatten());
+        }
+        transaction
+            .execute(
+                &format!(
+                    "WITH f AS (
+                         SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::timestamptz[])
+                                    AS f(work_id, user_id, liked_at)),
+                     before AS (
+                         SELECT l.work_id, l.user_id FROM {work_likes} l
+                           JOIN f ON f.work_id = l.work_id AND f.user_id = l.user_id),
+                     removed AS (
+                         DELETE FROM {work_likes} l USING f
+                          WHERE l.work_id = f.work_id AND l.user_id = f.user_id
+                            AND f.liked_at IS NULL),
+                     added AS (
+                         INSERT INTO {work_likes} (work_id, user_id, liked_at)
+                         SELECT work_id, user_id, liked_at FROM f WHERE liked_at IS NOT NULL
+                         ORDER BY work_id, user_id
+                         ON CONFLICT (work_id, user_id) DO UPDATE SET liked_at = EXCLUDED.liked_at),
+                     moved AS (
+                         SELECT f.work_id,
+                                sum(CASE WHEN f.liked_at IS NOT NULL AND b.user_id IS NULL THEN 1
+                                         WHEN f.liked_at IS NULL AND b.user_id IS NOT NULL THEN -1
+                                         ELSE 0 END) AS by
+                           FROM f LEFT JOIN before b
+                                ON b.work_id = f.work_id AND b.user_id = f.user_id
+                          GROUP BY f.work_id)
+                     UPDATE {works} w SET like_count = w.like_count + m.by
+                       FROM moved m WHERE w.work_id = m.work_id AND m.by <> 0"
+                ),
+                &[&work_ids, &user_ids, &times],
+            )
+            .await
+            .context("recording likes")?;
+        Ok(())
+    }
 }

@@ -102,9 +102,7 @@ impl GalleryWorker {
         let Some(scanned_to) = slice.scanned_to.filter(|to| Some(*to) != through) else {
             return Ok(BatchOutcome::CaughtUp);
         };
-        for event in &slice.events {
-            self.apply(event).await?;
-        }
+        self.apply_all(&slice.events).await?;
         self.store_through(scanned_to).await?;
         Ok(BatchOutcome::Applied {
             events: slice.events.len(),
@@ -127,6 +125,60 @@ impl GalleryWorker {
         let applied = self.catch_up().await?;
         self.recompute_hot().await?;
         Ok(applied)
+    }
+
+    /// `events` in the log's order, except that likes are applied a run at a time, all at once
+    /// (the connection pipelines them): each is gated by its pair's version, so their order
+    /// among themselves does not matter. A run ends before any other event.
+    async fn apply_all(&self, events: &[RecordedEvent]) -> anyhow::Result<()> {
+        let mut likes: Vec<&RecordedEvent> = Vec::new();
+        for event in events {
+            if event.stream.starts_with("like-") {
+                likes.push(event);
+                continue;
+            }
+            self.apply_likes(&mut likes).await?;
+            self.apply(event).await?;
+        }
+        self.apply_likes(&mut likes).await
+    }
+
+    /// Like events into their works' like sets, at once, `PUSH_BATCH` at a time; `likes` is
+    /// left empty.
+    async fn apply_likes(&self, likes: &mut Vec<&RecordedEvent>) -> anyhow::Result<()> {
+        let keys = self.gallery.keys();
+        let connection = self.gallery.redis().connection().await?;
+        for chunk in likes.chunks(PUSH_BATCH) {
+            let mut applies = Vec::with_capacity(chunk.len());
+            for recorded in chunk {
+                let event = LikeEvent::from_stored(
+                    &recorded.event_type,
+                    recorded.schema_version,
+                    &recorded.payload,
+                )
+                .with_context(|| format!("event {} of {}", recorded.id, recorded.stream))?;
+                let (work_id, user, since) = match &event {
+                    LikeEvent::Liked(e) => (e.work_id, e.user_id, Some(e.liked_at)),
+                    LikeEvent::Unliked(e) => (e.work_id, e.user_id, None),
+                };
+                let mut connection = connection.clone();
+                let version = recorded.stream_version;
+                applies.push(async move {
+                    apply_pair(
+                        &mut connection,
+                        &keys.likes(work_id),
+                        &keys.like_versions(work_id),
+                        &user.to_string(),
+                        Some(version),
+                        since,
+                    )
+                    .await
+                });
+            }
+            futures::future::try_join_all(applies).await?;
+        }
+        likes.clear();
+        Ok(())
     }
 
     async fn apply(&self, recorded: &RecordedEvent) -> anyhow::Result<()> {
@@ -170,25 +222,8 @@ impl GalleryWorker {
                 }
             }
         } else if recorded.stream.starts_with("like-") {
-            let event = LikeEvent::from_stored(
-                &recorded.event_type,
-                recorded.schema_version,
-                &recorded.payload,
-            )
-            .with_context(context)?;
-            let (work_id, user, since) = match &event {
-                LikeEvent::Liked(e) => (e.work_id, e.user_id, Some(e.liked_at)),
-                LikeEvent::Unliked(e) => (e.work_id, e.user_id, None),
-            };
-            apply_pair(
-                &mut connection,
-                &keys.likes(work_id),
-                &keys.like_versions(work_id),
-                &user.to_string(),
-                Some(recorded.stream_version),
-                since,
-            )
-            .await?;
+            let mut one = vec![recorded];
+            self.apply_likes(&mut one).await?;
         } else if recorded.stream.starts_with("follow-") {
             let event = FollowEvent::from_stored(
                 &recorded.event_type,
@@ -406,9 +441,7 @@ impl GalleryWorker {
             }
             if let Ok(batch) = batch {
                 let batch = batch?;
-                for event in &batch.events {
-                    self.apply(event).await?;
-                }
+                self.apply_all(&batch.events).await?;
                 if let Some(scanned_to) = batch.scanned_to.filter(|to| Some(*to) > through) {
                     self.store_through(scanned_to).await?;
                     through = Some(scanned_to);

@@ -863,3 +863,112 @@ async fn a_reader_back_from_away_sees_a_work_published_while_the_read_model_lags
     let feed = json_of(app.get_as(&reader, "/api/v1/gallery/feed").await).await;
     assert_eq!(ids(&feed), [work]);
 }
+
+/// The projection folds a run of likes into one statement per batch and the worker applies them
+/// all at once: a pair that unlikes and likes again inside one batch keeps its row (with the new
+/// time), one that unlikes goes, one that likes and unlikes there never shows, and each count
+/// moves by what changed. After the like set is lost in Redis, the worker writes the same back.
+#[tokio::test]
+async fn likes_folded_in_one_batch_move_each_count_by_what_changed() {
+    let harness = gallery_harness(|_| {}).await;
+    let app = &harness.app;
+    let (_, token) = funded_user(app, "huajia", "100").await;
+    let tasks = Box::pin(succeeded_tasks(&harness, &token, 1)).await;
+    let work = publish(app, &token, &tasks[0], "一次批量的点赞", true).await;
+    let path = format!("/api/v1/gallery/works/{work}/like");
+    let mut fans = Vec::new();
+    for name in ["xiaohong", "xiaoming", "xiaogang"] {
+        fans.push(member(app, name).await);
+    }
+    let like = |token: &str, method: reqwest::Method| {
+        let token = token.to_owned();
+        let path = path.clone();
+        async move {
+            let answer = send(app, method, &path, &token).await;
+            json_of(answer).await
+        }
+    };
+    // The first batch: two likes.
+    like(&fans[0].1, reqwest::Method::PUT).await;
+    like(&fans[1].1, reqwest::Method::PUT).await;
+    app.project().await;
+    // The second batch: the first fan unlikes and likes again, the second unlikes, the third
+    // likes and unlikes.
+    like(&fans[0].1, reqwest::Method::DELETE).await;
+    let again = like(&fans[0].1, reqwest::Method::PUT).await;
+    assert_eq!(again["likes"], 2, "{again}");
+    like(&fans[1].1, reqwest::Method::DELETE).await;
+    like(&fans[2].1, reqwest::Method::PUT).await;
+    let last = like(&fans[2].1, reqwest::Method::DELETE).await;
+    assert_eq!(last["likes"], 1, "{last}");
+    app.project().await;
+
+    let client = crate::helpers::connect(&app.settings).await;
+    let work_id = uuid::Uuid::parse_str(&work).unwrap();
+    let count: i64 = client
+        .query_one(
+            "SELECT like_count FROM works WHERE work_id = $1",
+            &[&work_id],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(count, 1);
+    let rows = client
+        .query(
+            "SELECT user_id, liked_at FROM work_likes WHERE work_id = $1",
+            &[&work_id],
+        )
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1);
+    let first_fan = uuid::Uuid::parse_str(&fans[0].0).unwrap();
+    assert_eq!(rows[0].get::<_, uuid::Uuid>(0), first_fan);
+    // The time of the like again, not of the first like.
+    let store = app.services().event_store;
+    let events = zhihui::platform::event_store::read_whole_stream(
+        &store,
+        &format!("like-{work}-{first_fan}"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(events.len(), 3, "liked, unliked, liked again");
+    let liked_again: Value = serde_json::from_str(events[2].payload.as_str()).unwrap();
+    let liked_at: chrono::DateTime<chrono::Utc> = rows[0].get(1);
+    // PostgreSQL keeps microseconds.
+    assert_eq!(
+        liked_at.timestamp_micros(),
+        liked_again["liked_at"]
+            .as_str()
+            .unwrap()
+            .parse::<chrono::DateTime<chrono::Utc>>()
+            .unwrap()
+            .timestamp_micros()
+    );
+
+    // Redis loses the like set: the worker's rebuild writes the same one back.
+    let services = app.services();
+    let keys = services.gallery.keys();
+    let mut connection = services.redis.connection().await.unwrap();
+    let _: i64 = redis::cmd("DEL")
+        .arg(keys.likes(work_id))
+        .arg(keys.like_versions(work_id))
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    gallery_worker(app).rebuild().await.unwrap();
+    let members: Vec<String> = redis::cmd("ZRANGE")
+        .arg(keys.likes(work_id))
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(members, [fans[0].0.clone()]);
+    let verified = app.verify(None).await;
+    assert!(
+        verified.differences.is_empty(),
+        "{:?}",
+        verified.differences
+    );
+}
