@@ -154,16 +154,13 @@ pub async fn apply(
 /// likes is one statement instead of one per like, and the hot work's row is updated once.
 #[derive(Default)]
 struct PendingLikes {
-    /// (work, user) -> liked at (None: unliked), and the order pairs came in.
+    /// (work, user) -> liked at (None: unliked).
     last: HashMap<(Uuid, Uuid), Option<DateTime<Utc>>>,
-    order: Vec<(Uuid, Uuid)>,
 }
 
 impl PendingLikes {
     fn record(&mut self, work: Uuid, user: Uuid, liked_at: Option<DateTime<Utc>>) {
-        if self.last.insert((work, user), liked_at).is_none() {
-            self.order.push((work, user));
-        }
+        self.last.insert((work, user), liked_at);
     }
 
     /// Write the run: a pair liked in the end gets its row (its time updated when it was there
@@ -176,16 +173,16 @@ impl PendingLikes {
         works: &str,
         work_likes: &str,
     ) -> anyhow::Result<()> {
-        if self.order.is_empty() {
+        if self.last.is_empty() {
             return Ok(());
         }
-        let mut work_ids = Vec::with_capacity(self.order.len());
-        let mut user_ids = Vec::with_capacity(self.order.len());
-        let mut times = Vec::with_capacity(self.order.len());
-        for pair in self.order.drain(..) {
-            work_ids.push(pair.0);
-            user_ids.push(pair.1);
-            times.push(self.last.remove(&pair).flatten());
+        let mut work_ids = Vec::with_capacity(self.last.len());
+        let mut user_ids = Vec::with_capacity(self.last.len());
+        let mut times = Vec::with_capacity(self.last.len());
+        for ((work, user), liked_at) in self.last.drain() {
+            work_ids.push(work);
+            user_ids.push(user);
+            times.push(liked_at);
         }
         transaction
             .execute(

@@ -137,15 +137,15 @@ impl GalleryWorker {
                 likes.push(event);
                 continue;
             }
-            self.apply_likes(&mut likes).await?;
+            self.apply_likes(&likes).await?;
+            likes.clear();
             self.apply(event).await?;
         }
-        self.apply_likes(&mut likes).await
+        self.apply_likes(&likes).await
     }
 
-    /// Like events into their works' like sets, at once, `PUSH_BATCH` at a time; `likes` is
-    /// left empty.
-    async fn apply_likes(&self, likes: &mut Vec<&RecordedEvent>) -> anyhow::Result<()> {
+    /// Like events into their works' like sets, at once, `PUSH_BATCH` at a time.
+    async fn apply_likes(&self, likes: &[&RecordedEvent]) -> anyhow::Result<()> {
         let keys = self.gallery.keys();
         let connection = self.gallery.redis().connection().await?;
         for chunk in likes.chunks(PUSH_BATCH) {
@@ -177,10 +177,10 @@ impl GalleryWorker {
             }
             futures::future::try_join_all(applies).await?;
         }
-        likes.clear();
         Ok(())
     }
 
+    /// One event other than a like (`apply_likes` applies those).
     async fn apply(&self, recorded: &RecordedEvent) -> anyhow::Result<()> {
         let gallery = &self.gallery;
         let keys = gallery.keys();
@@ -221,9 +221,6 @@ impl GalleryWorker {
                         .await?;
                 }
             }
-        } else if recorded.stream.starts_with("like-") {
-            let mut one = vec![recorded];
-            self.apply_likes(&mut one).await?;
         } else if recorded.stream.starts_with("follow-") {
             let event = FollowEvent::from_stored(
                 &recorded.event_type,

@@ -17,6 +17,32 @@ use crate::platform::projector::Projector;
 /// The checks of the settings that need a feature's own code, run by every subcommand right
 /// after the settings load: the mark's text against the compiled-in font's glyphs and its height
 /// ratio, the networks webhooks may reach. `Settings::load` checks everything else.
+/// Every projection's live runner on `state` (each leads through its advisory lock, so on two
+/// processes one applies and the other waits). Aborted, a runner drops its connections and its
+/// lead with them.
+pub fn spawn_projections(
+    state: &AppState,
+    settings: &crate::platform::configuration::ProjectionSettings,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    ProjectionName::ALL
+        .into_iter()
+        .map(|projection| {
+            let projector = Projector::live(
+                projection,
+                state.pg_pool.clone(),
+                state.event_store.clone(),
+                settings.clone(),
+            );
+            let statuses = state.projection_statuses.clone();
+            tokio::spawn(async move {
+                if let Err(error) = projector.run(statuses).await {
+                    tracing::error!(projection = projection.as_str(), error = %crate::platform::telemetry::error_chain(&error), "projection runner stopped");
+                }
+            })
+        })
+        .collect()
+}
+
 pub fn check_settings(settings: &Settings) -> anyhow::Result<()> {
     let labels = &settings.labels;
     crate::labels::mark::Mark::new(&labels.text, labels.corner, labels.height_ratio)?;
@@ -74,20 +100,7 @@ impl Application {
         crate::platform::metrics::start_at_zero(state.event_store.kind(), &repair_kinds);
         let mut background = Vec::new();
         if settings.projections.enabled {
-            for projection in ProjectionName::ALL {
-                let projector = Projector::live(
-                    projection,
-                    state.pg_pool.clone(),
-                    state.event_store.clone(),
-                    settings.projections.clone(),
-                );
-                let statuses = state.projection_statuses.clone();
-                background.push(tokio::spawn(async move {
-                    if let Err(error) = projector.run(statuses).await {
-                        tracing::error!(projection = projection.as_str(), error = %crate::platform::telemetry::error_chain(&error), "projection runner stopped");
-                    }
-                }));
-            }
+            background.extend(spawn_projections(&state, &settings.projections));
         }
         if settings.process_managers.enabled {
             let recorder = crate::points::revenue::RevenueRecorder::new(

@@ -62,14 +62,12 @@ use zhihui::gallery::worker::GalleryWorker;
 use zhihui::gallery::{GalleryService, PublishRequest};
 use zhihui::platform::configuration::Settings;
 use zhihui::platform::event_store::{EventStore, ExpectedVersion};
-use zhihui::platform::projector::Projector;
 use zhihui::state::AppState;
 use zhihui_domain::points::Amount;
 use zhihui_domain::task::{
     TaskEvent, TaskImage, TaskSpec, TaskSubmitted, TaskSucceeded, task_stream,
 };
 use zhihui_domain::user::UserId;
-use zhihui_projections::ProjectionName;
 
 const CLIENTS: usize = 64;
 const LIKERS: usize = 10_000;
@@ -111,21 +109,7 @@ fn instance(settings: &Settings) -> anyhow::Result<AppState> {
 /// projection and the gallery worker, each led by one process at a time (the other instance's
 /// runner waits for the lead). Aborted, a runner drops its connections and its lead with them.
 fn background(state: &AppState, settings: &Settings) -> Vec<tokio::task::JoinHandle<()>> {
-    let mut runners = Vec::new();
-    for projection in ProjectionName::ALL {
-        let projector = Projector::live(
-            projection,
-            state.pg_pool.clone(),
-            state.event_store.clone(),
-            settings.projections.clone(),
-        );
-        let statuses = state.projection_statuses.clone();
-        runners.push(tokio::spawn(async move {
-            if let Err(error) = projector.run(statuses).await {
-                eprintln!("projection {} stopped: {error:#}", projection.as_str());
-            }
-        }));
-    }
+    let mut runners = zhihui::startup::spawn_projections(state, &settings.projections);
     let worker = GalleryWorker::new(state.gallery.clone(), settings.projections.clone());
     runners.push(tokio::spawn(async move {
         if let Err(error) = worker.run().await {
