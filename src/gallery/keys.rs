@@ -10,7 +10,8 @@
 //!   ms: what followers pull), `inbox` (works pushed to them -> published, ms) and `inbox_live`
 //!   (present while they read their feed lately);
 //! - the gallery's tag `{gallery}`: `hot` (work -> hot score), `famous` (creators pulled at read
-//!   time), `new` (work -> published, ms), `through` (how far the worker applied the log).
+//!   time), `new` (work -> published, ms), `through` (how far the worker applied the log) and
+//!   `masters` (the masters' replication ids `through` was last checked against).
 //!
 //! No script spans two tags: a like touches its work's tag, then the ranking's, in two steps.
 
@@ -103,6 +104,11 @@ impl Keys {
 
     pub fn through(&self) -> String {
         self.redis.tagged(GALLERY_TAG, "through")
+    }
+
+    /// The masters' replication ids when `through` was last known to hold.
+    pub fn masters(&self) -> String {
+        self.redis.tagged(GALLERY_TAG, "masters")
     }
 
     /// The new list: work -> published (ms), the newest `hot_max`.

@@ -8,8 +8,18 @@
 //! rebuild` does the same on demand. Every write is idempotent and a pair's is applied only over
 //! an older version, so applying an event twice, or after the request that appended it already
 //! did, changes nothing.
+//!
+//! A Redis can also lose only its last writes and look complete: a replica promoted in its
+//! master's place has what it had received, a restarted Redis what its AOF had fsynced, and in a
+//! cluster `through` may live on a master that lost nothing while a like set lost a member on
+//! another. The worker keeps the masters' replication ids beside `through` (`{gallery}:masters`)
+//! and compares them before it applies; other ids mean such an event, and it moves `through`
+//! back to where it stood `gallery.redis_loss_window_ms` earlier (its own trail of where it
+//! stood; from the log's beginning when the trail is shorter), so the lost writes are made again.
 
-use std::time::Duration;
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
@@ -37,6 +47,47 @@ const PUSH_BATCH: usize = 500;
 pub struct GalleryWorker {
     gallery: GalleryService,
     settings: ProjectionSettings,
+    trail: Arc<Mutex<Trail>>,
+}
+
+/// A trail sample at most this often.
+const TRAIL_EVERY: Duration = Duration::from_secs(1);
+
+/// Where this worker stood lately (when, `through`), one sample a second at most, back to the
+/// newest sample older than the window: where to go back to after Redis may have lost writes.
+#[derive(Debug, Default)]
+struct Trail {
+    samples: VecDeque<(Instant, Option<Position>)>,
+}
+
+impl Trail {
+    fn record(&mut self, at: Instant, through: Option<Position>, window: Duration) {
+        if self
+            .samples
+            .back()
+            .is_some_and(|(last, _)| at.saturating_duration_since(*last) < TRAIL_EVERY)
+        {
+            return;
+        }
+        self.samples.push_back((at, through));
+        while self
+            .samples
+            .get(1)
+            .is_some_and(|(second, _)| at.saturating_duration_since(*second) >= window)
+        {
+            self.samples.pop_front();
+        }
+    }
+
+    /// Where the worker stood at least `window` before `now`; `None` (the log's beginning) when
+    /// the trail does not reach back that far.
+    fn before(&self, now: Instant, window: Duration) -> Option<Position> {
+        self.samples
+            .iter()
+            .rev()
+            .find(|(at, _)| now.saturating_duration_since(*at) >= window)
+            .and_then(|(_, through)| *through)
+    }
 }
 
 fn filter() -> EventFilter {
@@ -58,7 +109,67 @@ fn parse_position(text: &str) -> Option<Position> {
 
 impl GalleryWorker {
     pub fn new(gallery: GalleryService, settings: ProjectionSettings) -> GalleryWorker {
-        GalleryWorker { gallery, settings }
+        GalleryWorker {
+            gallery,
+            settings,
+            trail: Arc::default(),
+        }
+    }
+
+    fn loss_window(&self) -> Duration {
+        Duration::from_millis(self.gallery.settings().redis_loss_window_ms)
+    }
+
+    /// Compare the masters' replication ids with those `through` was last checked against;
+    /// other ids (Redis may have lost its last writes) move `through` back by the loss window.
+    /// Whether it moved.
+    pub async fn check_masters(&self) -> anyhow::Result<bool> {
+        let now_on = self.gallery.redis().masters_identity().await?;
+        let mut connection = self.gallery.redis().connection().await?;
+        let (was_on, through): (Option<String>, Option<String>) = redis::pipe()
+            .get(self.gallery.keys().masters())
+            .get(self.gallery.keys().through())
+            .query_async(&mut connection)
+            .await
+            .context("reading the gallery's progress")?;
+        if was_on.as_deref() == Some(now_on.as_str()) {
+            return Ok(false);
+        }
+        let through = through.as_deref().and_then(parse_position);
+        let back_to = match was_on {
+            // Never checked (a new or flushed Redis: `through` is gone too, or an older zhihui).
+            None => through,
+            Some(_) => {
+                let trail = self
+                    .trail
+                    .lock()
+                    .map_err(|_| anyhow::anyhow!("the gallery worker's trail is poisoned"))?;
+                trail
+                    .before(Instant::now(), self.loss_window())
+                    .min(through)
+            }
+        };
+        // `through` first: stopped in between, the next check moves it back again.
+        let mut pipe = redis::pipe();
+        match back_to {
+            Some(position) => pipe.set(self.gallery.keys().through(), position.to_string()),
+            None => pipe.del(self.gallery.keys().through()),
+        };
+        pipe.ignore()
+            .set(self.gallery.keys().masters(), &now_on)
+            .ignore()
+            .query_async::<()>(&mut connection)
+            .await
+            .context("moving the gallery's progress back")?;
+        let moved = back_to != through;
+        if moved {
+            tracing::warn!(
+                from = ?through,
+                to = ?back_to,
+                "Redis restarted or failed over and may lack its last writes: the gallery worker applies the log again"
+            );
+        }
+        Ok(moved)
     }
 
     /// How far Redis holds the log (`None`: nothing, e.g. after a flush).
@@ -77,6 +188,9 @@ impl GalleryWorker {
             .set(self.gallery.keys().through(), position.to_string())
             .await
             .context("storing the gallery's progress")?;
+        if let Ok(mut trail) = self.trail.lock() {
+            trail.record(Instant::now(), Some(position), self.loss_window());
+        }
         Ok(())
     }
 
@@ -92,6 +206,7 @@ impl GalleryWorker {
 
     /// One step: apply the next page of the log after the progress Redis holds.
     pub async fn apply_batch(&self) -> anyhow::Result<BatchOutcome> {
+        self.check_masters().await?;
         let through = self.through().await?;
         let slice = self
             .gallery
@@ -412,9 +527,14 @@ impl GalleryWorker {
     async fn lead(&self, lock: &crate::platform::leader::LeaderLock) -> anyhow::Result<()> {
         let takeover_check = Duration::from_millis(self.settings.takeover_check_ms);
         let recompute_every = Duration::from_millis(self.gallery.settings().hot_recompute_ms);
+        self.check_masters().await?;
         let mut through = self.through().await?;
+        if let Ok(mut trail) = self.trail.lock() {
+            trail.record(Instant::now(), through, self.loss_window());
+        }
         let mut subscription = self.gallery.store().subscribe_all(through, filter());
         let mut last_ranked = tokio::time::Instant::now();
+        let mut last_checked = Instant::now();
         loop {
             let batch = tokio::time::timeout(
                 takeover_check,
@@ -426,7 +546,13 @@ impl GalleryWorker {
                 ),
             )
             .await;
-            // Redis lost its copy (a flush, a failover that lost the key): start again.
+            // Redis may have lost its last writes: the check moves `through` back.
+            if last_checked.elapsed() >= TRAIL_EVERY {
+                self.check_masters().await?;
+                last_checked = Instant::now();
+            }
+            // Redis lost its copy (a flush, a failover that lost the key, the check above):
+            // start again.
             let stored = self.through().await?;
             if stored != through {
                 tracing::warn!(
@@ -449,5 +575,40 @@ impl GalleryWorker {
                 last_ranked = tokio::time::Instant::now();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(commit: u64) -> Option<Position> {
+        Some(Position { commit, prepare: 1 })
+    }
+
+    #[test]
+    fn the_trail_goes_back_a_whole_window_and_to_the_beginning_when_it_is_shorter() {
+        let window = Duration::from_secs(10);
+        let start = Instant::now();
+        let mut trail = Trail::default();
+        trail.record(start, at(1), window);
+        // Within a second of the last sample: not kept.
+        trail.record(start + Duration::from_millis(500), at(2), window);
+        for second in 1..=30 {
+            trail.record(start + Duration::from_secs(second), at(10 * second), window);
+        }
+        let now = start + Duration::from_secs(30);
+        // Ten seconds before the 30th second the worker stood at the 20th second's position.
+        assert_eq!(trail.before(now, window), at(200));
+        assert_eq!(
+            trail.before(now + Duration::from_millis(400), window),
+            at(200)
+        );
+        // Older samples than the newest one outside the window are dropped.
+        assert_eq!(trail.samples.len(), 11);
+        assert_eq!(trail.samples.front().map(|(_, p)| *p), Some(at(200)));
+        // A window longer than the trail: the log's beginning.
+        assert_eq!(trail.before(now, Duration::from_secs(31)), None);
+        assert_eq!(Trail::default().before(now, window), None);
     }
 }

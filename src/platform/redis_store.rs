@@ -619,6 +619,56 @@ impl RedisStore {
             .context("INFO replication has no master_replid")
     }
 
+    /// The replication ids of every master (one Redis: its own), sorted and joined: another
+    /// answer means a master restarted, a replica took a master's place, or masters came or
+    /// went, after any of which Redis may lack writes it had acknowledged while looking
+    /// complete.
+    pub async fn masters_identity(&self) -> anyhow::Result<String> {
+        let mut info = redis::cmd("INFO");
+        info.arg("replication");
+        let mut connection = self.connection().await?;
+        let texts: Vec<String> = match &mut connection {
+            RedisConnection::Cluster(link) => {
+                use redis::cluster_routing::{MultipleNodeRoutingInfo, RoutingInfo};
+                let answers = link
+                    .connection
+                    .clone()
+                    .route_command(
+                        info,
+                        RoutingInfo::MultiNode((MultipleNodeRoutingInfo::AllMasters, None)),
+                    )
+                    .await;
+                link.note(&answers);
+                let Value::Map(answers) = answers.context("reading INFO replication")? else {
+                    anyhow::bail!("INFO replication on every master answered other than a map");
+                };
+                answers
+                    .into_iter()
+                    .map(|(_, answer)| {
+                        redis::from_redis_value::<String>(answer)
+                            .context("reading INFO replication of a master")
+                    })
+                    .collect::<anyhow::Result<_>>()?
+            }
+            other => vec![
+                info.query_async(other)
+                    .await
+                    .context("reading INFO replication")?,
+            ],
+        };
+        let mut ids = texts
+            .iter()
+            .map(|text| {
+                text.lines()
+                    .find_map(|line| line.strip_prefix("master_replid:"))
+                    .map(|id| id.trim().to_owned())
+                    .context("INFO replication has no master_replid")
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        ids.sort();
+        Ok(ids.join(","))
+    }
+
     /// Liveness of Redis for `/ready`.
     pub async fn ping(&self) -> anyhow::Result<()> {
         let mut connection = self.connection().await?;

@@ -83,6 +83,94 @@ async fn until_settled(ports: &[u16], nodes: usize) {
     }
 }
 
+/// Six nodes of the test's own under `directory` (three masters and a replica of each, started
+/// with `extra` after [`CLUSTER_NODE`]), every replica synced with its master: their ports, the
+/// nodes, and the seeds for `redis.cluster_nodes`.
+async fn six_nodes(
+    directory: &std::path::Path,
+    extra: &[&str],
+) -> (Vec<u16>, Vec<Option<OwnRedis>>, String) {
+    let ports: Vec<u16> = (0..6).map(|_| cluster_port()).collect();
+    let nodes: Vec<Option<OwnRedis>> = ports
+        .iter()
+        .map(|port| {
+            let dir = directory.join(port.to_string());
+            std::fs::create_dir_all(&dir).unwrap();
+            Some(OwnRedis::start_with(
+                *port,
+                &dir,
+                &[CLUSTER_NODE, extra].concat(),
+            ))
+        })
+        .collect();
+    let address = |port: u16| format!("127.0.0.1:{port}");
+    let mut create = vec!["--cluster".to_owned(), "create".to_owned()];
+    create.extend(ports.iter().map(|port| address(*port)));
+    create.extend([
+        "--cluster-replicas".to_owned(),
+        "1".to_owned(),
+        "--cluster-yes".to_owned(),
+    ]);
+    redis_cli(&create.iter().map(String::as_str).collect::<Vec<_>>());
+    until_settled(&ports, 6).await;
+    // A replica that has not synced with its master yet could not take its place.
+    let started = Instant::now();
+    for port in &ports {
+        loop {
+            let role: String = command(*port, &["INFO", "replication"]).await;
+            if role.contains("role:master") || role.contains("master_link_status:up") {
+                break;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "a replica never synced"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let seeds = ports
+        .iter()
+        .map(|port| format!("redis://127.0.0.1:{port}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    (ports, nodes, seeds)
+}
+
+/// The port of the master that holds `key`'s slot, as the node on `port` knows it.
+async fn master_of(port: u16, key: &str) -> u16 {
+    let slot: u16 = command(port, &["CLUSTER", "KEYSLOT", key]).await;
+    let nodes_text: String = command(port, &["CLUSTER", "NODES"]).await;
+    nodes_text
+        .lines()
+        .find(|line| {
+            line.contains("master")
+                && line.split_whitespace().skip(8).any(|range| {
+                    let (from, to) = range.split_once('-').unwrap_or((range, range));
+                    from.parse::<u16>().is_ok_and(|from| from <= slot)
+                        && to.parse::<u16>().is_ok_and(|to| slot <= to)
+                })
+        })
+        .and_then(|line| line.split_whitespace().nth(1))
+        .and_then(|address| address.split('@').next())
+        .and_then(|address| address.rsplit(':').next())
+        .and_then(|port| port.parse::<u16>().ok())
+        .unwrap()
+}
+
+/// The port of the replica of the master on `master`, as the node on `port` knows it.
+async fn replica_of(port: u16, master: u16) -> u16 {
+    let id: String = command(master, &["CLUSTER", "MYID"]).await;
+    let nodes_text: String = command(port, &["CLUSTER", "NODES"]).await;
+    nodes_text
+        .lines()
+        .find(|line| line.contains("slave") && line.split_whitespace().nth(3) == Some(id.as_str()))
+        .and_then(|line| line.split_whitespace().nth(1))
+        .and_then(|address| address.split('@').next())
+        .and_then(|address| address.rsplit(':').next())
+        .and_then(|port| port.parse::<u16>().ok())
+        .unwrap()
+}
+
 /// Move `slot` from the master on `from` to the one on `to`, as `redis-cli --cluster reshard`
 /// does: importing and migrating, the keys one batch at a time, then the slot's new owner
 /// told to every master.
@@ -662,45 +750,7 @@ async fn money_round(
 async fn a_killed_master_under_every_money_route_answers_503_never_500_and_retries_land_once() {
     let directory =
         std::env::temp_dir().join(format!("zhihui-cluster-kill-{}", uuid::Uuid::now_v7()));
-    let ports: Vec<u16> = (0..6).map(|_| cluster_port()).collect();
-    let mut nodes: Vec<Option<OwnRedis>> = ports
-        .iter()
-        .map(|port| {
-            let dir = directory.join(port.to_string());
-            std::fs::create_dir_all(&dir).unwrap();
-            Some(OwnRedis::start_with(*port, &dir, CLUSTER_NODE))
-        })
-        .collect();
-    let address = |port: u16| format!("127.0.0.1:{port}");
-    let mut create = vec!["--cluster".to_owned(), "create".to_owned()];
-    create.extend(ports.iter().map(|port| address(*port)));
-    create.extend([
-        "--cluster-replicas".to_owned(),
-        "1".to_owned(),
-        "--cluster-yes".to_owned(),
-    ]);
-    redis_cli(&create.iter().map(String::as_str).collect::<Vec<_>>());
-    until_settled(&ports, 6).await;
-    // A replica that has not synced with its master yet could not take its place.
-    let started = Instant::now();
-    for port in &ports {
-        loop {
-            let role: String = command(*port, &["INFO", "replication"]).await;
-            if role.contains("role:master") || role.contains("master_link_status:up") {
-                break;
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "a replica never synced"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-    let seeds = ports
-        .iter()
-        .map(|port| format!("redis://127.0.0.1:{port}"))
-        .collect::<Vec<_>>()
-        .join(",");
+    let (ports, mut nodes, seeds) = six_nodes(&directory, &[]).await;
     let app = spawn_app_with(|settings| {
         settings.redis.cluster_nodes = SecretString::from(seeds);
         settings.auth.argon2_memory_kib = 1024;
@@ -748,23 +798,7 @@ async fn a_killed_master_under_every_money_route_answers_503_never_500_and_retri
     }
 
     // The master of the queue's slot, and the load around its death.
-    let queue_slot: u16 = command(ports[0], &["CLUSTER", "KEYSLOT", "queue"]).await;
-    let nodes_text: String = command(ports[0], &["CLUSTER", "NODES"]).await;
-    let victim = nodes_text
-        .lines()
-        .find(|line| {
-            line.contains("master")
-                && line.split_whitespace().skip(8).any(|range| {
-                    let (from, to) = range.split_once('-').unwrap_or((range, range));
-                    from.parse::<u16>().is_ok_and(|from| from <= queue_slot)
-                        && to.parse::<u16>().is_ok_and(|to| queue_slot <= to)
-                })
-        })
-        .and_then(|line| line.split_whitespace().nth(1))
-        .and_then(|address| address.split('@').next())
-        .and_then(|address| address.rsplit(':').next())
-        .and_then(|port| port.parse::<u16>().ok())
-        .unwrap();
+    let victim = master_of(ports[0], "queue").await;
     let codes_per_user: Vec<Vec<String>> =
         codes.chunks(ROUNDS_MAX).map(<[String]>::to_vec).collect();
     let control = Control::default();
@@ -895,4 +929,120 @@ async fn until_failed_over(survivors: &[u16], dead: u16) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Nodes that keep every write they took on disk, and a replica promoted however far behind.
+const LOSSY_FAILOVER: &[&str] = &[
+    "--appendonly",
+    "yes",
+    "--appendfsync",
+    "always",
+    "--cluster-replica-validity-factor",
+    "0",
+];
+
+/// In a cluster the gallery's progress (`{gallery}`) and a work's like set live on different
+/// masters. The work's master dies after taking likes its replica never received (the replica
+/// was down, and comes back from its own disk after the master died), and the replica is
+/// promoted: the like set lacks them while the progress, on a master that lost nothing, says
+/// they are applied. The worker sees other masters' replication ids than its progress was
+/// checked against and applies the log again: every like comes back.
+#[tokio::test]
+async fn likes_a_promoted_replica_never_received_come_back_though_the_gallerys_progress_survived() {
+    use crate::gallery::{
+        gallery_harness, gallery_worker, json_of, member, publish, send, succeeded_tasks,
+    };
+    let directory =
+        std::env::temp_dir().join(format!("zhihui-cluster-lost-{}", uuid::Uuid::now_v7()));
+    let (ports, mut nodes, seeds) = six_nodes(&directory, LOSSY_FAILOVER).await;
+    let harness = gallery_harness(move |settings| {
+        settings.redis.cluster_nodes = SecretString::from(seeds);
+    })
+    .await;
+    let app = &harness.app;
+    let second = app.another_instance().await;
+    let (_, creator) = crate::tasks::funded_user(app, "huajia", "100").await;
+    let tasks = Box::pin(succeeded_tasks(&harness, &creator, 1)).await;
+    let work = publish(app, &creator, &tasks[0], "主节点丢了点赞", true).await;
+    // The fans' sessions are made while every node is up (and on disk).
+    let mut fans = Vec::new();
+    for index in 0..6 {
+        fans.push(member(app, &format!("fensi{index}")).await.1);
+    }
+    gallery_worker(app).catch_up().await.unwrap();
+
+    // The work's master, and the gallery's progress on another one.
+    let victim = master_of(ports[0], &format!("{{w:{work}}}")).await;
+    let progress = master_of(ports[0], "{gallery}").await;
+    if progress == victim {
+        let known: String = command(ports[0], &["CLUSTER", "NODES"]).await;
+        let masters: Vec<u16> = known
+            .lines()
+            .filter(|line| line.contains("master"))
+            .filter_map(|line| line.split_whitespace().nth(1))
+            .filter_map(|address| address.split('@').next()?.rsplit(':').next()?.parse().ok())
+            .collect();
+        let other = *masters.iter().find(|port| **port != victim).unwrap();
+        let slot: u16 = command(ports[0], &["CLUSTER", "KEYSLOT", "{gallery}"]).await;
+        move_slot(slot, victim, other, &masters).await;
+    }
+    assert_ne!(master_of(ports[0], "{gallery}").await, victim);
+    let replica = replica_of(ports[0], victim).await;
+    let index_of = |port: u16| ports.iter().position(|p| *p == port).unwrap();
+
+    // The replica goes down; six fans like the work through both processes, and the worker
+    // applies the likes (its progress moves on, on the other master).
+    drop(nodes[index_of(replica)].take());
+    let path = format!("/api/v1/gallery/works/{work}");
+    for (index, fan) in fans.iter().enumerate() {
+        let process = if index % 2 == 0 { app } else { &second };
+        let like = send(process, reqwest::Method::PUT, &format!("{path}/like"), fan).await;
+        assert_eq!(json_of(like).await["likes"], index + 1);
+    }
+    gallery_worker(app).catch_up().await.unwrap();
+
+    // The master dies; the replica comes back from its own disk and is promoted in its place.
+    drop(nodes[index_of(victim)].take());
+    let replica_dir = directory.join(replica.to_string());
+    nodes[index_of(replica)] = Some(OwnRedis::start_with(
+        replica,
+        &replica_dir,
+        &[CLUSTER_NODE, LOSSY_FAILOVER].concat(),
+    ));
+    let survivors: Vec<u16> = ports.iter().copied().filter(|p| *p != victim).collect();
+    until_failed_over(&survivors, victim).await;
+
+    // A process that never saw the old master: the likes are gone from Redis.
+    let promoted = app.another_instance().await;
+    let mut answers = Answers::default();
+    let lost = answers
+        .until_done("read the work", || promoted.get_as(&fans[0], &path))
+        .await;
+    let lost = json_of(lost).await;
+    assert_eq!(
+        lost["likes"], 0,
+        "the promoted replica lost nothing? {lost}"
+    );
+
+    // The worker sees other masters and applies the log again.
+    let worker = gallery_worker(&promoted);
+    assert!(worker.check_masters().await.unwrap());
+    worker.catch_up().await.unwrap();
+    assert!(!worker.check_masters().await.unwrap());
+    for fan in &fans {
+        let view = json_of(promoted.get_as(fan, &path).await).await;
+        assert_eq!(view["likes"], 6, "{view}");
+        assert_eq!(view["liked"], true, "{view}");
+        assert_eq!(view["first_likers"].as_array().unwrap().len(), 5);
+    }
+    assert!(!answers.by_status.contains_key(&500));
+    app.project().await;
+    let verified = app.verify(None).await;
+    assert!(
+        verified.differences.is_empty(),
+        "{:?}",
+        verified.differences
+    );
+    drop(nodes);
+    let _ = std::fs::remove_dir_all(&directory);
 }

@@ -21,14 +21,14 @@ use crate::tasks::{funded_user, submit};
 const PROMPT: &str = "雨后的江南小镇，青石板路，撑油纸伞的少女，水墨风格";
 const NEGATIVE: &str = "模糊，低质量，多余的手指";
 
-async fn gallery_harness(
+pub(crate) async fn gallery_harness(
     customise: impl FnOnce(&mut zhihui::platform::configuration::Settings) + Send + 'static,
 ) -> Harness {
     harness_configured(1, Faults::default(), customise).await
 }
 
 /// Tasks of `token` run to success; their ids.
-async fn succeeded_tasks(harness: &Harness, token: &str, count: usize) -> Vec<String> {
+pub(crate) async fn succeeded_tasks(harness: &Harness, token: &str, count: usize) -> Vec<String> {
     let app = &harness.app;
     let mut tasks = Vec::new();
     for _ in 0..count {
@@ -53,12 +53,12 @@ async fn succeeded_tasks(harness: &Harness, token: &str, count: usize) -> Vec<St
 }
 
 /// A user without points (likes and follows cost nothing): (id, token).
-async fn member(app: &TestApp, name: &str) -> (String, String) {
+pub(crate) async fn member(app: &TestApp, name: &str) -> (String, String) {
     let user = app.register(name, "correct horse battery").await;
     (user, app.login(name, "correct horse battery").await)
 }
 
-async fn publish(
+pub(crate) async fn publish(
     app: &TestApp,
     token: &str,
     task: &str,
@@ -77,7 +77,7 @@ async fn publish(
     body["work_id"].as_str().unwrap().to_owned()
 }
 
-async fn send(
+pub(crate) async fn send(
     app: &TestApp,
     method: reqwest::Method,
     path: &str,
@@ -91,7 +91,7 @@ async fn send(
         .unwrap()
 }
 
-async fn json_of(response: reqwest::Response) -> Value {
+pub(crate) async fn json_of(response: reqwest::Response) -> Value {
     let status = response.status();
     let text = response.text().await.unwrap();
     assert!(status.is_success(), "{status}: {text}");
@@ -124,7 +124,7 @@ async fn follow_first(app: &TestApp, creator: &str, reader: &str) -> String {
     creator_id
 }
 
-fn gallery_worker(app: &TestApp) -> zhihui::gallery::worker::GalleryWorker {
+pub(crate) fn gallery_worker(app: &TestApp) -> zhihui::gallery::worker::GalleryWorker {
     zhihui::gallery::worker::GalleryWorker::new(
         app.services().gallery,
         app.settings.projections.clone(),

@@ -110,6 +110,10 @@ pub struct GallerySettings {
     pub likes_per_minute: u32,
     /// Follows and unfollows one user may send per minute.
     pub follows_per_minute: u32,
+    /// When Redis may have lost writes it had acknowledged (a master restarted, a replica took
+    /// its place), the gallery worker applies the log again from where it stood this long
+    /// before it noticed (from the log's beginning if it has not been leading that long).
+    pub redis_loss_window_ms: u64,
 }
 
 /// Daily check-in: one bonus per user per day, with a streak. The day is `auth.day_utc_offset_minutes`'s.
