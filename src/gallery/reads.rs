@@ -129,6 +129,7 @@ impl GalleryService {
         &self,
         ids: &[WorkId],
         viewer: Option<UserId>,
+        creators: Option<&HashSet<Uuid>>,
     ) -> anyhow::Result<Vec<ListedWork>> {
         // A viewer never sees the works of a creator they blocked.
         let blocked = match viewer {
@@ -139,6 +140,7 @@ impl GalleryService {
         for work_id in ids {
             if let Some(card) = self.card(*work_id).await?
                 && !blocked.contains(&card.creator)
+                && creators.is_none_or(|creators| creators.contains(&card.creator))
             {
                 cards.push(card);
             }
@@ -161,12 +163,15 @@ impl GalleryService {
             .collect())
     }
 
+    /// A page of `sources` merged; with `creators`, only their works are listed (the page's
+    /// cursor still moves past the others).
     async fn sorted_set_page(
         &self,
         sources: &[String],
         cursor: Option<Cursor>,
         limit: usize,
         viewer: Option<UserId>,
+        creators: Option<&HashSet<Uuid>>,
     ) -> anyhow::Result<WorkPage> {
         let limit = limit.clamp(1, PAGE_MAX);
         let mut connection = self.redis().connection().await?;
@@ -181,7 +186,7 @@ impl GalleryService {
             .filter_map(|(member, _)| Uuid::parse_str(member).ok())
             .collect();
         Ok(WorkPage {
-            works: self.listed(&ids, viewer).await?,
+            works: self.listed(&ids, viewer, creators).await?,
             next: next.map(|cursor| cursor.render()),
         })
     }
@@ -221,11 +226,12 @@ impl GalleryService {
         let sources = [key];
         if cursor.is_none() && viewer.is_none() {
             return Box::pin(self.public_page(format!("{name}:{limit}"), || {
-                self.sorted_set_page(&sources, None, limit, None)
+                self.sorted_set_page(&sources, None, limit, None, None)
             }))
             .await;
         }
-        self.sorted_set_page(&sources, cursor, limit, viewer).await
+        self.sorted_set_page(&sources, cursor, limit, viewer, None)
+            .await
     }
 
     /// A creator's visible works, newest first (from the read model; the cursor is the last
@@ -237,8 +243,14 @@ impl GalleryService {
         limit: usize,
         viewer: Option<UserId>,
     ) -> anyhow::Result<WorkPage> {
-        self.sorted_set_page(&[self.keys().creator_works(creator)], cursor, limit, viewer)
-            .await
+        self.sorted_set_page(
+            &[self.keys().creator_works(creator)],
+            cursor,
+            limit,
+            viewer,
+            None,
+        )
+        .await
     }
 
     /// The works a user liked, latest like first (from the read model, by keyset).
@@ -265,7 +277,7 @@ impl GalleryService {
             (last.get::<_, DateTime<Utc>>(1), last.get::<_, Uuid>(0))
         });
         let ids: Vec<WorkId> = rows.iter().map(|row| row.get(0)).collect();
-        Ok((self.listed(&ids, Some(user)).await?, next))
+        Ok((self.listed(&ids, Some(user), None).await?, next))
     }
 
     /// How many follow `user` and whom `user` follows.
@@ -316,7 +328,7 @@ impl GalleryService {
         Ok(common)
     }
 
-    /// The user's feed: the works of the creators they follow, newest first. Creators with few
+    /// The user's feed: the works of the creators they follow now, newest first. Creators with few
     /// followers were pushed into the user's inbox when they published; those with many are
     /// read from their own works here (pull).
     pub async fn feed(
@@ -341,7 +353,13 @@ impl GalleryService {
                 sources.push(self.keys().creator_works(UserId::from_uuid(id)));
             }
         }
-        self.sorted_set_page(&sources, cursor, limit, Some(user))
+        // An inbox keeps what was pushed while the user followed; only the creators they follow
+        // now are listed (an unfollow takes a creator's works out of the feed at once).
+        let followed: HashSet<Uuid> = following
+            .iter()
+            .filter_map(|id| Uuid::parse_str(id).ok())
+            .collect();
+        self.sorted_set_page(&sources, cursor, limit, Some(user), Some(&followed))
             .await
     }
 

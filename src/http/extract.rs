@@ -154,6 +154,22 @@ pub fn scope_for(method: &actix_web::http::Method, pattern: &str) -> Option<Scop
     }
 }
 
+/// What anyone may read without logging in (the public gallery): a key of any scope reads it
+/// as its owner would, like a visitor who is logged in.
+pub fn is_public_read(method: &actix_web::http::Method, pattern: &str) -> bool {
+    use actix_web::http::Method;
+    (*method == Method::GET || *method == Method::HEAD)
+        && matches!(
+            pattern,
+            "/api/v1/gallery/hot"
+                | "/api/v1/gallery/new"
+                | "/api/v1/gallery/works/{id}"
+                | "/api/v1/gallery/works/{id}/images/{image}"
+                | "/api/v1/gallery/creators/{id}"
+                | "/api/v1/gallery/creators/{id}/works"
+        )
+}
+
 /// A caller with an API key: known, within its scopes, within its rate.
 async fn key_session(
     state: &AppState,
@@ -172,20 +188,22 @@ async fn key_session(
             },
         })?;
     let pattern = request.match_pattern().unwrap_or_default();
-    let Some(needed) = scope_for(request.method(), &pattern) else {
-        return Err(ApiError::Forbidden {
-            rule: "scope-missing",
-            detail: format!(
-                "{} {pattern} takes a person's session, not an API key",
-                request.method()
-            ),
-        });
-    };
-    if !grant.allows(needed) {
-        return Err(ApiError::Forbidden {
-            rule: "scope-missing",
-            detail: format!("this key lacks the scope {needed}"),
-        });
+    if !is_public_read(request.method(), &pattern) {
+        let Some(needed) = scope_for(request.method(), &pattern) else {
+            return Err(ApiError::Forbidden {
+                rule: "scope-missing",
+                detail: format!(
+                    "{} {pattern} takes a person's session, not an API key",
+                    request.method()
+                ),
+            });
+        };
+        if !grant.allows(needed) {
+            return Err(ApiError::Forbidden {
+                rule: "scope-missing",
+                detail: format!("this key lacks the scope {needed}"),
+            });
+        }
     }
     match state
         .limits

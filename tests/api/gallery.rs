@@ -972,3 +972,47 @@ async fn likes_folded_in_one_batch_move_each_count_by_what_changed() {
         verified.differences
     );
 }
+
+/// The feed lists the works of the creators the reader follows now: an unfollow takes a
+/// creator's pushed works out of it at once, on both processes, and following again brings them
+/// back.
+#[tokio::test]
+async fn an_unfollowed_creators_works_leave_the_feed_at_once_on_both_processes() {
+    let harness = gallery_harness(|_| {}).await;
+    let app = &harness.app;
+    let second = app.another_instance().await;
+    let (creator_id, creator) = funded_user(app, "shanshui", "100").await;
+    let (_, reader) = member(app, "duzhe").await;
+    let follow = format!("/api/v1/gallery/creators/{creator_id}/follow");
+    assert!(
+        send(app, reqwest::Method::PUT, &follow, &reader)
+            .await
+            .status()
+            .is_success()
+    );
+    // Read once before publishing, so the inbox is live and the work is pushed into it.
+    let empty = json_of(app.get_as(&reader, "/api/v1/gallery/feed").await).await;
+    assert!(ids(&empty).is_empty());
+    let tasks = Box::pin(succeeded_tasks(&harness, &creator, 1)).await;
+    let work = publish(app, &creator, &tasks[0], "关注之后的新作", true).await;
+    gallery_worker(app).catch_up().await.unwrap();
+    for process in [app, &second] {
+        let feed = json_of(process.get_as(&reader, "/api/v1/gallery/feed").await).await;
+        assert_eq!(ids(&feed), std::slice::from_ref(&work));
+    }
+
+    let unfollowed = send(&second, reqwest::Method::DELETE, &follow, &reader).await;
+    assert_eq!(json_of(unfollowed).await["following"], false);
+    for process in [app, &second] {
+        let feed = json_of(process.get_as(&reader, "/api/v1/gallery/feed").await).await;
+        assert!(ids(&feed).is_empty(), "{feed}");
+    }
+    assert!(
+        send(app, reqwest::Method::PUT, &follow, &reader)
+            .await
+            .status()
+            .is_success()
+    );
+    let feed = json_of(second.get_as(&reader, "/api/v1/gallery/feed").await).await;
+    assert_eq!(ids(&feed), std::slice::from_ref(&work));
+}

@@ -105,6 +105,24 @@ async fn a_key_works_within_its_scopes_and_names_the_scope_it_lacks() {
         let body: Value = response.json().await.unwrap();
         assert_eq!(problem_type(&body), "/problems/scope-missing", "{path}");
     }
+    // The public gallery, which a visitor reads without logging in, answers a key of any scope
+    // (a missing work or creator is still a 404, as for the visitor).
+    for path in [
+        "/api/v1/gallery/hot".to_owned(),
+        "/api/v1/gallery/new".to_owned(),
+        format!("/api/v1/gallery/creators/{user}"),
+        format!("/api/v1/gallery/creators/{user}/works"),
+    ] {
+        let visitor = app.get(&path).await.status();
+        let keyed = app.get_as(&reader, &path).await;
+        assert_eq!(
+            (visitor.as_u16(), keyed.status().as_u16()),
+            (200, 200),
+            "{path}"
+        );
+    }
+    let missing = format!("/api/v1/gallery/works/{}", uuid::Uuid::now_v7());
+    assert_eq!(app.get_as(&reader, &missing).await.status(), 404);
     // Keys are listed without the keys themselves.
     let listed: Value = app
         .get_as(&token, "/api/v1/me/keys")
