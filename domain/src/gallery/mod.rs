@@ -28,8 +28,40 @@ use crate::rule::{Broken, Rule};
 #[error("{0}")]
 pub struct InvalidText(pub Broken);
 
-/// `raw` trimmed, `min..=max` characters long, without control characters (line breaks and tabs
-/// allowed only where `multiline`).
+/// Code points that draw nothing (Unicode's `Default_Ignorable_Code_Point`): zero-width spaces
+/// and joiners, soft hyphens, fillers, variation selectors, tags. Fine inside a text (an emoji
+/// sequence joins with U+200D), but a text made only of them (and spaces) is empty.
+fn draws_nothing(c: char) -> bool {
+    matches!(
+        c,
+        '\u{00AD}'
+            | '\u{034F}'
+            | '\u{061C}'
+            | '\u{115F}'..='\u{1160}'
+            | '\u{17B4}'..='\u{17B5}'
+            | '\u{180B}'..='\u{180F}'
+            | '\u{200B}'..='\u{200F}'
+            | '\u{202A}'..='\u{202E}'
+            | '\u{2060}'..='\u{206F}'
+            | '\u{3164}'
+            | '\u{FE00}'..='\u{FE0F}'
+            | '\u{FEFF}'
+            | '\u{FFA0}'
+            | '\u{FFF0}'..='\u{FFF8}'
+            | '\u{1BCA0}'..='\u{1BCA3}'
+            | '\u{1D173}'..='\u{1D17A}'
+            | '\u{E0000}'..='\u{E0FFF}'
+    )
+}
+
+/// Controls of the writing direction (embeddings, overrides, isolates): a title could show text
+/// in another order than it was written in.
+fn turns_direction(c: char) -> bool {
+    matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
+}
+
+/// `raw` trimmed, `min..=max` characters long (nothing to see is empty), without control characters or direction controls (line breaks, U+2028/U+2029 included, and
+/// tabs allowed only where `multiline`).
 pub(crate) fn checked_text(
     raw: &str,
     min: usize,
@@ -38,6 +70,12 @@ pub(crate) fn checked_text(
 ) -> Result<String, InvalidText> {
     let text = raw.trim();
     let length = text.chars().count();
+    if text.chars().all(|c| c.is_whitespace() || draws_nothing(c)) {
+        if min >= 1 {
+            return Err(InvalidText(Broken::new(Rule::NotEmpty)));
+        }
+        return Ok(String::new());
+    }
     if length < min {
         return Err(InvalidText(if min == 1 {
             Broken::new(Rule::NotEmpty)
@@ -50,8 +88,12 @@ pub(crate) fn checked_text(
             Broken::new(Rule::LengthAtMost).with("max", max),
         ));
     }
-    let allowed = |c: char| multiline && (c == '\n' || c == '\t' || c == '\r');
-    if text.chars().any(|c| c.is_control() && !allowed(c)) {
+    let allowed = |c: char| multiline && matches!(c, '\n' | '\t' | '\r' | '\u{2028}' | '\u{2029}');
+    let breaks_rule = |c: char| {
+        (c.is_control() || matches!(c, '\u{2028}' | '\u{2029}') || turns_direction(c))
+            && !allowed(c)
+    };
+    if text.chars().any(breaks_rule) {
         return Err(InvalidText(Broken::new(if multiline {
             Rule::NoControlCharacters
         } else {

@@ -6,7 +6,8 @@
 //!   least one, each once);
 //! - a publish repeated with the same content adds nothing; a published work is not published
 //!   again with other content (unpublish it first);
-//! - the creator unpublishes at any time and may publish again later;
+//! - the creator unpublishes at any time and may publish again later, the work keeping the time
+//!   it was first published;
 //! - an admin hides a work with a reason; a hidden work stays hidden: its creator can neither
 //!   publish it again nor make it visible;
 //! - to anyone but its creator, a work that is not theirs to change does not exist (as a task).
@@ -281,7 +282,10 @@ impl Decider for Work {
                     title: title.clone(),
                     description: description.clone(),
                     prompt_shown: *prompt_shown,
-                    published_at: *at,
+                    // Published again, a work keeps its first time: unpublishing and publishing
+                    // again does not bring it back to the top of the new list, nor make it young
+                    // in the hot one.
+                    published_at: state.last.as_ref().map_or(*at, |last| last.published_at),
                 };
                 match state.status {
                     WorkStatus::NotPublished | WorkStatus::Unpublished => {
@@ -504,7 +508,8 @@ mod tests {
     }
 
     #[test]
-    fn a_publish_repeated_adds_nothing_and_other_content_is_refused_until_unpublished() {
+    fn a_publish_repeated_adds_nothing_other_content_waits_for_an_unpublish_and_keeps_the_first_time()
+     {
         let first = published(&["img-a"], "西湖", 0);
         given::<Work>(std::slice::from_ref(&first))
             .when(publish(&["img-a"], "西湖"))
@@ -512,8 +517,13 @@ mod tests {
         given::<Work>(std::slice::from_ref(&first))
             .when(publish(&["img-a"], "断桥"))
             .then_error(WorkError::AlreadyPublished);
+        // Published again later: the first time is kept.
+        let mut later = publish(&["img-a"], "断桥");
+        if let WorkCommand::Publish { at: when, .. } = &mut later {
+            *when = at(30);
+        }
         given::<Work>(&[first, unpublished()])
-            .when(publish(&["img-a"], "断桥"))
+            .when(later)
             .then(&[published(&["img-a"], "断桥", 0)]);
     }
 
@@ -587,6 +597,42 @@ mod tests {
             crate::rule::Rule::NotEmpty
         );
         assert!(WorkTitle::parse("两行\n标题").is_err());
+        // Nothing to see is empty: zero-width spaces, joiners, soft hyphens, fillers.
+        for blank in [
+            "\u{200B}\u{200B}",
+            "\u{2060}\u{FEFF}",
+            "\u{00AD}",
+            "\u{3164}",
+            " \u{200D} ",
+        ] {
+            assert_eq!(
+                WorkTitle::parse(blank).unwrap_err().0.rule,
+                crate::rule::Rule::NotEmpty,
+                "{blank:?}"
+            );
+        }
+        assert_eq!(WorkDescription::parse("\u{200B}\n\u{FEFF}").unwrap(), None);
+        // Line and paragraph separators break a line; direction overrides are refused.
+        for broken in [
+            "上\u{2028}下",
+            "上\u{2029}下",
+            "abc\u{202E}fed",
+            "\u{2066}标题\u{2069}",
+        ] {
+            assert_eq!(
+                WorkTitle::parse(broken).unwrap_err().0.rule,
+                crate::rule::Rule::OneLine,
+                "{broken:?}"
+            );
+        }
+        assert!(
+            WorkDescription::parse("第一段\u{2029}第二段")
+                .unwrap()
+                .is_some()
+        );
+        // Joiners and variation selectors inside what is seen are kept.
+        let family = "👨\u{200D}👩\u{200D}👧 ❤\u{FE0F}";
+        assert_eq!(WorkTitle::parse(family).unwrap().as_str(), family);
         assert_eq!(WorkDescription::parse("  ").unwrap(), None);
         assert!(WorkDescription::parse("第一行\n第二行").unwrap().is_some());
         assert!(HideReason::parse("").is_err());
