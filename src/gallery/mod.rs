@@ -581,15 +581,19 @@ impl GalleryService {
         creator: UserId,
         metadata: &EventMetadata,
     ) -> Result<FollowOutcome, GalleryError> {
-        let creator_exists = if follower == creator {
-            true
+        let (creator_exists, creator_blocked) = if follower == creator {
+            (true, false)
         } else {
-            self.user_exists(creator).await?
+            // The block's own stream decides (the blocked set in Redis is only a copy).
+            let block =
+                command::load::<Block>(&self.store, &block_stream(follower, creator)).await?;
+            (self.user_exists(creator).await?, block.state.is_some())
         };
         let command = FollowCommand::Follow {
             follower,
             creator,
             creator_exists,
+            creator_blocked,
             at: self.clock.now(),
         };
         let executed = self

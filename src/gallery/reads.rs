@@ -52,6 +52,20 @@ impl Cursor {
     }
 }
 
+/// Where a page of a user's likes ends (when liked, which work), as a cursor's text.
+pub fn render_like_cursor((at, work_id): (DateTime<Utc>, Uuid)) -> String {
+    format!("{}:{work_id}", at.timestamp_micros())
+}
+
+/// A cursor of [`render_like_cursor`] read back.
+pub fn parse_like_cursor(text: &str) -> Option<(DateTime<Utc>, Uuid)> {
+    let (micros, work_id) = text.split_once(':')?;
+    Some((
+        DateTime::from_timestamp_micros(micros.parse().ok()?)?,
+        Uuid::parse_str(work_id).ok()?,
+    ))
+}
+
 /// One page of works and where the next starts (`None`: the end).
 #[derive(Debug, Clone)]
 pub struct WorkPage {

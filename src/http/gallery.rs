@@ -102,6 +102,9 @@ pub fn gallery_error(error: GalleryError) -> ApiError {
             "following-oneself",
             rule.to_string(),
         ),
+        GalleryError::Follow(rule @ FollowError::CreatorBlocked) => {
+            refused(StatusCode::CONFLICT, "creator-blocked", rule.to_string())
+        }
         GalleryError::Follow(FollowError::NoSuchCreator)
         | GalleryError::Block(BlockError::NoSuchCreator) => {
             ApiError::NotFound("no such creator".into())
@@ -476,6 +479,9 @@ pub async fn creator_works(
     query: web::Query<PageQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let creator = UserId::from_uuid(parse_id(&path, "creator")?);
+    if !state.gallery.user_exists(creator).await? {
+        return Err(ApiError::NotFound("no such creator".into()));
+    }
     let page = state
         .gallery
         .creator_works(creator, query.cursor()?, query.limit()?, viewer.user_id())
@@ -634,7 +640,7 @@ pub struct FollowResponse {
 /// Follow a creator.
 #[utoipa::path(
     put, operation_id = "gallery_follow", path = "/api/v1/gallery/creators/{id}/follow", tag = "gallery", security(("bearer" = [])),
-    responses((status = 200, body = FollowResponse), (status = 404, body = crate::http::problem::Problem), (status = 422, description = "`following-oneself`", body = crate::http::problem::Problem))
+    responses((status = 200, body = FollowResponse), (status = 404, body = crate::http::problem::Problem), (status = 409, description = "`creator-blocked`", body = crate::http::problem::Problem), (status = 422, description = "`following-oneself`", body = crate::http::problem::Problem))
 )]
 pub async fn follow(
     state: web::Data<AppState>,
@@ -723,7 +729,7 @@ pub async fn my_likes(
     let before = match &query.cursor {
         None => None,
         Some(text) => Some(
-            parse_like_cursor(text)
+            crate::gallery::reads::parse_like_cursor(text)
                 .ok_or_else(|| ApiError::invalid_by("cursor", Rule::NextOfEarlierPage))?,
         ),
     };
@@ -733,16 +739,8 @@ pub async fn my_likes(
         .await?;
     Ok(HttpResponse::Ok().json(WorkPageResponse {
         works: works.iter().map(listed_response).collect(),
-        next: next.map(|(at, work_id)| format!("{}:{work_id}", at.timestamp_micros())),
+        next: next.map(crate::gallery::reads::render_like_cursor),
     }))
-}
-
-fn parse_like_cursor(text: &str) -> Option<(DateTime<Utc>, Uuid)> {
-    let (micros, work_id) = text.split_once(':')?;
-    Some((
-        DateTime::from_timestamp_micros(micros.parse().ok()?)?,
-        Uuid::parse_str(work_id).ok()?,
-    ))
 }
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]

@@ -54,7 +54,13 @@ fn message(page: &Page, error: GalleryError) -> Result<String, WebError> {
     Ok(match error {
         GalleryError::Invalid { field, .. } => page.t(&format!("gallery.invalid_{field}"), &[]),
         GalleryError::Unexpected(error) => return Err(WebError::from(error)),
-        other => page.message_of(&crate::http::gallery::gallery_error(other)),
+        other => match crate::http::gallery::gallery_error(other) {
+            // A work's `images` are the pictures chosen, not the generate form's count.
+            crate::http::problem::ApiError::Validation { field, broken } if field == "images" => {
+                page.field_message("work_images", &broken)
+            }
+            refused => page.message_of(&refused),
+        },
     })
 }
 
@@ -144,17 +150,25 @@ pub async fn feed(page: Page, query: web::Query<ListQuery>) -> Result<HttpRespon
     .await
 }
 
-/// `/gallery/likes`: what the reader liked, latest first.
-pub async fn likes(page: Page) -> Result<HttpResponse, WebError> {
+/// `/gallery/likes`: what the reader liked, latest first, a page at a time.
+pub async fn likes(page: Page, query: web::Query<ListQuery>) -> Result<HttpResponse, WebError> {
     let user = page.member()?.session.user_id;
-    let (works, _) = page.state().gallery.liked_by(user, None, 48).await?;
-    page.render(
+    let before = query
+        .cursor
+        .as_deref()
+        .and_then(crate::gallery::reads::parse_like_cursor);
+    let (works, next) = page.state().gallery.liked_by(user, before, PAGE).await?;
+    let list = WorkPage {
+        works,
+        next: next.map(crate::gallery::reads::render_like_cursor),
+    };
+    grid(
+        &page,
         "gallery.html",
-        context! {
-            works => listed(&works),
-            title => page.t("gallery.likes", &[]),
-            sort => "likes",
-        },
+        "gallery.likes",
+        list,
+        "/gallery/likes",
+        context! { sort => "likes" },
     )
     .await
 }
@@ -420,6 +434,14 @@ pub async fn publish(page: Page, body: web::Bytes) -> Result<HttpResponse, WebEr
         }
     }
     let task_id = Uuid::parse_str(&form.task).map_err(|_| not_found(&page))?;
+    // The API takes no images as "all of them"; in the form, unticking every one means none.
+    if form.image.is_empty() {
+        let text = message(
+            &page,
+            GalleryError::Work(zhihui_domain::gallery::work::WorkError::NoImages),
+        )?;
+        return page.alert("#publish-messages", "error", &text);
+    }
     let published = page
         .state()
         .gallery

@@ -316,6 +316,14 @@ async fn a_prompt_its_creator_hid_leaves_the_server_nowhere_and_publishing_refus
     )
     .await;
     assert_eq!(nobody.status(), 404);
+    // An unknown creator has no page and no works (not an empty list).
+    let unknown = uuid::Uuid::now_v7();
+    for path in [
+        format!("/api/v1/gallery/creators/{unknown}"),
+        format!("/api/v1/gallery/creators/{unknown}/works"),
+    ] {
+        assert_eq!(app.get(&path).await.status(), 404, "{path}");
+    }
     let visitor = app
         .http
         .put(format!(
@@ -752,6 +760,22 @@ async fn the_feed_scrolls_pushed_and_pulled_works_without_skips_or_repeats_and_a
     .await;
     assert_eq!(profile["blocked"], true);
     assert_eq!(profile["followed"], false);
+    // Following a creator one blocked is refused, named, and changes nothing.
+    let refollow = send(
+        app,
+        reqwest::Method::PUT,
+        &format!("/api/v1/gallery/creators/{quiet_id}/follow"),
+        &reader,
+    )
+    .await;
+    assert_eq!(refollow.status(), 409);
+    assert!(refollow.text().await.unwrap().contains("creator-blocked"));
+    let profile = json_of(
+        app.get_as(&reader, &format!("/api/v1/gallery/creators/{quiet_id}"))
+            .await,
+    )
+    .await;
+    assert_eq!(profile["followed"], false, "{profile}");
     let myself = send(
         app,
         reqwest::Method::PUT,
@@ -836,6 +860,15 @@ async fn the_feed_scrolls_pushed_and_pulled_works_without_skips_or_repeats_and_a
     assert_eq!(json_of(unblocked).await["blocked"], false);
     let newest = json_of(app.get_as(&reader, "/api/v1/gallery/new?limit=48").await).await;
     assert_eq!(ids(&newest).len(), 6);
+    let refollow = send(
+        app,
+        reqwest::Method::PUT,
+        &format!("/api/v1/gallery/creators/{quiet_id}/follow"),
+        &reader,
+    )
+    .await;
+    assert_eq!(json_of(refollow).await["following"], true);
+    app.project().await;
     let verified = app.verify(None).await;
     assert!(
         verified.differences.is_empty(),
@@ -1015,4 +1048,68 @@ async fn an_unfollowed_creators_works_leave_the_feed_at_once_on_both_processes()
     );
     let feed = json_of(second.get_as(&reader, "/api/v1/gallery/feed").await).await;
     assert_eq!(ids(&feed), std::slice::from_ref(&work));
+}
+
+/// The likes page of the web app pages like the other lists: 24 works, then a "more" link to
+/// the next page, which lists the rest (the oldest like last).
+#[tokio::test]
+async fn the_likes_page_goes_on_past_its_first_page() {
+    let harness = gallery_harness(|_| {}).await;
+    let app = &harness.app;
+    let (_, creator) = funded_user(app, "duozuo", "100").await;
+    let (_, fan) = member(app, "shoucang").await;
+    let tasks = Box::pin(succeeded_tasks(&harness, &creator, 25)).await;
+    let mut works = Vec::new();
+    for (index, task) in tasks.iter().enumerate() {
+        let work = publish(app, &creator, task, &format!("第{index}幅"), true).await;
+        let like = send(
+            app,
+            reqwest::Method::PUT,
+            &format!("/api/v1/gallery/works/{work}/like"),
+            &fan,
+        )
+        .await;
+        assert!(like.status().is_success());
+        app.clock.advance(Duration::from_secs(1));
+        works.push(work);
+    }
+    app.project().await;
+    let page = |path: String| {
+        let fan = fan.clone();
+        async move {
+            let response = app
+                .http
+                .get(format!("{}{path}", app.address))
+                .header("Accept", "text/html")
+                .header("Cookie", format!("lang=zh; zhihui_session={fan}"))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(response.status(), 200, "{path}");
+            response.text().await.unwrap()
+        }
+    };
+    let listed = |html: &str| {
+        works
+            .iter()
+            .filter(|work| html.contains(&format!("/gallery/works/{work}\"")))
+            .count()
+    };
+    let first = page("/gallery/likes".into()).await;
+    assert_eq!(listed(&first), 24);
+    assert!(
+        !first.contains(&format!("/gallery/works/{}\"", works[0])),
+        "the oldest like waits"
+    );
+    let next = first
+        .split("class=\"button more\" href=\"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .expect("a link to the next page")
+        .replace("&#x2f;", "/")
+        .replace("&amp;", "&");
+    let second = page(next).await;
+    assert_eq!(listed(&second), 1);
+    assert!(second.contains(&format!("/gallery/works/{}\"", works[0])));
+    assert!(!second.contains("class=\"button more\""));
 }

@@ -335,6 +335,16 @@ async fn a_field_error_in_a_page_is_said_in_the_pages_language_never_the_apis_en
             ),
         ),
         (
+            "a work published with every picture unticked",
+            "/gallery/publish".into(),
+            Some(member.as_str()),
+            form(&[
+                ("task", &uuid::Uuid::now_v7().to_string()),
+                ("title", "雪中的红狐狸"),
+            ]),
+            ("work_images", "work_no_images", vec![]),
+        ),
+        (
             "a grant too large",
             format!("/admin/users/{member_id}/grant"),
             Some(admin.as_str()),

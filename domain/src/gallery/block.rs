@@ -80,6 +80,7 @@ impl BlockCommand {
                 follower: user,
                 creator,
                 creator_exists,
+                creator_blocked: false,
                 at,
             },
             BlockCommand::Unblock { user, creator, at } => FollowCommand::Unfollow {
@@ -136,12 +137,13 @@ impl Decider for Block {
     }
 
     fn decide(state: &BlockState, command: &BlockCommand) -> Result<Vec<BlockEvent>, BlockError> {
-        Follow::decide(state, &command.as_follow())
-            .map(|events| events.into_iter().map(BlockEvent::from).collect())
-            .map_err(|error| match error {
-                FollowError::FollowingOneself => BlockError::BlockingOneself,
-                FollowError::NoSuchCreator => BlockError::NoSuchCreator,
-            })
+        match Follow::decide(state, &command.as_follow()) {
+            Ok(events) => Ok(events.into_iter().map(BlockEvent::from).collect()),
+            Err(FollowError::FollowingOneself) => Err(BlockError::BlockingOneself),
+            Err(FollowError::NoSuchCreator) => Err(BlockError::NoSuchCreator),
+            // `as_follow` never says "blocked" (a block of a blocked creator is already there).
+            Err(FollowError::CreatorBlocked) => Ok(Vec::new()),
+        }
     }
 
     fn evolve(state: BlockState, event: &BlockEvent) -> BlockState {

@@ -1,6 +1,7 @@
 //! One user following one creator (`follow-<follower id>-<creator id>`): once per pair, whatever
-//! the races. Nobody follows themselves; a creator must exist when followed (the application
-//! looks the user up and puts the answer into the command); unfollowing is always allowed.
+//! the races. Nobody follows themselves; a creator must exist when followed, and not be blocked
+//! by the follower (the application reads both and puts the answers into the command);
+//! unfollowing is always allowed.
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -21,6 +22,8 @@ pub enum FollowCommand {
         creator: UserId,
         /// Whether the creator is a registered user.
         creator_exists: bool,
+        /// Whether the follower blocked the creator (read from the block's stream).
+        creator_blocked: bool,
         at: DateTime<Utc>,
     },
     Unfollow {
@@ -59,6 +62,8 @@ pub enum FollowError {
     FollowingOneself,
     #[error("no such creator")]
     NoSuchCreator,
+    #[error("you blocked this creator: unblock them to follow them")]
+    CreatorBlocked,
 }
 
 #[derive(Debug)]
@@ -82,6 +87,10 @@ impl Decider for Follow {
             FollowCommand::Follow {
                 follower, creator, ..
             } if follower == creator => Err(FollowError::FollowingOneself),
+            FollowCommand::Follow {
+                creator_blocked: true,
+                ..
+            } => Err(FollowError::CreatorBlocked),
             FollowCommand::Follow { .. } if state.is_some() => Ok(vec![]),
             FollowCommand::Follow {
                 creator_exists: false,
@@ -173,6 +182,7 @@ mod tests {
             follower: user(1),
             creator: user(creator),
             creator_exists,
+            creator_blocked: false,
             at: at(0),
         }
     }
@@ -219,13 +229,27 @@ mod tests {
     }
 
     #[test]
-    fn nobody_follows_themselves_or_a_creator_who_does_not_exist() {
+    fn nobody_follows_themselves_a_creator_who_does_not_exist_or_one_they_blocked() {
         given::<Follow>(&[])
             .when(follow(1, true))
             .then_error(FollowError::FollowingOneself);
         given::<Follow>(&[])
             .when(follow(3, false))
             .then_error(FollowError::NoSuchCreator);
+        let blocked = FollowCommand::Follow {
+            follower: user(1),
+            creator: user(2),
+            creator_exists: true,
+            creator_blocked: true,
+            at: at(0),
+        };
+        given::<Follow>(&[])
+            .when(blocked.clone())
+            .then_error(FollowError::CreatorBlocked);
+        // Even when a race left the pair followed: a follow of a blocked creator is refused.
+        given::<Follow>(&[followed()])
+            .when(blocked)
+            .then_error(FollowError::CreatorBlocked);
         assert_eq!(
             follow_stream(user(1), user(2)),
             format!("follow-{}-{}", user(1), user(2))
