@@ -56,6 +56,17 @@ impl Viewer {
     }
 }
 
+/// What a refusal says back of an id the caller sent: enough to recognise it, never all of a
+/// long one (an answer is not a mirror for whatever was posted).
+fn echoed(text: &str) -> String {
+    const SHOWN: usize = 40;
+    if text.chars().count() <= SHOWN {
+        text.to_owned()
+    } else {
+        format!("{}…", text.chars().take(SHOWN).collect::<String>())
+    }
+}
+
 /// The answer of a refused gallery operation; each names its rule.
 pub fn gallery_error(error: GalleryError) -> ApiError {
     let refused = |status, rule: &'static str, detail: String| ApiError::Refused {
@@ -85,11 +96,11 @@ pub fn gallery_error(error: GalleryError) -> ApiError {
         ),
         GalleryError::Work(WorkError::UnknownImage(image)) => ApiError::invalid(
             "images",
-            Broken::new(Rule::WorkUnknownImage).with("image", image),
+            Broken::new(Rule::WorkUnknownImage).with("image", echoed(&image)),
         ),
         GalleryError::Work(WorkError::ImageTwice(image)) => ApiError::invalid(
             "images",
-            Broken::new(Rule::WorkImageTwice).with("image", image),
+            Broken::new(Rule::WorkImageTwice).with("image", echoed(&image)),
         ),
         GalleryError::Work(rule @ WorkError::AlreadyPublished) => {
             refused(StatusCode::CONFLICT, "already-published", rule.to_string())

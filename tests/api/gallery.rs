@@ -282,6 +282,17 @@ async fn a_prompt_its_creator_hid_leaves_the_server_nowhere_and_publishing_refus
         )
         .await;
     assert_eq!(refused.status(), 422);
+    // A long id is named, not echoed whole.
+    let refused = app
+        .post(
+            "/api/v1/gallery/works",
+            Some(&token),
+            &json!({"task_id": tasks[1], "images": ["图".repeat(5_000)], "title": "x", "prompt_shown": true}),
+        )
+        .await;
+    assert_eq!(refused.status(), 422);
+    let text = refused.text().await.unwrap();
+    assert!(text.len() < 1_000 && text.contains("图图…"), "{text}");
     // A task that has not succeeded (still queued: nothing leads the dispatcher now).
     let queued = submit(app, &token, &json!({"prompt": PROMPT, "steps": 2}), None).await;
     let queued: Value = queued.json().await.unwrap();
