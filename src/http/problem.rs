@@ -222,7 +222,7 @@ impl ApiError {
         ApiError::invalid(field, Broken::new(rule))
     }
 
-    fn problem(&self) -> Problem {
+    pub fn problem(&self) -> Problem {
         let status = self.status_code().as_u16();
         let (problem_type, title) = match self {
             ApiError::Validation { .. } | ApiError::InvalidFields(_) => {

@@ -260,8 +260,12 @@ impl Application {
                     }
                 });
             // Pages, scripts, styles and JSON compressed when the client accepts it (images are
-            // marked identity and left alone); every answer with its security headers.
+            // marked identity and left alone); every answer with its security headers; the
+            // API's problems in the client's language when it asks for one.
             app.wrap(actix_web::middleware::from_fn(
+                crate::web::i18n::localise_api_problems,
+            ))
+            .wrap(actix_web::middleware::from_fn(
                 crate::web::translate_failures,
             ))
             .wrap(actix_web::middleware::from_fn(crate::web::security_headers))

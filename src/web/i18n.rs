@@ -7,6 +7,9 @@ use std::collections::BTreeMap;
 use std::sync::LazyLock;
 
 use actix_web::HttpRequest;
+use zhihui_domain::rule::Broken;
+
+use crate::http::ApiError;
 
 /// The cookie that remembers a chosen language.
 pub const LANG_COOKIE: &str = "lang";
@@ -68,6 +71,11 @@ impl Lang {
 
     /// The first of the browser's languages we have (weights honoured), else Chinese.
     pub fn from_accept_language(header: &str) -> Lang {
+        Lang::preferred_in(header).unwrap_or(Lang::Zh)
+    }
+
+    /// The first of an `Accept-Language`'s languages we have (weights honoured), if any.
+    pub fn preferred_in(header: &str) -> Option<Lang> {
         let mut ranked: Vec<(f32, Lang)> = header
             .split(',')
             .filter_map(|part| {
@@ -84,7 +92,7 @@ impl Lang {
             .collect();
         // Stable: equal weights keep the header's order.
         ranked.sort_by(|a, b| b.0.total_cmp(&a.0));
-        ranked.first().map_or(Lang::Zh, |(_, lang)| *lang)
+        ranked.first().map(|(_, lang)| *lang)
     }
 
     fn catalog(self) -> &'static BTreeMap<String, String> {
@@ -109,6 +117,110 @@ impl Lang {
 
     pub fn has(self, key: &str) -> bool {
         self.catalog().contains_key(key)
+    }
+
+    /// An API error in the reader's words: a named rule's own text when the catalog has one
+    /// (`error.<rule>`), else the rule's detail; a field error names the field.
+    pub fn message_of(self, error: &ApiError) -> String {
+        match error {
+            ApiError::Validation { field, broken } => self.field_message(field, broken),
+            ApiError::InvalidFields(fields) => self.fields_message(
+                fields
+                    .iter()
+                    .map(|(field, broken)| (field.as_str(), broken)),
+            ),
+            ApiError::NotFound(_) => self.text("error.not_found", &[]),
+            ApiError::Unexpected(_) => self.text("error.unexpected", &[]),
+            ApiError::Unavailable { .. } => self.text("error.unavailable", &[]),
+            ApiError::Refused {
+                rule,
+                window: Some((from, until)),
+                ..
+            } if self.has(&format!("error.{rule}")) => {
+                let at = |time: &chrono::DateTime<chrono::Utc>| {
+                    time.format("%Y-%m-%d %H:%M UTC").to_string()
+                };
+                self.text(
+                    &format!("error.{rule}"),
+                    &[("from", at(from)), ("until", at(until))],
+                )
+            }
+            ApiError::Unauthorized { rule, detail }
+            | ApiError::Forbidden { rule, detail }
+            | ApiError::Conflict { rule, detail }
+            | ApiError::TooManyRequests { rule, detail, .. }
+            | ApiError::Refused { rule, detail, .. } => {
+                let key = format!("error.{rule}");
+                if self.has(&key) {
+                    self.text(&key, &[])
+                } else {
+                    detail.clone()
+                }
+            }
+        }
+    }
+
+    /// `field` broke `broken`, said in the reader's language: the field's name and the rule's
+    /// sentence both from the catalog (`field.<name>`, `rule.<key>`).
+    pub fn field_message(self, field: &str, broken: &Broken) -> String {
+        let mut broken = broken.clone();
+        // `other` and `with` name another field: said by its name too.
+        for (name, value) in &mut broken.args {
+            if matches!(*name, "other" | "with") {
+                *value = self.field_name(value);
+            }
+        }
+        let rule = broken.fill(&self.text(&format!("rule.{}", broken.rule.key()), &[]));
+        self.text(
+            "error.field",
+            &[("field", self.field_name(field)), ("message", rule)],
+        )
+    }
+
+    /// `error`'s problem+json body with its words in this language.
+    pub fn problem_of(self, error: &ApiError) -> crate::http::problem::Problem {
+        let mut problem = error.problem();
+        let title = match error {
+            ApiError::Validation { .. } | ApiError::InvalidFields(_) => "validation",
+            ApiError::Unauthorized { .. } => "unauthorized",
+            ApiError::Forbidden { .. } => "forbidden",
+            ApiError::NotFound(_) => "not_found",
+            ApiError::Conflict { .. } => "conflict",
+            ApiError::TooManyRequests { .. } => "too_many",
+            ApiError::Refused { .. } => "refused",
+            ApiError::Unavailable { .. } => "unavailable",
+            ApiError::Unexpected(_) => "internal",
+        };
+        problem.title = self.text(&format!("api_title.{title}"), &[]);
+        problem.detail = self.message_of(error);
+        if let (ApiError::InvalidFields(fields), Some(errors)) = (error, problem.errors.as_mut()) {
+            for ((field, broken), said) in fields.iter().zip(errors.iter_mut()) {
+                said.message = self.field_message(field, broken);
+            }
+        }
+        problem
+    }
+
+    /// A field's name in the reader's language; the API's own name when the catalog has none.
+    fn field_name(self, field: &str) -> String {
+        let key = format!("field.{field}");
+        if self.has(&key) {
+            self.text(&key, &[])
+        } else {
+            field.to_owned()
+        }
+    }
+
+    /// Several fields' messages in one line.
+    pub fn fields_message<'a>(
+        &self,
+        fields: impl IntoIterator<Item = (&'a str, &'a Broken)>,
+    ) -> String {
+        fields
+            .into_iter()
+            .map(|(field, broken)| self.field_message(field, broken))
+            .collect::<Vec<_>>()
+            .join(&self.text("error.separator", &[]))
     }
 }
 
@@ -144,9 +256,75 @@ fn flatten(source: &str) -> BTreeMap<String, String> {
     out
 }
 
+/// The API answers its problems in English unless the client's `Accept-Language` prefers
+/// another language we have (Chinese): then `title`, `detail` and each field's `message` are
+/// said in it, as the pages say them; `type`, `rule`, `field` and the other members stay the
+/// stable names and values programs match on.
+pub async fn localise_api_problems(
+    request: actix_web::dev::ServiceRequest,
+    next: actix_web::middleware::Next<impl actix_web::body::MessageBody + 'static>,
+) -> Result<actix_web::dev::ServiceResponse<actix_web::body::BoxBody>, actix_web::Error> {
+    use actix_web::http::header;
+    let lang = request
+        .path()
+        .starts_with("/api/")
+        .then(|| {
+            request
+                .headers()
+                .get(header::ACCEPT_LANGUAGE)
+                .and_then(|value| value.to_str().ok())
+                .and_then(Lang::preferred_in)
+        })
+        .flatten()
+        // English is the API's own: its texts say more than the pages' catalog does.
+        .filter(|lang| *lang != Lang::En);
+    let mut response = next.call(request).await?.map_into_boxed_body();
+    let Some(lang) = lang else {
+        return Ok(response);
+    };
+    let problem = response
+        .response()
+        .error()
+        .and_then(|error| error.as_error::<ApiError>())
+        .map(|error| lang.problem_of(error));
+    let Some(problem) = problem else {
+        return Ok(response);
+    };
+    let Ok(body) = serde_json::to_vec(&problem) else {
+        return Ok(response);
+    };
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_LANGUAGE,
+        header::HeaderValue::from_static(lang.tag()),
+    );
+    headers.append(
+        header::VARY,
+        header::HeaderValue::from_static("accept-language"),
+    );
+    headers.remove(header::CONTENT_LENGTH);
+    Ok(response.map_body(|_, _| actix_web::body::BoxBody::new(body)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn a_refusal_with_a_window_says_its_times() {
+        let at = |text: &str| chrono::DateTime::parse_from_rfc3339(text).unwrap().to_utc();
+        let error = ApiError::Refused {
+            status: actix_web::http::StatusCode::CONFLICT,
+            rule: "code-not-valid-now",
+            detail: "not yet".into(),
+            window: Some((at("2026-12-01T02:00:00Z"), at("2026-12-31T16:00:00Z"))),
+        };
+        assert_eq!(
+            Lang::Zh.message_of(&error),
+            "这个兑换码现在不能使用：有效期为 2026-12-01 02:00 UTC 至 2026-12-31 16:00 UTC。"
+        );
+    }
 
     #[test]
     fn every_read_model_is_named_in_both_languages() {

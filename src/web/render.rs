@@ -483,59 +483,14 @@ impl Page {
         }
     }
 
-    /// An API error in the reader's words: a named rule's own text when the catalog has one
-    /// (`error.<rule>`), else the rule's detail; a field error names the field.
+    /// An API error in the reader's words (see `Lang::message_of`).
     pub fn message_of(&self, error: &ApiError) -> String {
-        match error {
-            ApiError::Validation { field, broken } => self.field_message(field, broken),
-            ApiError::InvalidFields(fields) => self.fields_message(
-                fields
-                    .iter()
-                    .map(|(field, broken)| (field.as_str(), broken)),
-            ),
-            ApiError::NotFound(_) => self.t("error.not_found", &[]),
-            ApiError::Unexpected(_) => self.t("error.unexpected", &[]),
-            ApiError::Unavailable { .. } => self.t("error.unavailable", &[]),
-            ApiError::Unauthorized { rule, detail }
-            | ApiError::Forbidden { rule, detail }
-            | ApiError::Conflict { rule, detail }
-            | ApiError::TooManyRequests { rule, detail, .. }
-            | ApiError::Refused { rule, detail, .. } => {
-                let key = format!("error.{rule}");
-                if self.lang.has(&key) {
-                    self.t(&key, &[])
-                } else {
-                    detail.clone()
-                }
-            }
-        }
+        self.lang.message_of(error)
     }
 
-    /// `field` broke `broken`, said in the reader's language: the field's name and the rule's
-    /// sentence both from the catalog (`field.<name>`, `rule.<key>`).
+    /// `field` broke `broken`, said in the reader's language (see `Lang::field_message`).
     pub fn field_message(&self, field: &str, broken: &Broken) -> String {
-        let mut broken = broken.clone();
-        // `other` and `with` name another field: said by its name too.
-        for (name, value) in &mut broken.args {
-            if matches!(*name, "other" | "with") {
-                *value = self.field_name(value);
-            }
-        }
-        let rule = broken.fill(&self.t(&format!("rule.{}", broken.rule.key()), &[]));
-        self.t(
-            "error.field",
-            &[("field", self.field_name(field)), ("message", rule)],
-        )
-    }
-
-    /// A field's name in the reader's language; the API's own name when the catalog has none.
-    fn field_name(&self, field: &str) -> String {
-        let key = format!("field.{field}");
-        if self.lang.has(&key) {
-            self.t(&key, &[])
-        } else {
-            field.to_owned()
-        }
+        self.lang.field_message(field, broken)
     }
 
     /// Several fields' messages in one line.
@@ -543,11 +498,7 @@ impl Page {
         &self,
         fields: impl IntoIterator<Item = (&'a str, &'a Broken)>,
     ) -> String {
-        fields
-            .into_iter()
-            .map(|(field, broken)| self.field_message(field, broken))
-            .collect::<Vec<_>>()
-            .join(&self.t("error.separator", &[]))
+        self.lang.fields_message(fields)
     }
 
     /// An unexpected API error becomes the 500 page; any other is the caller's to show.

@@ -387,3 +387,115 @@ fn the_access_log_keeps_other_text_and_redacts_secrets_next_to_it() {
         "GET /api/v1/tasks/%E4%B8%80%E5%8F%AA%E7%8C%AB?q=%E7%BA%A2%E7%8B%90%E7%8B%B8&token=REDACTED&%74oken=REDACTED&标签=猫 HTTP/1.1"
     );
 }
+
+/// A problem's words in the client's language: Chinese when `Accept-Language` prefers it, the
+/// API's English otherwise (none, English first, or only languages we lack); the names programs
+/// match on (`type`, `rule`, `field`, each error's `field` and `rule`) the same in both.
+#[tokio::test]
+async fn api_problems_are_said_in_chinese_when_the_client_asks_and_in_english_otherwise() {
+    let app = spawn_app().await;
+    let (_, token) = funded_user(&app, "xiaohong", "1").await;
+    let ask = |path: &str, body: Value, language: Option<&str>| {
+        let mut request = app
+            .http
+            .post(format!("{}{path}", app.address))
+            .bearer_auth(&token)
+            .json(&body);
+        if let Some(language) = language {
+            request = request.header("accept-language", language);
+        }
+        async move {
+            let response = request.send().await.unwrap();
+            let status = response.status().as_u16();
+            let said = response
+                .headers()
+                .get("content-language")
+                .map(|value| value.to_str().unwrap().to_owned());
+            (status, said, response.json::<Value>().await.unwrap())
+        }
+    };
+    let bad_task = json!({"prompt": "", "images": 9, "steps": 0, "resolution": "100x100"});
+    let names = |problem: &Value| {
+        let errors: Vec<(String, String)> = problem["errors"]
+            .as_array()
+            .map(|errors| {
+                errors
+                    .iter()
+                    .map(|e| (e["field"].to_string(), e["rule"].to_string()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        (
+            problem["type"].clone(),
+            problem["field"].clone(),
+            problem["rule"].clone(),
+            errors,
+        )
+    };
+
+    let (status, said, chinese) = ask(
+        "/api/v1/tasks",
+        bad_task.clone(),
+        Some("zh-CN,zh;q=0.9,en;q=0.8"),
+    )
+    .await;
+    assert_eq!((status, said.as_deref()), (422, Some("zh-CN")), "{chinese}");
+    assert_eq!(chinese["title"], "请求无效");
+    let messages: Vec<&str> = chinese["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|error| error["message"].as_str().unwrap())
+        .collect();
+    assert!(messages[0].starts_with("提示词："), "{messages:?}");
+    assert!(
+        messages.iter().all(|message| !message.is_ascii()),
+        "{messages:?}"
+    );
+    assert!(chinese["detail"].as_str().unwrap().contains("提示词："));
+
+    for english_first in [None, Some("en-US,en;q=0.9,zh;q=0.5"), Some("fr-FR")] {
+        let (status, said, english) = ask("/api/v1/tasks", bad_task.clone(), english_first).await;
+        assert_eq!((status, said), (422, None), "{english_first:?}");
+        assert_eq!(english["title"], "Invalid request");
+        assert!(
+            english["detail"].as_str().unwrap().starts_with("prompt: "),
+            "{english}"
+        );
+        assert_eq!(names(&english), names(&chinese));
+    }
+
+    // A named rule, and a window said with its times.
+    let (status, _, invalid) = ask(
+        "/api/v1/codes/redeem",
+        json!({"code": "不是兑换码"}),
+        Some("zh"),
+    )
+    .await;
+    assert_eq!(status, 422);
+    assert_eq!(invalid["type"], "/problems/invalid-code");
+    assert_eq!(invalid["detail"], "兑换码无效：请检查是否输错了字符。");
+    let (status, _, missing) = ask(
+        &format!("/api/v1/tasks/{}/cancel", uuid::Uuid::now_v7()),
+        json!({}),
+        Some("zh-TW"),
+    )
+    .await;
+    assert_eq!(status, 404);
+    assert_eq!(
+        (missing["title"].as_str(), missing["detail"].as_str()),
+        (Some("未找到"), Some("找不到这个页面或内容。"))
+    );
+    // No credentials: the 401 too.
+    let unauthenticated = app
+        .http
+        .get(format!("{}/api/v1/account", app.address))
+        .header("accept-language", "zh-CN")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unauthenticated.status(), 401);
+    assert!(unauthenticated.headers().contains_key("www-authenticate"));
+    let problem: Value = unauthenticated.json().await.unwrap();
+    assert_eq!(problem["detail"], "请先登录。");
+}
