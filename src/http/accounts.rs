@@ -383,7 +383,7 @@ pub async fn grant(
     request: HttpRequest,
     admin: Admin,
     path: web::Path<String>,
-    body: web::Json<GrantRequest>,
+    body: crate::http::extract::Json<GrantRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let user_id = crate::http::users::parse_user_id(&path)?;
     let operation_id = operation_id(&request, &format!("grant:{user_id}"))?;

@@ -142,7 +142,7 @@ pub(crate) fn parse_password(field: &str, raw: &str) -> Result<PlainPassword, Ap
 pub async fn register(
     state: web::Data<AppState>,
     request: HttpRequest,
-    body: web::Json<RegisterRequest>,
+    body: crate::http::extract::Json<RegisterRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let user = register_user(&state, &request, &body).await?;
     Ok(HttpResponse::Created().json(user))
@@ -188,7 +188,7 @@ pub(crate) async fn register_user(
 pub async fn login(
     state: web::Data<AppState>,
     request: HttpRequest,
-    body: web::Json<LoginRequest>,
+    body: crate::http::extract::Json<LoginRequest>,
 ) -> Result<HttpResponse, ApiError> {
     Ok(HttpResponse::Ok().json(log_in(&state, &request, body.into_inner()).await?))
 }
@@ -366,7 +366,7 @@ pub(crate) async fn verify_code(
 pub async fn send_code(
     state: web::Data<AppState>,
     request: HttpRequest,
-    body: web::Json<CodeRequest>,
+    body: crate::http::extract::Json<CodeRequest>,
 ) -> Result<HttpResponse, ApiError> {
     Ok(HttpResponse::Accepted().json(send_login_code(&state, &request, &body.phone).await?))
 }

@@ -169,7 +169,7 @@ pub async fn list(state: web::Data<AppState>, _admin: Admin) -> Result<HttpRespo
 pub async fn add(
     state: web::Data<AppState>,
     admin: Admin,
-    body: web::Json<AddBackendRequest>,
+    body: crate::http::extract::Json<AddBackendRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let request = body.into_inner();
     let backend = NewBackend::parse(&request.name, &request.url, request.capacity.unwrap_or(1))

@@ -198,7 +198,7 @@ pub async fn redeem(
     state: web::Data<AppState>,
     request: HttpRequest,
     caller: Authenticated,
-    body: web::Json<RedeemRequest>,
+    body: crate::http::extract::Json<RedeemRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let redemption = state
         .codes
@@ -241,7 +241,7 @@ pub async fn create_batch(
     state: web::Data<AppState>,
     request: HttpRequest,
     admin: Admin,
-    body: web::Json<BatchRequest>,
+    body: crate::http::extract::Json<BatchRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let batch_id = match crate::http::accounts::idempotency_key(&request)? {
         None => Uuid::now_v7(),
@@ -333,7 +333,7 @@ pub async fn revoke(
     request: HttpRequest,
     admin: Admin,
     path: web::Path<String>,
-    body: web::Json<RevokeRequest>,
+    body: crate::http::extract::Json<RevokeRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let batch_id = parse_batch_id(&path)?;
     let metadata = event_metadata(&request, admin.actor());

@@ -338,3 +338,49 @@ pub mod whole {
             .transpose()
     }
 }
+
+/// A JSON request body that must be an object, read as `T`. serde reads a struct from an array
+/// too (its fields by position): `["a title", true]` would be a publish. The body is checked as
+/// JSON first (actix's `Json` with the app's `JsonConfig`: its limit, content type and errors),
+/// then its first character, then read as `T`.
+#[derive(Debug)]
+pub struct Json<T>(pub T);
+
+impl<T> Json<T> {
+    pub fn into_inner(self) -> T {
+        self.0
+    }
+}
+
+impl<T> std::ops::Deref for Json<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T: serde::de::DeserializeOwned + 'static> FromRequest for Json<T> {
+    type Error = actix_web::Error;
+    type Future = LocalBoxFuture<'static, Result<Self, Self::Error>>;
+
+    fn from_request(request: &HttpRequest, payload: &mut Payload) -> Self::Future {
+        let raw = web::Json::<Box<serde_json::value::RawValue>>::from_request(request, payload);
+        Box::pin(async move {
+            let raw = raw.await?.into_inner();
+            let unreadable = |detail: String| {
+                ApiError::invalid(
+                    "body",
+                    zhihui_domain::rule::Broken::new(zhihui_domain::rule::Rule::Unreadable)
+                        .with("detail", detail),
+                )
+            };
+            if !raw.get().starts_with('{') {
+                return Err(unreadable("the body must be a JSON object".into()).into());
+            }
+            serde_json::from_str(raw.get())
+                .map(Json)
+                .map_err(|error| unreadable(error.to_string()).into())
+        })
+    }
+}

@@ -537,7 +537,7 @@ pub async fn publish(
     state: web::Data<AppState>,
     request: HttpRequest,
     caller: Authenticated,
-    body: web::Json<PublishBody>,
+    body: crate::http::extract::Json<PublishBody>,
 ) -> Result<HttpResponse, ApiError> {
     let body = body.into_inner();
     let work_id = state
@@ -821,7 +821,7 @@ pub async fn hide(
     request: HttpRequest,
     admin: Admin,
     path: web::Path<String>,
-    body: web::Json<HideBody>,
+    body: crate::http::extract::Json<HideBody>,
 ) -> Result<HttpResponse, ApiError> {
     let work_id = parse_id(&path, "work")?;
     state

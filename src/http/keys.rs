@@ -157,7 +157,7 @@ pub async fn create(
     state: web::Data<AppState>,
     request: HttpRequest,
     caller: Authenticated,
-    body: web::Json<CreateKeyRequest>,
+    body: crate::http::extract::Json<CreateKeyRequest>,
 ) -> Result<HttpResponse, ApiError> {
     create_for(
         &state,
@@ -222,7 +222,7 @@ pub async fn admin_create(
     request: HttpRequest,
     admin: Admin,
     path: web::Path<String>,
-    body: web::Json<CreateKeyRequest>,
+    body: crate::http::extract::Json<CreateKeyRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let user_id = crate::http::users::parse_user_id(&path)?;
     create_for(&state, &request, admin.actor(), user_id, body.into_inner()).await

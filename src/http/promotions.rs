@@ -125,7 +125,7 @@ pub async fn create(
     state: web::Data<AppState>,
     request: HttpRequest,
     admin: Admin,
-    body: web::Json<PromotionRequest>,
+    body: crate::http::extract::Json<PromotionRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let promotion_id = match crate::http::accounts::idempotency_key(&request)? {
         None => Uuid::now_v7(),
@@ -292,7 +292,7 @@ pub async fn raise(
     request: HttpRequest,
     admin: Admin,
     path: web::Path<String>,
-    body: web::Json<StockRequest>,
+    body: crate::http::extract::Json<StockRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let promotion_id = parse_id(&path)?;
     let view = change_promotion(

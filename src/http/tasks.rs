@@ -279,7 +279,7 @@ pub async fn submit(
     state: web::Data<AppState>,
     request: HttpRequest,
     caller: Authenticated,
-    body: web::Json<SubmitTaskRequest>,
+    body: crate::http::extract::Json<SubmitTaskRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let key = idempotency_key(&request)?;
     let body = body.into_inner();

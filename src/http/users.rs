@@ -100,7 +100,7 @@ pub async fn change_password(
     state: web::Data<AppState>,
     request: HttpRequest,
     caller: Authenticated,
-    body: web::Json<ChangePasswordRequest>,
+    body: crate::http::extract::Json<ChangePasswordRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let new_password = parse_password("new_password", &body.new_password)?;
     let user = existing_user(&state, caller.user_id()).await?;
@@ -144,7 +144,7 @@ pub async fn bind_phone(
     state: web::Data<AppState>,
     request: HttpRequest,
     caller: Authenticated,
-    body: web::Json<BindPhoneRequest>,
+    body: crate::http::extract::Json<BindPhoneRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let phone = parse_phone(&body.phone)?;
     verify_code(&state, &phone, &body.code).await?;
@@ -192,7 +192,7 @@ pub async fn change_role(
     request: HttpRequest,
     admin: Admin,
     path: web::Path<String>,
-    body: web::Json<ChangeRoleRequest>,
+    body: crate::http::extract::Json<ChangeRoleRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let user_id = parse_user_id(&path)?;
     let metadata = event_metadata(&request, admin.actor());

@@ -122,7 +122,7 @@ pub async fn register(
     state: web::Data<AppState>,
     request: HttpRequest,
     caller: Authenticated,
-    body: web::Json<RegisterEndpointRequest>,
+    body: crate::http::extract::Json<RegisterEndpointRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let mut event_types = Vec::new();
     for text in &body.event_types {
@@ -323,7 +323,7 @@ pub async fn redeliver(
     state: web::Data<AppState>,
     caller: Authenticated,
     path: web::Path<String>,
-    body: web::Json<RedeliverRequest>,
+    body: crate::http::extract::Json<RedeliverRequest>,
 ) -> Result<HttpResponse, ApiError> {
     let endpoint_id = parse_id(&path)?;
     let range = match (body.message_id, body.since, body.until) {

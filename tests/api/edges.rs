@@ -70,6 +70,49 @@ async fn a_body_over_the_limit_is_a_413_not_a_422() {
     assert_eq!(problem["type"], "/problems/body-too-large");
 }
 
+/// A body must be a JSON object: serde would read a struct's fields from an array by position.
+/// Whitespace before the object is still JSON; a syntax error names where it is.
+#[tokio::test]
+async fn a_body_that_is_not_a_json_object_is_a_422_naming_the_body() {
+    let app = spawn_app_with(|_| {}).await;
+    let token = app.admin_token("guanliyuan").await;
+    let raw = |body: &'static str| {
+        app.http
+            .post(format!("{}/api/v1/tasks", app.address))
+            .bearer_auth(&token)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    for body in [
+        // Every field of a submit, by position: serde alone would take it.
+        r#"["一只猫", null, 1, null, null, null, null, null, null, null]"#,
+        r#"["一只猫", 1]"#,
+        r#""一只猫""#,
+        "42",
+        "null",
+        r#"{"prompt": "一只猫""#,
+    ] {
+        let response = raw(body).await.unwrap();
+        assert_eq!(response.status(), 422, "{body}");
+        let problem: Value = response.json().await.unwrap();
+        assert_eq!(
+            (problem["field"].as_str(), problem["rule"].as_str()),
+            (Some("body"), Some("unreadable")),
+            "{body}: {problem}"
+        );
+    }
+    let object = raw(" \n\t{\"prompt\": \"一只猫\", \"colour\": \"红\"}")
+        .await
+        .unwrap();
+    let problem: Value = object.json().await.unwrap();
+    assert_eq!(problem["field"], "body", "{problem}");
+    assert!(
+        problem["detail"].as_str().unwrap().contains("colour"),
+        "the object was read, its unknown field named: {problem}"
+    );
+}
+
 /// A Redis server of this test's own, started with `scripts/redis.conf` in a fresh directory.
 pub(crate) struct OwnRedis {
     pub(crate) child: std::process::Child,
