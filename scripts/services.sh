@@ -11,6 +11,9 @@
 #                                        DATABASE_URL (target_session_attrs=read-write)
 #   scripts/services.sh kill-primary     SIGKILL the primary's postmaster and its backends
 #   scripts/services.sh promote-standby  promote the standby (it becomes the read-write host)
+#   scripts/services.sh stop-primary     a fast shutdown of the primary (an operator's restart:
+#                                        sessions ended, commits flushed); `restart-old-primary`
+#                                        starts it again
 #   scripts/services.sh restart-old-primary  start the killed primary again as it was: a second
 #                                        read-write server on the old timeline (the mistake zhihui
 #                                        fences; see src/platform/pg_fencing.rs)
@@ -209,6 +212,12 @@ kill_primary() {
     log "SIGKILL of the primary (postmaster $pid and its backends)"
     # The whole server at once, as a machine that dies: no shutdown, no last WAL sent.
     kill -9 $(pgrep -P "$pid") "$pid" 2>/dev/null || true
+}
+
+stop_primary() {
+    local bin; bin="$(pg_bin_dir)"
+    log "fast shutdown of the primary on port $PAIR_PRIMARY_PORT"
+    as_pg_user "$bin/pg_ctl" -D "$PAIR_DIR/primary" -m fast -w -t 60 stop >&2
 }
 
 promote_standby() {
@@ -438,6 +447,7 @@ case "${1:-start}" in
         ;;
     start-pg-pair) start_pg_pair ;;
     kill-primary) kill_primary ;;
+    stop-primary) stop_primary ;;
     promote-standby) promote_standby ;;
     restart-old-primary) restart_old_primary ;;
     rejoin-old-primary) rejoin_old_primary ;;
@@ -447,6 +457,6 @@ case "${1:-start}" in
     kill-redis-master) kill_redis_master "${2:-}" ;;
     restart-redis-node) start_cluster_node "${2:?port}" ;;
     *)
-        echo "usage: $0 start|stop|env|start-pg-pair|kill-primary|promote-standby|restart-old-primary|rejoin-old-primary|stop-pg-pair|start-redis-cluster|stop-redis-cluster|kill-redis-master SLOT|restart-redis-node PORT" >&2; exit 2
+        echo "usage: $0 start|stop|env|start-pg-pair|kill-primary|stop-primary|promote-standby|restart-old-primary|rejoin-old-primary|stop-pg-pair|start-redis-cluster|stop-redis-cluster|kill-redis-master SLOT|restart-redis-node PORT" >&2; exit 2
         ;;
 esac

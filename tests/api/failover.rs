@@ -7,6 +7,10 @@
 //!
 //! With a synchronous standby nothing acknowledged may be lost; without one, the test counts what
 //! was (the README says how much can be) and still asks that nothing landed twice.
+//!
+//! The same load through an operator's restart of the primary (a fast shutdown, down a second,
+//! started again; the standby stays a standby): every answer meanwhile is a 503 with
+//! `Retry-After`, never a 500, and nothing acknowledged is lost.
 
 #![allow(clippy::unwrap_used)]
 
@@ -31,6 +35,18 @@ const KILL_AFTER: Duration = Duration::from_secs(2);
 const PROMOTE_AFTER: Duration = Duration::from_secs(1);
 /// After the promotion the load goes on this long (each process must have answered by then).
 const LOAD_AFTER_PROMOTION: Duration = Duration::from_secs(4);
+
+/// What happens to the primary while the load runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Disaster {
+    /// SIGKILL, then the standby promoted.
+    KilledAndStandbyPromoted,
+    /// A fast shutdown, down for `DOWN_FOR`, then started again as it was.
+    Restarted,
+}
+
+/// How long a restarted primary stays down.
+const DOWN_FOR: Duration = Duration::from_secs(1);
 
 /// A primary and its streaming standby, on their own ports and directory.
 struct Pair {
@@ -110,6 +126,8 @@ struct Told {
     failed: usize,
     /// Every answer by status (grants and tasks), and the requests that got no answer.
     by_status: std::collections::BTreeMap<u16, usize>,
+    /// 503s that did not say when to come back.
+    unavailable_without_retry_after: usize,
     no_answer: usize,
 }
 
@@ -120,7 +138,10 @@ impl Told {
                 *self
                     .by_status
                     .entry(response.status().as_u16())
-                    .or_default() += 1
+                    .or_default() += 1;
+                if response.status() == 503 && !response.headers().contains_key("retry-after") {
+                    self.unavailable_without_retry_after += 1;
+                }
             }
             Err(_) => self.no_answer += 1,
         }
@@ -137,7 +158,7 @@ struct Found {
     landed_unanswered: usize,
 }
 
-async fn failover_drill(synchronous: bool) -> (Told, Found) {
+async fn failover_drill(synchronous: bool, disaster: Disaster) -> (Told, Found) {
     let pair = Pair::start(synchronous);
     let app = spawn_app_at(&pair.url(), |_| {}).await;
     let directory = std::env::temp_dir().join(format!("zhihui-failover-{}", Uuid::now_v7()));
@@ -265,10 +286,20 @@ async fn failover_drill(synchronous: bool) -> (Told, Found) {
     tokio::time::sleep(KILL_AFTER).await;
     let answered_before = told.lock().await.answered;
     assert!(answered_before > 0, "no request succeeded before the kill");
-    pair.services("kill-primary");
-    *killed_at.lock().await = Some(Instant::now());
-    tokio::time::sleep(PROMOTE_AFTER).await;
-    pair.services("promote-standby");
+    match disaster {
+        Disaster::KilledAndStandbyPromoted => {
+            pair.services("kill-primary");
+            *killed_at.lock().await = Some(Instant::now());
+            tokio::time::sleep(PROMOTE_AFTER).await;
+            pair.services("promote-standby");
+        }
+        Disaster::Restarted => {
+            *killed_at.lock().await = Some(Instant::now());
+            pair.services("stop-primary");
+            tokio::time::sleep(DOWN_FOR).await;
+            pair.services("restart-old-primary");
+        }
+    }
     let promoted_at = Instant::now();
     loop {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -322,10 +353,14 @@ async fn failover_drill(synchronous: bool) -> (Told, Found) {
             .unwrap();
         (row.get(0), row.get(1))
     };
+    let read_write = match disaster {
+        Disaster::KilledAndStandbyPromoted => pair.standby_port,
+        Disaster::Restarted => pair.primary_port,
+    };
     assert_eq!(
         at,
-        (i32::from(pair.standby_port), false),
-        "the app's URL finds the promoted standby"
+        (i32::from(read_write), false),
+        "the app's URL finds the read-write server"
     );
     for (_, task_id) in told.tasks.iter().filter(|(_, id)| !lost_tasks.contains(id)) {
         let ends: i64 = client
@@ -398,7 +433,7 @@ fn report(title: &str, told: &Told, found: &Found) {
         .collect();
     back.sort();
     println!(
-        "{title}: {} grants acknowledged, {} lost; {} unanswered ({} of them landed); {} tasks accepted, {} lost, the others ended once; rounds answered {}, failed {}; answers by status {:?}, {} with no answer; first success after the kill: {}",
+        "{title}: {} grants acknowledged, {} lost; {} unanswered ({} of them landed); {} tasks accepted, {} lost, the others ended once; rounds answered {}, failed {}; answers by status {:?} ({} 503s without Retry-After), {} with no answer; first success after the disaster: {}",
         told.grants.len(),
         found.lost_grants.len(),
         told.grants_unanswered.len(),
@@ -408,6 +443,7 @@ fn report(title: &str, told: &Told, found: &Found) {
         told.answered,
         told.failed,
         told.by_status,
+        told.unavailable_without_retry_after,
         told.no_answer,
         back.join(", ")
     );
@@ -415,7 +451,7 @@ fn report(title: &str, told: &Told, found: &Found) {
 
 #[tokio::test]
 async fn with_a_synchronous_standby_a_killed_primary_loses_no_acknowledged_append() {
-    let (told, found) = Box::pin(failover_drill(true)).await;
+    let (told, found) = Box::pin(failover_drill(true, Disaster::KilledAndStandbyPromoted)).await;
     report("synchronous standby", &told, &found);
     // A store failing over is a 503 with Retry-After, never a 500 (a 500 means a bug).
     assert!(!told.by_status.contains_key(&500), "{:?}", told.by_status);
@@ -431,7 +467,7 @@ async fn with_a_synchronous_standby_a_killed_primary_loses_no_acknowledged_appen
 
 #[tokio::test]
 async fn with_an_asynchronous_standby_a_killed_primary_is_survived_and_nothing_lands_twice() {
-    let (told, found) = Box::pin(failover_drill(false)).await;
+    let (told, found) = Box::pin(failover_drill(false, Disaster::KilledAndStandbyPromoted)).await;
     // Asynchronous replication may lose the last acknowledged commits (README: at most what
     // the standby had not received, typically the last milliseconds): counted, not forbidden.
     report("asynchronous standby", &told, &found);
@@ -599,4 +635,36 @@ async fn an_old_primary_started_again_takes_no_append_and_rejoins_as_a_standby()
     drop(fresh);
     drop(sim);
     let _ = std::fs::remove_dir_all(&directory);
+}
+
+#[tokio::test]
+async fn a_primary_restarted_by_an_operator_is_a_503_with_retry_after_meanwhile_and_loses_nothing()
+{
+    let (told, found) = Box::pin(failover_drill(false, Disaster::Restarted)).await;
+    report("primary restarted", &told, &found);
+    let errors: Vec<u16> = told
+        .by_status
+        .keys()
+        .copied()
+        .filter(|status| *status >= 500)
+        .collect();
+    assert!(
+        errors.iter().all(|status| *status == 503),
+        "{:?}",
+        told.by_status
+    );
+    assert!(
+        errors.contains(&503),
+        "nothing met the server while it was down: {:?}",
+        told.by_status
+    );
+    assert_eq!(told.unavailable_without_retry_after, 0);
+    // A fast shutdown flushes what was committed: nothing acknowledged is lost.
+    assert!(
+        found.lost_grants.is_empty() && found.lost_tasks.is_empty(),
+        "acknowledged appends lost: grants {:?}, tasks {:?}",
+        found.lost_grants,
+        found.lost_tasks
+    );
+    assert!(told.grants.len() > 10, "{} grants", told.grants.len());
 }
