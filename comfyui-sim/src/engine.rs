@@ -931,6 +931,10 @@ async fn run_node(
     match def.name {
         "CheckpointLoaderSimple" => {
             let name = string_of(inputs, def, "ckpt_name")?;
+            let load = run.inst.shared.faults().model_load_ms;
+            if load > 0 {
+                run.sleep(Duration::from_millis(load)).await;
+            }
             Ok((
                 vec![
                     Data::Model(name.clone()),

@@ -42,6 +42,9 @@ pub struct SimConfig {
 pub struct Faults {
     /// Sleep per sampler step / progress tick; 0 = as fast as possible.
     pub step_delay_ms: u64,
+    /// Sleep when a checkpoint loader runs (its output not cached from the prompt before: a
+    /// prompt of another checkpoint), as a GPU loading a model does; 0 = none.
+    pub model_load_ms: u64,
     /// Raise a runtime error (`execution_error`) when a node of this class executes.
     pub fail_node_class: Option<String>,
     /// WebSockets stay open but receive nothing at all (no frames, no pongs); HTTP unaffected.

@@ -29,6 +29,10 @@ struct Args {
     /// Milliseconds per sampler step (fault `step_delay_ms`).
     #[arg(long, default_value_t = 0)]
     step_delay_ms: u64,
+    /// Milliseconds a prompt of another checkpoint than the one before spends loading it
+    /// (fault `model_load_ms`).
+    #[arg(long, default_value_t = 0)]
+    model_load_ms: u64,
     /// Save PNGs with the fastest compression (fault `fast_png`; for benchmarks).
     #[arg(long)]
     fast_png: bool,
@@ -48,6 +52,7 @@ async fn main() -> anyhow::Result<()> {
         models: args.models,
         faults: Faults {
             step_delay_ms: args.step_delay_ms,
+            model_load_ms: args.model_load_ms,
             fast_png: args.fast_png,
             socket_start_delay_ms: args.socket_start_delay_ms,
             ..Faults::default()

@@ -3,13 +3,14 @@
 //!
 //! [`estimate`] is a pure function: it replays the dispatcher's order on the servers' slots (each
 //! task in queue order takes the slot, among the servers offering its model, that frees first;
-//! its run is its steps times the measured seconds per step there). [`StepTimes`] is what the
-//! leader measures: per server and model, the mean of the last [`STEP_SAMPLES_MAX`] seconds per
-//! step of finished tasks, each sample capped at [`STEP_SAMPLE_CAP`] times their median. A wait is
-//! a sum of the runs ahead, and a sum grows by the mean: a median misses the slow runs (a model
-//! loaded, a straggler) that real servers make every so often, and the estimates behind a long
-//! queue fall short by that much times its length. The cap keeps one hung run from moving the
-//! measure for the next 32 tasks.
+//! its run is its steps times the measured seconds per step there, plus the model's measured load
+//! when the server held another). [`StepTimes`] is what the leader measures: per server and
+//! model, the mean of the last [`STEP_SAMPLES_MAX`] seconds per step of finished runs that found
+//! their model loaded, each sample capped at [`STEP_SAMPLE_CAP`] times their median, and the mean
+//! time the runs that loaded it first took beyond that. A wait is a sum of the runs ahead, and a
+//! sum grows by the mean: a median misses the slow runs (a straggler) that real servers make
+//! every so often, and the estimates behind a long queue fall short by that much times its
+//! length. The cap keeps one hung run from moving the measure for the next 32 tasks.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
@@ -37,6 +38,12 @@ pub struct ServerOutlook {
     pub slots_free_in: Vec<f64>,
     /// Measured seconds per step, by model.
     pub seconds_per_step: BTreeMap<String, f64>,
+    /// The model it holds loaded once what runs and waits there is done (`None`: unknown).
+    #[serde(default)]
+    pub loaded_model: Option<String>,
+    /// Measured seconds a run spends loading its model when the run before had another, by model.
+    #[serde(default)]
+    pub load_seconds: BTreeMap<String, f64>,
 }
 
 impl ServerOutlook {
@@ -58,6 +65,13 @@ impl ServerOutlook {
             })
             .unwrap_or(SECONDS_PER_STEP_UNMEASURED);
         RUN_OVERHEAD_SECONDS + rate * f64::from(steps)
+    }
+
+    /// Seconds a run of `model` adds here for loading it after a run of another model.
+    pub fn switch_seconds(&self, model: Option<&str>) -> f64 {
+        model
+            .and_then(|model| self.load_seconds.get(model).copied())
+            .unwrap_or(0.0)
     }
 }
 
@@ -88,6 +102,12 @@ pub fn estimate(servers: &[ServerOutlook], queue: &[Waiting]) -> Vec<Option<Esti
                 .collect()
         })
         .collect();
+    // The model each server holds after the runs given to it so far: a run of another loads its
+    // own first.
+    let mut loaded: Vec<Option<&str>> = servers
+        .iter()
+        .map(|server| server.loaded_model.as_deref())
+        .collect();
     queue
         .iter()
         .map(|task| {
@@ -105,44 +125,111 @@ pub fn estimate(servers: &[ServerOutlook], queue: &[Waiting]) -> Vec<Option<Esti
                 }
             }
             let (index, slot, start_in) = best?;
-            let end_in = start_in + servers[index].run_seconds(model, task.steps);
+            let server = &servers[index];
+            let switch = if model.is_some() && loaded[index] != model {
+                server.switch_seconds(model)
+            } else {
+                0.0
+            };
+            let end_in = start_in + server.run_seconds(model, task.steps) + switch;
             slots[index][slot] = end_in;
+            if model.is_some() {
+                loaded[index] = model;
+            }
             Some(Estimate { start_in, end_in })
         })
         .collect()
 }
 
-/// The leader's measures: seconds per step of finished tasks, per server and model.
+/// The leader's measures, per server and model: seconds per step of finished runs that found
+/// their model loaded, and what the runs that had to load it first took beyond that.
+///
+/// A load is a cost per run, not per step: spread over the steps of the run that paid it (as one
+/// measure of both would), it is charged again in proportion to steps to every run ahead,
+/// switch or not, and the estimates behind a queue of long runs come out late.
 #[derive(Debug, Clone, Default)]
 pub struct StepTimes {
     samples: HashMap<(String, String), VecDeque<f64>>,
+    /// Runs that loaded their model first: (steps, seconds).
+    switched: HashMap<(String, String), VecDeque<(u32, f64)>>,
 }
 
 impl StepTimes {
-    /// A task of `steps` steps of `model` ran `seconds` on `server`.
-    pub fn record(&mut self, server: &str, model: &str, steps: u32, seconds: f64) {
+    /// A task of `steps` steps of `model` ran `seconds` on `server`; `switched`: the run before
+    /// it there was of another model (or none was known), so it loaded its own first.
+    pub fn record(&mut self, server: &str, model: &str, steps: u32, seconds: f64, switched: bool) {
         if steps == 0 || !seconds.is_finite() || seconds < 0.0 {
             return;
         }
-        let per_step = (seconds - RUN_OVERHEAD_SECONDS).max(0.0) / f64::from(steps);
-        let samples = self
-            .samples
-            .entry((server.to_owned(), model.to_owned()))
-            .or_default();
+        let key = (server.to_owned(), model.to_owned());
+        if switched {
+            let runs = self.switched.entry(key).or_default();
+            if runs.len() == STEP_SAMPLES_MAX {
+                runs.pop_front();
+            }
+            runs.push_back((steps, seconds));
+            return;
+        }
+        let samples = self.samples.entry(key).or_default();
         if samples.len() == STEP_SAMPLES_MAX {
             samples.pop_front();
         }
-        samples.push_back(per_step);
+        samples.push_back(per_step(steps, seconds));
     }
 
-    /// The seconds per step of each model measured on `server`: the capped mean of its samples.
+    /// The seconds per step of each model measured on `server`: the capped mean of the runs that
+    /// found it loaded; until there is one, of the runs that loaded it (their loads spread over
+    /// their steps, the best guess there is).
     pub fn of(&self, server: &str) -> BTreeMap<String, f64> {
-        self.samples
+        let mut rates: BTreeMap<String, f64> = self
+            .switched
             .iter()
             .filter(|((name, _), _)| name == server)
-            .map(|((_, model), samples)| (model.clone(), capped_mean(samples)))
+            .map(|((_, model), runs)| {
+                let spread: VecDeque<f64> = runs
+                    .iter()
+                    .map(|(steps, seconds)| per_step(*steps, *seconds))
+                    .collect();
+                (model.clone(), capped_mean(&spread))
+            })
+            .collect();
+        rates.extend(
+            self.samples
+                .iter()
+                .filter(|((name, _), _)| name == server)
+                .map(|((_, model), samples)| (model.clone(), capped_mean(samples))),
+        );
+        rates
+    }
+
+    /// The seconds each model's load adds to a run on `server`: the mean, over the runs that
+    /// loaded it, of their time beyond what a run of their steps takes with it loaded (each
+    /// counted for at most [`STEP_SAMPLE_CAP`] times that run; none when the mean is below zero).
+    /// Only for models measured both ways. A run's time beyond its expected one is as often
+    /// below: the mean is taken before anything is cut at zero, or noise would read as a load.
+    pub fn loads(&self, server: &str) -> BTreeMap<String, f64> {
+        self.switched
+            .iter()
+            .filter(|((name, _), _)| name == server)
+            .filter_map(|((name, model), runs)| {
+                let samples = self.samples.get(&(name.clone(), model.clone()))?;
+                let rate = capped_mean(samples);
+                let extra = runs
+                    .iter()
+                    .map(|(steps, seconds)| {
+                        let expected = RUN_OVERHEAD_SECONDS + rate * f64::from(*steps);
+                        (seconds - expected).min(STEP_SAMPLE_CAP * expected)
+                    })
+                    .sum::<f64>()
+                    / runs.len() as f64;
+                Some((model.clone(), extra.max(0.0)))
+            })
             .collect()
     }
+}
+
+fn per_step(steps: u32, seconds: f64) -> f64 {
+    (seconds - RUN_OVERHEAD_SECONDS).max(0.0) / f64::from(steps)
 }
 
 fn capped_mean(samples: &VecDeque<f64>) -> f64 {
@@ -170,6 +257,8 @@ mod tests {
                 .iter()
                 .map(|model| ((*model).to_owned(), rate))
                 .collect(),
+            loaded_model: None,
+            load_seconds: BTreeMap::new(),
         }
     }
 
@@ -226,15 +315,15 @@ mod tests {
     fn the_step_time_is_a_moving_capped_mean_per_server_and_model() {
         let mut times = StepTimes::default();
         for seconds in [10.5, 10.5, 30.5, 10.5] {
-            times.record("gpu", "a", 10, seconds);
+            times.record("gpu", "a", 10, seconds, false);
         }
         // A slow run counts in full: the queue's sum of runs grows by it.
         assert_eq!(times.of("gpu")["a"], 1.5);
         // A hung one counts for four times the median (1 s per step) at most.
-        times.record("gpu", "a", 10, 1000.5);
+        times.record("gpu", "a", 10, 1000.5, false);
         assert_eq!(times.of("gpu")["a"], (1.0 + 1.0 + 3.0 + 1.0 + 4.0) / 5.0);
         for _ in 0..STEP_SAMPLES_MAX {
-            times.record("gpu", "a", 10, 20.5);
+            times.record("gpu", "a", 10, 20.5, false);
         }
         assert_eq!(times.of("gpu")["a"], 2.0, "old samples age out");
         assert!(times.of("other").is_empty());
@@ -244,7 +333,58 @@ mod tests {
             models: None,
             slots_free_in: vec![0.0],
             seconds_per_step: times.of("gpu"),
+            loaded_model: None,
+            load_seconds: BTreeMap::new(),
         };
         assert_eq!(outlook.run_seconds(Some("z"), 10), 20.5);
+    }
+
+    /// A load is measured apart from the steps, from the runs that loaded their model, and
+    /// charged once per switch: to a run whose server held another model, not to the runs of
+    /// the same model behind it, and in full whatever the run's steps.
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn a_model_load_is_charged_once_per_switch_not_spread_over_the_steps() {
+        let mut times = StepTimes::default();
+        // With the model loaded: 1 s per step. Loading it first: 4 s more, at 10 or 50 steps.
+        for _ in 0..4 {
+            times.record("gpu", "a", 10, 10.5, false);
+            times.record("gpu", "a", 10, 14.5, true);
+            times.record("gpu", "a", 50, 54.5, true);
+        }
+        assert_eq!(times.of("gpu")["a"], 1.0);
+        assert_eq!(times.loads("gpu")["a"], 4.0);
+        // Runs that loaded their model, never one that found it loaded: their time spread over
+        // their steps (the best guess there is), no load of its own.
+        times.record("gpu", "b", 10, 14.5, true);
+        assert_eq!(times.of("gpu")["b"], 1.4);
+        assert!(!times.loads("gpu").contains_key("b"));
+        // Noise either way of the expected run is no load.
+        let mut noisy = StepTimes::default();
+        for seconds in [10.5, 9.5, 11.5] {
+            noisy.record("gpu", "a", 10, seconds, false);
+        }
+        for seconds in [9.0, 11.5, 10.0] {
+            noisy.record("gpu", "a", 10, seconds, true);
+        }
+        assert_eq!(noisy.loads("gpu")["a"], 0.0);
+
+        let gpu = ServerOutlook {
+            loaded_model: Some("a".into()),
+            load_seconds: times.loads("gpu"),
+            ..server("gpu", &["a", "b"], &[0.0], 1.0)
+        };
+        let queue = [
+            waiting("a", 10),
+            waiting("b", 10),
+            waiting("b", 50),
+            waiting("a", 10),
+        ];
+        let ends: Vec<f64> = estimate(&[gpu], &queue)
+            .into_iter()
+            .map(|estimate| estimate.unwrap().end_in)
+            .collect();
+        // a: loaded already; b: no load measured for it; b again: held; a: loaded again, 4 s.
+        assert_eq!(ends, [10.5, 21.0, 71.5, 86.0]);
     }
 }

@@ -82,12 +82,15 @@ pub struct BackendStatus {
     pub model_switches: u64,
     pub last_error: Option<String>,
     pub last_error_at: Option<DateTime<Utc>>,
-    /// Measured seconds per step by model (median of the last runs).
+    /// Measured seconds per step by model (the capped mean of the last runs that found it loaded).
     #[serde(default)]
     pub seconds_per_step: std::collections::BTreeMap<String, f64>,
     /// Seconds from `published_at` until each slot is free for a queued task.
     #[serde(default)]
     pub slots_free_in: Vec<f64>,
+    /// Measured seconds a run spends loading its model after a run of another, by model.
+    #[serde(default)]
+    pub load_seconds: std::collections::BTreeMap<String, f64>,
     pub published_at: DateTime<Utc>,
 }
 
@@ -550,6 +553,8 @@ impl PoolService {
                     models: backend.models.clone(),
                     slots_free_in: slots,
                     seconds_per_step: status.seconds_per_step.clone(),
+                    loaded_model: status.last_model.clone(),
+                    load_seconds: status.load_seconds.clone(),
                 })
             })
             .collect();

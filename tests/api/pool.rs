@@ -866,3 +866,100 @@ async fn a_changed_configuration_is_reported_and_applied_only_on_purpose() {
     assert_settled(&harness, &process, &user, 10 - 4).await;
     saga.resign().await;
 }
+
+/// A GPU loads a checkpoint when a prompt names another than the one before (the simulator's
+/// `model_load_ms`, its loader node not cached): the leader measures that load apart from the
+/// step time, from the runs it posted after another model, and a queued task's estimate carries
+/// it only where the server will switch.
+#[tokio::test]
+async fn a_model_load_is_measured_apart_from_the_steps_and_estimated_only_where_a_switch_comes() {
+    let faults = Faults {
+        step_delay_ms: 50,
+        model_load_ms: 1_000,
+        ..Faults::default()
+    };
+    let harness = harness_of_models(
+        vec![vec![MODEL_A.to_owned(), MODEL_B.to_owned()]],
+        faults,
+        |settings| {
+            catalog_of_four(settings);
+            settings.dispatch.staged_per_backend = 0;
+            settings.dispatch.posted_ahead_per_backend = 0;
+            settings.dispatch.leader_lease_ms = 30_000;
+            settings.dispatch.slot_lease_ms = 30_000;
+        },
+    )
+    .await;
+    let app = &harness.app;
+    let (_, token) = funded_user(app, "load-user", "100").await;
+    let process = harness.process();
+    let mut saga = harness.lead(&process).await;
+    drive_until_connected(&mut saga, 1).await;
+    drive_until_inspected(&mut saga, &process, 1).await;
+
+    // A (loads it), A, B (loads it), B, A (loads it again): one at a time, in this order.
+    for model in [MODEL_A, MODEL_A, MODEL_B, MODEL_B, MODEL_A] {
+        let task = submitted(app, &token, model, 10).await;
+        drive_until(&mut saga, &process, &[task], &[TaskStatus::Succeeded]).await;
+    }
+    let started = tokio::time::Instant::now();
+    let status = loop {
+        let list = process.dispatcher.backend_pool().list().await.unwrap();
+        if let Some(status) = list[0].status.clone()
+            && status.load_seconds.len() == 2
+        {
+            break status;
+        }
+        assert!(started.elapsed() < DRIVE_LIMIT, "no loads measured");
+        saga.step().await.unwrap();
+    };
+    for model in [MODEL_A, MODEL_B] {
+        let load = status.load_seconds[model];
+        assert!((0.6..2.0).contains(&load), "{model}: a load of {load} s");
+        // 50 ms a step, the load not spread over them.
+        let rate = status.seconds_per_step[model];
+        assert!(rate < 0.06, "{model}: {rate} s a step");
+    }
+
+    // A runs long; behind it B (the server switches) and B again (it does not).
+    let running = submitted(app, &token, MODEL_A, 50).await;
+    let switching = submitted(app, &token, MODEL_B, 10).await;
+    let following = submitted(app, &token, MODEL_B, 10).await;
+    drive_until(
+        &mut saga,
+        &process,
+        std::slice::from_ref(&running),
+        &[TaskStatus::Running],
+    )
+    .await;
+    for _ in 0..20 {
+        saga.step().await.unwrap();
+    }
+    let run_of = |task: &String| {
+        let path = format!("/api/v1/tasks/{task}");
+        let token = token.clone();
+        async move {
+            let view: Value = app.get_as(&token, &path).await.json().await.unwrap();
+            let at = |key: &str| {
+                chrono::DateTime::parse_from_rfc3339(view[key].as_str().unwrap_or_else(|| {
+                    panic!("{key} in {view}");
+                }))
+                .unwrap()
+            };
+            (at("estimated_end_at") - at("estimated_start_at")).num_milliseconds()
+        }
+    };
+    let (with_load, without) = (run_of(&switching).await, run_of(&following).await);
+    assert!(
+        (600..2_000).contains(&(with_load - without)),
+        "a run after a switch {with_load} ms, the one behind it {without} ms"
+    );
+    drive_until(
+        &mut saga,
+        &process,
+        &[running, switching, following],
+        &[TaskStatus::Succeeded],
+    )
+    .await;
+    saga.resign().await;
+}

@@ -37,6 +37,8 @@ struct Server {
     running: Option<(usize, f64, f64)>,
     /// The model it ran last (loaded in memory).
     loaded: Option<&'static str>,
+    /// Whether the run under way loaded its model first (as the dispatcher knows when it posts).
+    switched: bool,
 }
 
 struct Task {
@@ -181,6 +183,7 @@ fn simulate(world: World, count: usize, seed: u64) -> Errors {
             seconds_per_step: 0.05,
             running: None,
             loaded: None,
+            switched: false,
         },
         Server {
             name: "mid",
@@ -188,6 +191,7 @@ fn simulate(world: World, count: usize, seed: u64) -> Errors {
             seconds_per_step: 0.09,
             running: None,
             loaded: None,
+            switched: false,
         },
         Server {
             name: "slow",
@@ -195,6 +199,7 @@ fn simulate(world: World, count: usize, seed: u64) -> Errors {
             seconds_per_step: 0.16,
             running: None,
             loaded: None,
+            switched: false,
         },
     ];
     // A day: the arrival rate swings between 0.35 and 1.45 tasks/s around the pool's ~0.9/s.
@@ -237,6 +242,7 @@ fn simulate(world: World, count: usize, seed: u64) -> Errors {
                     tasks[task].model,
                     tasks[task].steps,
                     ends - started,
+                    server.switched,
                 );
                 finished_runs.push(ends - started);
                 server.running = None;
@@ -256,10 +262,17 @@ fn simulate(world: World, count: usize, seed: u64) -> Errors {
                         models: Some(server.models.iter().map(|m| (*m).to_owned()).collect()),
                         slots_free_in: vec![0.0],
                         seconds_per_step,
+                        loaded_model: server.loaded.map(str::to_owned),
+                        load_seconds: measured.loads(server.name),
                     };
                     let free_in = server.running.map_or(0.0, |(task, started, _)| {
-                        let expected =
-                            outlook.run_seconds(Some(tasks[task].model), tasks[task].steps);
+                        let model = Some(tasks[task].model);
+                        let load = if server.switched {
+                            outlook.switch_seconds(model)
+                        } else {
+                            0.0
+                        };
+                        let expected = outlook.run_seconds(model, tasks[task].steps) + load;
                         (expected - (now - started)).max(0.0)
                     });
                     ServerOutlook {
@@ -305,6 +318,7 @@ fn simulate(world: World, count: usize, seed: u64) -> Errors {
                         &mut random,
                     );
                     servers[server].running = Some((task, now, now + run));
+                    servers[server].switched = servers[server].loaded != Some(tasks[task].model);
                     servers[server].loaded = Some(tasks[task].model);
                     tasks[task].started = Some(now);
                     queue.remove(position);

@@ -167,7 +167,10 @@ impl Saga {
             model = Some(settle::model_of(&flight.workflow));
         }
         if let Some(model) = model {
-            self.note_posted_model(backend, model);
+            let switched = self.note_posted_model(backend, model);
+            if let Some(flight) = self.in_flight.get_mut(&task_id) {
+                flight.loads_model = switched;
+            }
         }
         self.post(task_id);
         true

@@ -267,8 +267,19 @@ impl Saga {
             .iter()
             .enumerate()
             .filter(|(_, backend)| !backend.removed)
-            .map(|(index, backend)| (index, backend, self.step_times.of(&backend.settings.name)))
-            .map(|(index, backend, seconds_per_step)| BackendStatus {
+            .map(|(index, backend)| {
+                let name = &backend.settings.name;
+                let outlook = ServerOutlook {
+                    name: name.clone(),
+                    models: None,
+                    slots_free_in: Vec::new(),
+                    seconds_per_step: self.step_times.of(name),
+                    loaded_model: backend.last_posted_model.clone(),
+                    load_seconds: self.step_times.loads(name),
+                };
+                (index, backend, outlook)
+            })
+            .map(|(index, backend, outlook)| BackendStatus {
                 name: backend.settings.name.clone(),
                 up: backend.client_id.is_some(),
                 draining: backend.draining,
@@ -278,29 +289,20 @@ impl Saga {
                 model_switches: backend.model_switches,
                 last_error: backend.last_error.as_ref().map(|(text, _)| text.clone()),
                 last_error_at: backend.last_error.as_ref().map(|(_, at)| *at),
-                slots_free_in: self.slots_free_in(index, &seconds_per_step),
-                seconds_per_step,
+                slots_free_in: self.slots_free_in(index, &outlook),
+                seconds_per_step: outlook.seconds_per_step,
+                load_seconds: outlook.load_seconds,
                 published_at: now,
             })
             .collect()
     }
 
-    /// Seconds until each slot of `backend` (measured `seconds_per_step` there) is free for a
-    /// queued task: what runs there has its
-    /// expected run less the time it ran; what waits there (posted ahead, posting, staged) runs
-    /// after it, in claim order, on the slot that frees first.
-    pub(super) fn slots_free_in(
-        &self,
-        backend: usize,
-        seconds_per_step: &std::collections::BTreeMap<String, f64>,
-    ) -> Vec<f64> {
+    /// Seconds until each slot of `backend` (its measures in `outlook`) is free for a queued
+    /// task: what runs there has its expected run (with its model's load when it loads one)
+    /// less the time it ran; what waits there (posted ahead, posting, staged) runs after it, in
+    /// claim order, on the slot that frees first.
+    pub(super) fn slots_free_in(&self, backend: usize, outlook: &ServerOutlook) -> Vec<f64> {
         let state = &self.backends[backend];
-        let outlook = ServerOutlook {
-            name: state.settings.name.clone(),
-            models: None,
-            slots_free_in: Vec::new(),
-            seconds_per_step: seconds_per_step.clone(),
-        };
         let capacity = state.settings.capacity.max(1) as usize;
         let mut slots: Vec<f64> = Vec::with_capacity(capacity);
         let mut waiting: Vec<(u64, f64)> = Vec::new();
@@ -310,7 +312,12 @@ impl Saga {
             }
             let model = settle::model_of(&flight.workflow);
             let steps = settle::steps_of(&flight.workflow).unwrap_or(0);
-            let run = outlook.run_seconds(Some(&model), steps);
+            let load = if flight.loads_model {
+                outlook.switch_seconds(Some(&model))
+            } else {
+                0.0
+            };
+            let run = outlook.run_seconds(Some(&model), steps) + load;
             match flight.ran_at {
                 Some(ran_at) if flight.phase == Phase::Accepted && slots.len() < capacity => {
                     slots.push((run - ran_at.elapsed().as_secs_f64()).max(0.0));
@@ -329,9 +336,11 @@ impl Saga {
     }
 
     /// A prompt of `model` is posted to `backend`: a model switch there if the one before was
-    /// another (a real GPU loads the new checkpoint first).
-    pub(super) fn note_posted_model(&mut self, backend: usize, model: String) {
+    /// another (a real GPU loads the new checkpoint first). Whether the prompt loads its model
+    /// first: also when the model before is unknown (the first prompt this leader posts there).
+    pub(super) fn note_posted_model(&mut self, backend: usize, model: String) -> bool {
         let state = &mut self.backends[backend];
+        let loads = state.last_posted_model.as_ref() != Some(&model);
         if state
             .last_posted_model
             .as_ref()
@@ -345,5 +354,6 @@ impl Saga {
             .increment(1);
         }
         state.last_posted_model = Some(model);
+        loads
     }
 }

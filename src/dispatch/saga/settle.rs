@@ -225,9 +225,12 @@ impl Saga {
         let backend = flight.backend;
         // A success's run, for the wait estimates' step times.
         let run = match (&completion, flight.ran_at, steps_of(&flight.workflow)) {
-            (Completion::Succeeded(_), Some(ran_at), Some(steps)) if !flight.end_counted => {
-                Some((model_of(&flight.workflow), steps, ran_at.elapsed()))
-            }
+            (Completion::Succeeded(_), Some(ran_at), Some(steps)) if !flight.end_counted => Some((
+                model_of(&flight.workflow),
+                steps,
+                ran_at.elapsed(),
+                flight.loads_model,
+            )),
             _ => None,
         };
         if !flight.end_counted
@@ -235,10 +238,10 @@ impl Saga {
         {
             self.count_error(backend, kind);
         }
-        if let Some((model, steps, ran)) = run {
+        if let Some((model, steps, ran, loads_model)) = run {
             let name = self.backends[backend].settings.name.clone();
             self.step_times
-                .record(&name, &model, steps, ran.as_secs_f64());
+                .record(&name, &model, steps, ran.as_secs_f64(), loads_model);
         }
         // Recorded off the saga's path: the next dispatch must not wait for this one's writes.
         let starting = self.in_flight.get_mut(&task_id).and_then(|flight| {

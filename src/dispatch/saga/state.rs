@@ -130,6 +130,8 @@ pub(super) struct InFlight {
     pub(super) ran_at: Option<Instant>,
     /// Its end was counted in the metrics (a retried recording counts once).
     pub(super) end_counted: bool,
+    /// Posted after a prompt of another model (or of one unknown): its run loads its model first.
+    pub(super) loads_model: bool,
 }
 
 impl InFlight {
@@ -162,6 +164,7 @@ impl InFlight {
             starting: None,
             ran_at: None,
             end_counted: false,
+            loads_model: false,
         }
     }
 }
