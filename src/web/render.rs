@@ -434,12 +434,17 @@ impl Page {
     /// The signed-in reader, or a redirect to sign in (and back here after).
     pub fn member(&self) -> Result<&Member, WebError> {
         self.member.as_ref().ok_or_else(|| {
-            let path = self.request.path();
             // After signing in, back to the page the reader was on: the address itself for a
-            // GET, the page that sent a form otherwise (our own pages send `Referer` to us).
+            // GET, its query too (the task to publish, the work to make one like, a filter),
+            // the page that sent a form otherwise (our own pages send `Referer` to us).
+            let address = self
+                .request
+                .uri()
+                .path_and_query()
+                .map_or_else(|| self.request.path().to_owned(), |whole| whole.to_string());
             let referring = referring_page(&self.request);
             let next = if self.request.method() == actix_web::http::Method::GET {
-                path
+                address.as_str()
             } else {
                 referring.as_deref().unwrap_or("/generate")
             };
@@ -721,24 +726,43 @@ pub async fn failure_page(request: &HttpRequest, status: StatusCode, key: &str) 
 }
 
 /// Answers marked [`Untranslated`] (failures converted where the reader was unknown) written
-/// again as the failure page in the reader's language, status and headers kept.
+/// again as the failure page in the reader's language, status and headers kept. So are the
+/// API's problems that a page's address met before its handler ran (a query or a path it
+/// cannot read, e.g. `/gallery/publish` without its task): a page never answers JSON.
 pub async fn translate_failures(
     request: actix_web::dev::ServiceRequest,
     next: actix_web::middleware::Next<impl actix_web::body::MessageBody + 'static>,
 ) -> Result<actix_web::dev::ServiceResponse<actix_web::body::BoxBody>, actix_web::Error> {
-    let response = next.call(request).await?;
-    let Some(Untranslated(key)) = response
+    let page = !request.path().starts_with("/api/")
+        && !matches!(request.path(), "/health" | "/ready" | "/metrics");
+    let mut response = next.call(request).await?.map_into_boxed_body();
+    let marked = response
         .response()
         .extensions()
         .get::<Untranslated>()
-        .copied()
-    else {
-        return Ok(response.map_into_boxed_body());
+        .map(|Untranslated(key)| *key);
+    let met_before_the_page = || {
+        let error = response.response().error()?.as_error::<ApiError>()?;
+        match error {
+            ApiError::Validation { .. } => Some("error.bad_address"),
+            ApiError::NotFound(_) => Some("error.not_found"),
+            _ => None,
+        }
+    };
+    let Some(key) = marked.or_else(|| page.then(met_before_the_page).flatten()) else {
+        return Ok(response);
     };
     let status = response.status();
     let Some(body) = failure_page(response.request(), status, key).await else {
-        return Ok(response.map_into_boxed_body());
+        return Ok(response);
     };
+    response.headers_mut().insert(
+        actix_web::http::header::CONTENT_TYPE,
+        actix_web::http::header::HeaderValue::from_static("text/html; charset=utf-8"),
+    );
+    response
+        .headers_mut()
+        .remove(actix_web::http::header::CONTENT_LENGTH);
     Ok(response.map_body(|_, _| actix_web::body::BoxBody::new(body)))
 }
 

@@ -471,3 +471,57 @@ async fn a_page_draws_its_times_in_the_readers_zone_or_names_the_zone_it_used() 
     let page = history(format!("lang=zh; zhihui_session={token}; tz=9999")).await;
     assert!(when(&page).ends_with(&format!("({label})")));
 }
+
+/// A page's whole address survives signing in (a visitor's "make one like this" carries the
+/// work, a publish its task); an address a page cannot read (its task missing, a filter given
+/// twice) is a page in the reader's language, never the API's JSON.
+#[tokio::test]
+async fn a_pages_query_survives_signing_in_and_one_it_cannot_read_is_a_page_not_json() {
+    let app = spawn_app().await;
+    let client = browser();
+    let task = uuid::Uuid::now_v7();
+    let (status, headers, _) = page(
+        &client,
+        &format!("{}/gallery/publish?task={task}", app.address),
+        "zh-CN",
+    )
+    .await;
+    assert_eq!(status, 303);
+    assert_eq!(
+        headers["location"].to_str().unwrap(),
+        format!("/login?next=/gallery/publish%3Ftask%3D{task}")
+    );
+
+    app.register("xiaohong", "a long enough password").await;
+    let token = app.login("xiaohong", "a long enough password").await;
+    for (lang, expected) in [
+        ("zh", "这个地址里的参数不对或不完整"),
+        ("en", "This address has a missing or wrong parameter"),
+    ] {
+        for path in [
+            "/gallery/publish",
+            "/history?status=failed&status=succeeded",
+        ] {
+            let response = client
+                .get(format!("{}{path}", app.address))
+                .header("Accept", BROWSER_ACCEPT)
+                .header("Cookie", format!("lang={lang}; zhihui_session={token}"))
+                .send()
+                .await
+                .unwrap();
+            let status = response.status().as_u16();
+            let headers = response.headers().clone();
+            let body = response.text().await.unwrap();
+            assert!((400..500).contains(&status), "{path}: {status}");
+            assert!(
+                content_type(&headers).starts_with("text/html"),
+                "{path}: {headers:?}"
+            );
+            assert!(body.contains(expected), "{path} ({lang}): {body}");
+        }
+    }
+    // The API's own answer to the same mistake stays problem+json.
+    let api = app.get_as(&token, "/api/v1/gallery/hot?limit=many").await;
+    assert_eq!(api.status(), 422);
+    assert_eq!(content_type(api.headers()), "application/problem+json");
+}

@@ -192,3 +192,23 @@ def test_an_admin_adds_stock_and_ends_a_promotion_from_the_page(stack, person):
     assert stack.api("POST", "/api/v1/auth/register", body={"username": claimer, "password": "correct horse"})[0] == 201
     status, problem = stack.api("POST", f"/api/v1/promotions/{promotion_id}/claims", stack.token(claimer, "correct horse"))
     assert status == 409, problem
+
+
+def test_an_admin_creates_two_batches_in_a_row_from_the_same_page(stack, person):
+    """Each created batch answers with a fresh key for the form: the next one is another
+    request, not a repeat of the first (which the server would refuse as a reused key)."""
+    admin = person("zh")
+    admin.login(*ADMIN)
+    page = admin.go("/admin/codes")
+    notes = [unique("第一批"), unique("第二批")]
+    for note in notes:
+        page.fill("#count", "2")
+        page.fill("#note", note)
+        page.click("#new-batch ~ form button[type=submit]")
+        wait_until(lambda: page.locator("#batches article.batch", has_text=note).count() == 1, f"the batch {note} shown")
+    assert page.locator("#codes-messages .notice").count() == 0, page.locator("#codes-messages").inner_text()
+    shot(page, "action-two-batches-zh-desktop")
+    # Both are batches of the server's, not two cards of one.
+    page = admin.go("/admin/codes")
+    for note in notes:
+        wait_until(lambda: page.locator("#batches article.batch", has_text=note).count() == 1, f"{note} listed")

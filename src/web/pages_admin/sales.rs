@@ -153,7 +153,11 @@ pub async fn create_codes(
     match crate::http::codes::create_batch_of(page.state(), &admin, batch_id, &request, &metadata)
         .await
     {
-        Ok(view) => page.fragment("admin/_batch.html", batch_context(&view)),
+        // With a fresh key for the form: the next batch is another request, not this one again.
+        Ok(view) => page.fragment(
+            "admin/_batch.html",
+            context! { new_form_key => Uuid::new_v4().to_string(), ..batch_context(&view) },
+        ),
         Err(error) => refused(&page, "#codes-messages", error),
     }
 }
@@ -309,7 +313,10 @@ pub async fn create_promotion(
     {
         Ok(view) => page.fragment(
             "admin/_promotion.html",
-            promotion_context(&view, page.state().clock.now()),
+            context! {
+                new_form_key => Uuid::new_v4().to_string(),
+                ..promotion_context(&view, page.state().clock.now())
+            },
         ),
         Err(error) => refused(&page, target, error),
     }
