@@ -378,35 +378,9 @@ impl<T: serde::de::DeserializeOwned + 'static> FromRequest for Json<T> {
             if !raw.get().starts_with('{') {
                 return Err(unreadable("the body must be a JSON object".into()).into());
             }
-            // PostgreSQL keeps no NUL in text or jsonb: an event carrying one would fail its
-            // append, and with it every command batched into the same append.
-            if has_nul_escape(raw.get()) {
-                return Err(
-                    unreadable("text must not contain the NUL character (\\u0000)".into()).into(),
-                );
-            }
             serde_json::from_str(raw.get())
                 .map(Json)
                 .map_err(|error| unreadable(error.to_string()).into())
         })
     }
-}
-
-/// Whether JSON text holds the escape `\u0000` (a backslash that is not itself escaped, then
-/// `u0000`; JSON cannot hold a raw NUL).
-fn has_nul_escape(json: &str) -> bool {
-    let bytes = json.as_bytes();
-    let mut index = 0;
-    while index < bytes.len() {
-        if bytes[index] == b'\\' {
-            if bytes[index + 1..].starts_with(b"u0000") {
-                return true;
-            }
-            // Skip the escaped character: `\\` is one backslash, not the start of another escape.
-            index += 2;
-        } else {
-            index += 1;
-        }
-    }
-    false
 }
