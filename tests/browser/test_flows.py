@@ -188,9 +188,11 @@ def test_a_check_in_a_redeemed_code_and_a_flash_sale_each_show_in_the_ledger(sta
     codes = admin.go("/admin/codes")
     codes.fill("#count", "3")
     codes.fill("#points", "12.5")
-    codes.fill("#note", "浏览器测试批次")
+    note = unique("浏览器测试批次")
+    codes.fill("#note", note)
     codes.click("#new-batch ~ form button[type=submit]")
-    batch = codes.locator("#batches article.batch").first
+    # Other tests issue batches on the same server: find this one by its note.
+    batch = codes.locator("#batches article.batch", has_text=note)
     batch.locator(".state-issued").wait_for()
     csv_url = batch.locator("a[download]").get_attribute("href")
     csv = admin.context.request.get(f"{stack.base}{csv_url}").text()
