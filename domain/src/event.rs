@@ -33,6 +33,26 @@ impl JsonText {
         self.0.get()
     }
 
+    /// Whether a string in it holds U+0000, which PostgreSQL's `jsonb` cannot store: the
+    /// escape `\u0000` itself, not a text that merely reads `\u0000` (its backslash escaped).
+    pub fn holds_nul(&self) -> bool {
+        let text = self.as_str().as_bytes();
+        let mut from = 0;
+        while let Some(found) = self.as_str()[from..].find("\\u0000") {
+            let at = from + found;
+            let backslashes = text[..=at]
+                .iter()
+                .rev()
+                .take_while(|&&b| b == b'\\')
+                .count();
+            if backslashes % 2 == 1 {
+                return true;
+            }
+            from = at + 1;
+        }
+        false
+    }
+
     /// As a JSON tree, for the few readers that want one (inspection, tests).
     pub fn to_value(&self) -> serde_json::Value {
         // The text was checked to be JSON when this payload was made.

@@ -23,6 +23,7 @@ pub mod revenue;
 pub mod rule;
 pub mod task;
 pub mod task_record;
+pub mod text;
 pub mod user;
 pub mod webhook;
 

@@ -245,6 +245,10 @@ impl PromotionSpec {
                     .with("max", TITLE_LENGTH_MAX),
             });
         }
+        crate::text::refuse_controls(title, false).map_err(|broken| PromotionError::Invalid {
+            field: "title",
+            broken,
+        })?;
         if !(1..=STOCK_MAX).contains(&self.stock) {
             return Err(PromotionError::Invalid {
                 field: "stock",

@@ -420,6 +420,8 @@ pub(crate) async fn grant_points(
                 .with("max", GRANT_REASON_LENGTH_MAX),
         ));
     }
+    zhihui_domain::text::refuse_controls(reason, false)
+        .map_err(|broken| ApiError::invalid("reason", broken))?;
     if state.users.get(user_id).await?.is_none() {
         return Err(ApiError::NotFound("no such user".into()));
     }

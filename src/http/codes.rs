@@ -358,6 +358,8 @@ pub(crate) async fn revoke_batch(
                 .with("max", REVOKE_REASON_LENGTH_MAX),
         ));
     }
+    zhihui_domain::text::refuse_controls(reason, false)
+        .map_err(|broken| ApiError::invalid("reason", broken))?;
     let batch = state
         .codes
         .revoke(batch_id, reason.to_owned(), metadata)

@@ -63,6 +63,9 @@ fn key_error(error: RegisterError) -> ApiError {
                 .with("min", 1)
                 .with("max", KEY_NAME_LENGTH_MAX),
         ),
+        RegisterError::Rejected(UserError::KeyNameNotOneLine) => {
+            ApiError::invalid_by("name", Rule::OneLine)
+        }
         RegisterError::Rejected(UserError::NoScopes) => {
             ApiError::invalid_by("scopes", Rule::AtLeastOneScope)
         }

@@ -231,6 +231,13 @@ const PROMPT_PATTERN: &str = "^[^\\u0000-\\u0008\\u000B\\u000C\\u000E-\\u001F\\u
 /// The same, with something that is not white space.
 const PROMPT_PATTERN_NOT_BLANK: &str = "^[^\\u0000-\\u0008\\u000B\\u000C\\u000E-\\u001F\\u007F-\\u009F]*[^\\s\\u0000-\\u001F\\u007F-\\u009F][^\\u0000-\\u0008\\u000B\\u000C\\u000E-\\u001F\\u007F-\\u009F]*$";
 
+/// One line of free text (a title, a reason, a note, a key's name): no control characters, line
+/// separators or direction controls (`zhihui_domain::text::refuse_controls`).
+const ONE_LINE_PATTERN: &str =
+    "^[^\\u0000-\\u001F\\u007F-\\u009F\\u2028\\u2029\\u202A-\\u202E\\u2066-\\u2069]*$";
+/// The same, with something that is not white space.
+const ONE_LINE_PATTERN_NOT_BLANK: &str = "^[^\\u0000-\\u001F\\u007F-\\u009F\\u2028\\u2029\\u202A-\\u202E\\u2066-\\u2069]*[^\\s\\u0000-\\u001F\\u007F-\\u009F\\u2028\\u2029\\u202A-\\u202E\\u2066-\\u2069][^\\u0000-\\u001F\\u007F-\\u009F\\u2028\\u2029\\u202A-\\u202E\\u2066-\\u2069]*$";
+
 /// What the request bodies and parameters are checked against, stated in the document from the
 /// constants the checks use. Rules that tie two fields together (an end after a start, a day
 /// range) or need the server's secrets (a redeem code's signature) cannot be said in a schema;
@@ -245,8 +252,7 @@ fn constrain_inputs(document: &mut Value) {
     );
     let amount = json!({"pattern": format!("^({positive})$")});
     let amount_or_zero = json!({"pattern": format!("^(0(\\.00?)?|{positive})$")});
-    let text =
-        |length_max: usize| json!({"minLength": 1, "maxLength": length_max, "pattern": "\\S"});
+    let text = |length_max: usize| json!({"minLength": 1, "maxLength": length_max, "pattern": ONE_LINE_PATTERN_NOT_BLANK});
     let phone = json!({"pattern": format!(
         "^(\\+[1-9][0-9]{{{},{}}}|1[0-9]{{10}})$",
         zhihui_domain::user::PHONE_DIGITS_MIN - 1,
@@ -278,7 +284,12 @@ fn constrain_inputs(document: &mut Value) {
         (
             "BatchRequest",
             "note",
-            json!({"maxLength": zhihui_domain::redeem::BATCH_NOTE_LENGTH_MAX}),
+            json!({"maxLength": zhihui_domain::redeem::BATCH_NOTE_LENGTH_MAX, "pattern": ONE_LINE_PATTERN}),
+        ),
+        (
+            "CreateKeyRequest",
+            "name",
+            text(zhihui_domain::api_key::KEY_NAME_LENGTH_MAX),
         ),
         (
             "PromotionRequest",

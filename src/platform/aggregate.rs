@@ -33,7 +33,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use zhihui_domain::{Decider, DomainEvent};
 
-use crate::platform::command::{CommandError, RetryPolicy, to_new_events};
+use crate::platform::command::{CommandError, RetryPolicy, storable, to_new_events};
 use crate::platform::event_store::{
     AnyEventStore, EventMetadata, EventStore, EventStoreError, ExpectedVersion,
 };
@@ -65,6 +65,8 @@ enum Decision<D: Decider> {
     Rejected(D::Error),
     /// Its event's unique id is already stored in another stream.
     IdTaken(uuid::Uuid),
+    /// Its events cannot be stored (see [`storable`]).
+    Unstorable(String),
 }
 
 /// The actors of one aggregate type, by stream.
@@ -286,13 +288,18 @@ where
                 }
                 match D::decide(&state, &request.command) {
                     Ok(events) => {
+                        let encoded = to_new_events(&events, &request.metadata);
+                        if let Err(error) = storable(&encoded) {
+                            decisions.push(Decision::Unstorable(format!("{error:#}")));
+                            continue;
+                        }
                         for event in &events {
                             state = D::evolve(state, event);
                             if let Some(event_id) = event.unique_id() {
                                 unique_owners.push((event_id, index));
                             }
                         }
-                        new_events.extend(to_new_events(&events, &request.metadata));
+                        new_events.extend(encoded);
                         decisions.push(Decision::Events(events));
                     }
                     Err(error) => decisions.push(Decision::Rejected(error)),
@@ -310,6 +317,9 @@ where
                         Decision::IdTaken(event_id) => Err(CommandError::Store(
                             anyhow::Error::new(EventStoreError::EventIdReused { event_id }),
                         )),
+                        Decision::Unstorable(message) => {
+                            Err(CommandError::Store(anyhow::anyhow!("{message}")))
+                        }
                     })
                     .collect()
             };

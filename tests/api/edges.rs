@@ -837,3 +837,159 @@ async fn the_openapi_document_says_login_takes_a_password_or_a_phone_code_and_th
         assert!(!amount.is_match(refused), "{refused}");
     }
 }
+
+#[tokio::test]
+async fn a_control_character_in_free_text_is_a_422_naming_its_field_and_nothing_is_written() {
+    let app = spawn_app_with(|_| {}).await;
+    let admin = app.admin_token("guanliyuan").await;
+    let user = app.register("xiaoming", "a long password").await;
+    let token = app.login("xiaoming", "a long password").await;
+    let now = app.clock.now();
+    let batch = app
+        .post(
+            "/api/v1/admin/code-batches",
+            Some(&admin),
+            &json!({"count": 1, "points": "5", "valid_from": now, "valid_until": now + chrono::Duration::days(1), "note": "春节活动"}),
+        )
+        .await;
+    assert_eq!(batch.status(), 202);
+    let batch: Value = batch.json().await.unwrap();
+    let batch = batch["batch_id"].as_str().unwrap().to_owned();
+    // NUL cannot even be stored; the others are invisible or move the text around.
+    for bad in [
+        "补偿\u{0}积分",
+        "补偿\u{7}积分",
+        "补偿\n积分",
+        "补偿\u{202E}积分",
+    ] {
+        let cases = [
+            (
+                format!("/api/v1/admin/accounts/{user}/grants"),
+                &admin,
+                json!({"amount": "5", "reason": bad}),
+                "reason",
+            ),
+            (
+                "/api/v1/admin/code-batches".to_owned(),
+                &admin,
+                json!({"count": 1, "points": "5", "valid_from": now, "valid_until": now + chrono::Duration::days(1), "note": bad}),
+                "note",
+            ),
+            (
+                format!("/api/v1/admin/code-batches/{batch}/revoke"),
+                &admin,
+                json!({"reason": bad}),
+                "reason",
+            ),
+            (
+                "/api/v1/admin/promotions".to_owned(),
+                &admin,
+                json!({"title": bad, "points": "10", "price": "0", "stock": 3,
+                       "starts_at": now, "ends_at": now + chrono::Duration::hours(1)}),
+                "title",
+            ),
+            (
+                "/api/v1/me/keys".to_owned(),
+                &token,
+                json!({"name": bad, "scopes": ["tasks:read"]}),
+                "name",
+            ),
+        ];
+        for (path, token, body, field) in cases {
+            let response = app.post(&path, Some(token), &body).await;
+            assert_eq!(response.status(), 422, "{path} with {bad:?}");
+            let problem: Value = response.json().await.unwrap();
+            assert_eq!(
+                (problem["field"].as_str(), problem["rule"].as_str()),
+                (Some(field), Some("one_line")),
+                "{path} with {bad:?}: {problem}"
+            );
+        }
+    }
+    // Nothing of it was written: no grant, no second batch, no promotion, no key, the batch live.
+    let balance: Value = app
+        .get_as(&token, "/api/v1/account")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(balance["available"], "0.00", "{balance}");
+    let keys: Value = app
+        .get_as(&token, "/api/v1/me/keys")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(keys.as_array().map(Vec::len), Some(0), "{keys}");
+    let shown: Value = app
+        .get_as(&admin, &format!("/api/v1/admin/code-batches/{batch}"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_ne!(shown["status"], "revoked", "{shown}");
+    let promotions: Value = app
+        .get_as(&token, "/api/v1/promotions")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        !promotions.to_string().contains("补偿"),
+        "no promotion made: {promotions}"
+    );
+}
+
+#[tokio::test]
+async fn an_event_the_store_cannot_hold_fails_its_own_command_and_not_those_batched_with_it() {
+    use zhihui_domain::account::{AccountCommand, account_stream};
+    use zhihui_domain::points::Amount;
+    use zhihui_domain::user::UserId;
+
+    let app = spawn_app_with(|_| {}).await;
+    let user = app.register("xiaohong", "a long password").await;
+    let stream = account_stream(UserId::from_uuid(uuid::Uuid::parse_str(&user).unwrap()));
+    let services = app.services();
+    let grant = |reason: &str| AccountCommand::Grant {
+        operation_id: uuid::Uuid::now_v7(),
+        amount: Amount::whole(1),
+        reason: reason.to_owned(),
+        at: app.clock.now(),
+    };
+    let metadata = || zhihui::platform::event_store::EventMetadata {
+        correlation_id: uuid::Uuid::now_v7(),
+        causation_id: None,
+        actor: "admin:test".into(),
+    };
+    // Sent together, the good grants and the bad one meet in one actor's batch.
+    let mut commands: Vec<(bool, AccountCommand)> = (0..8)
+        .map(|n| (true, grant(&format!("第{n}次补偿"))))
+        .collect();
+    commands.insert(3, (false, grant("补偿\u{0}积分")));
+    // A text that merely reads `\u0000` is text like any other.
+    commands.push((true, grant(r"路径 C:\u0000\file")));
+    let answers = futures::future::join_all(commands.into_iter().map(|(good, command)| {
+        let services = &services;
+        let stream = &stream;
+        async move {
+            (
+                good,
+                services.accounts.execute(stream, command, metadata()).await,
+            )
+        }
+    }))
+    .await;
+    for (good, answer) in &answers {
+        assert_eq!(answer.is_ok(), *good, "{answer:?}");
+    }
+    let balance: Value = app
+        .get_as(
+            &app.login("xiaohong", "a long password").await,
+            "/api/v1/account",
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(balance["available"], "9.00", "{balance}");
+}

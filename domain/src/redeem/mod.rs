@@ -263,6 +263,10 @@ impl BatchSpec {
                 broken: Broken::new(Rule::LengthAtMost).with("max", BATCH_NOTE_LENGTH_MAX),
             });
         }
+        crate::text::refuse_controls(&self.note, false).map_err(|broken| BatchSpecError {
+            field: "note",
+            broken,
+        })?;
         Ok(())
     }
 

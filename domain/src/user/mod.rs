@@ -195,6 +195,8 @@ pub enum UserError {
     PhoneAlreadyBound { bound: PhoneNumber },
     #[error("name: a key's name is 1 to {KEY_NAME_LENGTH_MAX} characters")]
     InvalidKeyName,
+    #[error("name: a key's name is one line of text, without control characters")]
+    KeyNameNotOneLine,
     #[error("scopes: a key needs at least one scope")]
     NoScopes,
     #[error("scopes: only an admin's key may hold the admin scope")]
@@ -297,6 +299,9 @@ impl Decider for User {
                 let name = name.trim();
                 if name.is_empty() || name.chars().count() > KEY_NAME_LENGTH_MAX {
                     return Err(UserError::InvalidKeyName);
+                }
+                if crate::text::refuse_controls(name, false).is_err() {
+                    return Err(UserError::KeyNameNotOneLine);
                 }
                 if scopes.is_empty() {
                     return Err(UserError::NoScopes);
