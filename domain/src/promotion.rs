@@ -6,7 +6,10 @@
 //! consumer persisted: `ClaimReserved` takes a unit of the stock for one user (the store's final
 //! guard: never more reserved than the stock, never a user twice, decided on the latest version),
 //! then `ClaimGranted` once its price is paid, or `ClaimRefused` when it cannot be (its unit goes
-//! back to the stock and the user may claim again). The points are credited on the account with
+//! back to the stock and the user may claim again). A claim the gate let through that the store
+//! cannot reserve (the promotion ended or sold out meanwhile: the gate's cache was a moment
+//! behind) is recorded as `ClaimTurnedAway` with its reason, so that its user learns the outcome
+//! instead of waiting on a claim nobody will decide. The points are credited on the account with
 //! an operation id made from the claim ([`credit_operation_id`]), the price charged with another
 //! ([`charge_operation_id`]): every step is idempotent, so a claim persisted twice (a consumer
 //! that died before acknowledging it) moves points once.
@@ -127,6 +130,17 @@ pub struct ClaimRefused {
     pub at: DateTime<Utc>,
 }
 
+/// A claim the gate accepted and the store could not reserve: `not-open` (ended or outside the
+/// window when the gate accepted it) or `sold-out`. It never held a unit.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClaimTurnedAway {
+    pub claim_id: ClaimId,
+    pub user_id: UserId,
+    pub accepted_at: DateTime<Utc>,
+    pub reason: String,
+    pub at: DateTime<Utc>,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum PromotionEvent {
     Created(PromotionCreated),
@@ -135,6 +149,7 @@ pub enum PromotionEvent {
     Reserved(ClaimReserved),
     Granted(ClaimGranted),
     Refused(ClaimRefused),
+    TurnedAway(ClaimTurnedAway),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -180,13 +195,6 @@ pub enum PromotionError {
     Invalid { field: &'static str, broken: Broken },
     #[error("the promotion has ended")]
     Ended,
-    #[error("the promotion is open from {starts_at} until {ends_at}")]
-    NotOpen {
-        starts_at: DateTime<Utc>,
-        ends_at: DateTime<Utc>,
-    },
-    #[error("sold out")]
-    SoldOut,
     #[error("this user has claimed this promotion already")]
     AlreadyClaimed,
     #[error("claim {0} is not pending")]
@@ -355,14 +363,22 @@ impl Decider for Promotion {
                         return Err(PromotionError::AlreadyClaimed);
                     }
                 }
+                // The gate accepted it on a cache a moment behind: a fact to record, not an
+                // error to drop (its user is waiting for the outcome).
+                let turned_away = |reason: &str| {
+                    Ok(vec![PromotionEvent::TurnedAway(ClaimTurnedAway {
+                        claim_id: *claim_id,
+                        user_id: *user_id,
+                        accepted_at: *accepted_at,
+                        reason: reason.to_owned(),
+                        at: *at,
+                    })])
+                };
                 if !promotion.open_at(*accepted_at) {
-                    return Err(PromotionError::NotOpen {
-                        starts_at: promotion.spec.starts_at,
-                        ends_at: promotion.spec.ends_at,
-                    });
+                    return turned_away("not-open");
                 }
                 if promotion.left() == 0 {
-                    return Err(PromotionError::SoldOut);
+                    return turned_away("sold-out");
                 }
                 let reserved = PromotionEvent::Reserved(ClaimReserved {
                     claim_id: *claim_id,
@@ -464,6 +480,17 @@ impl Decider for Promotion {
                         }
                         promotion.taken = promotion.taken.saturating_sub(1);
                     }
+                    // Decided only where the user held no live claim: it took no unit.
+                    PromotionEvent::TurnedAway(e) => {
+                        promotion.claims.insert(
+                            e.user_id,
+                            Claim {
+                                claim_id: e.claim_id,
+                                status: ClaimStatus::Refused,
+                                accepted_at: e.accepted_at,
+                            },
+                        );
+                    }
                 }
                 Some(promotion)
             }
@@ -482,6 +509,7 @@ impl DomainEvent for PromotionEvent {
             PromotionEvent::Reserved(_) => "ClaimReserved",
             PromotionEvent::Granted(_) => "ClaimGranted",
             PromotionEvent::Refused(_) => "ClaimRefused",
+            PromotionEvent::TurnedAway(_) => "ClaimTurnedAway",
         }
     }
 
@@ -497,6 +525,7 @@ impl DomainEvent for PromotionEvent {
             PromotionEvent::Reserved(e) => payload_of(e),
             PromotionEvent::Granted(e) => payload_of(e),
             PromotionEvent::Refused(e) => payload_of(e),
+            PromotionEvent::TurnedAway(e) => payload_of(e),
         }
     }
 
@@ -515,6 +544,7 @@ impl DomainEvent for PromotionEvent {
             "ClaimReserved" => PromotionEvent::Reserved(parse_payload(event_type, payload)?),
             "ClaimGranted" => PromotionEvent::Granted(parse_payload(event_type, payload)?),
             "ClaimRefused" => PromotionEvent::Refused(parse_payload(event_type, payload)?),
+            "ClaimTurnedAway" => PromotionEvent::TurnedAway(parse_payload(event_type, payload)?),
             other => {
                 return Err(DecodeError::UnknownType {
                     event_type: other.to_owned(),
@@ -532,6 +562,7 @@ pub const EVENT_TYPES: &[&str] = &[
     "ClaimReserved",
     "ClaimGranted",
     "ClaimRefused",
+    "ClaimTurnedAway",
 ];
 
 #[cfg(test)]
@@ -597,7 +628,60 @@ mod tests {
             .then(&[reserved(2)]);
         given::<Promotion>(&[created(2), reserved(1), reserved(2)])
             .when(reserve(3))
-            .then_error(PromotionError::SoldOut);
+            .then(&[turned_away(3, at(2), "sold-out")]);
+    }
+
+    fn turned_away(n: u128, accepted_at: DateTime<Utc>, reason: &str) -> PromotionEvent {
+        PromotionEvent::TurnedAway(ClaimTurnedAway {
+            claim_id: claim(n),
+            user_id: user(n),
+            accepted_at,
+            reason: reason.into(),
+            at: accepted_at,
+        })
+    }
+
+    #[test]
+    fn a_claim_turned_away_took_no_unit_its_repeat_is_refused_and_its_user_may_claim_again() {
+        let history = [created(1), reserved(1), turned_away(2, at(2), "sold-out")];
+        let state = Promotion::fold(&history).unwrap();
+        assert_eq!((state.taken, state.left()), (1, 0));
+        assert_eq!(state.claims[&user(2)].status, ClaimStatus::Refused);
+        given::<Promotion>(&history)
+            .when(reserve(2))
+            .then_error(PromotionError::NotPending(claim(2)));
+        let raised = PromotionEvent::StockRaised(StockRaised {
+            by: 1,
+            stock_after: 2,
+            at: at(2),
+        });
+        given::<Promotion>(&[
+            created(1),
+            reserved(1),
+            turned_away(2, at(2), "sold-out"),
+            raised,
+        ])
+        .when(PromotionCommand::Reserve {
+            claim_id: claim(8),
+            user_id: user(2),
+            accepted_at: at(2),
+            at: at(2),
+        })
+        .then(&[PromotionEvent::Reserved(ClaimReserved {
+            claim_id: claim(8),
+            user_id: user(2),
+            accepted_at: at(2),
+            at: at(2),
+        })]);
+        // A user holding a live claim is never turned away over a second one the gate let by.
+        given::<Promotion>(&[created(1), reserved(1)])
+            .when(PromotionCommand::Reserve {
+                claim_id: claim(9),
+                user_id: user(1),
+                accepted_at: at(2),
+                at: at(2),
+            })
+            .then_error(PromotionError::AlreadyClaimed);
     }
 
     #[test]
@@ -616,7 +700,7 @@ mod tests {
     }
 
     #[test]
-    fn a_claim_accepted_outside_the_window_or_after_the_end_is_refused() {
+    fn a_claim_accepted_outside_the_window_or_after_the_end_is_turned_away() {
         let outside = PromotionCommand::Reserve {
             claim_id: claim(1),
             user_id: user(1),
@@ -625,19 +709,13 @@ mod tests {
         };
         given::<Promotion>(&[created(5)])
             .when(outside)
-            .then_error(PromotionError::NotOpen {
-                starts_at: at(1),
-                ends_at: at(3),
-            });
+            .then(&[turned_away(1, at(3), "not-open")]);
         let ended = PromotionEvent::Ended(PromotionEnded {
             at: at(2) - chrono::Duration::minutes(1),
         });
         given::<Promotion>(&[created(5), ended])
             .when(reserve(1))
-            .then_error(PromotionError::NotOpen {
-                starts_at: at(1),
-                ends_at: at(3),
-            });
+            .then(&[turned_away(1, at(2), "not-open")]);
     }
 
     #[test]

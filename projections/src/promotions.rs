@@ -94,6 +94,11 @@ pub async fn apply(
                     .execute(&advance("taken = taken - 1"), &[&promotion_id, &version])
                     .await
                     .context("counting a refusal")?,
+                // It took no unit: only the version moves.
+                PromotionEvent::TurnedAway(_) => transaction
+                    .execute(&advance("taken = taken"), &[&promotion_id, &version])
+                    .await
+                    .context("recording a claim turned away")?,
             };
             if applied == 0 {
                 continue;
@@ -135,6 +140,19 @@ pub async fn apply(
                         )
                         .await
                         .context("refusing a claim")?;
+                }
+                PromotionEvent::TurnedAway(e) => {
+                    transaction
+                        .execute(
+                            &format!(
+                                "INSERT INTO {claims} (claim_id, promotion_id, user_id, status, reason, accepted_at, decided_at)
+                                 VALUES ($1, $2, $3, 'refused', $4, $5, $6)
+                                 ON CONFLICT (claim_id) DO NOTHING"
+                            ),
+                            &[&e.claim_id, &promotion_id, &e.user_id.as_uuid(), &e.reason, &e.accepted_at, &e.at],
+                        )
+                        .await
+                        .context("recording a claim turned away")?;
                 }
                 _ => {}
             }

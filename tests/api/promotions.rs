@@ -714,3 +714,90 @@ async fn the_consumers_blocking_read_never_holds_the_shared_connection() {
     );
     assert_eq!(consumer.await.unwrap().unwrap().read, 0);
 }
+
+/// Redis of `app`, for a test that puts the gate's cache a moment behind the store.
+async fn gate_connection(app: &TestApp) -> zhihui::platform::redis_store::RedisConnection {
+    crate::helpers::redis_of(&app.settings).await
+}
+
+/// The claim as its user reads it, once projected.
+async fn my_claim(app: &TestApp, token: &str, promotion: Uuid) -> Value {
+    app.project().await;
+    app.get_as(token, &format!("/api/v1/promotions/{promotion}/claims/me"))
+        .await
+        .json()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_claim_the_gate_let_by_as_the_sale_ended_or_sold_out_is_turned_away_not_left_pending() {
+    use zhihui_domain::promotion::{Promotion, PromotionCommand, promotion_stream};
+    let app = spawn_sale_app().await;
+    let other = app.another_instance().await;
+    let admin = app.admin_token("admin").await;
+    let promotion = create_promotion(&app, &admin, 3, "0").await;
+    let people = users(&app, 4).await;
+    let token = |n: usize| people[n].1.clone();
+    assert_eq!(claim_all(&[&app], promotion, &[token(0)]).await[0].0, 202);
+    app.clock.advance(std::time::Duration::from_secs(1));
+
+    // The end is recorded in the store; the gate has not heard yet (an admin's end between its
+    // append and its Redis step): a claim gets through.
+    let services = app.services();
+    zhihui::platform::command::execute::<Promotion>(
+        &services.event_store,
+        &promotion_stream(promotion),
+        &PromotionCommand::End {
+            at: app.clock.now(),
+        },
+        &crate::tasks::metadata(),
+        Default::default(),
+    )
+    .await
+    .unwrap();
+    app.clock.advance(std::time::Duration::from_secs(1));
+    assert_eq!(claim_all(&[&other], promotion, &[token(1)]).await[0].0, 202);
+    consume_all(&[&app, &other]).await;
+
+    assert_eq!(
+        my_claim(&app, &token(0), promotion).await["status"],
+        "granted"
+    );
+    let late = my_claim(&other, &token(1), promotion).await;
+    assert_eq!(
+        (&late["status"], &late["reason"]),
+        (&json!("refused"), &json!("not-open")),
+        "{late}"
+    );
+    project_and_verify(&app).await;
+
+    // A gate counting more units than the store holds (a stale cache): the claims past the
+    // stock are turned away as sold out, and the gate keeps those units taken.
+    let promotion = create_promotion(&app, &admin, 1, "0").await;
+    assert_eq!(claim_all(&[&app], promotion, &[token(2)]).await[0].0, 202);
+    consume_all(&[&app]).await;
+    let mut redis = gate_connection(&app).await;
+    let _: () = redis::cmd("HSET")
+        .arg(services.redis.tagged("promo", &promotion.to_string()))
+        .arg("left")
+        .arg(2)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert_eq!(left_at_gate(&app, promotion).await, Some(2));
+    assert_eq!(claim_all(&[&other], promotion, &[token(3)]).await[0].0, 202);
+    consume_all(&[&other, &app]).await;
+    let sold_out = my_claim(&app, &token(3), promotion).await;
+    assert_eq!(
+        (&sold_out["status"], &sold_out["reason"]),
+        (&json!("refused"), &json!("sold-out")),
+        "{sold_out}"
+    );
+    assert_eq!(
+        left_at_gate(&app, promotion).await,
+        Some(1),
+        "the unit kept taken"
+    );
+    project_and_verify(&app).await;
+}

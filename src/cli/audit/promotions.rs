@@ -108,6 +108,32 @@ impl PromotionFold {
                     claim.status = ClaimStatus::Refused;
                 }
             }
+            PromotionEvent::TurnedAway(e) => {
+                if let Some(live) = entry.0.as_ref().and_then(|promotion| {
+                    promotion
+                        .claims
+                        .get(&e.user_id)
+                        .filter(|claim| claim.status != ClaimStatus::Refused)
+                }) {
+                    self.broken.push((
+                        format!("{promotion_id} {}", e.user_id),
+                        format!(
+                            "claim {} turned away over {}, which was live",
+                            e.claim_id, live.claim_id
+                        ),
+                    ));
+                }
+                self.claims.insert(
+                    e.claim_id,
+                    ClaimFold {
+                        promotion_id,
+                        user_id: e.user_id.as_uuid(),
+                        status: ClaimStatus::Refused,
+                        reserved_at: recorded.recorded_at,
+                        granted_at: None,
+                    },
+                );
+            }
             _ => {}
         }
         entry.0 = Promotion::evolve(entry.0.take(), &event);

@@ -26,14 +26,20 @@ impl PromotionService {
             )
             .await;
         let state = match reserved {
-            Ok(handled) => handled.state_after.context("a reserved promotion")?,
+            Ok(handled) => {
+                if let Some(PromotionEvent::TurnedAway(turned)) = handled.new_events.first() {
+                    self.turned_away_at_gate(entry, &turned.reason).await;
+                    let outcome = Outcome::Refused(turned.reason.clone());
+                    self.tell(entry, &outcome).await;
+                    return Ok(outcome);
+                }
+                handled.state_after.context("a reserved promotion")?
+            }
             Err(CommandError::Rejected(error)) => {
                 let reason = match error {
-                    PromotionError::SoldOut => "sold-out",
                     PromotionError::AlreadyClaimed => "already-claimed",
-                    PromotionError::NotOpen { .. } | PromotionError::Ended => "not-open",
                     PromotionError::Unknown => "unknown-promotion",
-                    // Refused before (a repeat of this claim).
+                    // Refused or turned away before (a repeat of this claim).
                     PromotionError::NotPending(_) => "refused",
                     other => {
                         return Err(anyhow::anyhow!(
@@ -73,6 +79,24 @@ impl PromotionService {
         };
         self.tell(entry, &outcome).await;
         Ok(outcome)
+    }
+
+    /// The gate after the store turned a claim away: its user may claim again; the unit goes
+    /// back when the promotion was not open (it was never the store's to take), not when the
+    /// store had none left (the gate counted one too many: keeping it taken brings the gate back
+    /// to the store). Redis is a cache: a failure here is corrected by the next load.
+    async fn turned_away_at_gate(&self, entry: &ClaimEntry, reason: &str) {
+        let operation = if reason == "sold-out" {
+            "forget"
+        } else {
+            "release"
+        };
+        if let Err(error) = self
+            .adjust(entry.promotion_id, operation, &entry.user_id.to_string())
+            .await
+        {
+            tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "a turned-away claim's user not released at the gate");
+        }
     }
 
     /// Charge the price (if any); grant, or refuse when it cannot be paid (and give the unit

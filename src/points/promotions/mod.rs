@@ -12,7 +12,9 @@
 //! store's final guard: never more than the stock, never a user twice, decided on the latest
 //! version), then the price charged on the account (if any), `ClaimGranted` (or `ClaimRefused`
 //! when the price cannot be paid: its unit goes back to the gate), then the points credited, and
-//! only then `XACK`. Every step is idempotent (operation ids from the claim id), so an entry
+//! only then `XACK`. A claim the store cannot reserve (the promotion ended or sold out while the
+//! gate's cache was a moment behind) is recorded as `ClaimTurnedAway` with its reason and its user
+//! released at the gate: every accepted claim ends granted or refused, never pending for good. Every step is idempotent (operation ids from the claim id), so an entry
 //! delivered twice moves points once. An entry whose consumer died is taken over (`XAUTOCLAIM`)
 //! after `promotions.takeover_idle_ms`; one delivered `deliveries_max` times is parked in
 //! `promotion_parked_claims` with its reason (never dropped). The settlement reconciler finishes
@@ -28,8 +30,9 @@ use serde::Serialize;
 use uuid::Uuid;
 use zhihui_domain::account::{Account, AccountCommand, AccountError, CreditKind, account_stream};
 use zhihui_domain::promotion::{
-    ClaimId, ClaimStatus, Promotion, PromotionCommand, PromotionError, PromotionId, PromotionSpec,
-    PromotionState, charge_operation_id, claim_reference, credit_operation_id, promotion_stream,
+    ClaimId, ClaimStatus, Promotion, PromotionCommand, PromotionError, PromotionEvent, PromotionId,
+    PromotionSpec, PromotionState, charge_operation_id, claim_reference, credit_operation_id,
+    promotion_stream,
 };
 use zhihui_domain::user::UserId;
 
