@@ -302,6 +302,13 @@ impl Decider for Promotion {
                 },
             ) => {
                 spec.check()?;
+                // A sale over before it is made could never be claimed.
+                if spec.ends_at <= *at {
+                    return Err(PromotionError::Invalid {
+                        field: "ends_at",
+                        broken: Broken::new(Rule::InFuture),
+                    });
+                }
                 return Ok(vec![PromotionEvent::Created(PromotionCreated {
                     promotion_id: *promotion_id,
                     spec: spec.clone(),
@@ -619,6 +626,29 @@ mod tests {
             accepted_at: at(2),
             at: at(2),
         }
+    }
+
+    #[test]
+    fn a_promotion_over_before_it_is_made_or_titled_with_a_control_character_is_refused() {
+        let create = |spec: PromotionSpec, at: DateTime<Utc>| PromotionCommand::Create {
+            promotion_id: Uuid::from_u128(1),
+            spec,
+            at,
+        };
+        given::<Promotion>(&[])
+            .when(create(spec(5), at(3)))
+            .then_error(PromotionError::Invalid {
+                field: "ends_at",
+                broken: Broken::new(Rule::InFuture),
+            });
+        let mut titled = spec(5);
+        titled.title = "春季\u{0}礼包".into();
+        given::<Promotion>(&[])
+            .when(create(titled, at(0)))
+            .then_error(PromotionError::Invalid {
+                field: "title",
+                broken: Broken::new(Rule::OneLine),
+            });
     }
 
     #[test]

@@ -215,9 +215,13 @@ pub(crate) async fn ledger_page(
     // The cursor is the stream version of the last entry shown; entries before it come next.
     let before: i64 = match cursor {
         None => i64::MAX,
+        // A version this server handed out: digits only, no sign (`-1` or `+5` were never one).
         Some(cursor) => cursor
-            .parse()
-            .map_err(|_| ApiError::invalid_by("cursor", Rule::Cursor))?,
+            .parse::<u64>()
+            .ok()
+            .filter(|_| cursor.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|version| i64::try_from(version).ok())
+            .ok_or_else(|| ApiError::invalid_by("cursor", Rule::Cursor))?,
     };
     let client = crate::platform::postgres::checkout(&state.pg_pool)
         .await

@@ -152,14 +152,24 @@ impl Modify for BearerToken {
 
 /// The document as this server's configuration makes it true (see [`document_for`]).
 pub async fn document(state: web::Data<AppState>) -> HttpResponse {
-    HttpResponse::Ok().json(document_for(state.tasks.settings()))
+    HttpResponse::Ok().json(document_for(
+        state.tasks.settings(),
+        state.api_keys.rate_max,
+    ))
 }
 
 /// The document with the task catalog this server runs with: the submit body's models, sizes,
 /// samplers, schedulers, step and image bounds, guidance values and prompt lengths are stated
 /// as the catalog checks them, so a client (or a fuzzer) can build a request the server accepts.
-pub fn document_for(tasks: &TaskSettings) -> Value {
+/// Likewise the most requests a minute an API key may be given (`key_rate_max`).
+pub fn document_for(tasks: &TaskSettings, key_rate_max: u32) -> Value {
     let mut document = document_json();
+    constrain(
+        &mut document,
+        "CreateKeyRequest",
+        "requests_per_minute",
+        json!({"minimum": 1, "maximum": key_rate_max}),
+    );
     let strings = |values: &[String]| json!({"enum": values});
     let whole = |minimum: u32, maximum: u32| json!({"minimum": minimum, "maximum": maximum});
     // The guidance values the catalog takes, each with its one decimal place.

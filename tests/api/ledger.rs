@@ -157,6 +157,18 @@ async fn the_ledger_pages_newest_first_and_is_only_ones_own() {
             .status(),
         422
     );
+    // A cursor this server never handed out is refused, not answered with an empty page.
+    for cursor in ["-1", "%2B3", "abc", "1.5"] {
+        let response = app
+            .get_as(
+                &alice_token,
+                &format!("/api/v1/account/ledger?cursor={cursor}"),
+            )
+            .await;
+        assert_eq!(response.status(), 422, "{cursor}");
+        let problem: Value = response.json().await.unwrap();
+        assert_eq!(problem["field"], "cursor", "{cursor}: {problem}");
+    }
 }
 
 #[tokio::test]

@@ -76,10 +76,22 @@ pub struct Hold {
 /// What an operation id was used for, to tell a repeat from a reuse.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Operation {
-    Grant { amount: Amount },
-    Charge { amount: Amount, refunded: bool },
-    Refund { charge: OperationId },
-    Credit { kind: CreditKind, amount: Amount },
+    /// The reason too: the same key sent again with another reason is another request.
+    Grant {
+        amount: Amount,
+        reason: String,
+    },
+    Charge {
+        amount: Amount,
+        refunded: bool,
+    },
+    Refund {
+        charge: OperationId,
+    },
+    Credit {
+        kind: CreditKind,
+        amount: Amount,
+    },
 }
 
 /// The holds and operations are persistent maps (`imbl`): a clone shares them and costs the same
@@ -329,8 +341,11 @@ impl Decider for Account {
                 reason,
                 at,
             } => {
-                if Account::repeat_of(state, *operation_id, &Operation::Grant { amount: *amount })?
-                {
+                let same = Operation::Grant {
+                    amount: *amount,
+                    reason: reason.clone(),
+                };
+                if Account::repeat_of(state, *operation_id, &same)? {
                     return Ok(vec![]);
                 }
                 Ok(vec![AccountEvent::Granted(PointsGranted {
@@ -521,9 +536,13 @@ impl Decider for Account {
         match event {
             AccountEvent::Granted(e) => {
                 state.balance.available = balance.available + e.amount;
-                state
-                    .operations
-                    .insert(e.operation_id, Operation::Grant { amount: e.amount });
+                state.operations.insert(
+                    e.operation_id,
+                    Operation::Grant {
+                        amount: e.amount,
+                        reason: e.reason.clone(),
+                    },
+                );
             }
             AccountEvent::Frozen(e) => {
                 state.balance.available = (balance.available - e.amount).unwrap_or(Points::ZERO);

@@ -98,6 +98,14 @@ fn given_a_grant_when_the_same_grant_again_then_nothing_and_a_different_one_is_r
             at: at(),
         })
         .then_error(AccountError::OperationIdReused(id(1)));
+    given::<Account>(&[granted(100)])
+        .when(AccountCommand::Grant {
+            operation_id: id(1),
+            amount: Amount::whole(100),
+            reason: "补偿服务器故障".into(),
+            at: at(),
+        })
+        .then_error(AccountError::OperationIdReused(id(1)));
 }
 
 #[test]

@@ -404,6 +404,14 @@ impl Decider for CodeBatch {
                 },
             ) => {
                 spec.check()?;
+                // Codes expired before they exist could never be redeemed.
+                if spec.valid_until <= *at {
+                    return Err(BatchSpecError {
+                        field: "valid_until",
+                        broken: Broken::new(Rule::InFuture),
+                    }
+                    .into());
+                }
                 Ok(vec![BatchEvent::Created(CodeBatchCreated {
                     batch_id: *batch_id,
                     count: spec.count,

@@ -120,6 +120,22 @@ fn a_batch_checks_its_fields() {
     bad = spec(10);
     bad.note = "x".repeat(201);
     assert_eq!(bad.check().unwrap_err().field, "note");
+    bad = spec(10);
+    bad.note = "春节\u{0}活动".into();
+    assert_eq!(bad.check().unwrap_err().field, "note");
+    // A window over before the batch is made.
+    given::<CodeBatch>(&[])
+        .when(BatchCommand::Create {
+            batch_id: batch_id(),
+            spec: spec(10),
+            key_slot: 0,
+            first_serial: 1,
+            at: at(3600),
+        })
+        .then_error(BatchError::Spec(BatchSpecError {
+            field: "valid_until",
+            broken: crate::rule::Broken::new(crate::rule::Rule::InFuture),
+        }));
 }
 
 #[test]
