@@ -53,6 +53,7 @@ rules! {
     IntegerBetween => "integer_between", "must be an integer from {min} to {max}, got {value}";
     DecimalBetween => "decimal_between", "must be from {min} to {max} with at most {places} decimal place, got {value}";
     WholeNumber => "whole_number", "must be a whole number, got {value}";
+    PlainDecimal => "plain_decimal", "must be written in plain digits, like 12 or 12.5, got {value}";
     OutOfRange => "out_of_range", "{value} is out of range";
     GreaterThanZero => "greater_than_zero", "must be greater than zero";
     AtMost => "at_most", "must be at most {max}";

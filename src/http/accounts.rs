@@ -80,6 +80,7 @@ pub struct LedgerQuery {
 pub struct GrantRequest {
     /// Positive, at most two decimal places; a string (`"100"`) or a number.
     #[schema(value_type = String, example = "100")]
+    #[serde(deserialize_with = "crate::http::extract::decimal::plain_decimal")]
     pub amount: Decimal,
     pub reason: String,
 }

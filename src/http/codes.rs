@@ -44,6 +44,7 @@ pub struct BatchRequest {
     pub count: u32,
     /// Points per code: positive, at most two decimals.
     #[schema(value_type = String, example = "50")]
+    #[serde(deserialize_with = "crate::http::extract::decimal::plain_decimal")]
     pub points: Decimal,
     pub valid_from: DateTime<Utc>,
     /// After `valid_from`; a code redeems until just before it.

@@ -274,10 +274,7 @@ impl FromRequest for Admin {
         Box::pin(async move {
             let session = authenticate(request).await?;
             if session.role != Role::Admin {
-                return Err(ApiError::Forbidden {
-                    rule: "admin-only",
-                    detail: "this endpoint is for admins".into(),
-                });
+                return Err(admin_only());
             }
             Ok(Admin(session))
         })
@@ -339,10 +336,74 @@ pub mod whole {
     }
 }
 
+/// Amounts of points, as a JSON number or a string of plain digits: `"12"`, `"12.5"`, `"0.5"`.
+/// A string is what the API document states (a pattern), so a string the pattern refuses is
+/// refused here too (`"1e3"`, `"+5"`, `".5"`, `"00005"`, `" 5"`) rather than read by the decimal
+/// parser's looser rules; the amount's own rules (positive, places, ceiling) come after, in the
+/// domain. For `#[serde(deserialize_with)]`.
+pub mod decimal {
+    use rust_decimal::Decimal;
+    use serde::de::Error;
+    use serde::{Deserialize, Deserializer};
+    use zhihui_domain::rule::{Broken, Rule};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Written {
+        Text(String),
+        Number(serde_json::Number),
+    }
+
+    /// Digits with no sign, no exponent, no leading zero (but `0.x`), and a fraction of digits.
+    fn plain(text: &str) -> bool {
+        let (whole, fraction) = match text.split_once('.') {
+            Some((whole, fraction)) => (whole, Some(fraction)),
+            None => (text, None),
+        };
+        let digits = |part: &str| !part.is_empty() && part.bytes().all(|b| b.is_ascii_digit());
+        digits(whole) && (whole == "0" || !whole.starts_with('0')) && fraction.is_none_or(digits)
+    }
+
+    pub fn plain_decimal<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Decimal, D::Error> {
+        let text = match Written::deserialize(deserializer)? {
+            Written::Text(text) => {
+                if !plain(&text) {
+                    return Err(D::Error::custom(
+                        Broken::new(Rule::PlainDecimal).with("value", format!("{text:?}")),
+                    ));
+                }
+                text
+            }
+            Written::Number(number) => number.to_string(),
+        };
+        text.parse::<Decimal>()
+            .or_else(|_| Decimal::from_scientific(&text))
+            .map_err(|_| {
+                D::Error::custom(Broken::new(Rule::PlainDecimal).with("value", text.clone()))
+            })
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn only_plain_digits_are_an_amount_written_as_text() {
+            for good in ["5", "12.5", "0.5", "0.05", "100000", "5.00", "10"] {
+                assert!(super::plain(good), "{good}");
+            }
+            for bad in [
+                "1e3", "+5", "-5", ".5", "5.", "00005", "05", " 5", "5 ", "", "0x10", "五",
+            ] {
+                assert!(!super::plain(bad), "{bad}");
+            }
+        }
+    }
+}
+
 /// A JSON request body that must be an object, read as `T`. serde reads a struct from an array
 /// too (its fields by position): `["a title", true]` would be a publish. The body is checked as
 /// JSON first (actix's `Json` with the app's `JsonConfig`: its limit, content type and errors),
-/// then its first character, then read as `T`.
+/// then its first character, then read as `T`; a field's value that cannot be read is a 422
+/// naming that field.
 #[derive(Debug)]
 pub struct Json<T>(pub T);
 
@@ -366,21 +427,74 @@ impl<T: serde::de::DeserializeOwned + 'static> FromRequest for Json<T> {
 
     fn from_request(request: &HttpRequest, payload: &mut Payload) -> Self::Future {
         let raw = web::Json::<Box<serde_json::value::RawValue>>::from_request(request, payload);
+        let request = request.clone();
         Box::pin(async move {
-            let raw = raw.await?.into_inner();
-            let unreadable = |detail: String| {
-                ApiError::invalid(
-                    "body",
-                    zhihui_domain::rule::Broken::new(zhihui_domain::rule::Rule::Unreadable)
-                        .with("detail", detail),
-                )
-            };
-            if !raw.get().starts_with('{') {
-                return Err(unreadable("the body must be a JSON object".into()).into());
+            match Self::read(raw.await) {
+                Ok(json) => Ok(json),
+                // Who may call comes before what they sent: a stranger learns nothing of a
+                // route's body rules (a 401 or 403, not a 422), whichever extractor finished first.
+                Err(error) => match caller_refused(&request).await {
+                    Some(refused) => Err(refused.into()),
+                    None => Err(error),
+                },
             }
-            serde_json::from_str(raw.get())
-                .map(Json)
-                .map_err(|error| unreadable(error.to_string()).into())
         })
+    }
+}
+
+/// Why the caller may not use this route, when they may not: every JSON route but signing up and
+/// in needs a signed-in caller, and those under `/api/v1/admin/` an admin.
+async fn caller_refused(request: &HttpRequest) -> Option<ApiError> {
+    let pattern = request.match_pattern().unwrap_or_default();
+    if pattern.starts_with("/api/v1/auth/") {
+        return None;
+    }
+    match authenticate(request.clone()).await {
+        Err(error) => Some(error),
+        Ok(session) if pattern.starts_with("/api/v1/admin/") && session.role != Role::Admin => {
+            Some(admin_only())
+        }
+        Ok(_) => None,
+    }
+}
+
+fn admin_only() -> ApiError {
+    ApiError::Forbidden {
+        rule: "admin-only",
+        detail: "this endpoint is for admins".into(),
+    }
+}
+
+impl<T: serde::de::DeserializeOwned> Json<T> {
+    /// The body read as `T`, or the 422 naming what could not be read. Not async: the body is
+    /// all there once actix's `Json` has answered.
+    fn read(
+        raw: Result<web::Json<Box<serde_json::value::RawValue>>, actix_web::Error>,
+    ) -> Result<Self, actix_web::Error> {
+        let raw = raw?.into_inner();
+        let unreadable = |field: String, detail: String| -> actix_web::Error {
+            ApiError::invalid(
+                field,
+                zhihui_domain::rule::Broken::new(zhihui_domain::rule::Rule::Unreadable)
+                    .with("detail", detail),
+            )
+            .into()
+        };
+        if !raw.get().starts_with('{') {
+            return Err(unreadable(
+                "body".into(),
+                "the body must be a JSON object".into(),
+            ));
+        }
+        // A value a field cannot take names the field (its path: `amount`, `event_types[1]`);
+        // what the body as a whole lacks or has too much is the body's.
+        let mut deserializer = serde_json::Deserializer::from_str(raw.get());
+        serde_path_to_error::deserialize(&mut deserializer)
+            .map(Json)
+            .map_err(|error| {
+                let path = error.path().to_string();
+                let detail = error.into_inner().to_string();
+                unreadable(if path == "." { "body".into() } else { path }, detail)
+            })
     }
 }

@@ -24,9 +24,11 @@ pub struct PromotionRequest {
     pub title: String,
     /// Points credited per claim: positive, at most two decimals.
     #[schema(value_type = String, example = "100")]
+    #[serde(deserialize_with = "crate::http::extract::decimal::plain_decimal")]
     pub points: Decimal,
     /// Points charged per claim: 0 (free) or positive, at most two decimals.
     #[schema(value_type = String, example = "0")]
+    #[serde(deserialize_with = "crate::http::extract::decimal::plain_decimal")]
     pub price: Decimal,
     /// 1 to 1,000,000.
     #[serde(deserialize_with = "crate::http::extract::whole::u32")]

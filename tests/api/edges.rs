@@ -106,11 +106,18 @@ async fn a_body_that_is_not_a_json_object_is_a_422_naming_the_body() {
         .await
         .unwrap();
     let problem: Value = object.json().await.unwrap();
-    assert_eq!(problem["field"], "body", "{problem}");
-    assert!(
-        problem["detail"].as_str().unwrap().contains("colour"),
+    assert_eq!(
+        problem["field"], "colour",
         "the object was read, its unknown field named: {problem}"
     );
+    // A field's value of the wrong kind names the field, not the body.
+    let problem: Value = raw(r#"{"prompt": "一只猫", "steps": "很多"}"#)
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(problem["field"], "steps", "{problem}");
 }
 
 /// A Redis server of this test's own, started with `scripts/redis.conf` in a fresh directory.
@@ -992,4 +999,102 @@ async fn an_event_the_store_cannot_hold_fails_its_own_command_and_not_those_batc
         .await
         .unwrap();
     assert_eq!(balance["available"], "9.00", "{balance}");
+}
+
+#[tokio::test]
+async fn an_amount_not_in_plain_digits_or_a_window_already_over_is_a_422_naming_the_field() {
+    let app = spawn_app_with(|_| {}).await;
+    let admin = app.admin_token("guanliyuan").await;
+    let user = app.register("xiaoli", "a long password").await;
+    let grants = format!("/api/v1/admin/accounts/{user}/grants");
+    for amount in ["1e3", "+5", ".5", "00005", " 5", "5.", "五"] {
+        let response = app
+            .post(
+                &grants,
+                Some(&admin),
+                &json!({"amount": amount, "reason": "补偿"}),
+            )
+            .await;
+        assert_eq!(response.status(), 422, "{amount:?}");
+        let problem: Value = response.json().await.unwrap();
+        assert_eq!(problem["field"], "amount", "{amount:?}: {problem}");
+    }
+    // Plain digits, as text or as a number, are an amount.
+    for (amount, total) in [
+        (json!("0.5"), "0.50"),
+        (json!(12), "12.50"),
+        (json!("1000"), "1012.50"),
+    ] {
+        let response = app
+            .post(
+                &grants,
+                Some(&admin),
+                &json!({"amount": amount, "reason": "补偿"}),
+            )
+            .await;
+        assert_eq!(response.status(), 201, "{amount}");
+        let granted: Value = response.json().await.unwrap();
+        assert_eq!(granted["available"], total, "{granted}");
+    }
+    let now = app.clock.now();
+    let hours = chrono::Duration::hours;
+    let batch = app
+        .post(
+            "/api/v1/admin/code-batches",
+            Some(&admin),
+            &json!({"count": 1, "points": "5", "valid_from": now - hours(2), "valid_until": now - hours(1), "note": "过期批次"}),
+        )
+        .await;
+    assert_eq!(batch.status(), 422);
+    let problem: Value = batch.json().await.unwrap();
+    assert_eq!(
+        (problem["field"].as_str(), problem["rule"].as_str()),
+        (Some("valid_until"), Some("in_future")),
+        "{problem}"
+    );
+    let promotion = app
+        .post(
+            "/api/v1/admin/promotions",
+            Some(&admin),
+            &json!({"title": "昨天的抢购", "points": "10", "price": "0", "stock": 3,
+                   "starts_at": now - hours(2), "ends_at": now - hours(1)}),
+        )
+        .await;
+    assert_eq!(promotion.status(), 422);
+    let problem: Value = promotion.json().await.unwrap();
+    assert_eq!(
+        (problem["field"].as_str(), problem["rule"].as_str()),
+        (Some("ends_at"), Some("in_future")),
+        "{problem}"
+    );
+}
+
+#[tokio::test]
+async fn who_may_call_is_answered_before_what_they_sent() {
+    let app = spawn_app_with(|_| {}).await;
+    let user = app.register("xiaozhang", "a long password").await;
+    let token = app.login("xiaozhang", "a long password").await;
+    let bad = json!({"amount": "很多", "reason": 5});
+    let grant = format!("/api/v1/admin/accounts/{user}/grants");
+    assert_eq!(app.post(&grant, Some(&token), &bad).await.status(), 403);
+    assert_eq!(app.post(&grant, None, &bad).await.status(), 401);
+    assert_eq!(
+        app.post("/api/v1/tasks", None, &json!({"prompt": 5}))
+            .await
+            .status(),
+        401
+    );
+    // Signing up needs no caller: its body's problems are the answer.
+    assert_eq!(
+        app.post("/api/v1/auth/register", None, &json!({"username": 5}))
+            .await
+            .status(),
+        422
+    );
+    // A caller who may: the body's problem, naming the field.
+    let admin = app.admin_token("guanliyuan").await;
+    let response = app.post(&grant, Some(&admin), &bad).await;
+    assert_eq!(response.status(), 422);
+    let problem: Value = response.json().await.unwrap();
+    assert_eq!(problem["field"], "amount", "{problem}");
 }
