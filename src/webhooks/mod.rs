@@ -246,8 +246,10 @@ impl WebhookService {
         event_types: Vec<WebhookEventType>,
         metadata: &EventMetadata,
     ) -> Result<EndpointWithSecret, WebhookError> {
-        let url = url.trim();
-        safety::check_url(url, &self.allowed).await?;
+        // Kept as parsed (scheme and host in lower case, a name in punycode): `HTTP://Shop.example`
+        // is the same endpoint as `http://shop.example`, and the domain's rules read it so.
+        let checked = safety::check_url(url.trim(), &self.allowed).await?;
+        let url = checked.as_str();
         let count: i64 = {
             let client = crate::platform::postgres::checkout(&self.pool)
                 .await
