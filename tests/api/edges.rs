@@ -914,33 +914,15 @@ async fn a_control_character_in_free_text_is_a_422_naming_its_field_and_nothing_
         }
     }
     // Nothing of it was written: no grant, no second batch, no promotion, no key, the batch live.
-    let balance: Value = app
-        .get_as(&token, "/api/v1/account")
-        .await
-        .json()
-        .await
-        .unwrap();
+    let balance = app.get_json(&token, "/api/v1/account").await;
     assert_eq!(balance["available"], "0.00", "{balance}");
-    let keys: Value = app
-        .get_as(&token, "/api/v1/me/keys")
-        .await
-        .json()
-        .await
-        .unwrap();
+    let keys = app.get_json(&token, "/api/v1/me/keys").await;
     assert_eq!(keys.as_array().map(Vec::len), Some(0), "{keys}");
-    let shown: Value = app
-        .get_as(&admin, &format!("/api/v1/admin/code-batches/{batch}"))
-        .await
-        .json()
-        .await
-        .unwrap();
+    let shown = app
+        .get_json(&admin, &format!("/api/v1/admin/code-batches/{batch}"))
+        .await;
     assert_ne!(shown["status"], "revoked", "{shown}");
-    let promotions: Value = app
-        .get_as(&token, "/api/v1/promotions")
-        .await
-        .json()
-        .await
-        .unwrap();
+    let promotions = app.get_json(&token, "/api/v1/promotions").await;
     assert!(
         !promotions.to_string().contains("补偿"),
         "no promotion made: {promotions}"
@@ -989,15 +971,8 @@ async fn an_event_the_store_cannot_hold_fails_its_own_command_and_not_those_batc
     for (good, answer) in &answers {
         assert_eq!(answer.is_ok(), *good, "{answer:?}");
     }
-    let balance: Value = app
-        .get_as(
-            &app.login("xiaohong", "a long password").await,
-            "/api/v1/account",
-        )
-        .await
-        .json()
-        .await
-        .unwrap();
+    let token = app.login("xiaohong", "a long password").await;
+    let balance = app.get_json(&token, "/api/v1/account").await;
     assert_eq!(balance["available"], "9.00", "{balance}");
 }
 

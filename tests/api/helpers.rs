@@ -98,6 +98,15 @@ impl TestApp {
             .expect("request reaches the app")
     }
 
+    /// GET with a bearer token, its answer's JSON body.
+    pub async fn get_json(&self, token: &str, path: &str) -> Value {
+        self.get_as(token, path)
+            .await
+            .json()
+            .await
+            .expect("a JSON answer")
+    }
+
     /// POST a JSON body, with a bearer token when given.
     pub async fn post(&self, path: &str, token: Option<&str>, body: &Value) -> reqwest::Response {
         self.send(reqwest::Method::POST, path, token, body).await

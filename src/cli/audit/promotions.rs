@@ -38,6 +38,17 @@ struct ClaimFold {
     granted_at: Option<DateTime<Utc>>,
 }
 
+/// The user's claim that holds (or is about to hold) a unit: reserved or granted.
+fn live_claim(
+    promotion: &PromotionState,
+    user_id: zhihui_domain::user::UserId,
+) -> Option<&zhihui_domain::promotion::Claim> {
+    promotion
+        .claims
+        .get(&user_id)
+        .filter(|claim| claim.status != ClaimStatus::Refused)
+}
+
 #[derive(Default)]
 pub(super) struct PromotionFold {
     promotions: HashMap<PromotionId, (Option<PromotionState>, u64)>,
@@ -61,11 +72,7 @@ impl PromotionFold {
         )?;
         let entry = self.promotions.entry(promotion_id).or_insert((None, 0));
         if let (Some(promotion), PromotionEvent::Reserved(e)) = (&entry.0, &event) {
-            if let Some(live) = promotion
-                .claims
-                .get(&e.user_id)
-                .filter(|claim| claim.status != ClaimStatus::Refused)
-            {
+            if let Some(live) = live_claim(promotion, e.user_id) {
                 self.broken.push((
                     format!("{promotion_id} {}", e.user_id),
                     format!(
@@ -109,12 +116,11 @@ impl PromotionFold {
                 }
             }
             PromotionEvent::TurnedAway(e) => {
-                if let Some(live) = entry.0.as_ref().and_then(|promotion| {
-                    promotion
-                        .claims
-                        .get(&e.user_id)
-                        .filter(|claim| claim.status != ClaimStatus::Refused)
-                }) {
+                if let Some(live) = entry
+                    .0
+                    .as_ref()
+                    .and_then(|promotion| live_claim(promotion, e.user_id))
+                {
                     self.broken.push((
                         format!("{promotion_id} {}", e.user_id),
                         format!(
