@@ -252,12 +252,23 @@ where
                 }
             }
             Err(error) => {
-                // anyhow errors are not Clone: each request gets the message.
+                // anyhow errors are not Clone: each request gets the message, and, when the
+                // store was away, says so as its type (a 503 to the caller, not a 500).
                 let message = format!("{error:#}");
+                let unavailable = error.chain().any(|cause| {
+                    matches!(
+                        cause.downcast_ref::<EventStoreError>(),
+                        Some(EventStoreError::Unavailable(_))
+                    )
+                });
                 for request in batch {
-                    let _ = request
-                        .reply
-                        .send(Err(CommandError::Store(anyhow::anyhow!("{message}"))));
+                    let said = anyhow::anyhow!("{message}");
+                    let error = if unavailable {
+                        anyhow::Error::new(EventStoreError::Unavailable(said))
+                    } else {
+                        said
+                    };
+                    let _ = request.reply.send(Err(CommandError::Store(error)));
                 }
             }
         }

@@ -62,9 +62,11 @@ impl IntentEnds {
             return delete(&self.pool, &self.statements, &[intent_id]).await;
         }
         match answer.await {
-            Ok(result) => result.map_err(anyhow::Error::msg),
-            // The task stopped with its runtime before answering: the row may or may not be gone.
-            Err(_) => delete(&self.pool, &self.statements, &[intent_id]).await,
+            Ok(Ok(())) => Ok(()),
+            // The group's statement failed (its error came back as words, which cannot say a
+            // store away from a bug: a 503 would have been a 500), or the task stopped with its
+            // runtime before answering: this intent alone, whose error is its own.
+            Ok(Err(_)) | Err(_) => delete(&self.pool, &self.statements, &[intent_id]).await,
         }
     }
 

@@ -1073,3 +1073,58 @@ async fn who_may_call_is_answered_before_what_they_sent() {
     let problem: Value = response.json().await.unwrap();
     assert_eq!(problem["field"], "amount", "{problem}");
 }
+
+#[tokio::test]
+async fn a_batched_account_command_meeting_a_store_away_is_unavailable_not_a_bug() {
+    use secrecy::ExposeSecret;
+    use zhihui::platform::command::CommandError;
+    use zhihui_domain::account::{AccountCommand, account_stream};
+
+    let app = spawn_app_with(|_| {}).await;
+    // The same settings, with PostgreSQL where nothing listens.
+    let mut settings = app.settings.clone();
+    let url = settings.database.url.expose_secret().to_owned();
+    let (before, after) = url.rsplit_once('@').unwrap();
+    let database = after.split_once('/').unwrap().1;
+    settings.database.url = format!(
+        "{before}@127.0.0.1:{}/{database}",
+        crate::helpers::dead_port()
+    )
+    .into();
+    let pool = zhihui::platform::postgres::build_pool(&settings.database).unwrap();
+    let state = zhihui::state::AppState::build(
+        &settings,
+        pool,
+        zhihui::state::Overrides {
+            clock: zhihui::platform::clock::Clock::Manual(app.clock.clone()),
+            code_sender: None,
+        },
+    )
+    .unwrap();
+    let stream = account_stream(zhihui_domain::user::UserId::from_uuid(uuid::Uuid::now_v7()));
+    let answers = futures::future::join_all((0..3).map(|_| {
+        state.accounts.execute(
+            &stream,
+            AccountCommand::Grant {
+                operation_id: uuid::Uuid::now_v7(),
+                amount: zhihui_domain::points::Amount::whole(1),
+                reason: "补偿".into(),
+                at: app.clock.now(),
+            },
+            crate::tasks::metadata(),
+        )
+    }))
+    .await;
+    for answer in answers {
+        let Err(CommandError::Store(error)) = answer else {
+            panic!("a store away is a store error: {answer:?}");
+        };
+        assert!(
+            matches!(
+                zhihui::http::ApiError::from(error),
+                zhihui::http::ApiError::Unavailable { .. }
+            ),
+            "a 503, not a 500"
+        );
+    }
+}
