@@ -26,6 +26,7 @@ pub mod task_record;
 pub mod text;
 pub mod user;
 pub mod webhook;
+pub mod webhook_slots;
 
 pub use decider::Decider;
 pub use event::{DecodeError, DomainEvent};

@@ -24,6 +24,7 @@ use zhihui_domain::user::UserId;
 use zhihui_domain::webhook::{
     Endpoint, EndpointCommand, EndpointError, EndpointState, WebhookEventType, endpoint_stream,
 };
+use zhihui_domain::webhook_slots::{EndpointSlots, SlotCommand, SlotError, slots_stream};
 
 use crate::platform::clock::Clock;
 use crate::platform::command::{self, CommandError, RetryPolicy};
@@ -147,6 +148,15 @@ impl From<CommandError<EndpointError>> for WebhookError {
     }
 }
 
+/// A slot command's failure (its refusal is handled where it is asked): the store's error as it
+/// is, so that a store away stays a 503.
+fn slot_error(error: CommandError<SlotError>) -> WebhookError {
+    match error {
+        CommandError::Store(error) => WebhookError::Unexpected(error),
+        other => WebhookError::Unexpected(anyhow::Error::new(other)),
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct WebhookService {
     store: AnyEventStore,
@@ -250,28 +260,11 @@ impl WebhookService {
         // is the same endpoint as `http://shop.example`, and the domain's rules read it so.
         let checked = safety::check_url(url.trim(), &self.allowed).await?;
         let url = checked.as_str();
-        let count: i64 = {
-            let client = crate::platform::postgres::checkout(&self.pool)
-                .await
-                .context("getting a connection")?;
-            client
-                .query_one(
-                    "SELECT count(*) FROM webhook_endpoints WHERE user_id = $1 AND NOT removed",
-                    &[&user_id.as_uuid()],
-                )
-                .await
-                .context("counting endpoints")?
-                .get(0)
-        };
-        // From the router's table, which may trail a registration by moments: a limit on
-        // clutter, not a rule money depends on.
-        if count >= self.settings.endpoints_per_user_max {
-            return Err(WebhookError::TooMany {
-                max: self.settings.endpoints_per_user_max,
-            });
-        }
         let endpoint_id = Uuid::now_v7();
-        let state = self
+        // Its slot first, decided on the user's slots stream: registrations sent at once pass
+        // there one at a time, so the limit holds whatever the race.
+        self.take_slot(user_id, endpoint_id, metadata).await?;
+        let registered = self
             .execute(
                 endpoint_id,
                 EndpointCommand::Register {
@@ -283,13 +276,125 @@ impl WebhookService {
                 },
                 metadata,
             )
-            .await?;
+            .await;
+        let state = match registered {
+            Ok(state) => state,
+            Err(error) => {
+                // Not made: its slot back (one a crash left taken is freed by a later refusal).
+                if let Err(freeing) = self.free_slot(user_id, endpoint_id, metadata).await {
+                    tracing::warn!(error = %freeing, %endpoint_id, "a slot of an endpoint never made was not freed");
+                }
+                return Err(error);
+            }
+        };
         let mut endpoint = Self::view_of(&state);
         endpoint.created_at = Some(self.clock.now());
         Ok(EndpointWithSecret {
             endpoint,
             secret: signing::secret_text(&self.secret(endpoint_id, state.generation)),
         })
+    }
+
+    /// Take a slot for `endpoint_id` among the user's at most `endpoints_per_user_max`, counting
+    /// the endpoints listed for the user as well (those made before slots were recorded hold
+    /// none). Refused once: slots whose endpoint is gone are freed, and it is asked again.
+    async fn take_slot(
+        &self,
+        user_id: UserId,
+        endpoint_id: Uuid,
+        metadata: &EventMetadata,
+    ) -> Result<(), WebhookError> {
+        let max = self.settings.endpoints_per_user_max;
+        for first in [true, false] {
+            let take = SlotCommand::Take {
+                endpoint_id,
+                listed: self.listed_ids(user_id).await?,
+                max: u32::try_from(max).unwrap_or(u32::MAX),
+                at: self.clock.now(),
+            };
+            match command::execute::<EndpointSlots>(
+                &self.store,
+                &slots_stream(user_id),
+                &take,
+                metadata,
+                RetryPolicy::default(),
+            )
+            .await
+            {
+                Ok(_) => return Ok(()),
+                Err(CommandError::Rejected(SlotError::TooMany { .. })) => {
+                    if !first || !self.free_stale_slots(user_id, metadata).await? {
+                        break;
+                    }
+                }
+                Err(other) => return Err(slot_error(other)),
+            }
+        }
+        Err(WebhookError::TooMany { max })
+    }
+
+    /// Free the slots whose endpoint is not there (a process died between a slot and its
+    /// registration, or between a removal and its slot's freeing), once a minute old: a younger
+    /// one's registration may be under way. Whether any was freed.
+    async fn free_stale_slots(
+        &self,
+        user_id: UserId,
+        metadata: &EventMetadata,
+    ) -> Result<bool, WebhookError> {
+        let slots = command::load::<EndpointSlots>(&self.store, &slots_stream(user_id))
+            .await?
+            .state;
+        let settled_before = self.clock.now() - chrono::Duration::minutes(1);
+        let mut freed = false;
+        for (endpoint_id, taken_at) in slots {
+            if taken_at > settled_before {
+                continue;
+            }
+            let endpoint = command::load::<Endpoint>(&self.store, &endpoint_stream(endpoint_id))
+                .await?
+                .state;
+            if !endpoint.exists() {
+                self.free_slot(user_id, endpoint_id, metadata).await?;
+                freed = true;
+            }
+        }
+        Ok(freed)
+    }
+
+    async fn free_slot(
+        &self,
+        user_id: UserId,
+        endpoint_id: Uuid,
+        metadata: &EventMetadata,
+    ) -> Result<(), WebhookError> {
+        command::execute::<EndpointSlots>(
+            &self.store,
+            &slots_stream(user_id),
+            &SlotCommand::Free {
+                endpoint_id,
+                at: self.clock.now(),
+            },
+            metadata,
+            RetryPolicy::default(),
+        )
+        .await
+        .map_err(slot_error)?;
+        Ok(())
+    }
+
+    /// The user's endpoints the router's table lists as not removed.
+    async fn listed_ids(&self, user_id: UserId) -> Result<Vec<Uuid>, WebhookError> {
+        let client = crate::platform::postgres::checkout(&self.pool)
+            .await
+            .context("getting a connection")?;
+        let rows = client
+            .query(
+                "SELECT endpoint_id FROM webhook_endpoints WHERE user_id = $1 AND NOT removed",
+                &[&user_id.as_uuid()],
+            )
+            .await
+            .context("listing endpoints")?;
+        Ok(rows.iter().map(|row| row.get(0)).collect())
     }
 
     /// A user's endpoints (as the router last recorded them), newest first.
@@ -363,8 +468,15 @@ impl WebhookService {
         command: EndpointCommand,
         metadata: &EventMetadata,
     ) -> Result<EndpointView, WebhookError> {
-        self.owned(owner, endpoint_id).await?;
+        let before = self.owned(owner, endpoint_id).await?;
+        let removing = matches!(command, EndpointCommand::Remove { .. });
         let state = self.execute(endpoint_id, command, metadata).await?;
+        if removing && let Some(user_id) = before.user_id {
+            // A slot left taken here is freed by a later refusal (its endpoint is gone).
+            if let Err(error) = self.free_slot(user_id, endpoint_id, metadata).await {
+                tracing::warn!(error = %error, %endpoint_id, "a removed endpoint's slot was not freed");
+            }
+        }
         Ok(Self::view_of(&state))
     }
 

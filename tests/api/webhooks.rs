@@ -1097,3 +1097,121 @@ async fn the_openapi_document_states_both_schemes_each_scope_and_the_webhook_pay
         ["webhook-id", "webhook-timestamp", "webhook-signature"]
     );
 }
+
+#[tokio::test]
+async fn twenty_registrations_at_once_on_two_processes_make_the_most_and_no_more() {
+    let app = spawn_app_with(|settings| {
+        allow_loopback(settings);
+        settings.webhooks.endpoints_per_user_max = 5;
+    })
+    .await;
+    let other = app.another_instance().await;
+    let (url, _) = receiver().await;
+    let (_, token) = funded_user(&app, "duoge", "1").await;
+    let answers = futures::future::join_all((0..20).map(|n| {
+        let instance = if n % 2 == 0 { &app } else { &other };
+        let token = token.clone();
+        let url = format!("{url}?n={n}");
+        async move {
+            register(instance, &token, &url, &["task.succeeded"])
+                .await
+                .status()
+        }
+    }))
+    .await;
+    let made = answers
+        .iter()
+        .filter(|status| status.as_u16() == 201)
+        .count();
+    let refused = answers
+        .iter()
+        .filter(|status| status.as_u16() == 409)
+        .count();
+    assert_eq!((made, refused), (5, 15), "{answers:?}");
+    // The endpoints refused were never made (or removed at once): five live, whatever is listed.
+    let (router, _) = deliveries(&app);
+    router.route_all().await.unwrap();
+    assert_eq!(endpoints_of(&app, &token).await.len(), 5);
+    // One removed: one more fits, and only one.
+    let listed = endpoints_of(&app, &token).await;
+    let first = listed[0]["endpoint_id"].as_str().unwrap().to_owned();
+    let removed = app
+        .http
+        .delete(format!("{}/api/v1/me/webhooks/{first}", other.address))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(removed.status(), 204);
+    router.route_all().await.unwrap();
+    let again = futures::future::join_all((0..4).map(|n| {
+        let token = token.clone();
+        let url = format!("{url}?again={n}");
+        let app = &app;
+        async move { register(app, &token, &url, &["task.failed"]).await.status() }
+    }))
+    .await;
+    assert_eq!(
+        again.iter().filter(|status| status.as_u16() == 201).count(),
+        1,
+        "{again:?}"
+    );
+}
+
+#[tokio::test]
+async fn slots_a_crash_left_taken_are_freed_once_their_endpoints_are_known_gone() {
+    use zhihui_domain::webhook_slots::{EndpointSlots, SlotCommand, slots_stream};
+    let app = spawn_app_with(|settings| {
+        allow_loopback(settings);
+        settings.webhooks.endpoints_per_user_max = 2;
+    })
+    .await;
+    let (url, _) = receiver().await;
+    let (user, token) = funded_user(&app, "bengkui", "1").await;
+    let user_id = zhihui_domain::user::UserId::from_uuid(uuid::Uuid::parse_str(&user).unwrap());
+    // Two slots taken by registrations that died before their endpoints were recorded.
+    let services = app.services();
+    for _ in 0..2 {
+        zhihui::platform::command::execute::<EndpointSlots>(
+            &services.event_store,
+            &slots_stream(user_id),
+            &SlotCommand::Take {
+                endpoint_id: uuid::Uuid::now_v7(),
+                listed: vec![],
+                max: 2,
+                at: app.clock.now(),
+            },
+            &crate::tasks::metadata(),
+            Default::default(),
+        )
+        .await
+        .unwrap();
+    }
+    // While they are young, their registrations may be under way: refused.
+    assert_eq!(
+        register(&app, &token, &url, &["task.failed"])
+            .await
+            .status(),
+        409
+    );
+    // A minute on, their endpoints are known never to have come: freed, and it fits.
+    app.clock.advance(Duration::from_secs(61));
+    assert_eq!(
+        register(&app, &token, &url, &["task.failed"])
+            .await
+            .status(),
+        201
+    );
+    assert_eq!(
+        register(&app, &token, &url, &["task.succeeded"])
+            .await
+            .status(),
+        201
+    );
+    assert_eq!(
+        register(&app, &token, &url, &["task.cancelled"])
+            .await
+            .status(),
+        409
+    );
+}
