@@ -56,7 +56,42 @@ pub(super) fn metadata(
 }
 
 /// What a task card needs besides the task: the fee of a prioritise and what may be done.
-fn card_context(page: &Page, task: &TaskView) -> Value {
+/// The gallery's side of succeeded tasks: task id → (its work's id, the work's status:
+/// `published`, `unpublished` or `hidden`), for those ever published. One query for a page of
+/// cards, none when no card succeeded.
+async fn works_of(page: &Page, tasks: &[TaskView]) -> Result<Works, WebError> {
+    let work_ids: Vec<Uuid> = tasks
+        .iter()
+        .filter(|task| task.status == "succeeded")
+        .map(|task| zhihui_domain::gallery::work::work_id_of_task(task.task_id))
+        .collect();
+    if work_ids.is_empty() {
+        return Ok(Works::new());
+    }
+    let rows = async {
+        use anyhow::Context;
+        let client = crate::platform::postgres::checkout(&page.state().pg_pool)
+            .await
+            .context("getting a connection")?;
+        client
+            .query(
+                "SELECT task_id, work_id, status FROM works WHERE work_id = ANY($1)",
+                &[&work_ids],
+            )
+            .await
+            .context("reading the tasks' works")
+    }
+    .await
+    .map_err(|error| page.unexpected(ApiError::from(error)))?;
+    Ok(rows
+        .iter()
+        .map(|row| (row.get(0), (row.get(1), row.get(2))))
+        .collect())
+}
+
+type Works = std::collections::HashMap<Uuid, (Uuid, String)>;
+
+fn card_context(page: &Page, task: &TaskView, works: &Works) -> Value {
     let settings = page.state().tasks.settings();
     let active = matches!(
         task.status.as_str(),
@@ -70,6 +105,8 @@ fn card_context(page: &Page, task: &TaskView) -> Value {
     });
     context! {
         task => ser(task),
+        work => works.get(&task.task_id).map(|(id, status)| context! { id => id.to_string(), status }),
+        failure => task.failure_reason.as_deref().map(|reason| failure_text(page.lang, reason)),
         fee => settings.prioritise_fee.to_string(),
         can_cancel => active && !task.cancel_requested,
         can_prioritise => task.status == "queued" && task.position.is_some_and(|position| position > 1),
@@ -77,6 +114,62 @@ fn card_context(page: &Page, task: &TaskView) -> Value {
         prioritise_key => Uuid::new_v4().to_string(),
         again => (!active).then(|| again_query(task)),
     }
+}
+
+/// A task's failure in the reader's words. The reasons are the dispatcher's own sentences (with
+/// the image server's detail after a colon, which is the server's and stays as it said it):
+/// each known one has its words in the catalog; one not known is shown as recorded.
+fn failure_text(lang: crate::web::i18n::Lang, reason: &str) -> String {
+    const AT_SERVER: &str = "generation failed on the image server";
+    const REFUSED: &str = "the image server refused the workflow: ";
+    const KNOWN: [(&str, &str); 5] = [
+        (
+            "the image server finished without producing an image",
+            "failure.no_image",
+        ),
+        (
+            "the image server returned an image that cannot be read",
+            "failure.unreadable_image",
+        ),
+        (
+            "the images could not be fetched from the image server",
+            "failure.not_fetched",
+        ),
+        (
+            "its image server was removed from service",
+            "failure.server_removed",
+        ),
+        (
+            "the image server named an output outside the task's own files",
+            "failure.foreign_output",
+        ),
+    ];
+    let said = |key: &str, args: &[(&str, String)]| lang.text(key, args);
+    if let Some((_, key)) = KNOWN.iter().find(|(text, _)| *text == reason) {
+        return said(key, &[]);
+    }
+    if let Some(detail) = reason.strip_prefix(REFUSED) {
+        return said("failure.refused", &[("detail", detail.to_owned())]);
+    }
+    if let Some(rest) = reason.strip_prefix(AT_SERVER) {
+        return match rest.strip_prefix(" at ") {
+            Some(at) => match at.split_once(": ") {
+                Some((node, detail)) => said(
+                    "failure.at_node_detail",
+                    &[("node", node.to_owned()), ("detail", detail.to_owned())],
+                ),
+                None => said("failure.at_node", &[("node", at.to_owned())]),
+            },
+            None => match rest.strip_prefix(": ") {
+                Some(detail) => said("failure.detail", &[("detail", detail.to_owned())]),
+                None => said("failure.generic", &[]),
+            },
+        };
+    }
+    if reason.starts_with("the image server returned ") && reason.ends_with(" were asked for") {
+        return said("failure.too_many_images", &[]);
+    }
+    reason.to_owned()
 }
 
 /// A task's parameters for the "again" link (and the form it fills).
@@ -129,10 +222,11 @@ pub async fn generate_page(
     )
     .await
     .map_err(|error| page.unexpected(error))?;
+    let works = works_of(&page, &tasks.tasks).await?;
     let cards: Vec<Value> = tasks
         .tasks
         .iter()
-        .map(|task| card_context(&page, task))
+        .map(|task| card_context(&page, task, &works))
         .collect();
     let from_work = match query.from_work.as_deref().map(Uuid::parse_str) {
         Some(Ok(work_id)) => state.gallery.card(work_id).await?,
@@ -182,10 +276,18 @@ pub async fn generate_page(
         },
     };
     let images: Vec<u32> = (1..=settings.images_per_task_max).collect();
+    // Told before pressing 生成, not after: where one image is more than the points there are.
+    let available = crate::http::accounts::balance_of(state, user)
+        .await
+        .map_err(|error| page.unexpected(error))?
+        .available;
+    let short_of_points =
+        (available < settings.price_per_image).then(|| two_places(available).to_string());
     page.render(
         "generate.html",
         context! {
             form,
+            short_of_points,
             again => again.is_some(),
             from_work => from_work.as_ref().map(|card| card.title.clone()),
             models,
@@ -369,6 +471,10 @@ pub async fn generate(page: Page, form: web::Form<GenerateForm>) -> Result<HttpR
     {
         Ok(outcome) => outcome,
         Err(TaskServiceError::Unexpected(error)) => return Err(WebError::from(error)),
+        Err(error @ TaskServiceError::InsufficientPoints { .. }) => {
+            return page
+                .alert_short_of_points("#generate-messages", &submit_refusal(&page, &error));
+        }
         Err(error) => {
             return page.alert(
                 "#generate-messages",
@@ -385,7 +491,7 @@ pub async fn generate(page: Page, form: web::Form<GenerateForm>) -> Result<HttpR
         task.position = outcome.position;
     }
     let card = context! {
-        ..card_context(&page, &task),
+        ..card_context(&page, &task, &Works::new()),
         ..context! { new_request_id => Uuid::new_v4().to_string() },
     };
     let mut response = page.fragment("_task_card.html", context! { card })?;
@@ -402,10 +508,13 @@ pub async fn task_card(page: Page, path: web::Path<String>) -> Result<HttpRespon
     let task_id = crate::http::tasks::parse_task_id(&path)
         .map_err(|_| page.refusal(StatusCode::NOT_FOUND, "error.not_found"))?;
     match crate::http::tasks::task_view_from_stream(page.state(), user, task_id).await {
-        Ok(task) => page.fragment(
-            "_task_card.html",
-            context! { card => card_context(&page, &task) },
-        ),
+        Ok(task) => {
+            let works = works_of(&page, std::slice::from_ref(&task)).await?;
+            page.fragment(
+                "_task_card.html",
+                context! { card => card_context(&page, &task, &works) },
+            )
+        }
         Err(ApiError::NotFound(_)) => Err(page.refusal(StatusCode::NOT_FOUND, "error.not_found")),
         Err(error) => Err(page.unexpected(error)),
     }
@@ -449,26 +558,24 @@ async fn act_on_task(
         Err(TaskServiceError::NotFound) => {
             return Err(page.refusal(StatusCode::NOT_FOUND, "error.not_found"));
         }
-        Err(error) => {
-            let message = match &error {
-                TaskServiceError::InsufficientPoints { .. } => page.t(
-                    "card.prioritise_insufficient",
-                    &[(
-                        "fee",
-                        page.state().tasks.settings().prioritise_fee.to_string(),
-                    )],
-                ),
-                other => submit_refusal(page, other),
-            };
-            return page.alert(&target, "error", &message);
+        Err(TaskServiceError::InsufficientPoints { .. }) => {
+            let message = page.t(
+                "card.prioritise_insufficient",
+                &[(
+                    "fee",
+                    page.state().tasks.settings().prioritise_fee.to_string(),
+                )],
+            );
+            return page.alert_short_of_points(&target, &message);
         }
+        Err(error) => return page.alert(&target, "error", &submit_refusal(page, &error)),
     }
     let task = crate::http::tasks::task_view_from_stream(page.state(), user, task_id)
         .await
         .map_err(|error| page.unexpected(error))?;
     let mut response = page.fragment(
         "_task_card.html",
-        context! { card => card_context(page, &task) },
+        context! { card => card_context(page, &task, &Works::new()) },
     )?;
     response.headers_mut().insert(
         actix_web::http::header::HeaderName::from_static("hx-trigger"),
@@ -541,10 +648,11 @@ pub async fn history(
         }
         Err(error) => return Err(page.unexpected(error)),
     };
+    let works = works_of(&page, &listed.tasks).await?;
     let tasks: Vec<Value> = listed
         .tasks
         .iter()
-        .map(|task| card_context(&page, task))
+        .map(|task| card_context(&page, task, &works))
         .collect();
     page.render(
         "history.html",
@@ -578,15 +686,44 @@ pub async fn points(page: Page, query: web::Query<CursorQuery>) -> Result<HttpRe
         Err(ApiError::Validation { .. }) => return Ok(Page::see_other("/points")),
         Err(error) => return Err(page.unexpected(error)),
     };
+    let entries: Vec<Value> = ledger
+        .entries
+        .iter()
+        .map(|entry| {
+            context! {
+                ..ser(entry),
+                ..context! { note => ledger_note(page.lang, entry) }
+            }
+        })
+        .collect();
     page.render(
         "points.html",
         context! {
-            entries => ser(&ledger.entries),
+            entries,
             next_cursor => ledger.next_cursor,
             first_page => query.cursor.is_none(),
         },
     )
     .await
+}
+
+/// What a ledger row is for, in the reader's words where the recorded reason is the server's own
+/// sentence (a prioritise fee and its refund, a flash sale's price), the admin's reason for a
+/// grant as written; nothing where the kind says it all.
+fn ledger_note(
+    lang: crate::web::i18n::Lang,
+    entry: &crate::http::accounts::LedgerEntryView,
+) -> Option<String> {
+    let reason = entry.reason.as_deref()?;
+    match entry.kind.as_str() {
+        "grant" => Some(reason.to_owned()),
+        "charge" if reason.starts_with("prioritise task ") => {
+            Some(lang.text("points.prioritise_fee", &[]))
+        }
+        "charge" if reason.starts_with("promotion:") => Some(lang.text("points.sale_price", &[])),
+        "refund" => Some(lang.text("points.refunded", &[])),
+        _ => None,
+    }
 }
 
 /// `GET /balance`: the header's balance, fresh (after anything that moved points).
@@ -845,5 +982,50 @@ mod tests {
             .filter(|cell| !cell.is_none())
             .count();
         assert_eq!(days, 30);
+    }
+
+    #[test]
+    fn a_failure_the_dispatcher_records_is_said_in_chinese_with_the_servers_detail_as_it_was() {
+        use crate::web::i18n::Lang;
+        let refused = crate::dispatch::comfy::rejection_reason(&serde_json::json!({
+            "error": {"message": "Prompt outputs failed validation"}
+        }));
+        for (reason, said) in [
+            (
+                "generation failed on the image server",
+                "图像服务器生成失败",
+            ),
+            (
+                "generation failed on the image server at KSampler: CUDA out of memory",
+                "图像服务器在节点 KSampler 生成失败：CUDA out of memory",
+            ),
+            (
+                "generation failed on the image server at VAEDecode",
+                "图像服务器在节点 VAEDecode 生成失败",
+            ),
+            (
+                "generation failed on the image server: 显存不足",
+                "图像服务器生成失败：显存不足",
+            ),
+            (
+                refused.as_str(),
+                "图像服务器拒绝了这个工作流：Prompt outputs failed validation",
+            ),
+            (
+                "its image server was removed from service",
+                "运行这个任务的图像服务器已被移出服务",
+            ),
+            (
+                "the image server returned 3 images where 1 were asked for",
+                "图像服务器返回的图片比要求的多",
+            ),
+            // Not one of ours: as recorded.
+            ("停电了", "停电了"),
+        ] {
+            assert_eq!(failure_text(Lang::Zh, reason), said);
+        }
+        // English says what was recorded.
+        let recorded = "generation failed on the image server at KSampler: CUDA out of memory";
+        assert_eq!(failure_text(Lang::En, recorded), recorded);
     }
 }

@@ -27,6 +27,10 @@ const TEMPLATES: &[(&str, &str)] = &[
     ("register.html", include_str!("templates/register.html")),
     ("generate.html", include_str!("templates/generate.html")),
     ("_task_card.html", include_str!("templates/_task_card.html")),
+    (
+        "_earn_links.html",
+        include_str!("templates/_earn_links.html"),
+    ),
     ("_alert.html", include_str!("templates/_alert.html")),
     ("_balance.html", include_str!("templates/_balance.html")),
     ("history.html", include_str!("templates/history.html")),
@@ -565,9 +569,29 @@ impl Page {
     /// An alert for htmx to put into the form's message area (`target`), in place of what the
     /// form would have swapped.
     pub fn alert(&self, target: &str, kind: &str, message: &str) -> Result<HttpResponse, WebError> {
+        self.alert_with(target, kind, message, false)
+    }
+
+    /// [`Page::alert`] for a shortfall of points: followed by the links to where points are
+    /// earned (check in, a code, a flash sale).
+    pub fn alert_short_of_points(
+        &self,
+        target: &str,
+        message: &str,
+    ) -> Result<HttpResponse, WebError> {
+        self.alert_with(target, "error", message, true)
+    }
+
+    fn alert_with(
+        &self,
+        target: &str,
+        kind: &str,
+        message: &str,
+        earn: bool,
+    ) -> Result<HttpResponse, WebError> {
         let body = self.web.render(
             "_alert.html",
-            context! { ..self.base_context(), ..context! { kind, message } },
+            context! { ..self.base_context(), ..context! { kind, message, earn } },
         )?;
         Ok(HttpResponse::Ok()
             .content_type("text/html; charset=utf-8")

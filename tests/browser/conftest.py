@@ -26,6 +26,12 @@ SIM_BIN = os.environ.get("SIM_BIN", str(ROOT / "target/debug/comfyui-sim"))
 DATABASE_URL = os.environ.get("DATABASE_URL", "postgres://zhihui@127.0.0.1:55432/zhihui")
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:56379/0")
 SCREENSHOTS = Path(os.environ.get("SCREENSHOTS", str(ROOT / "docs/screenshots")))
+
+
+def shot(page, name):
+    """A whole-page screenshot under SCREENSHOTS, to be looked at."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 MODELS = "majicmixRealistic_v7.safetensors,anythingelseV4_v45.safetensors"
 ADMIN = ("boss", "boss password")

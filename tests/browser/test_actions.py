@@ -6,13 +6,8 @@ promotion. (Logging out is pressed in test_flows.)"""
 import re
 import time
 
-from conftest import ADMIN, SCREENSHOTS, unique, wait_until
+from conftest import ADMIN, shot, unique, wait_until
 from test_flows import grant, submit
-
-
-def shot(page, name):
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
 
 
 def iso(seconds):

@@ -4,7 +4,7 @@ import re
 import subprocess
 import tempfile
 
-from conftest import ADMIN, unique, wait_until
+from conftest import ADMIN, shot, unique, wait_until
 
 CHINESE_PROMPT = "一只在雪地里奔跑的红狐狸，电影感光线"
 
@@ -335,6 +335,10 @@ def test_a_refused_submit_says_how_many_points_are_missing(stack, person):
     user = person("zh")
     user.register(unique("qiong"))
     page = user.go("/generate")
+    # Told before pressing: no points, and where points come from.
+    short = page.locator("#short-of-points")
+    assert "你现在有 0.00 积分" in short.inner_text()
+    assert short.get_by_role("link", name="签到").get_attribute("href") == "/checkin"
     page.fill("#prompt", "没有积分的请求")
     page.select_option("#images", "2")
     assert "2.00" in page.locator("#price").inner_text()
@@ -342,7 +346,9 @@ def test_a_refused_submit_says_how_many_points_are_missing(stack, person):
     alert = page.locator("#generate-messages .notice.error")
     alert.wait_for()
     assert "还差 2.00 积分" in alert.inner_text()
+    assert alert.get_by_role("link", name="兑换码").get_attribute("href") == "/redeem"
     assert page.locator("#tasks article.task").count() == 0
+    shot(page, "flow-short-of-points-zh-desktop")
 
 
 def test_a_state_changing_request_without_its_csrf_token_is_refused(stack, person):
