@@ -474,12 +474,13 @@ def test_a_creator_publishes_with_the_prompt_hidden_and_a_visitor_likes_and_foll
     page.locator("form.like button[aria-pressed=true]").wait_for()
     assert page.locator("form.like [data-field=likes]").inner_text() == "1"
     assert page.evaluate("window.__stayed === true"), "the page reloaded"
-    # Pressed again: taken back, and again: liked once.
-    page.locator("form.like button").focus()
+    # Pressed again where the keyboard still is (on the new button): taken back, and again:
+    # liked once.
+    wait_until(lambda: page.evaluate("document.activeElement.matches('form.like button')"), "the focus back on the like button")
     page.keyboard.press("Enter")
     page.locator("form.like button[aria-pressed=false]").wait_for()
     assert page.locator("form.like [data-field=likes]").inner_text() == "0"
-    page.locator("form.like button").focus()
+    wait_until(lambda: page.evaluate("document.activeElement.matches('form.like button')"), "the focus back on the like button")
     page.keyboard.press("Enter")
     page.locator("form.like button[aria-pressed=true]").wait_for()
     assert page.locator("form.like [data-field=likes]").inner_text() == "1"
@@ -494,6 +495,7 @@ def test_a_creator_publishes_with_the_prompt_hidden_and_a_visitor_likes_and_foll
     page.locator("form.follow button[aria-pressed=true]").wait_for()
     page.locator("#follower-count", has_text="1 位粉丝").wait_for()
     assert page.evaluate("window.__stayed === true"), "the page reloaded"
+    wait_until(lambda: page.evaluate("document.activeElement.matches('form.follow button')"), "the focus back on the follow button")
 
     # Their likes and their feed: the creator's next work reaches the feed.
     page = visitor.go("/gallery/likes")

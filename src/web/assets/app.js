@@ -264,6 +264,21 @@ document.addEventListener("htmx:afterSwap", (event) => {
   if (event.target.id === "tasks") event.target.parentElement?.querySelector(".empty")?.remove();
 });
 
+// A like or follow swaps its button for the new one (pressed or not). The old button is
+// disabled while the request runs, which drops the keyboard's focus to the page: a person who
+// pressed it with the keyboard gets it back on the new button, where they were.
+const FOCUS_KEPT = "form.like, form.follow";
+document.addEventListener("htmx:beforeRequest", (event) => {
+  const form = event.detail.elt;
+  if (form.matches && form.matches(FOCUS_KEPT)) form.dataset.hadFocus = form.contains(document.activeElement) ? "1" : "";
+});
+document.addEventListener("htmx:afterSwap", (event) => {
+  const form = event.detail.elt;
+  if (!form.matches || !form.matches(FOCUS_KEPT) || form.dataset.hadFocus !== "1") return;
+  delete form.dataset.hadFocus;
+  form.querySelector("button")?.focus();
+});
+
 // A request that failed says so, in the page's language, where its form shows its messages (or
 // at the top of the page). htmx leaves the form as it was, so what the person typed stays.
 function failureText(xhr) {

@@ -23,7 +23,7 @@ pub(super) async fn batches(page: &Page) -> Result<Vec<Value>, WebError> {
     let mut views = Vec::new();
     for batch_id in ids {
         match crate::http::codes::batch_view(page.state(), batch_id).await {
-            Ok(view) => views.push(batch_context(&view)),
+            Ok(view) => views.push(batch_context(page, &view)),
             Err(ApiError::NotFound(_)) => {}
             Err(error) => return Err(page.unexpected(error)),
         }
@@ -31,13 +31,16 @@ pub(super) async fn batches(page: &Page) -> Result<Vec<Value>, WebError> {
     Ok(views)
 }
 
-pub(super) fn batch_context(view: &crate::http::codes::BatchView) -> Value {
+pub(super) fn batch_context(page: &Page, view: &crate::http::codes::BatchView) -> Value {
+    // Past its window, a batch's codes redeem no more: said beside its status (the API's
+    // status stays what the batch's events made it).
+    let expired = view.status != "revoked" && view.valid_until <= page.state().clock.now();
     let percent = if view.count == 0 {
         100
     } else {
         u64::from(view.issued) * 100 / u64::from(view.count)
     };
-    context! { batch => ser(view), percent, issuing => view.status == "issuing" }
+    context! { batch => ser(view), percent, expired, issuing => view.status == "issuing" }
 }
 
 /// Redeem-code batches: create, progress, CSV export, revoke.
@@ -156,7 +159,7 @@ pub async fn create_codes(
         // With a fresh key for the form: the next batch is another request, not this one again.
         Ok(view) => page.fragment(
             "admin/_batch.html",
-            context! { new_form_key => Uuid::new_v4().to_string(), ..batch_context(&view) },
+            context! { new_form_key => Uuid::new_v4().to_string(), ..batch_context(&page, &view) },
         ),
         Err(error) => refused(&page, "#codes-messages", error),
     }
@@ -168,7 +171,7 @@ pub async fn code_batch(page: Page, path: web::Path<String>) -> Result<HttpRespo
     let batch_id = crate::http::codes::parse_batch_id(&path)
         .map_err(|_| page.refusal(StatusCode::NOT_FOUND, "error.not_found"))?;
     match crate::http::codes::batch_view(page.state(), batch_id).await {
-        Ok(view) => page.fragment("admin/_batch.html", batch_context(&view)),
+        Ok(view) => page.fragment("admin/_batch.html", batch_context(&page, &view)),
         Err(ApiError::NotFound(_)) => Err(page.refusal(StatusCode::NOT_FOUND, "error.not_found")),
         Err(error) => Err(page.unexpected(error)),
     }
@@ -192,7 +195,7 @@ pub async fn revoke_codes(
     match crate::http::codes::revoke_batch(page.state(), &admin, batch_id, &form.reason, &metadata)
         .await
     {
-        Ok(view) => page.fragment("admin/_batch.html", batch_context(&view)),
+        Ok(view) => page.fragment("admin/_batch.html", batch_context(&page, &view)),
         Err(error) => refused(&page, &format!("#batch-{batch_id}-messages"), error),
     }
 }
