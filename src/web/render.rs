@@ -156,6 +156,9 @@ impl Web {
         env.add_function("asset", |name: &str| {
             Value::from_safe_string(super::assets::url(name))
         });
+        // A checkpoint as people read it; requests keep sending its file name.
+        let tasks = settings.tasks.clone();
+        env.add_filter("model_name", move |model: &str| tasks.model_name(model));
         // One clock: in the reader's zone, or the platform's named (see `reader_zone`).
         env.add_filter("localtime", move |state: &State, value: Value| {
             let (offset, label) = reader_zone(state, platform_offset);

@@ -525,3 +525,63 @@ async fn a_pages_query_survives_signing_in_and_one_it_cannot_read_is_a_page_not_
     assert_eq!(api.status(), 422);
     assert_eq!(content_type(api.headers()), "application/problem+json");
 }
+
+#[tokio::test]
+async fn a_model_reads_as_its_name_on_the_pages_while_requests_keep_its_file_name() {
+    let configured = "majicmixRealistic_v7.safetensors";
+    let unnamed = "anythingelseV4_v45.safetensors";
+    let app = spawn_app_with(|settings| {
+        settings.tasks.models = vec![configured.into(), unnamed.into()];
+        settings.tasks.model_names =
+            std::iter::once((configured.to_owned(), "麦橘写实 v7".to_owned())).collect();
+    })
+    .await;
+    let client = browser();
+    let admin = app.admin_token("guanliyuan").await;
+    let member_id = app.register("xiaohong", "correct horse").await;
+    let member = app.login("xiaohong", "correct horse").await;
+    let granted = app
+        .post(
+            &format!("/api/v1/admin/accounts/{member_id}/grants"),
+            Some(&admin),
+            &serde_json::json!({"amount": "5", "reason": "试用"}),
+        )
+        .await;
+    assert_eq!(granted.status().as_u16(), 201);
+    let submitted = app
+        .post(
+            "/api/v1/tasks",
+            Some(&member),
+            &serde_json::json!({"prompt": "雪中的红狐狸", "model": unnamed}),
+        )
+        .await;
+    assert_eq!(
+        submitted.status().as_u16(),
+        201,
+        "{}",
+        submitted.text().await.unwrap()
+    );
+
+    let get = |path: &str| {
+        client
+            .get(format!("{}{path}", app.address))
+            .header("Accept", BROWSER_ACCEPT)
+            .header("Cookie", format!("lang=zh; zhihui_session={member}"))
+            .send()
+    };
+    let form = get("/generate").await.unwrap().text().await.unwrap();
+    // The choice sends the file name and shows the name.
+    assert!(
+        form.contains(&format!(
+            "<option value=\"{configured}\">麦橘写实 v7</option>"
+        )) || form.contains(&format!(
+            "<option value=\"{configured}\" selected>麦橘写实 v7</option>"
+        )),
+        "{form}"
+    );
+    assert!(form.contains(">anythingelseV4 v45</option>"), "{form}");
+    app.project().await;
+    let history = get("/history").await.unwrap().text().await.unwrap();
+    assert!(history.contains("anythingelseV4 v45 ·"), "{history}");
+    assert!(!history.contains(".safetensors"), "{history}");
+}

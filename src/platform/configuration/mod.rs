@@ -178,4 +178,39 @@ mod tests {
         let printed = format!("{settings:?}");
         assert!(!printed.contains("hunter2"), "{printed}");
     }
+
+    #[test]
+    fn a_model_reads_as_its_configured_name_else_its_file_name_without_extension() {
+        let mut settings = Settings::load(None).expect("defaults load");
+        let tasks = &mut settings.tasks;
+        assert_eq!(
+            tasks.model_name("majicmixRealistic_v7.safetensors"),
+            "麦橘写实 v7"
+        );
+        tasks.model_names.clear();
+        assert_eq!(
+            tasks.model_name("majicmixRealistic_v7.safetensors"),
+            "majicmixRealistic v7"
+        );
+        assert_eq!(tasks.model_name("sd_xl_base_1.0.CKPT"), "sd xl base 1.0");
+        assert_eq!(tasks.model_name("国风_v3"), "国风 v3");
+        // A name that is nothing but an extension stays as it is.
+        assert_eq!(tasks.model_name(".safetensors"), ".safetensors");
+        // A name for a model that is not offered, or one of two lines, is refused at start.
+        tasks
+            .model_names
+            .insert("missing.safetensors".into(), "不存在".into());
+        let refused = settings.validate().expect_err("an unknown model's name");
+        assert!(
+            refused.to_string().contains("tasks.model_names"),
+            "{refused}"
+        );
+        settings.tasks.model_names.clear();
+        settings.tasks.model_names.insert(
+            "majicmixRealistic_v7.safetensors".into(),
+            "两行\n名字".into(),
+        );
+        let refused = settings.validate().expect_err("a name of two lines");
+        assert!(refused.to_string().contains("one line"), "{refused}");
+    }
 }

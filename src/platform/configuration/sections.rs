@@ -286,6 +286,10 @@ impl CodeSettings {
 pub struct TaskSettings {
     /// Checkpoints the GPU servers have.
     pub models: Vec<String>,
+    /// What people read for a checkpoint (its file name stays what requests send and the GPU
+    /// servers load). A model without one reads as its file name without the extension.
+    #[serde(default)]
+    pub model_names: std::collections::BTreeMap<String, String>,
     pub samplers: Vec<String>,
     pub schedulers: Vec<String>,
     pub default_sampler: String,
@@ -336,6 +340,32 @@ pub struct TaskSettings {
     pub settlement_after_ms: u64,
     /// How often the settlement reconciler looks.
     pub settlement_interval_ms: u64,
+}
+
+/// File extensions of checkpoints, dropped from a name shown to people.
+const MODEL_FILE_EXTENSIONS: [&str; 6] = [".safetensors", ".ckpt", ".pt", ".pth", ".bin", ".gguf"];
+
+impl TaskSettings {
+    /// The name people read for `model`: the configured one, else the file name without its
+    /// extension and with underscores as spaces (`majicmixRealistic_v7.safetensors` reads
+    /// `majicmixRealistic v7`).
+    pub fn model_name(&self, model: &str) -> String {
+        if let Some(name) = self.model_names.get(model) {
+            return name.clone();
+        }
+        let stem = MODEL_FILE_EXTENSIONS
+            .iter()
+            .find_map(|extension| {
+                model
+                    .len()
+                    .checked_sub(extension.len())
+                    .filter(|&at| at > 0 && model.is_char_boundary(at))
+                    .filter(|&at| model[at..].eq_ignore_ascii_case(extension))
+                    .map(|at| &model[..at])
+            })
+            .unwrap_or(model);
+        stem.replace('_', " ")
+    }
 }
 
 /// One ComfyUI server of the pool.
