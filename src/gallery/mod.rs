@@ -400,6 +400,31 @@ impl GalleryService {
         Ok(())
     }
 
+    /// A work of `creator`'s as its stream has it (the read models may not have it yet): its
+    /// status (`published`, `unpublished` or `hidden`) and why it was hidden. `None` for a work
+    /// that is not theirs.
+    pub async fn own_work_status(
+        &self,
+        creator: UserId,
+        work_id: WorkId,
+    ) -> anyhow::Result<Option<(&'static str, Option<String>)>> {
+        let work = command::load::<Work>(&self.store, &work_stream(work_id)).await?;
+        let state = work.state;
+        if state.last.as_ref().map(|last| last.creator) != Some(creator) {
+            return Ok(None);
+        }
+        let status = match state.status {
+            WorkStatus::NotPublished => return Ok(None),
+            WorkStatus::Published => "published",
+            WorkStatus::Unpublished => "unpublished",
+            WorkStatus::Hidden => "hidden",
+        };
+        Ok(Some((
+            status,
+            state.hidden_reason.map(|reason| reason.as_str().to_owned()),
+        )))
+    }
+
     /// An admin hides a work, with a reason its creator sees.
     pub async fn hide(
         &self,

@@ -68,6 +68,16 @@ fn message(page: &Page, error: GalleryError) -> Result<String, WebError> {
 pub struct ListQuery {
     sort: Option<String>,
     cursor: Option<String>,
+    /// `hidden`: the redirect after an admin hid a work (the page confirms it).
+    done: Option<String>,
+}
+
+/// The query a page is redirected to after an action, so that it says the action was done.
+#[derive(Debug, Deserialize)]
+pub struct DoneQuery {
+    done: Option<String>,
+    /// The work the action was on.
+    work: Option<String>,
 }
 
 fn cursor_of(query: &ListQuery) -> Option<Cursor> {
@@ -126,7 +136,11 @@ pub async fn gallery(page: Page, query: web::Query<ListQuery>) -> Result<HttpRes
         "gallery.title",
         list,
         &base,
-        context! { sort },
+        context! {
+            sort,
+            // Only an admin hides: nobody else is told a work was.
+            hidden_now => query.done.as_deref() == Some("hidden") && page.admin().is_ok(),
+        },
     )
     .await
 }
@@ -174,12 +188,27 @@ pub async fn likes(page: Page, query: web::Query<ListQuery>) -> Result<HttpRespo
 }
 
 /// `/gallery/mine`: the reader's works, whatever became of them.
-pub async fn mine(page: Page) -> Result<HttpResponse, WebError> {
+pub async fn mine(page: Page, query: web::Query<DoneQuery>) -> Result<HttpResponse, WebError> {
     let user = page.member()?.session.user_id;
-    let works = crate::http::gallery::works_of(page.state(), user).await?;
+    let mut works = crate::http::gallery::works_of(page.state(), user).await?;
+    // The work just acted on, as its stream has it: the list is a read model a moment behind.
+    if let Some(work_id) = query
+        .work
+        .as_deref()
+        .and_then(|raw| Uuid::parse_str(raw).ok())
+        && let Some(row) = works.iter_mut().find(|row| row.work_id == work_id)
+        && let Some((status, reason)) = page.state().gallery.own_work_status(user, work_id).await?
+    {
+        status.clone_into(&mut row.status);
+        row.hidden_reason = reason;
+    }
     page.render(
         "gallery_mine.html",
-        context! { works => super::render::ser(&works), sort => "mine" },
+        context! {
+            works => super::render::ser(&works),
+            sort => "mine",
+            unpublished_now => query.done.as_deref() == Some("unpublished"),
+        },
     )
     .await
 }
@@ -200,7 +229,11 @@ fn not_found(page: &Page) -> WebError {
 }
 
 /// `/gallery/works/{id}`.
-pub async fn work(page: Page, path: web::Path<String>) -> Result<HttpResponse, WebError> {
+pub async fn work(
+    page: Page,
+    path: web::Path<String>,
+    query: web::Query<DoneQuery>,
+) -> Result<HttpResponse, WebError> {
     let work_id = Uuid::parse_str(&path).map_err(|_| not_found(&page))?;
     let Some(view) = page.state().gallery.view(work_id, viewer(&page)).await? else {
         return Err(not_found(&page));
@@ -217,6 +250,7 @@ pub async fn work(page: Page, path: web::Path<String>) -> Result<HttpResponse, W
             settings => super::render::ser(&card.settings),
             first_likers => view.first_likers.clone(),
             own,
+            published_now => own && query.done.as_deref() == Some("published"),
             next => encode_path(page.request.path()),
         },
     )
@@ -458,7 +492,10 @@ pub async fn publish(page: Page, body: web::Bytes) -> Result<HttpResponse, WebEr
         )
         .await;
     match published {
-        Ok(work_id) => Ok(redirect(&page, &format!("/gallery/works/{work_id}"))),
+        Ok(work_id) => Ok(redirect(
+            &page,
+            &format!("/gallery/works/{work_id}?done=published"),
+        )),
         Err(error) => {
             let text = message(&page, error)?;
             page.alert("#publish-messages", "error", &text)
@@ -476,7 +513,10 @@ pub async fn unpublish(page: Page, path: web::Path<String>) -> Result<HttpRespon
         .unpublish(user, work_id, &metadata(&page)?)
         .await
     {
-        Ok(()) => Ok(redirect(&page, "/gallery/mine")),
+        Ok(()) => Ok(redirect(
+            &page,
+            &format!("/gallery/mine?done=unpublished&work={work_id}"),
+        )),
         Err(GalleryError::Unexpected(error)) => Err(WebError::from(error)),
         Err(_) => Err(not_found(&page)),
     }
@@ -501,7 +541,7 @@ pub async fn hide(
         .hide(admin, work_id, &form.reason, &metadata(&page)?)
         .await
     {
-        Ok(()) => Ok(redirect(&page, "/gallery?sort=new")),
+        Ok(()) => Ok(redirect(&page, "/gallery?sort=new&done=hidden")),
         Err(error) => {
             let text = message(&page, error)?;
             if page.is_htmx() {

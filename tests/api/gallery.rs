@@ -1124,3 +1124,147 @@ async fn the_likes_page_goes_on_past_its_first_page() {
     assert!(second.contains(&format!("/gallery/works/{}\"", works[0])));
     assert!(!second.contains("class=\"button more\""));
 }
+
+/// A page form, as a browser in Chinese sends it: the session cookie, its CSRF token, our Origin.
+async fn page_post(
+    app: &TestApp,
+    token: &str,
+    path: &str,
+    form: &[(&str, &str)],
+) -> reqwest::Response {
+    let mut body = url::form_urlencoded::Serializer::new(String::new());
+    for (name, value) in form {
+        body.append_pair(name, value);
+    }
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap()
+        .post(format!("{}{path}", app.address))
+        .header("Origin", app.address.as_str())
+        .header("Accept", "text/html")
+        .header("Cookie", format!("lang=zh; zhihui_session={token}"))
+        .header(
+            zhihui::http::cookie::CSRF_HEADER,
+            zhihui::http::cookie::csrf_token(token),
+        )
+        .header("Content-Type", "application/x-www-form-urlencoded")
+        .body(body.finish())
+        .send()
+        .await
+        .unwrap()
+}
+
+async fn page_text(app: &TestApp, token: &str, path: &str) -> String {
+    let response = app
+        .http
+        .get(format!("{}{path}", app.address))
+        .header("Accept", "text/html")
+        .header("Cookie", format!("lang=zh; zhihui_session={token}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200, "{path}");
+    response.text().await.unwrap()
+}
+
+fn location(response: &reqwest::Response) -> String {
+    response.headers()["location"].to_str().unwrap().to_owned()
+}
+
+/// After publishing, unpublishing or hiding from the pages, the page a person lands on says it
+/// was done, to them only; the list of one's works shows what the stream says of the work just
+/// acted on, though its read model has not caught up (nothing projects in between here).
+#[tokio::test]
+async fn an_action_from_the_pages_is_confirmed_where_it_lands_even_before_the_read_models_catch_up()
+{
+    let harness = gallery_harness(|_| {}).await;
+    let app = &harness.app;
+    let (_, creator) = funded_user(app, "huajia", "100").await;
+    let admin = app.admin_token("guanliyuan").await;
+    let tasks = Box::pin(succeeded_tasks(&harness, &creator, 2)).await;
+    app.project().await;
+
+    let form = page_text(
+        app,
+        &creator,
+        &format!("/gallery/publish?task={}", tasks[0]),
+    )
+    .await;
+    let marker = "name=\"image\" value=\"";
+    let start = form.find(marker).unwrap() + marker.len();
+    let image = &form[start..start + 36];
+    let published = page_post(
+        app,
+        &creator,
+        "/gallery/publish",
+        &[("task", &tasks[0]), ("title", "西湖晨雾"), ("image", image)],
+    )
+    .await;
+    assert_eq!(
+        published.status(),
+        303,
+        "{}",
+        published.text().await.unwrap()
+    );
+    let to = location(&published);
+    let work = to
+        .strip_prefix("/gallery/works/")
+        .and_then(|rest| rest.strip_suffix("?done=published"))
+        .unwrap_or_else(|| panic!("published lands on {to}"))
+        .to_owned();
+    assert!(page_text(app, &creator, &to).await.contains("已发布到画廊"));
+    // The address says "done", but only the creator is told.
+    let (_, stranger) = member(app, "luren").await;
+    assert!(
+        !page_text(app, &stranger, &to)
+            .await
+            .contains("已发布到画廊")
+    );
+    let other = publish(app, &creator, &tasks[1], "断桥残雪", true).await;
+    app.project().await;
+
+    let unpublished = page_post(
+        app,
+        &creator,
+        &format!("/gallery/works/{work}/unpublish"),
+        &[],
+    )
+    .await;
+    assert_eq!(unpublished.status(), 303);
+    let to = location(&unpublished);
+    assert_eq!(to, format!("/gallery/mine?done=unpublished&work={work}"));
+    let mine = page_text(app, &creator, &to).await;
+    assert!(mine.contains("作品已取消发布"), "{mine}");
+    // The read model still says published; the row of the work just taken down does not.
+    let row = |page: &str, title: &str| {
+        let start = page.find(title).unwrap();
+        page[start..start + page[start..].find("</tr>").unwrap()].to_owned()
+    };
+    assert!(row(&mine, "西湖晨雾").contains("已取消发布"), "{mine}");
+    assert!(row(&mine, "断桥残雪").contains("已发布"), "{mine}");
+    // Without the words in its address, the list says nothing of it.
+    let plain = page_text(app, &creator, "/gallery/mine").await;
+    assert!(!plain.contains("作品已取消发布"));
+
+    let reason = "画面含有未授权的商标";
+    let hidden = page_post(
+        app,
+        &admin,
+        &format!("/gallery/works/{other}/hide"),
+        &[("reason", reason)],
+    )
+    .await;
+    assert_eq!(hidden.status(), 303);
+    let to = location(&hidden);
+    assert_eq!(to, "/gallery?sort=new&done=hidden");
+    assert!(page_text(app, &admin, &to).await.contains("作品已隐藏"));
+    assert!(!page_text(app, &creator, &to).await.contains("作品已隐藏"));
+    let mine = page_text(
+        app,
+        &creator,
+        &format!("/gallery/mine?done=unpublished&work={other}"),
+    )
+    .await;
+    assert!(row(&mine, "断桥残雪").contains(reason), "{mine}");
+}

@@ -444,9 +444,11 @@ def test_a_creator_publishes_with_the_prompt_hidden_and_a_visitor_likes_and_foll
     page.fill("#description", "试了三次才满意。")
     page.uncheck("input[name=prompt_shown]")
     page.click("form.publish button[type=submit]")
-    page.wait_for_url(re.compile(r".*/gallery/works/[0-9a-f-]{36}$"))
-    work_url = page.url
+    page.wait_for_url(re.compile(r".*/gallery/works/[0-9a-f-]{36}\?done=published$"))
+    work_url = page.url.split("?")[0]
     assert page.locator("h1").inner_text() == "敦煌·月下飞天"
+    # The creator is told it is out there; a reader of the same address is not.
+    assert "已发布到画廊" in page.locator(".work-side .notice.success").inner_text()
     assert secret_prompt not in page.content()
     assert "作者没有公开提示词" in page.content()
 
@@ -462,6 +464,8 @@ def test_a_creator_publishes_with_the_prompt_hidden_and_a_visitor_likes_and_foll
     response = visitor.context.request.get(f"{stack.base}{image.get_attribute('src')}")
     assert response.status == 200 and response.headers["x-aigc-label"] == "1"
     assert secret_prompt.encode() not in response.body()
+    page = visitor.go(work_url.replace(stack.base, "") + "?done=published")
+    assert page.locator(".notice.success").count() == 0
 
     # They sign up, come back, and like it with the keyboard: the count moves, no reload.
     fan = unique("guanzhong")

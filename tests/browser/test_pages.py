@@ -102,7 +102,7 @@ def user_pages(showcase):
         ("again", f"/generate?again={showcase['task']}"),
         ("gallery-hot", "/gallery"),
         ("gallery-new", "/gallery?sort=new"),
-        ("work", f"/gallery/works/{showcase['work']}"),
+        ("work", f"/gallery/works/{showcase['work']}?done=published"),
         ("work-prompt-hidden", f"/gallery/works/{showcase['hidden_prompt_work']}"),
         ("creator", f"/gallery/creators/{showcase['fan_id']}"),
         ("gallery-feed", "/gallery/feed"),
