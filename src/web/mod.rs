@@ -70,6 +70,7 @@ pub fn routes(config: &mut web::ServiceConfig) {
         .route("/logout", web::post().to(pages_auth::logout))
         .route("/generate", web::get().to(pages_user::generate_page))
         .route("/generate", web::post().to(pages_user::generate))
+        .route("/tasks/{id}", web::get().to(pages_user::task_page))
         .route("/tasks/{id}/card", web::get().to(pages_user::task_card))
         .route("/tasks/{id}/cancel", web::post().to(pages_user::cancel))
         .route(

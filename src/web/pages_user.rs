@@ -502,22 +502,33 @@ pub async fn generate(page: Page, form: web::Form<GenerateForm>) -> Result<HttpR
     Ok(response)
 }
 
-/// `GET /tasks/{id}/card`: one card, fresh (the live module asks when a task ends).
-pub async fn task_card(page: Page, path: web::Path<String>) -> Result<HttpResponse, WebError> {
-    let user = user_of(&page)?;
-    let task_id = crate::http::tasks::parse_task_id(&path)
+/// The reader's task `raw_id` as its card's context, read from its stream; another's task is as
+/// missing as one that never was.
+async fn own_card(page: &Page, raw_id: &str) -> Result<Value, WebError> {
+    let user = user_of(page)?;
+    let task_id = crate::http::tasks::parse_task_id(raw_id)
         .map_err(|_| page.refusal(StatusCode::NOT_FOUND, "error.not_found"))?;
     match crate::http::tasks::task_view_from_stream(page.state(), user, task_id).await {
         Ok(task) => {
-            let works = works_of(&page, std::slice::from_ref(&task)).await?;
-            page.fragment(
-                "_task_card.html",
-                context! { card => card_context(&page, &task, &works) },
-            )
+            let works = works_of(page, std::slice::from_ref(&task)).await?;
+            Ok(context! { card => card_context(page, &task, &works) })
         }
         Err(ApiError::NotFound(_)) => Err(page.refusal(StatusCode::NOT_FOUND, "error.not_found")),
         Err(error) => Err(page.unexpected(error)),
     }
+}
+
+/// `GET /tasks/{id}/card`: one card, fresh (the live module asks when a task ends).
+pub async fn task_card(page: Page, path: web::Path<String>) -> Result<HttpResponse, WebError> {
+    let card = own_card(&page, &path).await?;
+    page.fragment("_task_card.html", card)
+}
+
+/// `/tasks/{id}`: one task of the reader's, wherever it is in their history (ledger rows link
+/// here).
+pub async fn task_page(page: Page, path: web::Path<String>) -> Result<HttpResponse, WebError> {
+    let card = own_card(&page, &path).await?;
+    page.render("task.html", card).await
 }
 
 #[derive(Debug, Deserialize)]
@@ -686,13 +697,18 @@ pub async fn points(page: Page, query: web::Query<CursorQuery>) -> Result<HttpRe
         Err(ApiError::Validation { .. }) => return Ok(Page::see_other("/points")),
         Err(error) => return Err(page.unexpected(error)),
     };
+    let prompts = task_prompts(&page, user, &ledger.entries).await?;
     let entries: Vec<Value> = ledger
         .entries
         .iter()
         .map(|entry| {
+            let task_prompt = entry
+                .task_id
+                .and_then(|task| prompts.get(&task))
+                .map(|prompt| shortened(prompt, LEDGER_PROMPT_CHARS));
             context! {
                 ..ser(entry),
-                ..context! { note => ledger_note(page.lang, entry) }
+                ..context! { note => ledger_note(page.lang, entry), task_prompt }
             }
         })
         .collect();
@@ -705,6 +721,44 @@ pub async fn points(page: Page, query: web::Query<CursorQuery>) -> Result<HttpRe
         },
     )
     .await
+}
+
+/// Characters of a task's prompt a ledger row shows: enough to know the task by.
+const LEDGER_PROMPT_CHARS: usize = 16;
+
+/// The prompts of the reader's tasks the ledger rows name, in one read of the tasks' read model
+/// (a task it has not caught up with yet is named by the word "task" alone).
+async fn task_prompts(
+    page: &Page,
+    user: UserId,
+    entries: &[crate::http::accounts::LedgerEntryView],
+) -> Result<std::collections::HashMap<Uuid, String>, WebError> {
+    let tasks: Vec<Uuid> = entries.iter().filter_map(|entry| entry.task_id).collect();
+    if tasks.is_empty() {
+        return Ok(Default::default());
+    }
+    let read = async {
+        let client = crate::platform::postgres::checkout(&page.state().pg_pool).await?;
+        let rows = client
+            .query(
+                "SELECT task_id, prompt FROM tasks WHERE user_id = $1 AND task_id = ANY($2)",
+                &[&user.as_uuid(), &tasks],
+            )
+            .await?;
+        anyhow::Ok(rows.iter().map(|row| (row.get(0), row.get(1))).collect())
+    };
+    Ok(anyhow::Context::context(
+        read.await,
+        "reading the prompts of the ledger's tasks",
+    )?)
+}
+
+/// `text` cut to `chars` characters, with an ellipsis where it was cut.
+fn shortened(text: &str, chars: usize) -> String {
+    match text.char_indices().nth(chars) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text.to_owned(),
+    }
 }
 
 /// What a ledger row is for, in the reader's words where the recorded reason is the server's own

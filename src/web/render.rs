@@ -34,6 +34,7 @@ const TEMPLATES: &[(&str, &str)] = &[
     ("_alert.html", include_str!("templates/_alert.html")),
     ("_balance.html", include_str!("templates/_balance.html")),
     ("history.html", include_str!("templates/history.html")),
+    ("task.html", include_str!("templates/task.html")),
     ("points.html", include_str!("templates/points.html")),
     ("checkin.html", include_str!("templates/checkin.html")),
     (

@@ -109,7 +109,16 @@ def test_a_new_user_signs_up_and_makes_a_first_image_from_a_chinese_prompt(stack
 
     # One point charged, nothing frozen.
     page.locator("#balance .amount", has_text="9.00").wait_for()
-    assert user.go("/points").locator("[data-testid=frozen]").inner_text() == "0.00"
+    task_id = card.get_attribute("data-task-id")
+    page = user.go("/points")
+    assert page.locator("[data-testid=frozen]").inner_text() == "0.00"
+    # The charge names its task by the prompt and leads to that task's own page.
+    link = page.locator("table.ledger a.task-link").first
+    assert link.inner_text() == f"任务「{CHINESE_PROMPT[:16]}…」", link.inner_text()
+    link.click()
+    page.wait_for_url(f"**/tasks/{task_id}")
+    assert page.locator(f"#task-{task_id} .prompt").inner_text() == CHINESE_PROMPT
+    assert page.locator(f"#task-{task_id} .images img").count() == 1
 
 
 def occupy_both_servers(stack, steps=12):
@@ -256,6 +265,7 @@ def test_a_user_cannot_open_an_admin_page_or_another_users_task(stack, person):
     assert "admin" not in script.lower()
     # Another user's task and image: not found, as if they did not exist.
     assert other.context.request.get(f"{stack.base}/tasks/{task_id}/card").status == 404
+    assert other.context.request.get(f"{stack.base}/tasks/{task_id}").status == 404
     assert other.context.request.get(f"{stack.base}{image_url}").status == 404
     assert other.context.request.get(f"{stack.base}/api/v1/tasks/{task_id}").status == 404
 

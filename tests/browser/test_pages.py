@@ -95,6 +95,7 @@ def user_pages(showcase):
     return [
         ("generate", "/generate"),
         ("history", "/history"),
+        ("task", f"/tasks/{showcase['task']}"),
         ("points", "/points"),
         ("checkin", "/checkin"),
         ("redeem", "/redeem"),
@@ -190,7 +191,7 @@ def test_every_page_in_both_languages_at_both_sizes_is_screenshot(stack, browser
                 shoot(page, f"{name}-{lang}-{size}")
                 shots += 1
             admin.close()
-    assert shots == 2 * 2 * (5 + 17 + 1 + 7)
+    assert shots == 2 * 2 * (5 + 18 + 1 + 7)
     assert not too_wide, f"pages wider than the screen (name, pixels): {too_wide}"
 
 
