@@ -123,9 +123,12 @@ where
 {
     match error {
         CommandError::Rejected(rule) => GalleryError::from(rule),
-        CommandError::Contended { stream, attempts } => GalleryError::Unexpected(anyhow::anyhow!(
-            "stream {stream} stayed contended after {attempts} attempts"
-        )),
+        CommandError::Contended { stream, attempts } => {
+            GalleryError::Unexpected(anyhow::Error::new(command::StreamContended {
+                stream,
+                attempts,
+            }))
+        }
         CommandError::Store(error) => GalleryError::Unexpected(error),
     }
 }

@@ -64,7 +64,8 @@ pub(crate) fn register_error(error: RegisterError) -> ApiError {
             rule: "user-rule",
             detail: error.to_string(),
         },
-        RegisterError::Unexpected(error) => ApiError::Unexpected(error),
+        // A store away or the password checks busy: 503 or 429, not our bug.
+        RegisterError::Unexpected(error) => ApiError::from(error),
     }
 }
 

@@ -384,12 +384,17 @@ pub async fn export(
 ) -> Result<HttpResponse, ApiError> {
     let batch = load_batch(&state, parse_batch_id(&path)?).await?;
     let file_name = format!("codes-{}.csv", batch.batch_id);
-    let body = futures::StreamExt::map(state.codes.export(batch), |chunk| {
+    // The first chunk is read before the answer starts: a store away then is a 503 to retry,
+    // not a 200 cut short. A failure later can only end the stream.
+    let mut chunks = Box::pin(state.codes.export(batch));
+    let first = futures::StreamExt::next(&mut chunks).await.transpose()?;
+    let rest = futures::StreamExt::map(chunks, |chunk| {
         chunk.map_err(|error| {
             tracing::error!(error = %crate::platform::telemetry::error_chain(&error), "code export failed mid-stream");
             actix_web::error::ErrorInternalServerError("export failed")
         })
     });
+    let body = futures::StreamExt::chain(futures::stream::iter(first.map(Ok)), rest);
     Ok(HttpResponse::Ok()
         .content_type("text/csv; charset=utf-8")
         .insert_header((

@@ -72,53 +72,81 @@ impl From<anyhow::Error> for ApiError {
                 retry_after_s: 1,
             };
         }
-        let redis_down = error.chain().any(|cause| {
-            cause
-                .downcast_ref::<redis::RedisError>()
-                .is_some_and(redis_unavailable)
-        });
-        let postgres_down = error.chain().any(|cause| {
-            cause
-                .downcast_ref::<tokio_postgres::Error>()
-                .is_some_and(postgres_unavailable)
-                || cause
-                    .downcast_ref::<deadpool_postgres::PoolError>()
-                    .is_some_and(|pool_error| match pool_error {
-                        // The pool's backend errors are its failures to open a connection: no
-                        // server (yet) takes writes, e.g. a standby not promoted yet ("database
-                        // does not allow writes", no SQLSTATE), a refused or reset connection.
-                        deadpool_postgres::PoolError::Backend(_)
-                        | deadpool_postgres::PoolError::Timeout(_) => true,
-                        _ => false,
-                    })
-        });
-        let event_store_down = error.chain().any(|cause| {
-            matches!(
-                cause.downcast_ref::<crate::platform::event_store::EventStoreError>(),
-                Some(crate::platform::event_store::EventStoreError::Unavailable(
-                    _
-                ))
-            )
-        });
-        let replicas_behind = error.chain().any(|cause| {
-            cause
-                .downcast_ref::<crate::platform::redis_store::ReplicasBehind>()
-                .is_some()
-        });
-        let dependency = if redis_down {
-            "redis"
-        } else if event_store_down {
-            "event-store"
-        } else if postgres_down {
-            "postgres"
-        } else if replicas_behind {
-            "redis-replicas"
-        } else {
+        let Some(dependency) = unavailable_dependency(&error) else {
             return ApiError::Unexpected(error);
         };
         tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), dependency, "dependency unavailable");
         ApiError::Unavailable {
             dependencies: vec![dependency.to_owned()],
+        }
+    }
+}
+
+/// The store a failure says is away or failing over (`redis`, `event-store`, `postgres`,
+/// `redis-replicas`), found anywhere in its cause chain; `None`: not a store's absence.
+pub fn unavailable_dependency(error: &anyhow::Error) -> Option<&'static str> {
+    let redis_down = error.chain().any(|cause| {
+        cause
+            .downcast_ref::<redis::RedisError>()
+            .is_some_and(redis_unavailable)
+    });
+    let postgres_down = error.chain().any(|cause| {
+        cause
+            .downcast_ref::<tokio_postgres::Error>()
+            .is_some_and(postgres_unavailable)
+            || cause
+                .downcast_ref::<deadpool_postgres::PoolError>()
+                .is_some_and(|pool_error| match pool_error {
+                    // The pool's backend errors are its failures to open a connection: no
+                    // server (yet) takes writes, e.g. a standby not promoted yet ("database
+                    // does not allow writes", no SQLSTATE), a refused or reset connection.
+                    deadpool_postgres::PoolError::Backend(_)
+                    | deadpool_postgres::PoolError::Timeout(_) => true,
+                    _ => false,
+                })
+    });
+    let event_store_down = error.chain().any(|cause| {
+        matches!(
+            cause.downcast_ref::<crate::platform::event_store::EventStoreError>(),
+            Some(crate::platform::event_store::EventStoreError::Unavailable(
+                _
+            ))
+        )
+    });
+    // Retries used up on a stream: the store is busier than it is sized for, not our bug.
+    let contended = error.chain().any(|cause| {
+        cause
+            .downcast_ref::<crate::platform::command::StreamContended>()
+            .is_some()
+    });
+    let replicas_behind = error.chain().any(|cause| {
+        cause
+            .downcast_ref::<crate::platform::redis_store::ReplicasBehind>()
+            .is_some()
+    });
+    let dependency = if redis_down {
+        "redis"
+    } else if event_store_down || contended {
+        "event-store"
+    } else if postgres_down {
+        "postgres"
+    } else if replicas_behind {
+        "redis-replicas"
+    } else {
+        return None;
+    };
+    Some(dependency)
+}
+
+impl ApiError {
+    /// The `Retry-After` this answer carries, in seconds: a limit's wait, or a store failing over
+    /// or restarting (the client may send the same request again, with its idempotency key,
+    /// once it is back). Pages that answer such an error with a form again send it too.
+    pub fn retry_after_s(&self) -> Option<u64> {
+        match self {
+            ApiError::TooManyRequests { retry_after_s, .. } => Some(*retry_after_s),
+            ApiError::Unavailable { .. } => Some(UNAVAILABLE_RETRY_AFTER_S),
+            _ => None,
         }
     }
 }
@@ -298,8 +326,26 @@ impl ApiError {
     }
 }
 
+impl ApiError {
+    /// An `Unexpected` made before its cause was looked at, whose cause says a store is away:
+    /// the 503 it is.
+    fn reclassified(&self) -> Option<ApiError> {
+        match self {
+            ApiError::Unexpected(error) => {
+                unavailable_dependency(error).map(|dependency| ApiError::Unavailable {
+                    dependencies: vec![dependency.to_owned()],
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
+        if let Some(unavailable) = self.reclassified() {
+            return unavailable.status_code();
+        }
         match self {
             ApiError::Validation { .. } | ApiError::InvalidFields(_) => {
                 StatusCode::UNPROCESSABLE_ENTITY
@@ -316,34 +362,23 @@ impl ResponseError for ApiError {
     }
 
     fn error_response(&self) -> HttpResponse {
+        if let Some(unavailable) = self.reclassified() {
+            return unavailable.error_response();
+        }
         if let ApiError::Unexpected(error) = self {
             tracing::error!(error = %crate::platform::telemetry::error_chain(error), "request failed");
         }
         let mut response = HttpResponse::build(self.status_code());
         response.content_type("application/problem+json");
-        match self {
-            // RFC 6750: a 401 names the scheme the client should use.
-            ApiError::Unauthorized { rule, .. } => {
-                response.insert_header((
-                    actix_web::http::header::WWW_AUTHENTICATE,
-                    format!("Bearer error=\"{rule}\""),
-                ));
-            }
-            ApiError::TooManyRequests { retry_after_s, .. } => {
-                response.insert_header((
-                    actix_web::http::header::RETRY_AFTER,
-                    retry_after_s.to_string(),
-                ));
-            }
-            // A store failing over or restarting: the client may send the same request again
-            // (with its idempotency key) once it is back.
-            ApiError::Unavailable { .. } => {
-                response.insert_header((
-                    actix_web::http::header::RETRY_AFTER,
-                    UNAVAILABLE_RETRY_AFTER_S.to_string(),
-                ));
-            }
-            _ => {}
+        // RFC 6750: a 401 names the scheme the client should use.
+        if let ApiError::Unauthorized { rule, .. } = self {
+            response.insert_header((
+                actix_web::http::header::WWW_AUTHENTICATE,
+                format!("Bearer error=\"{rule}\""),
+            ));
+        }
+        if let Some(seconds) = self.retry_after_s() {
+            response.insert_header((actix_web::http::header::RETRY_AFTER, seconds.to_string()));
         }
         response.json(self.problem())
     }
@@ -352,6 +387,61 @@ impl ResponseError for ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::platform::command::CommandError;
+    use crate::platform::event_store::EventStoreError;
+
+    fn retry_after(response: &HttpResponse) -> Option<&str> {
+        response
+            .headers()
+            .get(actix_web::http::header::RETRY_AFTER)
+            .and_then(|value| value.to_str().ok())
+    }
+
+    fn store_away() -> anyhow::Error {
+        anyhow::Error::new(EventStoreError::Unavailable(anyhow::anyhow!(
+            "connection closed"
+        )))
+    }
+
+    #[test]
+    fn a_command_that_met_a_store_away_or_stayed_contended_is_a_503_however_it_was_wrapped() {
+        // As the accounts' actor answers: the store's error with no context of its own.
+        let away: CommandError<std::convert::Infallible> = CommandError::Store(store_away());
+        let wrapped = away.into_anyhow("a task command").context("submitting");
+        assert!(matches!(
+            ApiError::from(wrapped),
+            ApiError::Unavailable { .. }
+        ));
+        let contended: CommandError<std::convert::Infallible> = CommandError::Contended {
+            stream: "account-1".into(),
+            attempts: 5,
+        };
+        assert!(matches!(
+            ApiError::from(contended.into_anyhow("granting")),
+            ApiError::Unavailable { .. }
+        ));
+        // What `anyhow::Error::new(command_error)` did: `Store` is transparent, so the store's
+        // error left the chain and the answer was a 500.
+        let hidden =
+            anyhow::Error::new(CommandError::<std::convert::Infallible>::Store(store_away()));
+        assert!(matches!(ApiError::from(hidden), ApiError::Unexpected(_)));
+    }
+
+    #[test]
+    fn an_unexpected_error_whose_cause_is_a_store_away_is_answered_503_with_retry_after() {
+        let redis_away = anyhow::Error::new(redis::RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "no answer within 1s",
+        )));
+        let api = ApiError::Unexpected(redis_away.context("opening a pub/sub connection"));
+        assert_eq!(api.status_code(), StatusCode::SERVICE_UNAVAILABLE);
+        let response = api.error_response();
+        assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(retry_after(&response), Some("2"));
+        // A bug stays a bug.
+        let bug = ApiError::Unexpected(anyhow::anyhow!("index out of range"));
+        assert_eq!(bug.status_code(), StatusCode::INTERNAL_SERVER_ERROR);
+    }
 
     #[test]
     fn a_busy_hasher_is_a_429_with_retry_after_not_a_500() {
@@ -359,13 +449,7 @@ mod tests {
         let api = ApiError::from(error);
         assert_eq!(api.status_code(), StatusCode::TOO_MANY_REQUESTS);
         let response = api.error_response();
-        assert_eq!(
-            response
-                .headers()
-                .get(actix_web::http::header::RETRY_AFTER)
-                .and_then(|value| value.to_str().ok()),
-            Some("1")
-        );
+        assert_eq!(retry_after(&response), Some("1"));
     }
 
     fn status_of(error: anyhow::Error) -> StatusCode {

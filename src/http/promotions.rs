@@ -99,9 +99,9 @@ fn promotion_error(error: CommandError<PromotionError>) -> ApiError {
             rule: "promotion-refused",
             detail: other.to_string(),
         },
-        CommandError::Contended { .. } => {
-            ApiError::Unexpected(anyhow::anyhow!("the promotion's stream stayed contended"))
-        }
+        CommandError::Contended { stream, attempts } => ApiError::from(anyhow::Error::new(
+            crate::platform::command::StreamContended { stream, attempts },
+        )),
         CommandError::Store(error) => ApiError::from(error),
     }
 }

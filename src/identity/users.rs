@@ -45,10 +45,7 @@ pub struct Users {
 fn unexpected<E: std::error::Error + Send + Sync + 'static>(
     error: CommandError<E>,
 ) -> anyhow::Error {
-    match error {
-        CommandError::Store(error) => error,
-        other => anyhow::Error::new(other),
-    }
+    error.into_anyhow("a user command")
 }
 
 impl Users {

@@ -71,6 +71,34 @@ pub enum CommandError<E> {
     Store(#[from] anyhow::Error),
 }
 
+/// A stream still conflicting after every retry, as an error of its own: the HTTP layer answers it
+/// 503 (try again), never 500.
+#[derive(Debug, thiserror::Error)]
+#[error("stream {stream} stayed contended after {attempts} attempts")]
+pub struct StreamContended {
+    pub stream: String,
+    pub attempts: u32,
+}
+
+impl<E: std::error::Error + Send + Sync + 'static> CommandError<E> {
+    /// The failure as an `anyhow::Error` whose cause chain still holds what the store said: a
+    /// store's own error as it came (wrapping the whole `CommandError` would hide it, since
+    /// `Store` is transparent and forwards only its inner error's sources), contention as
+    /// [`StreamContended`]. `context` says what was being done.
+    pub fn into_anyhow(
+        self,
+        context: impl std::fmt::Display + Send + Sync + 'static,
+    ) -> anyhow::Error {
+        match self {
+            CommandError::Store(error) => error.context(context),
+            CommandError::Contended { stream, attempts } => {
+                anyhow::Error::new(StreamContended { stream, attempts }).context(context)
+            }
+            CommandError::Rejected(error) => anyhow::Error::new(error).context(context),
+        }
+    }
+}
+
 /// A stream known not to exist yet (its id was just made): the state an append expecting
 /// "no stream" is decided on without reading it. Should it exist after all, that append is
 /// refused and [`execute_on`] reads it and decides again.

@@ -529,11 +529,15 @@ impl RedisStore {
                     {
                         Ok(Ok(pubsub)) => return Ok(pubsub),
                         Ok(Err(error)) => last = Some(anyhow::Error::new(error)),
+                        // A timeout is as much "Redis away" as a refused connection: typed as
+                        // Redis's own I/O error, it is answered 503.
                         Err(_) => {
-                            last = Some(anyhow::anyhow!(
-                                "no answer within {:?}",
-                                self.connect_timeout
-                            ))
+                            last = Some(anyhow::Error::new(redis::RedisError::from(
+                                std::io::Error::new(
+                                    std::io::ErrorKind::TimedOut,
+                                    format!("no answer within {:?}", self.connect_timeout),
+                                ),
+                            )))
                         }
                     }
                 }

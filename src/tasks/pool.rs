@@ -118,7 +118,7 @@ impl From<CommandError<PoolError>> for PoolServiceError {
     fn from(error: CommandError<PoolError>) -> PoolServiceError {
         match error {
             CommandError::Rejected(rejected) => PoolServiceError::Rejected(rejected),
-            other => PoolServiceError::Unexpected(anyhow::Error::new(other)),
+            other => PoolServiceError::Unexpected(other.into_anyhow("a command on the pool")),
         }
     }
 }

@@ -80,6 +80,19 @@ fn status_of(error: &ApiError) -> StatusCode {
     actix_web::ResponseError::status_code(error)
 }
 
+/// A form shown again for `error`: its status, and when to try again where it says.
+fn answer_for(mut response: HttpResponse, error: &ApiError) -> HttpResponse {
+    *response.status_mut() = status_of(error);
+    if let Some(seconds) = error.retry_after_s()
+        && let Ok(value) = actix_web::http::header::HeaderValue::from_str(&seconds.to_string())
+    {
+        response
+            .headers_mut()
+            .insert(actix_web::http::header::RETRY_AFTER, value);
+    }
+    response
+}
+
 /// `POST /login`: a password or a phone code; the API's every limit and lock applies.
 pub async fn login(
     page: Page,
@@ -134,13 +147,14 @@ pub async fn login(
         Err(ApiError::Unexpected(error)) => Err(WebError::from(error)),
         Err(error) => {
             let message = page.message_of(&error);
-            login_form(
+            let form = login_form(
                 &page,
                 &next,
                 context! { message, username => form.username, phone => form.phone },
-                status_of(&error),
+                StatusCode::OK,
             )
-            .await
+            .await?;
+            Ok(answer_for(form, &error))
         }
     }
 }
@@ -166,13 +180,14 @@ pub async fn send_code(
         Err(ApiError::Unexpected(error)) => Err(WebError::from(error)),
         Err(error) => {
             let message = page.message_of(&error);
-            login_form(
+            let form = login_form(
                 &page,
                 &next,
                 context! { message, phone => form.phone.trim() },
-                status_of(&error),
+                StatusCode::OK,
             )
-            .await
+            .await?;
+            Ok(answer_for(form, &error))
         }
     }
 }
@@ -214,14 +229,13 @@ pub async fn register(
             return Err(WebError::from(error));
         }
         let message = page.message_of(&error);
-        let mut response = page
+        let response = page
             .render(
                 "register.html",
                 context! { message, username => form.username.clone(), next_encoded => encode_path(&next) },
             )
             .await?;
-        *response.status_mut() = status_of(&error);
-        Ok(response)
+        Ok(answer_for(response, &error))
     };
     if let Err(error) = registered {
         return refused(error).await;

@@ -409,9 +409,12 @@ pub struct PublishQuery {
 async fn publish_context(page: &Page, task: &str) -> Result<Value, WebError> {
     let user = page.member()?.session.user_id;
     let task_id = Uuid::parse_str(task).map_err(|_| not_found(page))?;
-    let view = crate::http::tasks::task_view(page.state(), user, task_id)
-        .await
-        .map_err(|_| not_found(page))?;
+    let view = match crate::http::tasks::task_view(page.state(), user, task_id).await {
+        Ok(view) => view,
+        Err(crate::http::problem::ApiError::NotFound(_)) => return Err(not_found(page)),
+        // A store away is a 503 to try again, not "no such task".
+        Err(error) => return Err(WebError::from(error)),
+    };
     Ok(context! {
         task => super::render::ser(&view),
         title_max => zhihui_domain::gallery::work::TITLE_LENGTH_MAX,

@@ -915,7 +915,11 @@ pub async fn redeem(page: Page, form: web::Form<RedeemForm>) -> Result<HttpRespo
         }
         Err(error) => {
             let error = crate::http::codes::redeem_error(error, page.state());
-            if let ApiError::Unexpected(error) = error {
+            // A store away is a 503 to try again, not a refusal of the code.
+            if matches!(
+                error,
+                ApiError::Unexpected(_) | ApiError::Unavailable { .. }
+            ) {
                 return Err(WebError::from(error));
             }
             let message = match &error {
@@ -986,7 +990,9 @@ pub async fn claim(page: Page, path: web::Path<String>) -> Result<HttpResponse, 
     let target = format!("#sale-{promotion_id}-messages");
     match crate::http::promotions::claim_for(page.state(), user, promotion_id).await {
         Ok(_) => claim_state(page, path).await,
-        Err(ApiError::Unexpected(error)) => Err(WebError::from(error)),
+        Err(error @ (ApiError::Unexpected(_) | ApiError::Unavailable { .. })) => {
+            Err(WebError::from(error))
+        }
         Err(ApiError::NotFound(_)) => Err(page.refusal(StatusCode::NOT_FOUND, "error.not_found")),
         Err(error) => {
             let message = page.message_of(&error);

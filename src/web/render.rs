@@ -331,10 +331,17 @@ impl From<ApiError> for WebError {
                 "error.too_many",
                 Some(retry_after_s),
             ),
-            ApiError::Unexpected(error) => {
-                tracing::error!(error = %crate::platform::telemetry::error_chain(&error), "a page failed");
-                (StatusCode::INTERNAL_SERVER_ERROR, "error.unexpected", None)
-            }
+            ApiError::Unexpected(error) => match ApiError::from(error) {
+                // Made unexpected before its cause was looked at: a store away stays a 503.
+                classified @ (ApiError::Unavailable { .. } | ApiError::TooManyRequests { .. }) => {
+                    return WebError::from(classified);
+                }
+                ApiError::Unexpected(error) => {
+                    tracing::error!(error = %crate::platform::telemetry::error_chain(&error), "a page failed");
+                    (StatusCode::INTERNAL_SERVER_ERROR, "error.unexpected", None)
+                }
+                other => return WebError::from(other),
+            },
             other => {
                 tracing::error!(error = %other, "a page failed on a refusal it did not expect");
                 (StatusCode::INTERNAL_SERVER_ERROR, "error.unexpected", None)
@@ -803,6 +810,22 @@ mod tests {
         let settings = Settings::load(None).expect("default settings");
         let web = Web::new(&settings).expect("the web app builds");
         web.check_templates().expect("every template compiles");
+    }
+
+    #[test]
+    fn a_page_failure_made_unexpected_before_its_cause_was_read_is_still_a_503_when_a_store_is_away()
+     {
+        let away = anyhow::Error::new(crate::platform::event_store::EventStoreError::Unavailable(
+            anyhow::anyhow!("connection closed"),
+        ));
+        let page = WebError::from(ApiError::Unexpected(away));
+        assert_eq!(page.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            page.retry_after_s,
+            Some(crate::http::problem::UNAVAILABLE_RETRY_AFTER_S)
+        );
+        let bug = WebError::from(ApiError::Unexpected(anyhow::anyhow!("a bug")));
+        assert_eq!(bug.status, StatusCode::INTERNAL_SERVER_ERROR);
     }
 
     #[test]

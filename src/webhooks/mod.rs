@@ -143,7 +143,7 @@ impl From<CommandError<EndpointError>> for WebhookError {
         match error {
             CommandError::Rejected(EndpointError::NotFound) => WebhookError::NotFound,
             CommandError::Rejected(rejected) => WebhookError::Rejected(rejected),
-            other => WebhookError::Unexpected(anyhow::Error::new(other)),
+            other => WebhookError::Unexpected(other.into_anyhow("a command on an endpoint")),
         }
     }
 }

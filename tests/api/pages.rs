@@ -120,6 +120,31 @@ async fn a_page_while_redis_is_away_is_a_503_to_retry_said_in_the_readers_langua
         assert!(!body.contains(not_said), "{body}");
         assert!(body.contains(r#"href="/gallery""#), "{body}");
     }
+    // A form the page shows again for the same reason says when to try again too, and keeps
+    // what was typed.
+    for path in ["/login", "/register"] {
+        let response = client
+            .post(format!("{}{path}", app.address))
+            .header("Origin", app.address.as_str())
+            .header("Accept", BROWSER_ACCEPT)
+            .header("Accept-Language", "zh-CN")
+            .header("Content-Type", "application/x-www-form-urlencoded")
+            .body("method=password&username=xiaohong&password=correct+horse")
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        let retry_after = response
+            .headers()
+            .get("retry-after")
+            .and_then(|value| value.to_str().ok())
+            .map(str::to_owned);
+        let body = response.text().await.unwrap();
+        assert_eq!(status, 503, "{path}: {body}");
+        assert_eq!(retry_after.as_deref(), Some("2"), "{path}");
+        assert!(body.contains("服务暂时不可用"), "{path}: {body}");
+        assert!(body.contains("xiaohong"), "{path}: {body}");
+    }
 }
 
 #[tokio::test]

@@ -203,10 +203,7 @@ impl CheckInService {
         .await
         .map_err(|error| match error {
             CommandError::Rejected(never) => match never {},
-            CommandError::Contended { stream, .. } => {
-                anyhow::anyhow!("stream {stream} stayed contended")
-            }
-            CommandError::Store(error) => error,
+            contended_or_away => contended_or_away.into_anyhow("checking in"),
         })?;
         let checked_in_now = !executed.new_events.is_empty();
         let state = executed.state;
@@ -250,11 +247,10 @@ impl CheckInService {
             )
             .await
             .map_err(|error| {
-                anyhow::anyhow!(
-                    "crediting the check-in of {} on {}: {error}",
-                    checked_in.user_id,
-                    checked_in.day
-                )
+                error.into_anyhow(format!(
+                    "crediting the check-in of {} on {}",
+                    checked_in.user_id, checked_in.day
+                ))
             })?;
         Ok((handled.state_after, !handled.new_events.is_empty()))
     }

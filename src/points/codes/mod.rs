@@ -454,7 +454,11 @@ impl CodeService {
                 Err(CommandError::Store(error)) => return Err(error),
             }
         }
-        anyhow::bail!("batch {batch_id} stayed contended while issuing a page")
+        Err(anyhow::Error::new(command::StreamContended {
+            stream: batch_stream(batch_id),
+            attempts: RetryPolicy::default().attempts_max,
+        })
+        .context("issuing a page"))
     }
 
     /// The batch a serial belongs to, from the store: the read model finds it by range, and the

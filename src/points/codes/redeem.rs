@@ -231,9 +231,9 @@ impl CodeService {
                 Err(RedeemError::RedeemedByAnother)
             }
             Err(CommandError::Contended { .. }) => Err(RedeemError::Contended),
-            Err(error) => Err(RedeemError::Store(anyhow::anyhow!(
-                "crediting code {serial}: {error}"
-            ))),
+            Err(error) => Err(RedeemError::Store(
+                error.into_anyhow(format!("crediting code {serial}")),
+            )),
         }
     }
 
@@ -357,7 +357,7 @@ impl CodeService {
                 metadata.clone(),
             )
             .await
-            .map_err(|error| anyhow::anyhow!("crediting code {}: {error}", redemption.serial))?;
+            .map_err(|error| error.into_anyhow(format!("crediting code {}", redemption.serial)))?;
         Ok((handled.state_after, !handled.new_events.is_empty()))
     }
 

@@ -108,7 +108,7 @@ pub enum TaskServiceError {
 
 impl<E: std::error::Error + Send + Sync + 'static> From<CommandError<E>> for TaskServiceError {
     fn from(error: CommandError<E>) -> TaskServiceError {
-        TaskServiceError::Unexpected(anyhow::Error::new(error))
+        TaskServiceError::Unexpected(error.into_anyhow("a task command"))
     }
 }
 

@@ -43,9 +43,13 @@ fn with_trigger(mut response: HttpResponse, event: &'static str) -> HttpResponse
     response
 }
 
-/// An API refusal as an alert in `target`, or the 500 page for an unexpected error.
+/// An API refusal as an alert in `target`; a store away (503, try again) or our bug (500) as
+/// the failure it is, which the page says in its own place.
 fn refused(page: &Page, target: &str, error: ApiError) -> Result<HttpResponse, WebError> {
-    if let ApiError::Unexpected(error) = error {
+    if matches!(
+        error,
+        ApiError::Unexpected(_) | ApiError::Unavailable { .. }
+    ) {
         return Err(WebError::from(error));
     }
     page.alert(target, "error", &page.message_of(&error))
