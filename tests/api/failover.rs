@@ -1,6 +1,7 @@
 //! A PostgreSQL primary that dies: a primary with a streaming standby started
 //! by `scripts/services.sh start-pg-pair`, two `zhihui serve` processes on its multi-host URL
-//! (`target_session_attrs=read-write`), grants and tasks sent through both in turn while the
+//! (`target_session_attrs=read-write`), grants, tasks, their prioritises and check-ins sent through
+//! both in turn while the
 //! primary is killed with SIGKILL and the standby promoted. Both processes answer again without a
 //! restart; every grant a client was told succeeded is in the log exactly once; every task a
 //! client was told was accepted ends once; `zhihui audit verify` passes on the new primary.
@@ -124,7 +125,8 @@ struct Told {
     back_after_kill: HashMap<String, Duration>,
     answered: usize,
     failed: usize,
-    /// Every answer by status (grants and tasks), and the requests that got no answer.
+    /// Every answer by status (grants, tasks, prioritises, check-ins), and the requests that got
+    /// no answer.
     by_status: std::collections::BTreeMap<u16, usize>,
     /// 503s that did not say when to come back.
     unavailable_without_retry_after: usize,
@@ -251,19 +253,39 @@ async fn failover_drill(synchronous: bool, disaster: Disaster) -> (Told, Found) 
                     .send()
                     .await;
                 told.lock().await.count(&task);
+                let mut accepted = None;
                 let task_ok = match task {
                     Ok(response) if response.status() == 201 => {
                         let body: Value = response.json().await.unwrap();
+                        let task_id = body["task_id"].as_str().unwrap().to_owned();
                         told.lock()
                             .await
                             .tasks
-                            .push((token.clone(), body["task_id"].as_str().unwrap().to_owned()));
+                            .push((token.clone(), task_id.clone()));
+                        accepted = Some(task_id);
                         true
                     }
                     // Too many queued is an answer, not a failure of the store.
                     Ok(response) if response.status() == 429 || response.status() == 409 => true,
                     _ => false,
                 };
+                // The other paths that move points, through the same process: the fee of a
+                // prioritise (moved, or refused once the task left the queue) and the day's
+                // check-in (its bonus once, then "already"). Each answer counted: never a 500.
+                if let Some(task_id) = accepted {
+                    let prioritised = http
+                        .post(format!("{address}/api/v1/tasks/{task_id}/prioritise"))
+                        .bearer_auth(&token)
+                        .send()
+                        .await;
+                    told.lock().await.count(&prioritised);
+                }
+                let checked_in = http
+                    .post(format!("{address}/api/v1/checkins"))
+                    .bearer_auth(&token)
+                    .send()
+                    .await;
+                told.lock().await.count(&checked_in);
                 let mut told = told.lock().await;
                 if grant_ok && task_ok {
                     told.answered += 1;
