@@ -341,6 +341,29 @@ fn json_config() -> web::JsonConfig {
         })
 }
 
+/// A page's form that cannot be read (too large, not a form, a field missing or garbled): a
+/// problem naming it, which the pages write again in the reader's language, never actix's
+/// plain-text 400.
+pub fn form_config(limit: usize) -> web::FormConfig {
+    web::FormConfig::default()
+        .limit(limit)
+        .error_handler(|error, _request| {
+            match error {
+                actix_web::error::UrlencodedError::Overflow { limit, .. } => ApiError::Refused {
+                    status: actix_web::http::StatusCode::PAYLOAD_TOO_LARGE,
+                    rule: "body-too-large",
+                    detail: format!("the form must be at most {limit} bytes"),
+                    window: None,
+                },
+                other => ApiError::invalid(
+                    "form",
+                    Broken::new(Rule::Unreadable).with("detail", other.to_string()),
+                ),
+            }
+            .into()
+        })
+}
+
 fn query_config() -> web::QueryConfig {
     web::QueryConfig::default().error_handler(|error, _request| {
         ApiError::invalid("query", Broken::new(Rule::Unreadable).with("detail", error)).into()

@@ -252,7 +252,7 @@ impl Application {
             };
             let app = app
                 .app_data(pages.clone())
-                .app_data(web::FormConfig::default().limit(form_body_bytes_max))
+                .app_data(crate::http::form_config(form_body_bytes_max))
                 .configure(crate::http::routes)
                 .configure(|config| {
                     if pages_enabled {

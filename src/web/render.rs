@@ -779,6 +779,11 @@ pub async fn translate_failures(
     let met_before_the_page = || {
         let error = response.response().error()?.as_error::<ApiError>()?;
         match error {
+            ApiError::Validation { field, .. } if field == "form" => Some("error.bad_form"),
+            ApiError::Refused {
+                rule: "body-too-large",
+                ..
+            } => Some("error.too_large_page"),
             ApiError::Validation { .. } => Some("error.bad_address"),
             ApiError::NotFound(_) => Some("error.not_found"),
             _ => None,

@@ -610,3 +610,50 @@ async fn a_model_reads_as_its_name_on_the_pages_while_requests_keep_its_file_nam
     assert!(history.contains("anythingelseV4 v45 ·"), "{history}");
     assert!(!history.contains(".safetensors"), "{history}");
 }
+
+/// A form that cannot be read (a field missing, as an out-of-date page would send, or too
+/// large) is a page in the reader's language naming what to do, never actix's plain-text 400.
+#[tokio::test]
+async fn a_form_that_cannot_be_read_is_a_page_in_the_readers_language() {
+    let app = spawn_app().await;
+    let client = browser();
+    let post = |body: String, lang: &'static str| {
+        client
+            .post(format!("{}/login", app.address))
+            .header("Origin", app.address.as_str())
+            .header("Accept", BROWSER_ACCEPT)
+            .header("Cookie", format!("lang={lang}"))
+            .header("Content-Type", "application/x-www-form-urlencoded")
+            .body(body)
+            .send()
+    };
+    for (lang, expected) in [
+        ("zh", "这份表单缺少内容或内容有误"),
+        ("en", "This form arrived incomplete or garbled"),
+    ] {
+        let response = post("username=xiaohong&password=x".into(), lang)
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let body = response.text().await.unwrap();
+        assert_eq!(status, 422, "{body}");
+        assert!(
+            content_type(&headers).starts_with("text/html"),
+            "{headers:?}"
+        );
+        assert!(body.contains(expected), "{lang}: {body}");
+        assert!(!body.contains("Parse error"), "{body}");
+    }
+    let limit = zhihui::web::form_body_bytes_max(&app.settings.tasks);
+    let response = post(
+        format!("method=password&username={}", "长".repeat(limit)),
+        "zh",
+    )
+    .await
+    .unwrap();
+    let status = response.status().as_u16();
+    let body = response.text().await.unwrap();
+    assert_eq!(status, 413, "{body}");
+    assert!(body.contains("提交的内容太长"), "{body}");
+}
