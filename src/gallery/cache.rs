@@ -12,9 +12,13 @@
 //! - **avalanche** (many entries expiring in the same second): every lifetime, at both levels, is
 //!   the configured one plus a random spread of up to half of it.
 //!
-//! A change others must not see late (a work hidden, unpublished, published) removes the Redis
-//! copy and tells every process to drop its own (`Envelope::GalleryChanged` on the notification
-//! channel), so it is gone everywhere within the channel's delay, not the lifetime's.
+//! A change others must not see late (a work hidden, unpublished, published) replaces the Redis
+//! copy by a tombstone and tells every process to drop its own (`Envelope::GalleryChanged` on the
+//! notification channel), so it is gone everywhere within the channel's delay, not the
+//! lifetime's. A rebuild that was already reading when the change came must not bring the old
+//! value back: in Redis, it stores only if no tombstone is newer than its start (both times
+//! Redis's own, `lua/gallery_cache_*.lua`); in a process, a load during which any value was
+//! forgotten is not kept.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -26,6 +30,7 @@ use redis::AsyncCommands;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use super::keys::{CACHE_CLOCK, CACHE_FORGET, CACHE_STORE};
 use crate::platform::clock::Clock;
 use crate::platform::redis_store::RedisStore;
 
@@ -35,6 +40,8 @@ const REBUILD_LOCK_MS: u64 = 2_000;
 /// long as the rebuild may hold its lock.
 const WAIT_FOR_REBUILD: Duration = Duration::from_millis(REBUILD_LOCK_MS);
 const WAIT_STEP: Duration = Duration::from_millis(5);
+/// How long a tombstone stays: longer than any rebuild that began before it can still run.
+const TOMBSTONE_MS: u64 = 10 * 60 * 1000;
 
 /// A cached value (or `None`: known not to exist) with the moment it stops being fresh.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -77,6 +84,9 @@ pub struct Layered<V: Clone + Send + Sync + 'static> {
     clock: Clock,
     fresh_for: Duration,
     counts: Arc<CacheCounts>,
+    /// Moves on every forget in this process: a load that saw it move keeps its value out of
+    /// this process's cache.
+    forgotten: Arc<AtomicU64>,
 }
 
 impl<V: Clone + Send + Sync + 'static> std::fmt::Debug for Layered<V> {
@@ -107,6 +117,7 @@ where
             clock,
             fresh_for,
             counts: Arc::new(CacheCounts::default()),
+            forgotten: Arc::new(AtomicU64::new(0)),
         }
     }
 
@@ -125,30 +136,44 @@ where
         F: FnOnce() -> Fut + Send,
         Fut: std::future::Future<Output = anyhow::Result<Option<V>>> + Send,
     {
-        self.local
+        let before = self.forgotten.load(Ordering::Acquire);
+        let value = self
+            .local
             .try_get_with(key.to_owned(), async {
                 self.shared(key, lock_key, load).await.map(Arc::new)
             })
             .await
-            .map_err(shared_failure)
+            .map_err(shared_failure)?;
+        if self.forgotten.load(Ordering::Acquire) != before {
+            // Something was forgotten while this value may have been loading: `moka` keeps
+            // what a load returns even when its key was invalidated meanwhile. This caller
+            // gets it (its read was concurrent with the change); nobody after it does.
+            self.local.invalidate(key).await;
+        }
+        Ok(value)
     }
 
     /// Drop this process's copy of `key` (another process changed it, or this one did).
     pub async fn forget_local(&self, key: &str) {
+        self.forgotten.fetch_add(1, Ordering::AcqRel);
         self.local.invalidate(key).await;
     }
 
     /// Drop every copy this process holds.
     pub fn forget_all_local(&self) {
+        self.forgotten.fetch_add(1, Ordering::AcqRel);
         self.local.invalidate_all();
     }
 
-    /// Drop the shared copy of `key` and this process's (the caller tells the others).
+    /// Replace the shared copy of `key` by a tombstone and drop this process's (the caller
+    /// tells the others).
     pub async fn forget(&self, key: &str) -> anyhow::Result<()> {
-        self.local.invalidate(key).await;
+        self.forget_local(key).await;
         let mut connection = self.redis.connection().await?;
-        let _: i64 = connection
-            .del(key)
+        let _: i64 = CACHE_FORGET
+            .key(key)
+            .arg(TOMBSTONE_MS)
+            .invoke_async(&mut connection)
             .await
             .context("dropping a cached gallery value")?;
         Ok(())
@@ -206,6 +231,12 @@ where
             let _: Result<i64, _> = connection.del(lock_key).await;
             return Ok(copy.value);
         }
+        // When this rebuild begins, on the clock the tombstones are stamped with.
+        let began_ms: i64 = CACHE_CLOCK
+            .key(key)
+            .invoke_async(&mut connection)
+            .await
+            .context("reading Redis's clock")?;
         self.counts.source_loads.fetch_add(1, Ordering::Relaxed);
         metrics::counter!("zhihui_gallery_cache_loads_total").increment(1);
         let value = load().await;
@@ -229,19 +260,17 @@ where
         // The copy outlives its freshness: stale, it is what others serve during a rebuild.
         let keep_ms = (lifetime.as_millis() as u64).saturating_mul(10);
         let text = serde_json::to_string(&stamped).context("encoding a cached gallery value")?;
-        let mut pipe = redis::pipe();
-        pipe.cmd("SET")
-            .arg(key)
+        let _stored: i64 = CACHE_STORE
+            .key(key)
             .arg(text)
-            .arg("PX")
             .arg(keep_ms)
-            .ignore();
-        if won {
-            pipe.del(lock_key).ignore();
-        }
-        pipe.query_async::<()>(&mut connection)
+            .arg(began_ms)
+            .invoke_async(&mut connection)
             .await
             .context("storing a cached gallery value")?;
+        if won {
+            let _: Result<i64, _> = connection.del(lock_key).await;
+        }
         Ok(value)
     }
 }

@@ -24,6 +24,9 @@ use crate::platform::redis_store::{RedisStore, user_tag};
 redis_script!(PAIR_APPLY, "gallery_pair.lua");
 redis_script!(INBOX_STORE, "gallery_inbox_store.lua");
 redis_script!(HOT_REPLACE, "gallery_hot_replace.lua");
+redis_script!(CACHE_CLOCK, "gallery_cache_clock.lua");
+redis_script!(CACHE_FORGET, "gallery_cache_forget.lua");
+redis_script!(CACHE_STORE, "gallery_cache_store.lua");
 
 /// The tag of one work's keys.
 pub fn work_tag(work_id: Uuid) -> String {

@@ -173,6 +173,9 @@ pub struct GalleryService {
     /// What a visitor sees, for [`PUBLIC_FRESH`]: a work with its likes, the first pages.
     public_views: moka::future::Cache<WorkId, Arc<Option<WorkView>>>,
     public_pages: moka::future::Cache<String, Arc<reads::WorkPage>>,
+    /// Moves whenever the public copies are dropped: a load that saw it move is not kept (`moka`
+    /// keeps what a load returns even when its key was invalidated meanwhile).
+    public_forgotten: Arc<std::sync::atomic::AtomicU64>,
     policy: RetryPolicy,
 }
 
@@ -209,6 +212,7 @@ impl GalleryService {
                 .max_capacity(64)
                 .time_to_live(PUBLIC_FRESH)
                 .build(),
+            public_forgotten: Arc::default(),
             settings,
             policy: RetryPolicy::default(),
         }
@@ -233,10 +237,18 @@ impl GalleryService {
     /// Drop this process's cached cards when another process says so. Runs until the hub
     /// closes; a receiver that fell behind drops everything (it may have missed a hide).
     pub async fn follow_changes(self, hub: NotificationHub) {
+        let mut deaf = false;
         loop {
             let mut receiver = match hub.subscribe().await {
-                Ok(receiver) => receiver,
+                Ok(receiver) => {
+                    if std::mem::take(&mut deaf) {
+                        // Changes made while nothing listened went unheard.
+                        self.forget_all_cached();
+                    }
+                    receiver
+                }
                 Err(error) => {
+                    deaf = true;
                     tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "gallery cannot hear changes; retrying");
                     tokio::time::sleep(Duration::from_millis(500)).await;
                     continue;
@@ -248,28 +260,47 @@ impl GalleryService {
                         work_id: Some(work_id),
                     }) => {
                         self.cards.forget_local(&self.keys.view(work_id)).await;
-                        self.public_views.invalidate(&work_id).await;
-                        self.public_pages.invalidate_all();
+                        self.forget_public(Some(work_id)).await;
                     }
                     Ok(Envelope::GalleryChanged { work_id: None }) => {
-                        self.public_pages.invalidate_all();
+                        self.forget_public(None).await;
+                    }
+                    // Fallen behind, or the subscription was opened again: a change may have
+                    // gone unheard.
+                    Ok(Envelope::Resubscribed)
+                    | Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
+                        self.forget_all_cached();
                     }
                     Ok(_) => {}
-                    Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => {
-                        self.cards.forget_all_local();
-                        self.public_views.invalidate_all();
-                        self.public_pages.invalidate_all();
-                    }
                     Err(tokio::sync::broadcast::error::RecvError::Closed) => return,
                 }
             }
         }
     }
 
+    /// Drop this process's public copies: of one work's view (and every list's first page), or
+    /// of the lists only.
+    async fn forget_public(&self, work_id: Option<WorkId>) {
+        self.public_forgotten
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        if let Some(work_id) = work_id {
+            self.public_views.invalidate(&work_id).await;
+        }
+        self.public_pages.invalidate_all();
+    }
+
+    /// Drop everything this process keeps of the gallery.
+    fn forget_all_cached(&self) {
+        self.public_forgotten
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.cards.forget_all_local();
+        self.public_views.invalidate_all();
+        self.public_pages.invalidate_all();
+    }
+
     /// Drop every copy of a work's card, here and in every process.
     pub async fn forget_card(&self, work_id: WorkId) {
-        self.public_views.invalidate(&work_id).await;
-        self.public_pages.invalidate_all();
+        self.forget_public(Some(work_id)).await;
         if let Err(error) = self.cards.forget(&self.keys.view(work_id)).await {
             tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), %work_id, "a cached work could not be dropped from Redis");
         }
@@ -824,11 +855,21 @@ impl GalleryService {
         if viewer.is_some() {
             return self.fresh_view(work_id, viewer).await;
         }
+        let before = self
+            .public_forgotten
+            .load(std::sync::atomic::Ordering::Acquire);
         let view = Box::pin(self.public_views.try_get_with(work_id, async {
             Box::pin(self.fresh_view(work_id, None)).await.map(Arc::new)
         }))
         .await
         .map_err(cache::shared_failure)?;
+        if self
+            .public_forgotten
+            .load(std::sync::atomic::Ordering::Acquire)
+            != before
+        {
+            self.public_views.invalidate(&work_id).await;
+        }
         Ok(view.as_ref().clone())
     }
 
@@ -918,12 +959,22 @@ impl GalleryService {
         F: FnOnce() -> Fut,
         Fut: std::future::Future<Output = anyhow::Result<reads::WorkPage>>,
     {
+        let before = self
+            .public_forgotten
+            .load(std::sync::atomic::Ordering::Acquire);
         let page = Box::pin(
             self.public_pages
-                .try_get_with(key, async { Box::pin(load()).await.map(Arc::new) }),
+                .try_get_with(key.clone(), async { Box::pin(load()).await.map(Arc::new) }),
         )
         .await
         .map_err(cache::shared_failure)?;
+        if self
+            .public_forgotten
+            .load(std::sync::atomic::Ordering::Acquire)
+            != before
+        {
+            self.public_pages.invalidate(&key).await;
+        }
         Ok(page.as_ref().clone())
     }
 

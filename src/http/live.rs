@@ -300,9 +300,9 @@ async fn follow(
                 Ok(Envelope::Credited { .. }) => continue,
                 // The board reads the places after a queue change, once for every socket.
                 Ok(Envelope::QueueMoved) => continue,
-                // Fell behind: positions are read again; other notices of the gap are lost (the
-                // tasks' states say the rest).
-                Err(broadcast::error::RecvError::Lagged(_)) => {
+                // Fell behind, or the process's subscription was opened again: positions are
+                // read again; other notices of the gap are lost (the tasks' states say the rest).
+                Ok(Envelope::Resubscribed) | Err(broadcast::error::RecvError::Lagged(_)) => {
                     state.positions.refresh();
                     continue;
                 }

@@ -113,6 +113,10 @@ pub enum Envelope {
     /// A work was published, unpublished or hidden (`None`: the lists changed): every process
     /// drops its cached copy at once.
     GalleryChanged { work_id: Option<Uuid> },
+    /// Never published: this process's subscription was opened again after it ended, and what
+    /// was sent meanwhile is lost. Whoever keeps copies that notifications invalidate drops
+    /// them all.
+    Resubscribed,
 }
 
 /// Publishes notifications (cheap to clone).
@@ -214,7 +218,11 @@ impl NotificationHub {
             let connection = match pubsub.take() {
                 Some(connection) => connection,
                 None => match self.open().await {
-                    Ok(connection) => connection,
+                    Ok(connection) => {
+                        // No receivers is fine: nobody of this process keeps such copies.
+                        drop(self.sender.send(Envelope::Resubscribed));
+                        connection
+                    }
                     Err(error) => {
                         tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), "notification hub cannot subscribe; retrying");
                         tokio::time::sleep(HUB_RETRY).await;

@@ -1128,3 +1128,54 @@ async fn a_batched_account_command_meeting_a_store_away_is_unavailable_not_a_bug
         );
     }
 }
+
+async fn next_notification(
+    receiver: &mut tokio::sync::broadcast::Receiver<zhihui::platform::notify::Envelope>,
+) -> zhihui::platform::notify::Envelope {
+    tokio::time::timeout(Duration::from_secs(10), receiver.recv())
+        .await
+        .expect("a notification within 10 s")
+        .unwrap()
+}
+
+/// The notification subscription a process keeps ends (here Redis drops it): the process opens
+/// it again and tells its listeners so (`Envelope::Resubscribed`), since whatever was published
+/// in between is lost: the gallery then drops every cached copy instead of keeping one a missed
+/// hide should have removed. Notifications flow again after it.
+#[tokio::test]
+async fn a_notification_subscription_that_ended_is_opened_again_and_its_listeners_told() {
+    use zhihui::platform::notify::{Envelope, NotificationHub, Notifier};
+
+    let port = crate::helpers::dead_port();
+    let directory =
+        std::env::temp_dir().join(format!("zhihui-resubscribe-{}", uuid::Uuid::now_v7()));
+    std::fs::create_dir_all(&directory).unwrap();
+    let _redis = OwnRedis::start(port, &directory);
+    let mut settings = crate::helpers::test_settings("unused");
+    crate::helpers::one_redis_at(&mut settings, format!("redis://127.0.0.1:{port}/0"));
+    let store = zhihui::platform::redis_store::RedisStore::new(&settings.redis).unwrap();
+    let hub = NotificationHub::new(store.clone());
+    let mut receiver = hub.subscribe().await.unwrap();
+    let mut connection = store.connection().await.unwrap();
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query_async(&mut connection)
+        .await
+        .unwrap();
+    assert_eq!(killed, 1);
+    assert!(matches!(
+        next_notification(&mut receiver).await,
+        Envelope::Resubscribed
+    ));
+    Notifier::new(store)
+        .publish(&Envelope::GalleryChanged { work_id: None })
+        .await
+        .unwrap();
+    assert!(matches!(
+        next_notification(&mut receiver).await,
+        Envelope::GalleryChanged { work_id: None }
+    ));
+    let _ = std::fs::remove_dir_all(&directory);
+}

@@ -1268,3 +1268,65 @@ async fn an_action_from_the_pages_is_confirmed_where_it_lands_even_before_the_re
     .await;
     assert!(row(&mine, "断桥残雪").contains(reason), "{mine}");
 }
+
+/// A rebuild of a cached card that was already reading when the work was hidden must not bring
+/// the card back: not in Redis (another process would serve it for the value's lifetime), not
+/// in this process's memory. Here the load itself "meets" the hide: it forgets the key (what a
+/// hide does) before returning what it read, then a later read of either process loads again.
+#[tokio::test]
+async fn a_card_rebuilt_across_a_hide_is_not_kept_by_either_cache_level() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use zhihui::gallery::cache::Layered;
+
+    let app = crate::helpers::spawn_app().await;
+    let layer = |_: u8| {
+        Layered::<String>::new(
+            zhihui::platform::redis_store::RedisStore::new(&app.settings.redis).unwrap(),
+            zhihui::platform::clock::Clock::System,
+            Duration::from_secs(30),
+            100,
+        )
+    };
+    let (here, there) = (layer(0), layer(1));
+    let key = format!(
+        "{}:gallery-cache-race:{{w:1}}",
+        app.settings.redis.key_prefix
+    );
+    let lock = format!("{key}:lock");
+    let loads = Arc::new(AtomicU32::new(0));
+
+    let racing = here.clone();
+    let read = here
+        .get(&key, &lock, || {
+            let loads = loads.clone();
+            let key = key.clone();
+            async move {
+                loads.fetch_add(1, Ordering::SeqCst);
+                // The hide lands while this rebuild holds what it read before it.
+                racing.forget(&key).await?;
+                Ok(Some("公开的卡片".to_owned()))
+            }
+        })
+        .await
+        .unwrap();
+    // The read that was concurrent with the hide may see the old card...
+    assert_eq!(read.as_deref(), Some("公开的卡片"));
+    // ...nobody after it does, in this process or another.
+    for cache in [&here, &there] {
+        let loads = loads.clone();
+        let value = cache
+            .get(&key, &lock, || async move {
+                loads.fetch_add(1, Ordering::SeqCst);
+                Ok(None)
+            })
+            .await
+            .unwrap();
+        assert_eq!(*value, None, "a card from before the hide was served");
+    }
+    assert_eq!(
+        loads.load(Ordering::SeqCst),
+        2,
+        "the hidden card is read again once"
+    );
+}
