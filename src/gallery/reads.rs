@@ -35,16 +35,25 @@ pub struct Cursor {
     pub offset: usize,
 }
 
+/// The most entries of one score a cursor may skip: more than any list holds of one score (the
+/// hot list keeps a thousand works; the others are scored by the millisecond), and a bound on
+/// what one page reads (a page reads `offset + limit` entries of each source).
+pub const CURSOR_OFFSET_MAX: usize = 100_000; // the API document's cursor pattern states it
+
+/// How many pages a read moves past when every work on them is filtered out for the reader
+/// (hidden since, blocked, a creator no longer followed), before it answers an empty page with
+/// the cursor after them.
+const FILTERED_PAGES_MAX: usize = 8;
+
 impl Cursor {
     /// `<max>:<offset>`, as pages and the API pass it.
     pub fn parse(text: &str) -> Option<Cursor> {
         let (max, offset) = text.split_once(':')?;
         let max: f64 = max.parse().ok()?;
         (max.is_finite()).then_some(())?;
-        Some(Cursor {
-            max,
-            offset: offset.parse().ok()?,
-        })
+        let offset: usize = offset.parse().ok()?;
+        (offset <= CURSOR_OFFSET_MAX).then_some(())?;
+        Some(Cursor { max, offset })
     }
 
     pub fn render(&self) -> String {
@@ -189,20 +198,35 @@ impl GalleryService {
     ) -> anyhow::Result<WorkPage> {
         let limit = limit.clamp(1, PAGE_MAX);
         let mut connection = self.redis().connection().await?;
-        let mut entries = Vec::new();
-        let want = cursor.map_or(0, |cursor| cursor.offset) + limit;
-        for source in sources {
-            entries.extend(read_from(&mut connection, source, cursor, want).await?);
+        let mut cursor = cursor;
+        let mut rounds = 0;
+        loop {
+            rounds += 1;
+            let mut entries = Vec::new();
+            let want = cursor.map_or(0, |cursor| cursor.offset) + limit;
+            for source in sources {
+                entries.extend(read_from(&mut connection, source, cursor, want).await?);
+            }
+            let (page, next) = page_after(entries, cursor, limit);
+            let ids: Vec<WorkId> = page
+                .iter()
+                .filter_map(|(member, _)| Uuid::parse_str(member).ok())
+                .collect();
+            let works = self.listed(&ids, viewer, creators).await?;
+            // A page whose every work was filtered out would read as the list's end to a
+            // person (an empty page has no "more" to press): read on, a bounded number of pages.
+            if works.is_empty()
+                && let Some(after) = next
+                && rounds < FILTERED_PAGES_MAX
+            {
+                cursor = Some(after);
+                continue;
+            }
+            return Ok(WorkPage {
+                works,
+                next: next.map(|cursor| cursor.render()),
+            });
         }
-        let (page, next) = page_after(entries, cursor, limit);
-        let ids: Vec<WorkId> = page
-            .iter()
-            .filter_map(|(member, _)| Uuid::parse_str(member).ok())
-            .collect();
-        Ok(WorkPage {
-            works: self.listed(&ids, viewer, creators).await?,
-            next: next.map(|cursor| cursor.render()),
-        })
     }
 
     /// The hot list: likes weighed by age.
@@ -276,22 +300,33 @@ impl GalleryService {
     ) -> anyhow::Result<(Vec<ListedWork>, Option<(DateTime<Utc>, Uuid)>)> {
         let limit = limit.clamp(1, PAGE_MAX);
         let client = self.pool().get().await.context("getting a connection")?;
-        let (at, after_id) = before.unwrap_or((DateTime::<Utc>::MAX_UTC, Uuid::max()));
-        let rows = client
-            .query(
-                "SELECT work_id, liked_at FROM work_likes
-                  WHERE user_id = $1 AND (liked_at, work_id) < ($2, $3)
-                  ORDER BY liked_at DESC, work_id DESC LIMIT $4",
-                &[&user.as_uuid(), &at, &after_id, &(limit as i64)],
-            )
-            .await
-            .context("reading a user's likes")?;
-        let next = (rows.len() == limit).then(|| {
-            let last = &rows[rows.len() - 1];
-            (last.get::<_, DateTime<Utc>>(1), last.get::<_, Uuid>(0))
-        });
-        let ids: Vec<WorkId> = rows.iter().map(|row| row.get(0)).collect();
-        Ok((self.listed(&ids, Some(user), None).await?, next))
+        let mut before = before;
+        let mut rounds = 0;
+        loop {
+            rounds += 1;
+            let (at, after_id) = before.unwrap_or((DateTime::<Utc>::MAX_UTC, Uuid::max()));
+            let rows = client
+                .query(
+                    "SELECT work_id, liked_at FROM work_likes
+                      WHERE user_id = $1 AND (liked_at, work_id) < ($2, $3)
+                      ORDER BY liked_at DESC, work_id DESC LIMIT $4",
+                    &[&user.as_uuid(), &at, &after_id, &(limit as i64)],
+                )
+                .await
+                .context("reading a user's likes")?;
+            let next = (rows.len() == limit).then(|| {
+                let last = &rows[rows.len() - 1];
+                (last.get::<_, DateTime<Utc>>(1), last.get::<_, Uuid>(0))
+            });
+            let ids: Vec<WorkId> = rows.iter().map(|row| row.get(0)).collect();
+            let works = self.listed(&ids, Some(user), None).await?;
+            // Every liked work of this page hidden since: read on (see `sorted_set_page`).
+            if works.is_empty() && next.is_some() && rounds < FILTERED_PAGES_MAX {
+                before = next;
+                continue;
+            }
+            return Ok((works, next));
+        }
     }
 
     /// How many follow `user` and whom `user` follows.
@@ -508,5 +543,9 @@ mod tests {
         assert_eq!(Cursor::parse("inf:1"), None);
         assert_eq!(Cursor::parse("12"), None);
         assert_eq!(Cursor::parse("x:1"), None);
+        // An offset no list can need is refused, not read as "skip that many".
+        assert!(Cursor::parse(&format!("5:{CURSOR_OFFSET_MAX}")).is_some());
+        assert_eq!(Cursor::parse(&format!("5:{}", CURSOR_OFFSET_MAX + 1)), None);
+        assert_eq!(Cursor::parse("5:18446744073709551615"), None);
     }
 }

@@ -137,7 +137,7 @@ fn parse_id(text: &str, what: &str) -> Result<Uuid, ApiError> {
 pub struct PageQuery {
     /// Where the page starts: the `next` of the page before.
     #[param(
-        pattern = "^(-?[0-9]{1,20}(\\.[0-9]{1,20})?:[0-9]{1,9}|[0-9]{1,17}:[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})$"
+        pattern = "^(-?[0-9]{1,20}(\\.[0-9]{1,64})?:(100000|[0-9]{1,5})|[0-9]{1,17}:[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})$"
     )]
     pub cursor: Option<String>,
     /// Works per page, 1 to 48 (24 when absent).

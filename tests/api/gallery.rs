@@ -1330,3 +1330,51 @@ async fn a_card_rebuilt_across_a_hide_is_not_kept_by_either_cache_level() {
         "the hidden card is read again once"
     );
 }
+
+/// A page whose every work is filtered out for the reader (a creator they blocked published the
+/// newest ones) does not read as the list's end: the read moves on to the works they may see,
+/// in the feed and in the new list alike.
+#[tokio::test]
+async fn a_page_of_only_blocked_works_moves_on_to_the_works_the_reader_may_see() {
+    let harness = gallery_harness(|_| {}).await;
+    let app = &harness.app;
+    let (_, prolific) = funded_user(app, "gaochan", "100").await;
+    let (_, quiet) = funded_user(app, "laoshi", "100").await;
+    let (_, reader) = member(app, "duzhe").await;
+    let quiet_id = follow_first(app, &quiet, &reader).await;
+    let prolific_id = follow_first(app, &prolific, &reader).await;
+    let quiet_tasks = Box::pin(succeeded_tasks(&harness, &quiet, 1)).await;
+    let prolific_tasks = Box::pin(succeeded_tasks(&harness, &prolific, 3)).await;
+    app.project().await;
+    let kept = publish(app, &quiet, &quiet_tasks[0], "山水之间", true).await;
+    // Each later than the one before: the blocked creator's are the newest.
+    for (index, task) in prolific_tasks.iter().enumerate() {
+        app.clock.advance(Duration::from_secs(1));
+        publish(
+            app,
+            &prolific,
+            task,
+            &format!("连载第{}话", index + 1),
+            true,
+        )
+        .await;
+    }
+    gallery_worker(app).catch_up().await.unwrap();
+    app.project().await;
+    let blocked = send(
+        app,
+        reqwest::Method::PUT,
+        &format!("/api/v1/gallery/creators/{prolific_id}/block"),
+        &reader,
+    )
+    .await;
+    assert!(blocked.status().is_success(), "{}", blocked.status());
+    for list in [
+        "/api/v1/gallery/feed?limit=2",
+        "/api/v1/gallery/new?limit=2",
+    ] {
+        let page = json_of(app.get_as(&reader, list).await).await;
+        assert_eq!(ids(&page), std::slice::from_ref(&kept), "{list}: {page}");
+    }
+    assert_ne!(quiet_id, prolific_id);
+}
