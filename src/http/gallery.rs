@@ -367,7 +367,16 @@ pub async fn image(
     let Some((record, bytes)) = state.images.get(image_id).await? else {
         return Err(not_found());
     };
-    let etag = format!("\"{}\"", record.sha256);
+    // ComfyUI's workflow (prompts included) never leaves in a public copy, whatever the
+    // stored file kept for its owner.
+    let stripped = match crate::labels::public_copy(&bytes) {
+        std::borrow::Cow::Owned(public) => Some(public),
+        std::borrow::Cow::Borrowed(_) => None,
+    };
+    let etag = match &stripped {
+        None => format!("\"{}\"", record.sha256),
+        Some(_) => format!("\"{}-public\"", record.sha256),
+    };
     let matches = request
         .headers()
         .get(actix_web::http::header::IF_NONE_MATCH)
@@ -390,7 +399,7 @@ pub async fn image(
     }
     Ok(response
         .content_type(record.content_type.as_str())
-        .body(bytes))
+        .body(stripped.unwrap_or(bytes)))
 }
 
 #[derive(Debug, Serialize, utoipa::ToSchema)]

@@ -266,6 +266,51 @@ impl Inspection {
 }
 
 /// ComfyUI's own text chunks of a PNG (`prompt`, `workflow`), to keep when configured.
+/// `bytes` as anyone may fetch them: a PNG without the text chunks kept from ComfyUI (with
+/// `labels.keep_comfy_metadata` on, the stored file carries the whole workflow, prompts
+/// included, which only its owner may see). The AIGC label and its XMP stay; every other
+/// chunk is copied as it is (no re-encoding). Anything not a PNG is returned as it is.
+pub fn public_copy(bytes: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    const SIGNATURE: &[u8] = b"\x89PNG\r\n\x1a\n";
+    if !bytes.starts_with(SIGNATURE) {
+        return std::borrow::Cow::Borrowed(bytes);
+    }
+    let mut out = Vec::with_capacity(bytes.len());
+    out.extend_from_slice(SIGNATURE);
+    let mut at = SIGNATURE.len();
+    let mut dropped = false;
+    // A chunk: length (4), kind (4), data (length), CRC (4).
+    while let Some(length_bytes) = bytes.get(at..at + 4) {
+        let length = u32::from_be_bytes([
+            length_bytes[0],
+            length_bytes[1],
+            length_bytes[2],
+            length_bytes[3],
+        ]) as usize;
+        let Some(chunk) = bytes.get(at..at + 12 + length) else {
+            // Cut short: what follows cannot be told apart, so it is not served.
+            dropped = true;
+            break;
+        };
+        let kind = &chunk[4..8];
+        let keyword = chunk[8..8 + length].split(|byte| *byte == 0).next();
+        let ours = keyword.is_some_and(|keyword| {
+            keyword == PNG_KEYWORD.as_bytes() || keyword == XMP_KEYWORD.as_bytes()
+        });
+        if matches!(kind, b"tEXt" | b"zTXt" | b"iTXt") && !ours {
+            dropped = true;
+        } else {
+            out.extend_from_slice(chunk);
+        }
+        at += 12 + length;
+    }
+    if dropped {
+        std::borrow::Cow::Owned(out)
+    } else {
+        std::borrow::Cow::Borrowed(bytes)
+    }
+}
+
 fn comfy_text_chunks(bytes: &[u8]) -> Vec<(String, String)> {
     let mut decoder = png::Decoder::new(Cursor::new(bytes));
     decoder.set_ignore_text_chunk(false);

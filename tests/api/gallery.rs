@@ -1378,3 +1378,78 @@ async fn a_page_of_only_blocked_works_moves_on_to_the_works_the_reader_may_see()
     }
     assert_ne!(quiet_id, prolific_id);
 }
+
+/// With `labels.keep_comfy_metadata` on, the stored file keeps ComfyUI's workflow (its owner's
+/// download has it); a published copy never does, so a prompt its creator hid stays hidden.
+#[tokio::test]
+async fn a_kept_comfyui_workflow_stays_in_the_owners_file_and_never_in_the_published_copy() {
+    let harness = gallery_harness(|settings| settings.labels.keep_comfy_metadata = true).await;
+    let app = &harness.app;
+    let (_, token) = funded_user(app, "xiaolin", "100").await;
+    let tasks = Box::pin(succeeded_tasks(&harness, &token, 1)).await;
+    let work = publish(app, &token, &tasks[0], "江南烟雨", false).await;
+    let text_keywords = |bytes: &[u8]| -> Vec<String> {
+        png_chunks(bytes)
+            .iter()
+            .filter(|(kind, _)| matches!(kind.as_str(), "tEXt" | "iTXt" | "zTXt"))
+            .map(|(_, data)| {
+                String::from_utf8_lossy(data.split(|byte| *byte == 0).next().unwrap()).into_owned()
+            })
+            .collect()
+    };
+    // The owner's own file: the workflow is there (so the setting took effect).
+    let view = json_of(
+        app.get_as(&token, &format!("/api/v1/tasks/{}", tasks[0]))
+            .await,
+    )
+    .await;
+    let own = app
+        .get_as(&token, view["images"][0]["url"].as_str().unwrap())
+        .await
+        .bytes()
+        .await
+        .unwrap();
+    assert!(
+        text_keywords(&own).contains(&"prompt".to_owned()),
+        "{:?}",
+        text_keywords(&own)
+    );
+    assert!(contains(&own, b"CLIPTextEncode"));
+    // The published copy: the labels only, no prompt, and it still reads as labelled.
+    let public = json_of(app.get(&format!("/api/v1/gallery/works/{work}")).await).await;
+    for image in public["images"].as_array().unwrap() {
+        let response = app.get(image.as_str().unwrap()).await;
+        assert_eq!(response.status(), 200);
+        let etag = response.headers()["etag"].to_str().unwrap().to_owned();
+        let bytes = response.bytes().await.unwrap();
+        assert_eq!(text_keywords(&bytes), ["AIGC", "XML:com.adobe.xmp"]);
+        // ComfyUI writes its JSON with non-ASCII escaped: 江南 as \u6c5f\u5357.
+        for needle in [
+            PROMPT,
+            NEGATIVE,
+            "江南",
+            "\\u6c5f\\u5357",
+            "KSampler",
+            "CLIPTextEncode",
+        ] {
+            assert!(
+                !contains(&bytes, needle.as_bytes()),
+                "{needle} inside the image"
+            );
+        }
+        assert_eq!(
+            zhihui::labels::metadata::read(&bytes)
+                .unwrap()
+                .png_text
+                .unwrap()
+                .label,
+            "1"
+        );
+        assert!(
+            image::load_from_memory(&bytes).is_ok(),
+            "the copy is a whole image"
+        );
+        // Its own validator: a cache holding the owner's file never answers for it.
+        assert!(etag.ends_with("-public\""), "{etag}");
+    }
+}
