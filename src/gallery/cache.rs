@@ -136,21 +136,13 @@ where
         F: FnOnce() -> Fut + Send,
         Fut: std::future::Future<Output = anyhow::Result<Option<V>>> + Send,
     {
-        let before = self.forgotten.load(Ordering::Acquire);
-        let value = self
-            .local
-            .try_get_with(key.to_owned(), async {
-                self.shared(key, lock_key, load).await.map(Arc::new)
-            })
-            .await
-            .map_err(shared_failure)?;
-        if self.forgotten.load(Ordering::Acquire) != before {
-            // Something was forgotten while this value may have been loading: `moka` keeps
-            // what a load returns even when its key was invalidated meanwhile. This caller
-            // gets it (its read was concurrent with the change); nobody after it does.
-            self.local.invalidate(key).await;
-        }
-        Ok(value)
+        Box::pin(kept_unless_forgotten(
+            &self.local,
+            &self.forgotten,
+            key.to_owned(),
+            async { self.shared(key, lock_key, load).await.map(Arc::new) },
+        ))
+        .await
     }
 
     /// Drop this process's copy of `key` (another process changed it, or this one did).
@@ -294,6 +286,31 @@ impl std::error::Error for SharedFailure {
 }
 
 /// `moka`'s shared failure as an error of its own, its causes kept.
+/// `key` from `cache`, loaded by `load` on a miss; a load that ran while anything was forgotten
+/// (`forgotten` moved) is handed to its callers but not kept: `moka` keeps what a load returns
+/// even when its key was invalidated meanwhile, and that read was concurrent with the change.
+pub(crate) async fn kept_unless_forgotten<K, V, Fut>(
+    cache: &moka::future::Cache<K, Arc<V>>,
+    forgotten: &AtomicU64,
+    key: K,
+    load: Fut,
+) -> anyhow::Result<Arc<V>>
+where
+    K: std::hash::Hash + Eq + Clone + Send + Sync + 'static,
+    V: Send + Sync + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<Arc<V>>>,
+{
+    let before = forgotten.load(Ordering::Acquire);
+    let value = cache
+        .try_get_with(key.clone(), load)
+        .await
+        .map_err(shared_failure)?;
+    if forgotten.load(Ordering::Acquire) != before {
+        cache.invalidate(&key).await;
+    }
+    Ok(value)
+}
+
 pub(crate) fn shared_failure(error: Arc<anyhow::Error>) -> anyhow::Error {
     anyhow::Error::new(SharedFailure(error))
 }

@@ -855,21 +855,13 @@ impl GalleryService {
         if viewer.is_some() {
             return self.fresh_view(work_id, viewer).await;
         }
-        let before = self
-            .public_forgotten
-            .load(std::sync::atomic::Ordering::Acquire);
-        let view = Box::pin(self.public_views.try_get_with(work_id, async {
-            Box::pin(self.fresh_view(work_id, None)).await.map(Arc::new)
-        }))
-        .await
-        .map_err(cache::shared_failure)?;
-        if self
-            .public_forgotten
-            .load(std::sync::atomic::Ordering::Acquire)
-            != before
-        {
-            self.public_views.invalidate(&work_id).await;
-        }
+        let view = Box::pin(cache::kept_unless_forgotten(
+            &self.public_views,
+            &self.public_forgotten,
+            work_id,
+            async { Box::pin(self.fresh_view(work_id, None)).await.map(Arc::new) },
+        ))
+        .await?;
         Ok(view.as_ref().clone())
     }
 
@@ -959,22 +951,13 @@ impl GalleryService {
         F: FnOnce() -> Fut,
         Fut: std::future::Future<Output = anyhow::Result<reads::WorkPage>>,
     {
-        let before = self
-            .public_forgotten
-            .load(std::sync::atomic::Ordering::Acquire);
-        let page = Box::pin(
-            self.public_pages
-                .try_get_with(key.clone(), async { Box::pin(load()).await.map(Arc::new) }),
-        )
-        .await
-        .map_err(cache::shared_failure)?;
-        if self
-            .public_forgotten
-            .load(std::sync::atomic::Ordering::Acquire)
-            != before
-        {
-            self.public_pages.invalidate(&key).await;
-        }
+        let page = Box::pin(cache::kept_unless_forgotten(
+            &self.public_pages,
+            &self.public_forgotten,
+            key,
+            async { Box::pin(load()).await.map(Arc::new) },
+        ))
+        .await?;
         Ok(page.as_ref().clone())
     }
 

@@ -1091,16 +1091,7 @@ async fn a_batched_account_command_meeting_a_store_away_is_unavailable_not_a_bug
         crate::helpers::dead_port()
     )
     .into();
-    let pool = zhihui::platform::postgres::build_pool(&settings.database).unwrap();
-    let state = zhihui::state::AppState::build(
-        &settings,
-        pool,
-        zhihui::state::Overrides {
-            clock: zhihui::platform::clock::Clock::Manual(app.clock.clone()),
-            code_sender: None,
-        },
-    )
-    .unwrap();
+    let state = app.services_with(&settings);
     let stream = account_stream(zhihui_domain::user::UserId::from_uuid(uuid::Uuid::now_v7()));
     let answers = futures::future::join_all((0..3).map(|_| {
         state.accounts.execute(

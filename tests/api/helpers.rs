@@ -193,12 +193,17 @@ impl TestApp {
     /// The services of another process on the same database and Redis, with the app's clock
     /// (so that tests can age intents and leases by moving it).
     pub fn services_on_app_clock(&self) -> zhihui::state::AppState {
-        let pool = zhihui::platform::postgres::build_pool(&self.settings.database).unwrap();
+        self.services_with(&self.settings)
+    }
+
+    /// The services of a process with `settings` (e.g. a store of it away), on the app's clock.
+    pub fn services_with(&self, settings: &Settings) -> zhihui::state::AppState {
+        let pool = zhihui::platform::postgres::build_pool(&settings.database).unwrap();
         let overrides = Overrides {
             clock: Clock::Manual(self.clock.clone()),
             code_sender: None,
         };
-        zhihui::state::AppState::build(&self.settings, pool, overrides).unwrap()
+        zhihui::state::AppState::build(settings, pool, overrides).unwrap()
     }
 
     /// A projector of `projection` on this app's database.

@@ -819,16 +819,7 @@ async fn a_cancel_recorded_while_redis_is_away_answers_done_and_the_sweeper_fini
         &mut settings,
         format!("redis://127.0.0.1:{}", crate::helpers::dead_port()),
     );
-    let pool = zhihui::platform::postgres::build_pool(&settings.database).unwrap();
-    let cut_off = zhihui::state::AppState::build(
-        &settings,
-        pool,
-        zhihui::state::Overrides {
-            clock: zhihui::platform::clock::Clock::Manual(app.clock.clone()),
-            code_sender: None,
-        },
-    )
-    .unwrap();
+    let cut_off = app.services_with(&settings);
     let outcome = cut_off
         .tasks
         .cancel(user_id, task_id, &metadata())
