@@ -12,7 +12,11 @@ eval "$(scripts/services.sh start | sed 's/^/export /')"
 # services now, and this run's when it ends (passed or not), so that nothing measured later on
 # the same services pays for them.
 scripts/tidy.sh
-trap 'scripts/tidy.sh || true' EXIT
+trap 'scripts/tidy.sh || true; disk_left' EXIT
+# What the disk has left, at the start and the end: a full disk stops PostgreSQL (every request
+# then fails), and the first place to look is here.
+disk_left() { echo "gate: $(df -h --output=avail "$ROOT" | tail -1 | tr -d ' ') left on the disk"; }
+disk_left
 
 # Tools the tests run: a real Prometheus and promtool (metrics tests), jq and the system
 # Python's websockets (README's first flow, run as written).
@@ -44,6 +48,9 @@ if [ -n "${KURRENTDB_URL:-}" ]; then
     echo "gate: KurrentDB conformance (KURRENTDB_URL)"
     cargo nextest run -p zhihui --test api --locked --run-ignored only -E 'test(kurrentdb::)'
 fi
+# The first run's databases (over 500, 8 MB or more each) are dropped before the second makes
+# as many again.
+scripts/tidy.sh
 # The tests that touch Redis again, on a Redis Cluster (3 masters, 3 replicas): a key that loses
 # its hash tag fails here with CROSSSLOT, and any other cluster-only difference shows. Left out:
 # the PostgreSQL failover tests (no Redis difference), edges.rs (its own one-node Redis) and
@@ -57,6 +64,8 @@ else
     cargo test -p zhihui --test api --locked --no-fail-fast -- --skip failover:: --skip edges:: --skip cluster_edges::
 fi
 unset REDIS_CLUSTER_NODES
+# Nor are the second run's.
+scripts/tidy.sh
 echo "gate: browser tests (scripts/browser-tests)"
 scripts/browser-tests
 echo "gate: contract fuzzing (scripts/fuzz-api)"

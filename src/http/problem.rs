@@ -563,6 +563,8 @@ mod tests {
             SqlState::CONNECTION_FAILURE,
             SqlState::CONNECTION_EXCEPTION,
             SqlState::SQLCLIENT_UNABLE_TO_ESTABLISH_SQLCONNECTION,
+            SqlState::DISK_FULL,
+            SqlState::OUT_OF_MEMORY,
         ] {
             assert!(sql_state_unavailable(&state), "{state:?}");
         }
@@ -571,6 +573,7 @@ mod tests {
             SqlState::SYNTAX_ERROR,
             SqlState::T_R_SERIALIZATION_FAILURE,
             SqlState::UNDEFINED_TABLE,
+            SqlState::CONFIGURATION_LIMIT_EXCEEDED,
         ] {
             assert!(!sql_state_unavailable(&state), "{state:?}");
         }

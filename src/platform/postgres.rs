@@ -226,8 +226,9 @@ pub async fn ping(pool: &Pool) -> anyhow::Result<()> {
 /// The SQLSTATEs of a server that is not there to answer, rather than of a statement it refused:
 /// connection exceptions (class 08), an administrator's or a crash's shutdown, a server still
 /// starting (57P01-57P03), a read-only transaction on a server that is (still or newly) a
-/// standby (25006), no connection slot left (53300). The event store retries an append on them;
-/// the HTTP edge answers them 503.
+/// standby (25006), and a server out of a resource (class 53 but its configured limits: no
+/// connection slot left, a full disk, no memory; the server may crash and recover from those).
+/// The event store retries an append on them; the HTTP edge answers them 503.
 pub fn sql_state_unavailable(state: &tokio_postgres::error::SqlState) -> bool {
     use tokio_postgres::error::SqlState;
     state.code().starts_with("08")
@@ -237,6 +238,9 @@ pub fn sql_state_unavailable(state: &tokio_postgres::error::SqlState) -> bool {
             SqlState::CANNOT_CONNECT_NOW,
             SqlState::READ_ONLY_SQL_TRANSACTION,
             SqlState::TOO_MANY_CONNECTIONS,
+            SqlState::INSUFFICIENT_RESOURCES,
+            SqlState::DISK_FULL,
+            SqlState::OUT_OF_MEMORY,
         ]
         .contains(state)
 }
