@@ -1078,12 +1078,44 @@ pub(crate) async fn apply_follow_pair(
             .await
             .context("marking a creator as pulled")?;
     } else {
-        let _: i64 = connection
+        let was_famous: i64 = connection
             .srem(keys.famous(), creator.to_string())
             .await
             .context("marking a creator as pushed")?;
+        if was_famous == 1 {
+            forget_followers_inboxes(keys, connection, creator).await?;
+        }
     }
     Ok(followers)
+}
+
+/// A creator pulled at read time until now is pushed from now on, but their works so far were
+/// never pushed: without this, their followers' live inboxes would lack them, and the feed, no
+/// longer pulling them, would show none until each inbox expired. Each follower's inbox is
+/// marked as not live instead, so that their next read rebuilds it from the creators' own lists
+/// (this creator's included). A creator who stays pushed costs nothing here.
+async fn forget_followers_inboxes(
+    keys: &Keys,
+    connection: &mut crate::platform::redis_store::RedisConnection,
+    creator: UserId,
+) -> anyhow::Result<()> {
+    let followers: Vec<String> = connection
+        .zrange(keys.followers(creator), 0, -1)
+        .await
+        .context("reading the followers of a creator pushed from now on")?;
+    let markers = followers
+        .iter()
+        .filter_map(|follower| Uuid::parse_str(follower).ok())
+        .map(|follower| {
+            let mut command = redis::cmd("DEL");
+            command.arg(keys.inbox_live(UserId::from_uuid(follower)));
+            command
+        });
+    // Each follower's marker is under their own tag: one command each, sent at once.
+    let _: Vec<i64> = each(connection, markers)
+        .await
+        .context("marking followers' inboxes for a rebuild")?;
+    Ok(())
 }
 
 /// A work in the new list, the hot ranking and its creator's works, or out of all of them.

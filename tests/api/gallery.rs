@@ -1061,6 +1061,51 @@ async fn an_unfollowed_creators_works_leave_the_feed_at_once_on_both_processes()
     assert_eq!(ids(&feed), std::slice::from_ref(&work));
 }
 
+/// A creator with more followers than are pushed to is read at feed time; when followers leave
+/// and they are pushed again, the works published meanwhile (never pushed) stay in a feed whose
+/// inbox was live all along, on either process.
+#[tokio::test]
+async fn a_creator_pushed_again_after_being_pulled_keeps_their_works_in_a_live_feed() {
+    let harness = gallery_harness(|settings| settings.gallery.push_followers_max = 2).await;
+    let app = &harness.app;
+    let second = app.another_instance().await;
+    let (creator_id, creator) = funded_user(app, "huajia", "100").await;
+    let follow = format!("/api/v1/gallery/creators/{creator_id}/follow");
+    let mut followers = Vec::new();
+    for name in ["duzhe", "guanzhong1", "guanzhong2"] {
+        let (_, token) = member(app, name).await;
+        let done = send(app, reqwest::Method::PUT, &follow, &token).await;
+        assert!(done.status().is_success());
+        followers.push(token);
+    }
+    let reader = &followers[0];
+    // The reader's inbox is live before the work appears; three followers: the creator is pulled.
+    assert!(ids(&json_of(app.get_as(reader, "/api/v1/gallery/feed").await).await).is_empty());
+    let tasks = Box::pin(succeeded_tasks(&harness, &creator, 1)).await;
+    let work = publish(app, &creator, &tasks[0], "人多时发的作品", true).await;
+    gallery_worker(app).catch_up().await.unwrap();
+    let feed = json_of(app.get_as(reader, "/api/v1/gallery/feed").await).await;
+    assert_eq!(ids(&feed), std::slice::from_ref(&work));
+
+    // One follower leaves: two are left, the creator is pushed from now on.
+    let left = send(&second, reqwest::Method::DELETE, &follow, &followers[2]).await;
+    assert_eq!(json_of(left).await["following"], false);
+    for process in [app, &second] {
+        let feed = json_of(process.get_as(reader, "/api/v1/gallery/feed").await).await;
+        assert_eq!(ids(&feed), std::slice::from_ref(&work), "{feed}");
+    }
+    // And what they publish next is pushed as before.
+    let tasks = Box::pin(succeeded_tasks(&harness, &creator, 1)).await;
+    let next = publish(app, &creator, &tasks[0], "人少时发的作品", true).await;
+    gallery_worker(app).catch_up().await.unwrap();
+    let feed = json_of(second.get_as(&followers[1], "/api/v1/gallery/feed").await).await;
+    // Both at one instant (the test clock stands still): equal times list by id, descending.
+    let mut both = vec![next, work];
+    both.sort();
+    both.reverse();
+    assert_eq!(ids(&feed), both, "{feed}");
+}
+
 /// The likes page of the web app pages like the other lists: 24 works, then a "more" link to
 /// the next page, which lists the rest (the oldest like last).
 #[tokio::test]
