@@ -776,30 +776,83 @@ pub struct MyWorkResponse {
     pub likes: i64,
 }
 
-/// The caller's works, whatever became of them (hidden ones with the admin's reason).
+/// How many of one's own works a page lists at most (and when no `limit` is given).
+pub const MY_WORKS_PAGE_MAX: i64 = 200;
+
+#[derive(Debug, Deserialize, utoipa::IntoParams)]
+pub struct MyWorksQuery {
+    /// 1 to 200, default 200.
+    #[param(minimum = 1, maximum = 200)]
+    pub limit: Option<i64>,
+    /// From the `Link` header (`rel="next"`) of the page before.
+    #[param(
+        pattern = "^[0-9]{1,18}_[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+    )]
+    pub cursor: Option<String>,
+}
+
+/// The caller's works, whatever became of them (hidden ones with the admin's reason), newest
+/// first. A list longer than the page goes on where the `Link` header's `rel="next"` points.
 #[utoipa::path(
     get, operation_id = "gallery_my_works", path = "/api/v1/me/works", tag = "gallery", security(("bearer" = [])),
-    responses((status = 200, body = [MyWorkResponse]), (status = 401, body = crate::http::problem::Problem))
+    params(MyWorksQuery),
+    responses(
+        (status = 200, body = [MyWorkResponse], headers(("Link" = String, description = "`<...>; rel=\"next\"` while older works remain"))),
+        (status = 401, body = crate::http::problem::Problem),
+        (status = 422, body = crate::http::problem::Problem),
+    )
 )]
 pub async fn my_works(
     state: web::Data<AppState>,
     caller: Authenticated,
+    query: web::Query<MyWorksQuery>,
 ) -> Result<HttpResponse, ApiError> {
-    Ok(HttpResponse::Ok().json(works_of(&state, caller.user_id()).await?))
+    let limit = query.limit.unwrap_or(MY_WORKS_PAGE_MAX);
+    if !(1..=MY_WORKS_PAGE_MAX).contains(&limit) {
+        return Err(ApiError::invalid(
+            "limit",
+            Broken::new(Rule::Between)
+                .with("min", 1)
+                .with("max", MY_WORKS_PAGE_MAX),
+        ));
+    }
+    let before = query
+        .cursor
+        .as_deref()
+        .map(crate::http::tasks::parse_time_cursor)
+        .transpose()?;
+    let (works, next) = works_of(&state, caller.user_id(), before, limit).await?;
+    let mut response = HttpResponse::Ok();
+    if let Some(next) = next {
+        response.insert_header((
+            actix_web::http::header::LINK,
+            format!("</api/v1/me/works?limit={limit}&cursor={next}>; rel=\"next\""),
+        ));
+    }
+    Ok(response.json(works))
 }
 
-/// A creator's own list of works (the newest 200).
-pub async fn works_of(state: &AppState, user: UserId) -> anyhow::Result<Vec<MyWorkResponse>> {
+/// A page of a creator's own works, newest first, older than `before` (a cursor's time and id);
+/// and the cursor of the page after it, when there is one.
+pub async fn works_of(
+    state: &AppState,
+    user: UserId,
+    before: Option<(DateTime<Utc>, Uuid)>,
+    limit: i64,
+) -> anyhow::Result<(Vec<MyWorkResponse>, Option<String>)> {
+    let (before_at, before_id) = before.unwrap_or((DateTime::<Utc>::MAX_UTC, Uuid::max()));
     let client = state.pg_pool.get().await?;
+    // Served by `works_by_creator` (creator, published_at DESC, work_id DESC): a page reads only
+    // its own rows, however many works came before.
     let rows = client
         .query(
             "SELECT work_id, task_id, title, status, hidden_reason, published_at, like_count
-               FROM works WHERE creator = $1
-              ORDER BY published_at DESC, work_id DESC LIMIT 200",
-            &[&user.as_uuid()],
+               FROM works WHERE creator = $1 AND (published_at, work_id) < ($2, $3)
+              ORDER BY published_at DESC, work_id DESC LIMIT $4",
+            &[&user.as_uuid(), &before_at, &before_id, &(limit + 1)],
         )
         .await?;
-    Ok(rows
+    let mut works: Vec<MyWorkResponse> = rows
         .iter()
         .map(|row| MyWorkResponse {
             work_id: row.get(0),
@@ -810,7 +863,14 @@ pub async fn works_of(state: &AppState, user: UserId) -> anyhow::Result<Vec<MyWo
             published_at: row.get(5),
             likes: row.get(6),
         })
-        .collect())
+        .collect();
+    let more = works.len() as i64 > limit;
+    works.truncate(usize::try_from(limit).unwrap_or(0));
+    let next = works
+        .last()
+        .filter(|_| more)
+        .map(|last| crate::http::tasks::time_cursor(last.published_at, last.work_id));
+    Ok((works, next))
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]

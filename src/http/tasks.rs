@@ -435,6 +435,30 @@ pub async fn tasks(
     Ok(HttpResponse::Ok().json(page))
 }
 
+/// A keyset cursor `<time in µs since the epoch>_<id>` of the last row a page showed (tasks by
+/// submission, works by publication), read back: refused with 422 `cursor` unless it is one.
+pub(crate) fn parse_time_cursor(cursor: &str) -> Result<(DateTime<Utc>, Uuid), ApiError> {
+    /// 9999-12-31T23:59:59.999999Z in microseconds since the epoch.
+    const CURSOR_MICROS_MAX: i64 = 253_402_300_799_999_999;
+    let bad_cursor = || ApiError::invalid_by("cursor", Rule::Cursor);
+    let (micros, id) = cursor.split_once('_').ok_or_else(bad_cursor)?;
+    let micros: i64 = micros.parse().map_err(|_| bad_cursor())?;
+    // Our cursors are times this API recorded; anything outside 1970..=9999 is not one (and
+    // PostgreSQL refuses timestamps far enough out: that was a 500).
+    if !(0..=CURSOR_MICROS_MAX).contains(&micros) {
+        return Err(bad_cursor());
+    }
+    Ok((
+        DateTime::from_timestamp_micros(micros).ok_or_else(bad_cursor)?,
+        Uuid::parse_str(id).map_err(|_| bad_cursor())?,
+    ))
+}
+
+/// The cursor [`parse_time_cursor`] reads.
+pub(crate) fn time_cursor(at: DateTime<Utc>, id: Uuid) -> String {
+    format!("{}_{id}", at.timestamp_micros())
+}
+
 /// A page of `owner`'s tasks, newest first, optionally of one status (the API and the pages).
 pub(crate) async fn task_page(
     state: &AppState,
@@ -450,25 +474,9 @@ pub(crate) async fn task_page(
                 .with("max", TASK_PAGE_MAX),
         ));
     }
-    /// 9999-12-31T23:59:59.999999Z in microseconds since the epoch.
-    const CURSOR_MICROS_MAX: i64 = 253_402_300_799_999_999;
-    // The cursor is `<submitted_at in µs>_<task id>` of the last task shown.
-    let bad_cursor = || ApiError::invalid_by("cursor", Rule::Cursor);
     let (before_at, before_id) = match &query.cursor {
         None => (DateTime::<Utc>::MAX_UTC, Uuid::max()),
-        Some(cursor) => {
-            let (micros, id) = cursor.split_once('_').ok_or_else(bad_cursor)?;
-            let micros: i64 = micros.parse().map_err(|_| bad_cursor())?;
-            // Our cursors are times this API recorded; anything outside 1970..=9999 is not one
-            // (and PostgreSQL refuses timestamps far enough out: that was a 500).
-            if !(0..=CURSOR_MICROS_MAX).contains(&micros) {
-                return Err(bad_cursor());
-            }
-            (
-                DateTime::from_timestamp_micros(micros).ok_or_else(bad_cursor)?,
-                Uuid::parse_str(id).map_err(|_| bad_cursor())?,
-            )
-        }
+        Some(cursor) => parse_time_cursor(cursor)?,
     };
     let status = match &query.status {
         None => None,
@@ -522,7 +530,7 @@ pub(crate) async fn task_page(
     let next_cursor = if has_more {
         views
             .last()
-            .map(|view| format!("{}_{}", view.submitted_at.timestamp_micros(), view.task_id))
+            .map(|view| time_cursor(view.submitted_at, view.task_id))
     } else {
         None
     };

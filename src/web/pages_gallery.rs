@@ -78,7 +78,12 @@ pub struct DoneQuery {
     done: Option<String>,
     /// The work the action was on.
     work: Option<String>,
+    /// Where a list of one's own works goes on (the link to older works).
+    cursor: Option<String>,
 }
+
+/// One's own works per page of `/gallery/mine`.
+const MINE_PAGE: i64 = 50;
 
 fn cursor_of(query: &ListQuery) -> Option<Cursor> {
     query.cursor.as_deref().and_then(Cursor::parse)
@@ -190,7 +195,13 @@ pub async fn likes(page: Page, query: web::Query<ListQuery>) -> Result<HttpRespo
 /// `/gallery/mine`: the reader's works, whatever became of them.
 pub async fn mine(page: Page, query: web::Query<DoneQuery>) -> Result<HttpResponse, WebError> {
     let user = page.member()?.session.user_id;
-    let mut works = crate::http::gallery::works_of(page.state(), user).await?;
+    // A cursor that is not one of ours reads as the first page, as the other lists do.
+    let before = query
+        .cursor
+        .as_deref()
+        .and_then(|cursor| crate::http::tasks::parse_time_cursor(cursor).ok());
+    let (mut works, next_cursor) =
+        crate::http::gallery::works_of(page.state(), user, before, MINE_PAGE).await?;
     // The work just acted on, as its stream has it: the list is a read model a moment behind.
     if let Some(work_id) = query
         .work
@@ -207,6 +218,8 @@ pub async fn mine(page: Page, query: web::Query<DoneQuery>) -> Result<HttpRespon
         context! {
             works => super::render::ser(&works),
             sort => "mine",
+            next_cursor,
+            first_page => before.is_none(),
             unpublished_now => query.done.as_deref() == Some("unpublished"),
         },
     )

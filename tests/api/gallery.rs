@@ -1061,6 +1061,94 @@ async fn an_unfollowed_creators_works_leave_the_feed_at_once_on_both_processes()
     assert_eq!(ids(&feed), std::slice::from_ref(&work));
 }
 
+/// One's own works page by a keyset cursor in the `Link` header, in the API and the pages: all
+/// published at one instant (the test clock stands still), none skipped or repeated; a cursor
+/// or limit that is not one is a 422 naming it.
+#[tokio::test]
+async fn ones_own_works_go_on_past_a_page_by_the_link_header_and_on_the_page() {
+    let harness = gallery_harness(|_| {}).await;
+    let app = &harness.app;
+    let (_, creator) = funded_user(app, "zuozhe", "100").await;
+    let tasks = Box::pin(succeeded_tasks(&harness, &creator, 3)).await;
+    let mut published = Vec::new();
+    for (index, task) in tasks.iter().enumerate() {
+        published.push(publish(app, &creator, task, &format!("第{index}幅"), true).await);
+    }
+    app.project().await;
+
+    let mut seen = Vec::new();
+    let mut path = "/api/v1/me/works?limit=2".to_owned();
+    for _ in 0..3 {
+        let response = app.get_as(&creator, &path).await;
+        let link = response
+            .headers()
+            .get("link")
+            .map(|value| value.to_str().unwrap().to_owned());
+        let page = json_of(response).await;
+        seen.extend(
+            page.as_array()
+                .unwrap()
+                .iter()
+                .map(|work| work["work_id"].as_str().unwrap().to_owned()),
+        );
+        match link {
+            Some(link) => {
+                assert!(link.ends_with(">; rel=\"next\""), "{link}");
+                path = link[1..link.find('>').unwrap()].to_owned();
+            }
+            None => break,
+        }
+    }
+    let mut expected = published.clone();
+    expected.sort();
+    expected.reverse();
+    assert_eq!(seen, expected, "newest first, ties by id, each once");
+    // Without a limit: the newest 200 at once, no link.
+    let all = app.get_as(&creator, "/api/v1/me/works").await;
+    assert!(all.headers().get("link").is_none());
+    assert_eq!(json_of(all).await.as_array().unwrap().len(), 3);
+    for (query, field) in [
+        ("limit=0", "limit"),
+        ("limit=201", "limit"),
+        ("cursor=abc", "cursor"),
+    ] {
+        let refused = app
+            .get_as(&creator, &format!("/api/v1/me/works?{query}"))
+            .await;
+        assert_eq!(refused.status(), 422, "{query}");
+        let body: Value = refused.json().await.unwrap();
+        assert_eq!(body["field"], field, "{body}");
+    }
+
+    // The page from the same cursor: only what is older, and a way back to the newest.
+    let first = app.get_as(&creator, "/api/v1/me/works?limit=1").await;
+    let link = first
+        .headers()
+        .get("link")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let cursor = link
+        .split("cursor=")
+        .nth(1)
+        .unwrap()
+        .split('>')
+        .next()
+        .unwrap();
+    let page = page_text(app, &creator, &format!("/gallery/mine?cursor={cursor}")).await;
+    let row = |work: &str| format!("href=\"/gallery/works/{work}\"");
+    assert!(
+        !page.contains(&row(&expected[0])),
+        "the newest is on the page before: {page}"
+    );
+    assert!(page.contains(&row(&expected[1])) && page.contains(&row(&expected[2])));
+    assert!(
+        page.contains("href=\"/gallery/mine\""),
+        "a link back to the newest"
+    );
+}
+
 /// A creator with more followers than are pushed to is read at feed time; when followers leave
 /// and they are pushed again, the works published meanwhile (never pushed) stay in a feed whose
 /// inbox was live all along, on either process.
