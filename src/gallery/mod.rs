@@ -566,7 +566,7 @@ impl GalleryService {
         Ok(LikeOutcome { liked: true, likes })
     }
 
-    /// The caller takes a like back (always allowed, also on a hidden work).
+    /// The caller takes a like back (always allowed, also on a hidden work they liked).
     pub async fn unlike(
         &self,
         user: UserId,
@@ -581,11 +581,18 @@ impl GalleryService {
         let executed = self
             .execute::<Like>(&like_stream(work_id, user), &command, metadata)
             .await?;
+        // No card: not visible (or not cached, and then read from its stream).
+        let card = self.card(work_id).await?;
+        // Nothing taken back from a work the caller may not see is answered as for a work that
+        // never was: the answer tells neither its count nor that it exists.
+        if executed.new_events.is_empty() && card.is_none() {
+            return Err(LikeError::NoSuchWork.into());
+        }
         let likes = self
             .apply_like(work_id, user, executed.version, executed.state)
             .await?;
-        // Ranked again only while visible (no card: not visible, or not cached and then read).
-        if let Some(card) = self.card(work_id).await? {
+        // Ranked again only while visible.
+        if let Some(card) = card {
             self.rank(work_id, likes, card.published_at).await?;
         }
         Ok(LikeOutcome {

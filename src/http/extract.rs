@@ -154,8 +154,8 @@ pub fn scope_for(method: &actix_web::http::Method, pattern: &str) -> Option<Scop
     }
 }
 
-/// What anyone may read without logging in (the public gallery): a key of any scope reads it
-/// as its owner would, like a visitor who is logged in.
+/// What anyone may read without logging in (the public gallery): a key of any scope reads it,
+/// as its owner with `gallery:write` (their likes, follows and blocks shown), else as a visitor.
 pub fn is_public_read(method: &actix_web::http::Method, pattern: &str) -> bool {
     use actix_web::http::Method;
     (*method == Method::GET || *method == Method::HEAD)

@@ -42,6 +42,15 @@ impl actix_web::FromRequest for Viewer {
                 return Ok(Viewer(None));
             }
             match crate::http::extract::authenticate(request).await {
+                // A key without `gallery:write` reads the public gallery as a visitor: what its
+                // owner liked, follows or blocked is that scope's to read, not every key's.
+                Ok(session)
+                    if session.key.as_ref().is_some_and(|grant| {
+                        !grant.allows(zhihui_domain::api_key::Scope::GalleryWrite)
+                    }) =>
+                {
+                    Ok(Viewer(None))
+                }
                 Ok(session) => Ok(Viewer(Some(session))),
                 Err(error) if bearer => Err(error),
                 Err(_) => Ok(Viewer(None)),

@@ -506,6 +506,10 @@ async fn a_hidden_work_leaves_every_list_cache_and_feed_on_both_processes_within
         let feed = json_of(process.get_as(&reader, "/api/v1/gallery/feed").await).await;
         assert_eq!(ids(&feed), [work.clone(), kept.clone()]);
     }
+    // Its creator likes it before the hide.
+    let like_path = format!("/api/v1/gallery/works/{work}/like");
+    let liked = send(app, reqwest::Method::PUT, &like_path, &creator).await;
+    assert_eq!(json_of(liked).await["likes"], 1);
 
     let hidden = app
         .post(
@@ -561,6 +565,13 @@ async fn a_hidden_work_leaves_every_list_cache_and_feed_on_both_processes_within
     )
     .await;
     assert_eq!(like.status(), 404);
+    // Taking back a like one never gave tells nothing of it either (not its count, not that it
+    // is there); a like given before the hide is taken back.
+    let unlike = send(app, reqwest::Method::DELETE, &like_path, &reader).await;
+    assert_eq!(unlike.status(), 404);
+    assert!(!unlike.text().await.unwrap().contains("likes"));
+    let taken_back = send(&second, reqwest::Method::DELETE, &like_path, &creator).await;
+    assert_eq!(json_of(taken_back).await["liked"], false);
     app.project().await;
     let mine = json_of(app.get_as(&creator, "/api/v1/me/works").await).await;
     let row = mine

@@ -358,3 +358,33 @@ async fn a_key_limited_to_thirty_a_minute_passes_thirty_across_a_minutes_boundar
     assert_eq!(app.get_as(&key, "/api/v1/account").await.status(), 200);
     assert_eq!(app.get_as(&key, "/api/v1/account").await.status(), 429);
 }
+
+/// The public gallery answers any key, but what its owner follows or blocked is shown only to a
+/// key with `gallery:write`: to any other it is the visitor's answer, field for field.
+#[tokio::test]
+async fn a_key_without_the_gallery_scope_reads_the_gallery_as_a_visitor() {
+    let app = spawn_app().await;
+    let (_, token) = funded_user(&app, "guanzhe", "10").await;
+    let creator = app.register("huajia", "correct horse battery").await;
+    let followed = app
+        .http
+        .put(format!(
+            "{}/api/v1/gallery/creators/{creator}/follow",
+            app.address
+        ))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(followed.status(), 200);
+    let (reader, _) = key_with(&app, &token, &["tasks:read", "account:read"]).await;
+    let (gallery, _) = key_with(&app, &token, &["gallery:write"]).await;
+    let path = format!("/api/v1/gallery/creators/{creator}");
+    let as_visitor: Value = app.get(&path).await.json().await.unwrap();
+    let as_reader: Value = app.get_as(&reader, &path).await.json().await.unwrap();
+    let as_gallery: Value = app.get_as(&gallery, &path).await.json().await.unwrap();
+    assert_eq!(as_reader, as_visitor);
+    assert!(as_visitor.get("followed").is_none(), "{as_visitor}");
+    assert_eq!(as_gallery["followed"], true, "{as_gallery}");
+    assert_eq!(as_gallery["followers"], 1);
+}
