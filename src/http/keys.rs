@@ -22,7 +22,7 @@ pub struct CreateKeyRequest {
     /// 1 to 64 characters: what the key is for.
     pub name: String,
     /// At least one of `tasks:write`, `tasks:read`, `account:read`, `codes:redeem`, `webhooks`,
-    /// and `admin` for an admin's key.
+    /// `gallery:write`, and `admin` for an admin's key.
     pub scopes: Vec<String>,
     /// When the key stops working; never when absent.
     pub expires_at: Option<DateTime<Utc>>,

@@ -273,6 +273,8 @@ fn constrain_inputs(document: &mut Value) {
         crate::identity::phone_codes::CODE_DIGITS
     )});
     let stock = json!({"minimum": 1, "maximum": zhihui_domain::promotion::STOCK_MAX});
+    // A list of at least one of the names the server knows (the domain's own list).
+    let names = |names: &[&str]| json!({"minItems": 1, "items": {"type": "string", "enum": names}});
     for (schema, property, rule) in [
         ("GrantRequest", "amount", amount.clone()),
         (
@@ -335,6 +337,16 @@ fn constrain_inputs(document: &mut Value) {
             "RedeemRequest",
             "code",
             json!({"pattern": zhihui_domain::redeem::format::CODE_PATTERN}),
+        ),
+        (
+            "CreateKeyRequest",
+            "scopes",
+            names(&zhihui_domain::api_key::Scope::ALL.map(|scope| scope.as_str())),
+        ),
+        (
+            "RegisterEndpointRequest",
+            "event_types",
+            names(&zhihui_domain::webhook::WebhookEventType::ALL.map(|kind| kind.as_str())),
         ),
     ] {
         constrain(document, schema, property, rule);

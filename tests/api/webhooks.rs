@@ -1068,6 +1068,33 @@ async fn the_openapi_document_states_both_schemes_each_scope_and_the_webhook_pay
         None,
         "a person's session only"
     );
+    // A key's scopes are named in the document, every one the server grants.
+    let scopes = &document["components"]["schemas"]["CreateKeyRequest"]["properties"]["scopes"];
+    assert_eq!(scopes["minItems"], 1, "{scopes}");
+    assert_eq!(
+        scopes["items"]["enum"],
+        json!([
+            "tasks:write",
+            "tasks:read",
+            "account:read",
+            "codes:redeem",
+            "webhooks",
+            "gallery:write",
+            "admin"
+        ])
+    );
+    let event_types =
+        &document["components"]["schemas"]["RegisterEndpointRequest"]["properties"]["event_types"];
+    assert_eq!(event_types["minItems"], 1);
+    assert_eq!(
+        event_types["items"]["enum"],
+        json!([
+            "task.succeeded",
+            "task.failed",
+            "task.cancelled",
+            "points.credited"
+        ])
+    );
     let webhooks = document["webhooks"].as_object().unwrap();
     let mut names: Vec<&String> = webhooks.keys().collect();
     names.sort();
