@@ -158,8 +158,9 @@ pub const UNAVAILABLE_RETRY_AFTER_S: u64 = 2;
 /// Whether a Redis error says the store is away or failing over, not that we misused it: the
 /// connection is gone or timed out, no node serves the slot, or the server answers that it is
 /// loading its data (LOADING), that the slot lives elsewhere on a node we cannot reach (MOVED,
-/// ASK), that the cluster or the master is down (CLUSTERDOWN, MASTERDOWN, TRYAGAIN), or that it
-/// became a replica (READONLY); also a pipeline or transaction that failed for one of these.
+/// ASK), that the cluster or the master is down (CLUSTERDOWN, MASTERDOWN, TRYAGAIN), that it
+/// became a replica (READONLY), or that it has no room to write (OOM, MISCONF); also a pipeline
+/// or transaction that failed for one of these.
 pub fn redis_unavailable(error: &redis::RedisError) -> bool {
     fn failing_over(kind: redis::ServerErrorKind) -> bool {
         matches!(
@@ -173,16 +174,23 @@ pub fn redis_unavailable(error: &redis::RedisError) -> bool {
                 | redis::ServerErrorKind::ReadOnly
         )
     }
+    // Out of room: memory at `maxmemory` with nothing to evict (OOM), or writes stopped because
+    // the last save or append-only write failed, a full disk say (MISCONF). Both last until an
+    // operator acts, and neither says the request was wrong.
+    fn out_of_room(code: &str) -> bool {
+        matches!(code, "OOM" | "MISCONF")
+    }
     if crate::platform::redis_store::connection_failed(error) {
         return true;
     }
     match error.kind() {
         redis::ErrorKind::ClusterConnectionNotFound => true,
         redis::ErrorKind::Server(kind) if failing_over(kind) => true,
+        _ if error.code().is_some_and(out_of_room) => true,
         _ => error.clone().into_server_errors().is_some_and(|errors| {
-            errors
-                .iter()
-                .any(|(_, server_error)| server_error.kind().is_some_and(failing_over))
+            errors.iter().any(|(_, server_error)| {
+                server_error.kind().is_some_and(failing_over) || out_of_room(server_error.code())
+            })
         }),
     }
 }
@@ -505,6 +513,27 @@ mod tests {
         assert_eq!(
             status_of(anyhow::Error::new(gone)),
             StatusCode::SERVICE_UNAVAILABLE
+        );
+        // No room to write: out of memory, or writes stopped after a failed save (full disk).
+        for (code, detail) in [
+            ("OOM", "command not allowed when used memory > 'maxmemory'."),
+            (
+                "MISCONF",
+                "Errors writing to the AOF file: No space left on device",
+            ),
+        ] {
+            let error = redis::make_extension_error(code.to_owned(), Some(detail.to_owned()));
+            assert_eq!(
+                status_of(anyhow::Error::new(error)),
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{code}"
+            );
+        }
+        // Other refusals are ours to fix.
+        let unknown = redis::make_extension_error("WRONGPASS".to_owned(), None);
+        assert_eq!(
+            status_of(anyhow::Error::new(unknown)),
+            StatusCode::INTERNAL_SERVER_ERROR
         );
     }
 

@@ -1170,3 +1170,58 @@ async fn a_notification_subscription_that_ended_is_opened_again_and_its_listener
     ));
     let _ = std::fs::remove_dir_all(&directory);
 }
+
+/// A Redis out of memory (`maxmemory` reached, nothing to evict) or unable to persist (a full
+/// disk under its append-only file: MISCONF) refuses writes until an operator acts: the store is
+/// away for now, so a request that needs a write is a 503 with `Retry-After`, not a 500; and
+/// once it has room, the same request works.
+#[tokio::test]
+async fn a_redis_refusing_writes_for_memory_is_a_503_to_retry_not_a_bug() {
+    let port = crate::helpers::dead_port();
+    let directory = std::env::temp_dir().join(format!("zhihui-redis-{}", uuid::Uuid::now_v7()));
+    std::fs::create_dir_all(&directory).unwrap();
+    let _redis = OwnRedis::start(port, &directory);
+    let app = spawn_app_with(|settings| {
+        crate::helpers::one_redis_at(settings, format!("redis://127.0.0.1:{port}/0"));
+        settings.auth.argon2_memory_kib = 1024;
+        settings.auth.argon2_iterations = 1;
+    })
+    .await;
+    app.register("xiaoming", "a long password").await;
+    let token = app.login("xiaoming", "a long password").await;
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/0")).unwrap();
+    let mut admin = client.get_multiplexed_async_connection().await.unwrap();
+    let set_maxmemory = |bytes: &'static str| {
+        let mut command = redis::cmd("CONFIG");
+        command.arg("SET").arg("maxmemory").arg(bytes);
+        command
+    };
+    let _: () = set_maxmemory("1").query_async(&mut admin).await.unwrap();
+
+    // A login writes a session: refused by Redis, answered 503 to retry.
+    let login = app
+        .post(
+            "/api/v1/auth/login",
+            None,
+            &serde_json::json!({"username": "xiaoming", "password": "a long password"}),
+        )
+        .await;
+    assert_eq!(login.status(), 503, "{:?}", login.text().await);
+    assert_eq!(login.headers()["retry-after"], "2");
+    // So does any request with a session: using one slides its expiry, a write.
+    let me = app.get_as(&token, "/api/v1/me").await;
+    assert_eq!(me.status(), 503);
+    assert_eq!(me.headers()["retry-after"], "2");
+
+    let _: () = set_maxmemory("0").query_async(&mut admin).await.unwrap();
+    assert_eq!(app.get_as(&token, "/api/v1/me").await.status(), 200);
+    let again = app
+        .post(
+            "/api/v1/auth/login",
+            None,
+            &serde_json::json!({"username": "xiaoming", "password": "a long password"}),
+        )
+        .await;
+    assert_eq!(again.status(), 200);
+    let _ = std::fs::remove_dir_all(&directory);
+}
