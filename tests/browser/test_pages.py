@@ -31,7 +31,8 @@ def showcase(stack):
     user_id = me["id"]
     assert stack.api("POST", f"/api/v1/admin/accounts/{user_id}/grants", admin, {"amount": "50", "reason": "新用户体验积分"})[0] == 201
     assert stack.api("POST", "/api/v1/checkins", token)[0] == 200
-    prompts = ["一只在雪地里奔跑的红狐狸，电影感光线", "江南水乡，小桥流水，清晨薄雾", "赛博朋克风格的上海外滩夜景"]
+    prompts = ["一只在雪地里奔跑的红狐狸，电影感光线", "江南水乡，小桥流水，清晨薄雾", "赛博朋克风格的上海外滩夜景",
+               "雨夜的竹林，一盏灯笼"]
     tasks = []
     for prompt in prompts:
         status, body = stack.api("POST", "/api/v1/tasks", token, {"prompt": prompt, "steps": 4})
@@ -69,6 +70,11 @@ def showcase(stack):
     status, hidden = stack.api("POST", "/api/v1/gallery/works", token, {
         "task_id": tasks[1], "title": "江南清晨", "prompt_shown": False})
     assert status == 201, hidden
+    # And one an admin hid: "my works" shows its owner why.
+    status, removed = stack.api("POST", "/api/v1/gallery/works", token, {"task_id": tasks[3], "title": "竹林夜雨", "prompt_shown": True})
+    assert status == 201, removed
+    assert stack.api("POST", f"/api/v1/admin/gallery/works/{removed['work_id']}/hide", admin,
+                     {"reason": "图片与标题不符，请修改后重新发布"})[0] == 204
     fan_name = unique("fensi")
     assert stack.api("POST", "/api/v1/auth/register", body={"username": fan_name, "password": "correct horse"})[0] == 201
     fan = stack.token(fan_name, "correct horse")
