@@ -302,8 +302,13 @@ async fn follow(
                 Ok(Envelope::QueueMoved) => continue,
                 // Fell behind, or the process's subscription was opened again: positions are
                 // read again; other notices of the gap are lost (the tasks' states say the rest).
+                // A lost one may have ended this session: it is checked now, not at the next
+                // ping (minutes, maybe).
                 Ok(Envelope::Resubscribed) | Err(broadcast::error::RecvError::Lagged(_)) => {
                     state.positions.refresh();
+                    if let Ok(false) = state.sessions.is_valid(&session).await {
+                        break closing("session ended");
+                    }
                     continue;
                 }
                 Err(broadcast::error::RecvError::Closed) => break None,

@@ -1225,3 +1225,76 @@ async fn a_redis_refusing_writes_for_memory_is_a_503_to_retry_not_a_bug() {
     assert_eq!(again.status(), 200);
     let _ = std::fs::remove_dir_all(&directory);
 }
+
+/// A session that ended while the process's notification subscription was down (its "ended"
+/// announcement lost with it) closes its socket as soon as the subscription is back, not at the
+/// next ping: the socket checks its session on `Resubscribed`.
+#[tokio::test]
+async fn a_socket_whose_session_ended_unheard_closes_when_notifications_come_back() {
+    use futures::StreamExt;
+
+    let port = crate::helpers::dead_port();
+    let directory =
+        std::env::temp_dir().join(format!("zhihui-resubscribe-{}", uuid::Uuid::now_v7()));
+    std::fs::create_dir_all(&directory).unwrap();
+    let _redis = OwnRedis::start(port, &directory);
+    let app = spawn_app_with(|settings| {
+        crate::helpers::one_redis_at(settings, format!("redis://127.0.0.1:{port}/0"));
+        settings.auth.argon2_memory_kib = 1024;
+        settings.auth.argon2_iterations = 1;
+        // Far beyond the test's wait: only the resubscription can close the socket in time.
+        settings.http.socket_ping_interval_ms = 120_000;
+    })
+    .await;
+    app.register("lianjie", "a long password").await;
+    let token = app.login("lianjie", "a long password").await;
+    let url = format!(
+        "{}/api/v1/ws?token={token}",
+        app.address.replace("http://", "ws://")
+    );
+    let (mut socket, _) = async_tungstenite::tokio::connect_async(url.as_str())
+        .await
+        .unwrap();
+    // The socket's first ping (sent at once, after a session check): the next is two minutes on.
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(message) = socket.next().await {
+            if let Ok(async_tungstenite::tungstenite::Message::Ping(_)) = message {
+                return;
+            }
+        }
+        panic!("the socket ended before its first ping");
+    })
+    .await
+    .expect("the first ping within 10 s");
+
+    // The session goes with no announcement (as if published while nobody listened), then the
+    // subscription drops and is opened again.
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/0")).unwrap();
+    let mut admin = client.get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("FLUSHDB").query_async(&mut admin).await.unwrap();
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(killed >= 1);
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(message) = socket.next().await {
+            match message {
+                Ok(async_tungstenite::tungstenite::Message::Close(frame)) => return frame,
+                Ok(_) => continue,
+                Err(_) => return None,
+            }
+        }
+        None
+    })
+    .await
+    .expect("the socket closed within 10 s, long before its next ping");
+    let reason = closed
+        .map(|frame| frame.reason.to_string())
+        .unwrap_or_default();
+    assert_eq!(reason, "session ended");
+    let _ = std::fs::remove_dir_all(&directory);
+}
