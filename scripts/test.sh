@@ -17,6 +17,9 @@ trap 'scripts/tidy.sh || true; disk_left' EXIT
 # then fails), and the first place to look is here.
 disk_left() { echo "gate: $(df -h --output=avail "$ROOT" | tail -1 | tr -d ' ') left on the disk"; }
 disk_left
+# A cold build (a fresh clone, as CI's) gains nothing from incremental compilation's files but
+# their size: 2.7 of the 5.9 GB of a cold build here. A warm tree keeps its own setting.
+[ -d "${CARGO_TARGET_DIR:-target}/debug" ] || export CARGO_INCREMENTAL=0
 
 # Tools the tests run: a real Prometheus and promtool (metrics tests), jq and the system
 # Python's websockets (README's first flow, run as written).
