@@ -1050,7 +1050,8 @@ pub(crate) async fn apply_pair(
 }
 
 /// Both sides of a follow: the follower's following set, the creator's followers set; and
-/// whether the creator is now one to pull (more followers than are pushed to).
+/// whether the creator is now one to pull (more followers than are pushed to; pushed again
+/// only a tenth below that, see [`push_again_at`]).
 pub(crate) async fn apply_follow_pair(
     keys: &Keys,
     connection: &mut crate::platform::redis_store::RedisConnection,
@@ -1078,27 +1079,44 @@ pub(crate) async fn apply_follow_pair(
         since,
     )
     .await?;
-    let famous = followers > u64::from(push_followers_max);
-    if famous {
+    if followers > u64::from(push_followers_max) {
         let _: i64 = connection
             .sadd(keys.famous(), creator.to_string())
             .await
             .context("marking a creator as pulled")?;
-    } else {
-        let was_famous: i64 = connection
-            .srem(keys.famous(), creator.to_string())
+    } else if followers <= push_again_at(push_followers_max) {
+        let pulled: bool = connection
+            .sismember(keys.famous(), creator.to_string())
             .await
-            .context("marking a creator as pushed")?;
-        if was_famous == 1 {
+            .context("reading whether a creator is pulled")?;
+        if pulled {
+            // The inboxes first, then the set: a failure in between leaves the creator pulled,
+            // and applying the event again (the gallery worker applies every one) does both.
+            forget_followers_inboxes(keys, connection, creator).await?;
+            let _: i64 = connection
+                .srem(keys.famous(), creator.to_string())
+                .await
+                .context("marking a creator as pushed")?;
+            // And again: an inbox rebuilt in between read the creator as pulled and left their
+            // works out. (One rebuilt across both passes still can: rare, and not closed here.)
             forget_followers_inboxes(keys, connection, creator).await?;
         }
     }
     Ok(followers)
 }
 
+/// How few followers a pulled creator must fall to before being pushed again: a tenth below the
+/// push limit, so that one account following and unfollowing a creator at the limit cannot
+/// switch them back and forth (each switch back marks every follower's inbox for a rebuild).
+/// Between the two, a creator stays as they were; a work both pushed and pulled lists once.
+fn push_again_at(push_followers_max: u32) -> u64 {
+    u64::from(push_followers_max - push_followers_max / 10)
+}
+
 /// A creator pulled at read time until now is pushed from now on, but their works so far were
 /// never pushed: without this, their followers' live inboxes would lack them, and the feed, no
-/// longer pulling them, would show none until each inbox expired. Each follower's inbox is
+/// longer pulling them, would show none for as long as its owner kept reading it (reading keeps
+/// an inbox live). Each follower's inbox is
 /// marked as not live instead, so that their next read rebuilds it from the creators' own lists
 /// (this creator's included). A creator who stays pushed costs nothing here.
 async fn forget_followers_inboxes(
@@ -1176,4 +1194,16 @@ pub(crate) async fn apply_work_lists(
             .context("unlisting a creator's work")?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod push_again_tests {
+    use super::push_again_at;
+
+    #[test]
+    fn a_pulled_creator_is_pushed_again_a_tenth_below_the_push_limit() {
+        assert_eq!(push_again_at(10_000), 9_000);
+        assert_eq!(push_again_at(2), 2, "below ten, the limit itself");
+        assert_eq!(push_again_at(0), 0);
+    }
 }
