@@ -795,7 +795,7 @@ pub struct MyWorksQuery {
     pub limit: Option<i64>,
     /// From the `Link` header (`rel="next"`) of the page before.
     #[param(
-        pattern = "^[0-9]{1,18}_[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+        pattern = "^[0-9]{1,17}_[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
     )]
     pub cursor: Option<String>,
 }

@@ -79,7 +79,7 @@ pub struct TaskListQuery {
     pub limit: Option<i64>,
     /// `next_cursor` of the previous page.
     #[param(
-        pattern = "^[0-9]{1,14}_[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
+        pattern = "^[0-9]{1,17}_[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
     )]
     pub cursor: Option<String>,
     /// Only tasks in this status (`queued`, `running`, `succeeded`, `failed`, `cancelled`, ...).

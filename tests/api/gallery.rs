@@ -1147,6 +1147,23 @@ async fn ones_own_works_go_on_past_a_page_by_the_link_header_and_on_the_page() {
         .split('>')
         .next()
         .unwrap();
+    // The cursor the server gives is one the API document allows, for this list and the tasks'
+    // alike (a client checking against the document must not refuse it).
+    let document: Value = app.get("/api/openapi.json").await.json().await.unwrap();
+    let pattern_of = |path: &str| {
+        let parameters = document["paths"][path]["get"]["parameters"]
+            .as_array()
+            .unwrap();
+        let cursor = parameters.iter().find(|p| p["name"] == "cursor").unwrap();
+        regex::Regex::new(cursor["schema"]["pattern"].as_str().unwrap()).unwrap()
+    };
+    assert!(pattern_of("/api/v1/me/works").is_match(cursor), "{cursor}");
+    let tasks = json_of(app.get_as(&creator, "/api/v1/tasks?limit=1").await).await;
+    let task_cursor = tasks["next_cursor"].as_str().unwrap();
+    assert!(
+        pattern_of("/api/v1/tasks").is_match(task_cursor),
+        "{task_cursor}"
+    );
     let page = page_text(app, &creator, &format!("/gallery/mine?cursor={cursor}")).await;
     let row = |work: &str| format!("href=\"/gallery/works/{work}\"");
     assert!(

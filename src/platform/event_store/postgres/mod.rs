@@ -357,7 +357,8 @@ fn from_i64(value: i64) -> u64 {
 /// Whether `error` says the connection (or the server behind it) went away, rather than that the
 /// statement was refused: a closed or broken connection, no connection to be had, a server
 /// shutting down or starting, a standby answering read-only (the old primary demoted, the new
-/// one not yet found).
+/// one not yet found), a server out of disk, memory or connections. An append that met one is
+/// tried again until its outcome is known or the failover wait is over.
 pub(crate) fn connection_lost(error: &anyhow::Error) -> bool {
     error.chain().any(|cause| {
         if let Some(pool_error) = cause.downcast_ref::<deadpool_postgres::PoolError>() {

@@ -482,7 +482,7 @@ where
                         retry_max.as_millis()
                     )));
                 }
-                tracing::warn!(error = %format!("{error:#}"), retry_in_ms = backoff.as_millis(), "append's outcome unknown (connection lost); trying again");
+                tracing::warn!(error = %format!("{error:#}"), retry_in_ms = backoff.as_millis(), "append's outcome unknown (connection lost or server unavailable); trying again");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(1));
             }
