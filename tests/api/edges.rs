@@ -174,6 +174,25 @@ impl Drop for OwnRedis {
     }
 }
 
+/// An app on a Redis of the test's own (started in a fresh directory), with a cheap password
+/// hash: the Redis, its port, its directory and the app.
+async fn app_on_own_redis(
+    customise: impl FnOnce(&mut zhihui::platform::configuration::Settings),
+) -> (OwnRedis, u16, std::path::PathBuf, crate::helpers::TestApp) {
+    let port = crate::helpers::dead_port();
+    let directory = std::env::temp_dir().join(format!("zhihui-redis-{}", uuid::Uuid::now_v7()));
+    std::fs::create_dir_all(&directory).unwrap();
+    let redis = OwnRedis::start(port, &directory);
+    let app = spawn_app_with(|settings| {
+        crate::helpers::one_redis_at(settings, format!("redis://127.0.0.1:{port}/0"));
+        settings.auth.argon2_memory_kib = 1024;
+        settings.auth.argon2_iterations = 1;
+        customise(settings);
+    })
+    .await;
+    (redis, port, directory, app)
+}
+
 /// `INFO replication` of the Redis on `port`, as `field:value` lines.
 async fn replication_info(port: u16) -> String {
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}/0")).unwrap();
@@ -303,16 +322,7 @@ async fn a_logout_answered_done_survives_a_redis_failover_and_one_that_could_not
 
 #[tokio::test]
 async fn a_redis_restarted_with_the_repositorys_configuration_keeps_every_session() {
-    let port = crate::helpers::dead_port();
-    let directory = std::env::temp_dir().join(format!("zhihui-redis-{}", uuid::Uuid::now_v7()));
-    std::fs::create_dir_all(&directory).unwrap();
-    let redis = OwnRedis::start(port, &directory);
-    let app = spawn_app_with(|settings| {
-        crate::helpers::one_redis_at(settings, format!("redis://127.0.0.1:{port}/0"));
-        settings.auth.argon2_memory_kib = 1024;
-        settings.auth.argon2_iterations = 1;
-    })
-    .await;
+    let (redis, port, _, app) = app_on_own_redis(|_| {}).await;
     app.register("bob", "a long password").await;
     let token = app.login("bob", "a long password").await;
     assert_eq!(app.get_as(&token, "/api/v1/me").await.status(), 200);
@@ -1177,16 +1187,7 @@ async fn a_notification_subscription_that_ended_is_opened_again_and_its_listener
 /// once it has room, the same request works.
 #[tokio::test]
 async fn a_redis_refusing_writes_for_memory_is_a_503_to_retry_not_a_bug() {
-    let port = crate::helpers::dead_port();
-    let directory = std::env::temp_dir().join(format!("zhihui-redis-{}", uuid::Uuid::now_v7()));
-    std::fs::create_dir_all(&directory).unwrap();
-    let _redis = OwnRedis::start(port, &directory);
-    let app = spawn_app_with(|settings| {
-        crate::helpers::one_redis_at(settings, format!("redis://127.0.0.1:{port}/0"));
-        settings.auth.argon2_memory_kib = 1024;
-        settings.auth.argon2_iterations = 1;
-    })
-    .await;
+    let (_redis, port, directory, app) = app_on_own_redis(|_| {}).await;
     app.register("xiaoming", "a long password").await;
     let token = app.login("xiaoming", "a long password").await;
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}/0")).unwrap();
@@ -1233,15 +1234,7 @@ async fn a_redis_refusing_writes_for_memory_is_a_503_to_retry_not_a_bug() {
 async fn a_socket_whose_session_ended_unheard_closes_when_notifications_come_back() {
     use futures::StreamExt;
 
-    let port = crate::helpers::dead_port();
-    let directory =
-        std::env::temp_dir().join(format!("zhihui-resubscribe-{}", uuid::Uuid::now_v7()));
-    std::fs::create_dir_all(&directory).unwrap();
-    let _redis = OwnRedis::start(port, &directory);
-    let app = spawn_app_with(|settings| {
-        crate::helpers::one_redis_at(settings, format!("redis://127.0.0.1:{port}/0"));
-        settings.auth.argon2_memory_kib = 1024;
-        settings.auth.argon2_iterations = 1;
+    let (_redis, port, directory, app) = app_on_own_redis(|settings| {
         // Far beyond the test's wait: only the resubscription can close the socket in time.
         settings.http.socket_ping_interval_ms = 120_000;
     })
