@@ -177,6 +177,37 @@ def test_a_user_cancels_a_waiting_task_and_gets_the_points_back(stack, person):
     wait_until(lambda: user.go("/points").locator("[data-testid=frozen]").inner_text() == "0.00", "every hold released or settled")
 
 
+def test_a_card_drawn_before_its_task_ended_catches_up_when_the_socket_opens(stack, person):
+    """The history is drawn while a task waits; its socket cannot open until the task has ended
+    (as on a train through a tunnel). Once it opens, the card shows the image and the publish
+    button without a reload: nothing that happened before the socket opened is lost."""
+    admin = stack.token(*ADMIN)
+    user = person("zh")
+    name = unique("suidao")
+    user.register(name)
+    token = stack.token(name, "correct horse")
+    me = stack.api("GET", "/api/v1/me", token)[1]
+    assert stack.api("POST", f"/api/v1/admin/accounts/{me['id']}/grants", admin, {"amount": "2", "reason": "隧道测试"})[0] == 201
+    occupy_both_servers(stack)
+    status, task = stack.api("POST", "/api/v1/tasks", token, {"prompt": "隧道尽头的一束光", "steps": 4})
+    assert status == 201, task
+
+    page = user.page
+    page.route("**/api/v1/ws/ticket", lambda route: route.abort())
+    page = user.go("/history")
+    card = page.locator(f"#task-{task['task_id']}")
+    assert card.get_attribute("data-status") in ("submitted", "queued"), card.get_attribute("data-status")
+    wait_until(lambda: stack.api("GET", f"/api/v1/tasks/{task['task_id']}", token)[1]["status"] == "succeeded", "the image")
+    assert page.locator("body[data-socket=open]").count() == 0
+    assert card.get_attribute("data-status") in ("submitted", "queued")
+
+    page.unroute("**/api/v1/ws/ticket")
+    page.locator("body[data-socket=open]").wait_for(state="attached", timeout=40_000)
+    card.locator(".images img").wait_for()
+    assert card.get_attribute("data-status") == "succeeded"
+    assert card.get_by_role("link", name="发布到画廊").is_visible()
+
+
 def test_a_check_in_a_redeemed_code_and_a_flash_sale_each_show_in_the_ledger(stack, person):
     user = person("zh")
     name = unique("qiandao")

@@ -169,6 +169,18 @@ function refreshSale(promotionId) {
   }
 }
 
+// The statuses after which a task's card never changes again.
+const FINAL = new Set(["succeeded", "failed", "cancelled"]);
+
+// The socket tells only what happens after it opens: a card drawn before (from the read model,
+// which may lag its task by a moment) or while the socket was closed may have missed its task's
+// end. Once subscribed, every card not yet final is drawn again from its task's own events.
+function catchUp() {
+  for (const card of document.querySelectorAll("article.task[data-task-id]")) {
+    if (!FINAL.has(card.dataset.status)) refreshCard(card.dataset.taskId);
+  }
+}
+
 // The socket: opened with a one-time ticket (the session cookie never goes into a URL), opened
 // again with a growing pause when it closes.
 let pause = 500;
@@ -193,6 +205,7 @@ async function openSocket() {
   socket.addEventListener("open", () => {
     pause = 500;
     body.dataset.socket = "open";
+    catchUp();
   });
   socket.addEventListener("message", (event) => {
     let notice;
