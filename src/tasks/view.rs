@@ -113,6 +113,30 @@ pub fn view_of(record: TaskRecord) -> TaskView {
     }
 }
 
+/// A task's read-model record brought up to its stream: the events after the row's version
+/// folded in. The read model trails its streams by a projection's batch; a client told by its
+/// socket that a task ended reads the task next, and must not be shown it still running. A
+/// finished task's stream takes no more events: its row is returned as it is, with no read.
+pub async fn caught_up(
+    store: &crate::platform::event_store::AnyEventStore,
+    record: TaskRecord,
+) -> anyhow::Result<TaskRecord> {
+    if record.status.is_finished() {
+        return Ok(record);
+    }
+    let task_id = record.task_id;
+    let events = store
+        .read_stream(
+            &task_stream(task_id),
+            Direction::Forwards,
+            ReadFrom::Version(record.version + 1),
+            crate::platform::command::STREAM_READ_PAGE_MAX,
+        )
+        .await
+        .context("reading a task stream's newest events")?;
+    fold(Some(record), task_id, &events)?.context("a task record folded away")
+}
+
 /// A task folded from its stream up to `version` (all of it when `None`): a view as of an event,
 /// the same on every replay.
 pub async fn record_at(
@@ -129,11 +153,20 @@ pub async fn record_at(
         )
         .await
         .context("reading a task stream")?;
-    let mut record = None;
-    for recorded in events
+    let upto = events
         .iter()
         .take_while(|recorded| version.is_none_or(|version| recorded.stream_version <= version))
-    {
+        .count();
+    fold(None, task_id, &events[..upto])
+}
+
+/// `events` of task `task_id`'s stream folded into `record`.
+fn fold(
+    mut record: Option<TaskRecord>,
+    task_id: TaskId,
+    events: &[crate::platform::event_store::RecordedEvent],
+) -> anyhow::Result<Option<TaskRecord>> {
+    for recorded in events {
         let event = TaskEvent::from_stored(
             &recorded.event_type,
             recorded.schema_version,
