@@ -455,7 +455,8 @@ impl GalleryWorker {
     }
 
     /// The hot ranking again from the read model: every visible work of the window, scored
-    /// with its likes and its age now, the best `hot_max` kept.
+    /// with its likes and its age now, the best `hot_max` kept, and the works the read model
+    /// has not reached yet kept where they were.
     pub async fn recompute_hot(&self) -> anyhow::Result<usize> {
         let gallery = &self.gallery;
         let keys = gallery.keys();
@@ -470,6 +471,13 @@ impl GalleryWorker {
             )
             .await
             .context("reading the works to rank")?;
+        // Works published after the newest the read model has (less a margin for clocks) may
+        // not have reached it yet: the replace keeps those the ranking already has.
+        let unread_since = rows
+            .iter()
+            .map(|row| row.get::<_, DateTime<Utc>>(2))
+            .max()
+            .map_or(since, |newest| newest - chrono::Duration::minutes(5));
         let mut scored: Vec<(String, f64)> = rows
             .iter()
             .map(|row| {
@@ -486,7 +494,10 @@ impl GalleryWorker {
         scored.truncate(gallery.settings().hot_max as usize);
         let mut connection = gallery.redis().connection().await?;
         let mut invocation = super::keys::HOT_REPLACE.key(keys.hot());
-        invocation.key(keys.hot_next());
+        invocation
+            .key(keys.hot_next())
+            .key(keys.newest())
+            .arg(unread_since.timestamp_millis());
         for (member, score) in &scored {
             invocation.arg(*score).arg(member);
         }

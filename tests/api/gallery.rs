@@ -919,6 +919,49 @@ async fn a_reader_back_from_away_sees_a_work_published_while_the_read_model_lags
     assert_eq!(ids(&feed), [work]);
 }
 
+/// The hot ranking is recomputed from the read model, which trails the lists: a work published
+/// since the projection's last batch keeps its place in the ranking through a recompute.
+#[tokio::test]
+async fn a_work_the_read_model_has_not_reached_stays_ranked_through_a_recompute() {
+    let harness = gallery_harness(|_| {}).await;
+    let app = &harness.app;
+    let (_, creator) = funded_user(app, "huajia", "100").await;
+    let (_, viewer) = member(app, "kanke").await;
+    let tasks = Box::pin(succeeded_tasks(&harness, &creator, 2)).await;
+    app.project().await;
+    let old = publish(app, &creator, &tasks[0], "江南春雨", true).await;
+    app.project().await;
+    let new = publish(app, &creator, &tasks[1], "塞北秋风", true).await;
+    let worker = gallery_worker(app);
+    worker.catch_up().await.unwrap();
+    assert_eq!(
+        worker.recompute_hot().await.unwrap(),
+        1,
+        "the read model has one"
+    );
+    let hot = json_of(app.get_as(&viewer, "/api/v1/gallery/hot").await).await;
+    let mut ranked = ids(&hot);
+    ranked.sort();
+    let mut both = vec![old.clone(), new.clone()];
+    both.sort();
+    assert_eq!(ranked, both, "{hot}");
+    // Once the read model has it, the recompute ranks it itself; a hidden work is not kept.
+    app.project().await;
+    assert_eq!(worker.recompute_hot().await.unwrap(), 2);
+    let admin = app.admin_token("guanli").await;
+    let hidden = app
+        .post(
+            &format!("/api/v1/admin/gallery/works/{new}/hide"),
+            Some(&admin),
+            &json!({"reason": "与作品说明不符"}),
+        )
+        .await;
+    assert_eq!(hidden.status(), 204);
+    worker.recompute_hot().await.unwrap();
+    let hot = json_of(app.get_as(&viewer, "/api/v1/gallery/hot").await).await;
+    assert_eq!(ids(&hot), [old], "{hot}");
+}
+
 /// The projection folds a run of likes into one statement per batch and the worker applies them
 /// all at once: a pair that unlikes and likes again inside one batch keeps its row (with the new
 /// time), one that unlikes goes, one that likes and unlikes there never shows, and each count
