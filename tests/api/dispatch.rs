@@ -874,10 +874,11 @@ async fn when_the_leader_dies_another_process_takes_over_and_the_old_one_is_fenc
     ];
     drive_until(&mut leader, &first, &tasks[..2], &[TaskStatus::Running]).await;
     let old_token = leader.fencing_token();
+    // (Projected first: the takeover's clock measures the lease, not the projections.)
+    app.project().await;
     // Killed: no resignation, its lease runs out.
     drop(leader);
     let killed_at = tokio::time::Instant::now();
-    app.project().await;
     let mut successor = harness.lead(&second).await;
     let takeover = killed_at.elapsed();
     assert!(

@@ -43,7 +43,7 @@ def showcase(stack):
 
     def all_done():
         listed = stack.api("GET", "/api/v1/tasks", token)[1]["tasks"]
-        return all(task["status"] in ("succeeded", "cancelled", "failed") for task in listed)
+        return len(listed) == len(prompts) + 1 and all(task["status"] in ("succeeded", "cancelled", "failed") for task in listed)
 
     wait_until(all_done, "the showcase tasks to end")
     now = time.time()
