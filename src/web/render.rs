@@ -159,7 +159,13 @@ impl Web {
         });
         // A checkpoint as people read it; requests keep sending its file name.
         let tasks = settings.tasks.clone();
-        env.add_filter("model_name", move |model: &str| tasks.model_name(model));
+        env.add_filter("model_name", move |state: &State, model: &str| {
+            let english = state
+                .lookup("lang")
+                .and_then(|lang| lang.as_str().and_then(Lang::parse))
+                == Some(Lang::En);
+            tasks.model_name_in(model, english)
+        });
         // One clock: in the reader's zone, or the platform's named (see `reader_zone`).
         env.add_filter("localtime", move |state: &State, value: Value| {
             let (offset, label) = reader_zone(state, platform_offset);
@@ -519,6 +525,12 @@ impl Page {
         fields: impl IntoIterator<Item = (&'a str, &'a Broken)>,
     ) -> String {
         self.lang.fields_message(fields)
+    }
+
+    /// The reader's offset from UTC in minutes east: their browser's, else the platform's (the
+    /// zone every time on the page is drawn in, and a form's local times are read in).
+    pub fn reader_offset_minutes(&self) -> i32 {
+        browser_offset(&self.request).unwrap_or(self.web.platform_offset)
     }
 
     /// An unexpected API error becomes the 500 page; any other is the caller's to show.

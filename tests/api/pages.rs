@@ -497,6 +497,78 @@ async fn a_page_draws_its_times_in_the_readers_zone_or_names_the_zone_it_used() 
     assert!(when(&page).ends_with(&format!("({label})")));
 }
 
+/// A form's local times are the reader's, as every other time on the page: an admin in New York
+/// is offered now in New York, and 09:00 typed there is 14:00 UTC.
+#[tokio::test]
+async fn a_forms_local_times_are_read_in_the_readers_zone() {
+    let app = spawn_app().await;
+    let admin = app.admin_token("guanli").await;
+    let cookie = format!("lang=zh; zhihui_session={admin}; tz=-300");
+    let form = browser()
+        .get(format!("{}/admin/codes", app.address))
+        .header("Cookie", &cookie)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let value_of = |id: &str| {
+        let start = form.find(&format!(r#"id="{id}""#)).unwrap();
+        let value = &form[start..];
+        let value = &value[value.find(r#"value=""#).unwrap() + 7..];
+        value[..value.find('"').unwrap()].to_owned()
+    };
+    let offered =
+        chrono::NaiveDateTime::parse_from_str(&value_of("valid_from"), "%Y-%m-%dT%H:%M").unwrap();
+    let new_york_now = app
+        .clock
+        .now()
+        .with_timezone(&chrono::FixedOffset::west_opt(5 * 3600).unwrap())
+        .naive_local();
+    assert_eq!(
+        offered.format("%Y-%m-%dT%H:%M").to_string(),
+        new_york_now.format("%Y-%m-%dT%H:%M").to_string()
+    );
+
+    let mut body = url::form_urlencoded::Serializer::new(String::new());
+    for (name, value) in [
+        ("count", "1"),
+        ("points", "5"),
+        ("valid_from", "2027-02-10T09:00"),
+        ("valid_until", "2027-02-11T09:00"),
+        ("note", "纽约的兑换码"),
+    ] {
+        body.append_pair(name, value);
+    }
+    let created = browser()
+        .post(format!("{}/admin/codes", app.address))
+        .header("Origin", app.address.as_str())
+        .header("Accept", "text/html")
+        .header("Cookie", &cookie)
+        .header(
+            zhihui::http::cookie::CSRF_HEADER,
+            zhihui::http::cookie::csrf_token(&admin),
+        )
+        .header("Content-Type", "application/x-www-form-urlencoded")
+        .body(body.finish())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(created.status(), 200);
+    let fragment = created.text().await.unwrap();
+    let start = fragment.find(r#"id="batch-"#).expect(&fragment) + r#"id="batch-"#.len();
+    let batch_id = &fragment[start..start + 36];
+    let batch: serde_json::Value = app
+        .get_as(&admin, &format!("/api/v1/admin/code-batches/{batch_id}"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(batch["valid_from"], "2027-02-10T14:00:00Z", "{batch}");
+    assert_eq!(batch["valid_until"], "2027-02-11T14:00:00Z", "{batch}");
+}
+
 /// A page's whole address survives signing in (a visitor's "make one like this" carries the
 /// work, a publish its task); an address a page cannot read (its task missing, a filter given
 /// twice) is a page in the reader's language, never the API's JSON.

@@ -187,7 +187,17 @@ mod tests {
             tasks.model_name("majicmixRealistic_v7.safetensors"),
             "麦橘写实 v7"
         );
+        // An English page reads the English name where there is one, else the same name.
+        assert_eq!(
+            tasks.model_name_in("majicmixRealistic_v7.safetensors", true),
+            "majicMIX realistic v7"
+        );
+        assert_eq!(
+            tasks.model_name_in("anythingelseV4_v45.safetensors", true),
+            "Anything V4.5"
+        );
         tasks.model_names.clear();
+        tasks.model_names_en.clear();
         assert_eq!(
             tasks.model_name("majicmixRealistic_v7.safetensors"),
             "majicmixRealistic v7"
@@ -212,5 +222,17 @@ mod tests {
         );
         let refused = settings.validate().expect_err("a name of two lines");
         assert!(refused.to_string().contains("one line"), "{refused}");
+        settings.tasks.model_names.clear();
+        settings
+            .tasks
+            .model_names_en
+            .insert("missing.safetensors".into(), "Missing".into());
+        let refused = settings
+            .validate()
+            .expect_err("an unknown model's English name");
+        assert!(
+            refused.to_string().contains("tasks.model_names_en"),
+            "{refused}"
+        );
     }
 }

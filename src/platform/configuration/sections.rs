@@ -290,6 +290,10 @@ pub struct TaskSettings {
     /// servers load). A model without one reads as its file name without the extension.
     #[serde(default)]
     pub model_names: std::collections::BTreeMap<String, String>,
+    /// What English pages read for a checkpoint, where its name differs (a Chinese name, say);
+    /// a model without one reads as in `model_names`.
+    #[serde(default)]
+    pub model_names_en: std::collections::BTreeMap<String, String>,
     pub samplers: Vec<String>,
     pub schedulers: Vec<String>,
     pub default_sampler: String,
@@ -350,7 +354,13 @@ impl TaskSettings {
     /// extension and with underscores as spaces (`majicmixRealistic_v7.safetensors` reads
     /// `majicmixRealistic v7`).
     pub fn model_name(&self, model: &str) -> String {
-        if let Some(name) = self.model_names.get(model) {
+        self.model_name_in(model, false)
+    }
+
+    /// [`TaskSettings::model_name`], for an English page when `english`.
+    pub fn model_name_in(&self, model: &str, english: bool) -> String {
+        let english_name = english.then(|| self.model_names_en.get(model)).flatten();
+        if let Some(name) = english_name.or_else(|| self.model_names.get(model)) {
             return name.clone();
         }
         let stem = MODEL_FILE_EXTENSIONS

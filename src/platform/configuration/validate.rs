@@ -246,15 +246,20 @@ impl Settings {
                 && tasks.resolution_presets.contains(&tasks.default_resolution),
             "tasks.default_sampler, default_scheduler and default_resolution must be in their lists"
         );
-        for (model, name) in &tasks.model_names {
-            anyhow::ensure!(
-                tasks.models.contains(model),
-                "tasks.model_names: {model:?} is not in tasks.models"
-            );
-            anyhow::ensure!(
-                zhihui_domain::text::checked_text(name, 1, 60, false).is_ok(),
-                "tasks.model_names.{model:?}: a name is one line of 1 to 60 characters"
-            );
+        for (setting, names) in [
+            ("model_names", &tasks.model_names),
+            ("model_names_en", &tasks.model_names_en),
+        ] {
+            for (model, name) in names {
+                anyhow::ensure!(
+                    tasks.models.contains(model),
+                    "tasks.{setting}: {model:?} is not in tasks.models"
+                );
+                anyhow::ensure!(
+                    zhihui_domain::text::checked_text(name, 1, 60, false).is_ok(),
+                    "tasks.{setting}.{model:?}: a name is one line of 1 to 60 characters"
+                );
+            }
         }
         for preset in &tasks.resolution_presets {
             anyhow::ensure!(

@@ -71,10 +71,10 @@ pub struct BatchForm {
     pub(super) key: Option<String>,
 }
 
-/// A time as a `datetime-local` field's value, at the platform's UTC offset (the one
-/// [`local_input`] reads it back at).
+/// A time as a `datetime-local` field's value, in the reader's zone (the one the page draws
+/// every other time in, and [`local_input`] reads it back in).
 pub(super) fn local_value(page: &Page, at: DateTime<Utc>) -> String {
-    chrono::FixedOffset::east_opt(page.state().checkins.day_offset_minutes() * 60)
+    chrono::FixedOffset::east_opt(page.reader_offset_minutes() * 60)
         .map(|offset| {
             at.with_timezone(&offset)
                 .format("%Y-%m-%dT%H:%M")
@@ -83,12 +83,12 @@ pub(super) fn local_value(page: &Page, at: DateTime<Utc>) -> String {
         .unwrap_or_default()
 }
 
-/// A `datetime-local` field (the platform's UTC offset) as a time.
+/// A `datetime-local` field (the reader's zone) as a time.
 pub(super) fn local_input(page: &Page, text: &str) -> Option<DateTime<Utc>> {
     let naive = chrono::NaiveDateTime::parse_from_str(text.trim(), "%Y-%m-%dT%H:%M")
         .or_else(|_| chrono::NaiveDateTime::parse_from_str(text.trim(), "%Y-%m-%dT%H:%M:%S"))
         .ok()?;
-    let offset = chrono::FixedOffset::east_opt(page.state().checkins.day_offset_minutes() * 60)?;
+    let offset = chrono::FixedOffset::east_opt(page.reader_offset_minutes() * 60)?;
     naive
         .and_local_timezone(offset)
         .single()
