@@ -103,9 +103,15 @@ impl Lang {
     }
 
     /// The text of `key`, `{name}` placeholders filled from `arguments`; the key itself when
-    /// the catalog lacks it (a test keeps both catalogs complete).
+    /// the catalog lacks it (a test keeps both catalogs complete). A count of one takes the
+    /// key's `_one` form when it has one ("1 follower", not "1 followers"): used when every
+    /// argument is `1`.
     pub fn text(self, key: &str, arguments: &[(&str, String)]) -> String {
-        let Some(template) = self.catalog().get(key) else {
+        let one = !arguments.is_empty() && arguments.iter().all(|(_, value)| value == "1");
+        let singular = one
+            .then(|| self.catalog().get(&format!("{key}_one")))
+            .flatten();
+        let Some(template) = singular.or_else(|| self.catalog().get(key)) else {
             return key.to_owned();
         };
         let mut text = template.clone();
@@ -323,6 +329,28 @@ mod tests {
         assert_eq!(
             Lang::Zh.message_of(&error),
             "这个兑换码现在不能使用：有效期为 2026-12-01 02:00 UTC 至 2026-12-31 16:00 UTC。"
+        );
+    }
+
+    #[test]
+    fn a_count_of_one_is_said_in_the_singular_where_the_catalog_has_it() {
+        let count = |n: &str| [("count", n.to_owned())];
+        assert_eq!(
+            Lang::En.text("gallery.followers", &count("1")),
+            "1 follower"
+        );
+        assert_eq!(
+            Lang::En.text("gallery.followers", &count("0")),
+            "0 followers"
+        );
+        assert_eq!(
+            Lang::En.text("gallery.followers", &count("11")),
+            "11 followers"
+        );
+        assert_eq!(Lang::Zh.text("gallery.followers", &count("1")), "1 位粉丝");
+        assert_eq!(
+            Lang::En.text("card.steps", &[("steps", "1".to_owned())]),
+            "1 step"
         );
     }
 

@@ -835,7 +835,8 @@ async fn checkin_context(page: &Page, user: UserId) -> Result<Value, WebError> {
         })
         .collect();
     Ok(context! {
-        month => format!("{:04}-{:02}", view.month.year(), view.month.month()),
+        year => view.month.year(),
+        month => view.month.month(),
         weeks => calendar(view.month, &view.days, today),
         streak => view.streak,
         checked_in_today => view.checked_in_today,
