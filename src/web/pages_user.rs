@@ -303,6 +303,7 @@ pub async fn generate_page(
             prompt_max => settings.prompt_length_max,
             negative_max => settings.negative_prompt_length_max,
             price_per_image => settings.price_per_image.normalize().to_string(),
+            price_per_image_shown => two_places(settings.price_per_image),
             seed_max => SEED_MAX,
             request_id => Uuid::new_v4().to_string(),
             cards,

@@ -382,7 +382,7 @@ def test_a_refused_submit_says_how_many_points_are_missing(stack, person):
     page = user.go("/generate")
     # Told before pressing: no points, and where points come from.
     short = page.locator("#short-of-points")
-    assert "你现在有 0.00 积分" in short.inner_text()
+    assert "你现在有 0.00 积分，生成一张图需要 1.00 积分。" in short.inner_text()
     assert short.get_by_role("link", name="签到").get_attribute("href") == "/checkin"
     page.fill("#prompt", "没有积分的请求")
     page.select_option("#images", "2")
