@@ -240,6 +240,29 @@ async fn add_estimates(state: &AppState, views: &mut [TaskView]) {
 }
 
 /// Live parts of a view: queue position while queued, progress while running.
+/// The view of a read-model row, as new as its task's stream.
+///
+/// The read model trails the streams by a projection's batch: a client told by its socket that
+/// its task ended, reading the task next, must not be shown it still running. A row of a task
+/// still waiting in the queue at the score the row has is as new as its stream (leaving the
+/// queue, by dispatch or cancel, and a prioritise, which moves the score, all change the
+/// queue): its place comes from the same read, and the stream is not read. Any other unfinished
+/// row has the stream's newer events folded in (one more read); a finished one is as it is.
+async fn view_of_row(state: &AppState, record: TaskRecord) -> Result<TaskView, ApiError> {
+    if record.status == TaskStatus::Queued
+        && let Some((rank, score)) = state.tasks.queue.place(record.task_id).await?
+        && record.queue_score.map(|recorded| recorded as f64) == Some(score)
+    {
+        let mut view = view_of(record);
+        view.position = Some(rank + 1);
+        return Ok(view);
+    }
+    let record = crate::tasks::view::caught_up(&state.event_store, record).await?;
+    let mut view = view_of(record);
+    add_live_parts(state, &mut view).await?;
+    Ok(view)
+}
+
 async fn add_live_parts(state: &AppState, view: &mut TaskView) -> Result<(), ApiError> {
     match view.status.as_str() {
         "queued" => {
@@ -407,23 +430,16 @@ pub(crate) async fn task_view(
         .await
         .context("reading a task")?
     };
-    let record = match row {
+    let mut view = match row {
         Some(row) => {
             let record = record_of_row(&row)?;
             if record.user_id != owner {
                 return Err(ApiError::NotFound("no such task".into()));
             }
-            crate::tasks::view::caught_up(&state.event_store, record).await?
+            view_of_row(state, record).await?
         }
-        None => record_from_events(state, task_id)
-            .await?
-            .ok_or_else(|| ApiError::NotFound("no such task".into()))?,
+        None => return task_view_from_stream(state, owner, task_id).await,
     };
-    if record.user_id != owner {
-        return Err(ApiError::NotFound("no such task".into()));
-    }
-    let mut view = view_of(record);
-    add_live_parts(state, &mut view).await?;
     add_estimates(state, std::slice::from_mut(&mut view)).await;
     Ok(view)
 }
@@ -535,13 +551,6 @@ pub(crate) async fn task_page(
         .iter()
         .map(record_of_row)
         .collect::<anyhow::Result<Vec<_>>>()?;
-    // The unfinished ones read their newest events, a few at a time (a page mostly has none
-    // or few; a page of a hundred queued tasks must not take a hundred connections).
-    let records: Vec<_> = futures::stream::iter(records)
-        .map(|record| crate::tasks::view::caught_up(&state.event_store, record))
-        .buffered(CATCH_UP_READS_AT_ONCE)
-        .try_collect()
-        .await?;
     // The next page starts after the last row read, shown or not.
     let next_cursor = if has_more {
         records
@@ -550,16 +559,15 @@ pub(crate) async fn task_page(
     } else {
         None
     };
-    let mut views = Vec::with_capacity(records.len());
+    // Each as new as its stream, a few at a time (a page of a hundred tasks on servers must not
+    // take a hundred connections).
+    let mut views: Vec<TaskView> = futures::stream::iter(records)
+        .map(|record| view_of_row(state, record))
+        .buffered(CATCH_UP_READS_AT_ONCE)
+        .try_collect()
+        .await?;
     // A task that has left the status asked for since its row was written is not listed.
-    for record in records
-        .into_iter()
-        .filter(|record| status.is_none_or(|status| record.status == status))
-    {
-        let mut view = view_of(record);
-        add_live_parts(state, &mut view).await?;
-        views.push(view);
-    }
+    views.retain(|view| status.is_none_or(|status| view.status == status.as_str()));
     add_estimates(state, &mut views).await;
     Ok(TaskPage {
         tasks: views,

@@ -294,6 +294,21 @@ impl TaskQueue {
         Ok(rank)
     }
 
+    /// A task's 0-based place and its score in the queue, read together; `None` when the queue
+    /// does not hold it.
+    pub async fn place(&self, task_id: TaskId) -> anyhow::Result<Option<(u64, f64)>> {
+        let mut connection = self.redis.connection().await?;
+        let member = task_id.to_string();
+        let (rank, score): (Option<u64>, Option<f64>) = redis::pipe()
+            .atomic()
+            .zrank(self.queue_key(), &member)
+            .zscore(self.queue_key(), &member)
+            .query_async(&mut connection)
+            .await
+            .context("reading a queue place")?;
+        Ok(rank.zip(score))
+    }
+
     /// The 0-based places of many tasks in one call (`None`: not in the queue), in order.
     pub async fn ranks(&self, task_ids: &[TaskId]) -> anyhow::Result<Vec<Option<u64>>> {
         if task_ids.is_empty() {
