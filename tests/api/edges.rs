@@ -352,14 +352,7 @@ async fn a_redis_restarted_with_the_repositorys_configuration_keeps_every_sessio
 /// only that check can end it), and the next term rebuilds the queue from the events.
 #[tokio::test]
 async fn a_leader_whose_redis_restarted_ends_its_term_so_the_next_one_rebuilds_the_queue() {
-    let port = crate::helpers::dead_port();
-    let directory = std::env::temp_dir().join(format!("zhihui-redis-{}", uuid::Uuid::now_v7()));
-    std::fs::create_dir_all(&directory).unwrap();
-    let redis = OwnRedis::start(port, &directory);
-    let app = spawn_app_with(|settings| {
-        crate::helpers::one_redis_at(settings, format!("redis://127.0.0.1:{port}/0"));
-    })
-    .await;
+    let (redis, port, _, app) = app_on_own_redis(|_| {}).await;
     let services = app.services();
     let leases = services.dispatcher.leases();
     let term = leases
