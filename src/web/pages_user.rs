@@ -781,13 +781,34 @@ fn ledger_note(
     }
 }
 
-/// `GET /balance`: the header's balance, fresh (after anything that moved points).
-pub async fn balance(page: Page) -> Result<HttpResponse, WebError> {
+#[derive(Deserialize)]
+pub struct BalanceQuery {
+    #[serde(default)]
+    with_name: Option<String>,
+}
+
+/// `GET /balance`: the header's balance, fresh (after anything that moved points). With
+/// `with_name`, also the reader's name: a page drawn without a database read (an error page)
+/// loads both into its header after it is shown.
+pub async fn balance(
+    page: Page,
+    query: web::Query<BalanceQuery>,
+) -> Result<HttpResponse, WebError> {
     let user = user_of(&page)?;
     let balance = crate::http::accounts::balance_of(page.state(), user)
         .await
         .map_err(|error| page.unexpected(error))?;
-    page.fragment("_balance.html", context! { balance => ser(&balance) })
+    if query.with_name.is_none() {
+        return page.fragment("_balance.html", context! { balance => ser(&balance) });
+    }
+    let name = page
+        .state()
+        .users
+        .get(user)
+        .await?
+        .as_ref()
+        .map_or_else(String::new, crate::web::render::display_name);
+    page.fragment("_balance.html", context! { balance => ser(&balance), name })
 }
 
 /// One month as weeks of seven cells (Monday first), each a day of the month or empty.

@@ -184,6 +184,14 @@ def test_every_page_in_both_languages_at_both_sizes_is_screenshot(stack, browser
                 shots += 1
             response = user.page.goto(f"{stack.base}/admin")
             assert response.status == 403
+            # Drawn without a store read, the refusal's header fills in the reader's name and
+            # balance once the page has loaded.
+            header = user.page.locator("header.top .who")
+            wait_until(
+                lambda: header.locator(".name").inner_text() == showcase["name"]
+                and header.locator("#balance .amount").count() == 1,
+                "the reader's name and balance in the refusal's header",
+            )
             shoot(user.page, f"forbidden-{lang}-{size}")
             shots += 1
             user.close()
