@@ -123,6 +123,11 @@ pub(crate) async fn authenticate(request: HttpRequest) -> Result<Session, ApiErr
 pub fn scope_for(method: &actix_web::http::Method, pattern: &str) -> Option<Scope> {
     use actix_web::http::Method;
     let read = *method == Method::GET || *method == Method::HEAD;
+    // Who is an admin is decided by people: a program holding the admin scope may grant
+    // points or run servers, but never makes (or unmakes) an admin.
+    if pattern == "/api/v1/admin/users/{id}/role" {
+        return None;
+    }
     if pattern.starts_with("/api/v1/admin/") {
         return Some(Scope::Admin);
     }

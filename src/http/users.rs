@@ -185,6 +185,7 @@ pub async fn admin_user(
         (status = 200, body = UserView),
         (status = 403, description = "`admin-only`", body = crate::http::problem::Problem),
         (status = 404, body = crate::http::problem::Problem),
+        (status = 409, description = "`own-role`: an admin's own role", body = crate::http::problem::Problem),
     )
 )]
 pub async fn change_role(
@@ -200,14 +201,22 @@ pub async fn change_role(
     Ok(HttpResponse::Ok().json(UserView::from(&user)))
 }
 
-/// Give `user_id` another role; their sessions end (the API and the admin pages).
+/// Give `user_id` another role; their sessions end (the API and the admin pages). An admin
+/// never changes their own: the last admin could otherwise leave the platform with none, and
+/// another admin is there to do it when it is meant.
 pub(crate) async fn change_role_of(
     state: &AppState,
-    _admin: &Admin,
+    admin: &Admin,
     user_id: UserId,
     role: Role,
     metadata: &crate::platform::event_store::EventMetadata,
 ) -> Result<zhihui_domain::user::RegisteredUser, ApiError> {
+    if admin.0.user_id == user_id {
+        return Err(ApiError::Conflict {
+            rule: "own-role",
+            detail: "an admin cannot change their own role; another admin can".into(),
+        });
+    }
     let before = existing_user(state, user_id).await?;
     let command = UserCommand::ChangeRole {
         role,

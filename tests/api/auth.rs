@@ -16,7 +16,7 @@ use crate::helpers::{TestApp, spawn_app, spawn_app_with};
 
 const PHONE: &str = "+8613800138000";
 
-async fn problem_of(response: reqwest::Response) -> (u16, Value) {
+pub(crate) async fn problem_of(response: reqwest::Response) -> (u16, Value) {
     let status = response.status().as_u16();
     let content_type = response
         .headers()

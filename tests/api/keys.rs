@@ -6,6 +6,7 @@
 
 use serde_json::{Value, json};
 
+use crate::auth::problem_of;
 use crate::helpers::{TestApp, dead_port, spawn_app, spawn_app_with};
 use crate::tasks::funded_user;
 
@@ -168,6 +169,29 @@ async fn key_rules_are_checked_naming_the_field() {
     );
     let me: Value = app.get_as(&admin, "/api/v1/me").await.json().await.unwrap();
     let other_admin = app.admin_token("keyadmin2").await;
+    // Who is an admin is decided by people: the admin scope does not reach roles, and an admin
+    // never changes their own (the last one could otherwise leave none).
+    let role_path = format!("/api/v1/admin/users/{}/role", me["id"].as_str().unwrap());
+    let (status, problem) = problem_of(
+        app.put(&role_path, Some(&admin_key), &json!({"role": "user"}))
+            .await,
+    )
+    .await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (403, Some("/problems/scope-missing"))
+    );
+    let (status, problem) = problem_of(
+        app.put(&role_path, Some(&admin), &json!({"role": "user"}))
+            .await,
+    )
+    .await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (409, Some("/problems/own-role"))
+    );
+    let still: Value = app.get_as(&admin, "/api/v1/me").await.json().await.unwrap();
+    assert_eq!(still["role"], "admin");
     let demoted = app
         .put(
             &format!("/api/v1/admin/users/{}/role", me["id"].as_str().unwrap()),

@@ -729,3 +729,58 @@ async fn a_form_that_cannot_be_read_is_a_page_in_the_readers_language() {
     assert_eq!(status, 413, "{body}");
     assert!(body.contains("提交的内容太长"), "{body}");
 }
+
+/// An admin's own user page offers no role form and says why; the form posted anyway is refused
+/// in the reader's words, and the role stays.
+#[tokio::test]
+async fn an_admins_own_page_does_not_offer_to_change_their_role() {
+    let app = spawn_app().await;
+    let admin = app.admin_token("guanliyuan").await;
+    let me: serde_json::Value = app.get_as(&admin, "/api/v1/me").await.json().await.unwrap();
+    let own = format!("{}/admin/users/{}", app.address, me["id"].as_str().unwrap());
+    let other = app.register("xiaohong", "correct horse").await;
+    let client = browser();
+    let cookie = format!("lang=zh; zhihui_session={admin}");
+    let open = |url: String| {
+        client
+            .get(url)
+            .header("Accept", BROWSER_ACCEPT)
+            .header("Cookie", cookie.as_str())
+            .send()
+    };
+    let body = open(own.clone()).await.unwrap().text().await.unwrap();
+    assert!(body.contains("管理员不能修改自己的角色"), "{body}");
+    assert!(!body.contains(r#"name="role""#), "{body}");
+    let body = open(format!("{}/admin/users/{other}", app.address))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(body.contains(r#"name="role""#), "{body}");
+
+    let refused = client
+        .post(format!("{own}/role"))
+        .header("Origin", app.address.as_str())
+        .header("Accept", BROWSER_ACCEPT)
+        .header("Cookie", cookie.as_str())
+        .header("Content-Type", "application/x-www-form-urlencoded")
+        .header("HX-Request", "true")
+        .header(
+            zhihui::http::cookie::CSRF_HEADER,
+            zhihui::http::cookie::csrf_token(&admin),
+        )
+        .body("role=user")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        refused.contains("管理员不能修改自己的角色，请另一位管理员操作。"),
+        "{refused}"
+    );
+    let still: serde_json::Value = app.get_as(&admin, "/api/v1/me").await.json().await.unwrap();
+    assert_eq!(still["role"], "admin");
+}

@@ -335,6 +335,7 @@ async fn user_context(page: &Page, user_id: UserId) -> Result<Option<Value>, Web
         account => ser(&balance),
         entries => ser(&ledger.entries),
         grant_key => Uuid::new_v4().to_string(),
+        own => page.member().is_ok_and(|me| me.session.user_id == user_id),
     }))
 }
 
