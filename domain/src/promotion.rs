@@ -245,7 +245,7 @@ impl PromotionState {
 impl PromotionSpec {
     pub fn check(&self) -> Result<(), PromotionError> {
         let title = self.title.trim();
-        if title.is_empty() || title.chars().count() > TITLE_LENGTH_MAX {
+        if crate::text::is_blank(title) || title.chars().count() > TITLE_LENGTH_MAX {
             return Err(PromotionError::Invalid {
                 field: "title",
                 broken: Broken::new(Rule::LengthBetween)

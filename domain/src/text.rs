@@ -35,9 +35,15 @@ fn draws_nothing(c: char) -> bool {
     )
 }
 
+/// Whether `text` shows nothing: only spaces and code points that draw nothing. Such a text is
+/// empty wherever a field must not be.
+pub fn is_blank(text: &str) -> bool {
+    text.chars().all(|c| c.is_whitespace() || draws_nothing(c))
+}
+
 /// Controls of the writing direction (embeddings, overrides, isolates): a title could show text
 /// in another order than it was written in.
-fn turns_direction(c: char) -> bool {
+pub fn turns_direction(c: char) -> bool {
     matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}')
 }
 
@@ -51,7 +57,7 @@ pub fn checked_text(
 ) -> Result<String, InvalidText> {
     let text = raw.trim();
     let length = text.chars().count();
-    if text.chars().all(|c| c.is_whitespace() || draws_nothing(c)) {
+    if is_blank(text) {
         if min >= 1 {
             return Err(InvalidText(Broken::new(Rule::NotEmpty)));
         }

@@ -417,7 +417,7 @@ pub(crate) async fn grant_points(
     let amount =
         Amount::parse(body.amount).map_err(|error| ApiError::invalid("amount", error.0))?;
     let reason = body.reason.trim();
-    if reason.is_empty() || reason.chars().count() > GRANT_REASON_LENGTH_MAX {
+    if zhihui_domain::text::is_blank(reason) || reason.chars().count() > GRANT_REASON_LENGTH_MAX {
         return Err(ApiError::invalid(
             "reason",
             Broken::new(Rule::LengthBetween)

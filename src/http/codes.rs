@@ -351,7 +351,7 @@ pub(crate) async fn revoke_batch(
     metadata: &crate::platform::event_store::EventMetadata,
 ) -> Result<BatchView, ApiError> {
     let reason = reason.trim();
-    if reason.is_empty() || reason.chars().count() > REVOKE_REASON_LENGTH_MAX {
+    if zhihui_domain::text::is_blank(reason) || reason.chars().count() > REVOKE_REASON_LENGTH_MAX {
         return Err(ApiError::invalid(
             "reason",
             Broken::new(Rule::LengthBetween)

@@ -275,6 +275,15 @@ async fn bad_fields_are_each_named_and_insufficient_points_change_nothing() {
     )
     .await;
     assert_eq!(unknown.status(), 422);
+    // A prompt of a zero-width space alone shows nothing: empty, and nothing is frozen for it.
+    let invisible = submit(&app, &token, &json!({"prompt": "\u{200B}\u{FEFF}"}), None).await;
+    assert_eq!(invisible.status(), 422);
+    let problem: Value = invisible.json().await.unwrap();
+    assert_eq!(
+        (problem["field"].as_str(), problem["rule"].as_str()),
+        (Some("prompt"), Some("not_empty")),
+        "{problem}"
+    );
 
     let poor = submit(&app, &token, &json!({"prompt": "cat", "images": 2}), None).await;
     assert_eq!(poor.status(), 409);

@@ -22,7 +22,8 @@ impl PromptText {
         may_be_empty: bool,
     ) -> Result<PromptText, InvalidPrompt> {
         let text = text.trim();
-        if text.is_empty() && !may_be_empty {
+        // A prompt of zero-width characters alone draws nothing: it is as empty as none.
+        if crate::text::is_blank(text) && !may_be_empty {
             return Err(InvalidPrompt(Broken::new(Rule::NotEmpty)));
         }
         let length = text.chars().count();
@@ -33,10 +34,9 @@ impl PromptText {
                     .with("length", length),
             ));
         }
-        if let Some(bad) = text
-            .chars()
-            .find(|c| c.is_control() && !matches!(c, '\n' | '\r' | '\t'))
-        {
+        if let Some(bad) = text.chars().find(|&c| {
+            (c.is_control() && !matches!(c, '\n' | '\r' | '\t')) || crate::text::turns_direction(c)
+        }) {
             return Err(InvalidPrompt(
                 Broken::new(Rule::NoControlCharacter)
                     .with("character", format!("U+{:04X}", u32::from(bad))),

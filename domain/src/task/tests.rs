@@ -380,6 +380,15 @@ fn prompts_are_trimmed_bounded_and_free_of_control_characters() {
     assert!(PromptText::parse("abcdefghijk", 10, false).is_err());
     assert!(PromptText::parse("a\u{0}b", 10, false).is_err());
     assert!(PromptText::parse("line\nbreak\t\"quote\"", 30, false).is_ok());
+    // Characters that draw nothing make no prompt; inside one they are kept (an emoji's joiner).
+    for blank in ["\u{200B}", "\u{FEFF}", " \u{200B}\u{2060} "] {
+        let refused = PromptText::parse(blank, 10, false).unwrap_err();
+        assert_eq!(refused.0.rule, crate::rule::Rule::NotEmpty, "{blank:?}");
+    }
+    assert!(PromptText::parse("👩\u{200D}🎨 画家", 10, false).is_ok());
+    // A direction control would show the prompt in another order than it was written in.
+    let refused = PromptText::parse("雪中\u{202E}狐狸", 10, false).unwrap_err();
+    assert_eq!(refused.0.rule, crate::rule::Rule::NoControlCharacter);
 }
 
 #[test]

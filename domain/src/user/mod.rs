@@ -297,7 +297,7 @@ impl Decider for User {
                     };
                 }
                 let name = name.trim();
-                if name.is_empty() || name.chars().count() > KEY_NAME_LENGTH_MAX {
+                if crate::text::is_blank(name) || name.chars().count() > KEY_NAME_LENGTH_MAX {
                     return Err(UserError::InvalidKeyName);
                 }
                 if crate::text::refuse_controls(name, false).is_err() {
