@@ -177,6 +177,53 @@ def test_a_user_cancels_a_waiting_task_and_gets_the_points_back(stack, person):
     wait_until(lambda: user.go("/points").locator("[data-testid=frozen]").inner_text() == "0.00", "every hold released or settled")
 
 
+def test_a_running_task_cancelled_while_its_answers_cross_ends_as_cancelled_with_the_points_back(stack, person):
+    """Cancelling a running task sends two answers that can cross: the cancel button's own card
+    (drawn while the task was still being stopped) and the card the socket's news asks for once
+    it ended. Here the button's answer is held until the news has asked for its card, and that
+    card is held until the button's has landed: the older card must not be the last word, and
+    the header must show the points returned, all without a reload."""
+    user = person("zh")
+    name = unique("jiaocha")
+    user.register(name)
+    token = stack.token(name, "correct horse")
+    me = stack.api("GET", "/api/v1/me", token)[1]
+    admin = stack.token(*ADMIN)
+    assert stack.api("POST", f"/api/v1/admin/accounts/{me['id']}/grants", admin, {"amount": "5", "reason": "交叉测试"})[0] == 201
+    page = user.go("/generate")
+    user.accept_dialogs()
+    page.locator("body[data-socket=open]").wait_for(state="attached")
+    card = submit(page, "暴雨中的霓虹街道", steps=50, images=2)
+    task_id = card.get_attribute("data-task-id")
+    card = page.locator(f"#task-{task_id}")
+    wait_until(lambda: page.locator(f"#task-{task_id}[data-status=running]").count() == 1, "the task running")
+    page.locator("#balance .frozen").wait_for()
+
+    held = {}
+
+    def hold_cancel(route):
+        held["cancel"] = (route, route.fetch())  # drawn now, while the task is being stopped
+
+    def hold_first_card(route):
+        if "card" in held:
+            route.continue_()
+        else:
+            held["card"] = route
+
+    page.route(f"**/tasks/{task_id}/cancel", hold_cancel)
+    page.route(f"**/tasks/{task_id}/card", hold_first_card)
+    card.locator("button.danger").click()
+    wait_until(lambda: page.evaluate("1") and "cancel" in held and "card" in held, "both answers held")
+    route, answer = held["cancel"]
+    route.fulfill(response=answer)
+    wait_until(lambda: "正在取消" in card.inner_text(), "the button's older card shown")
+    held["card"].continue_()
+    card.locator(".notice", has_text="已取消").wait_for()
+    assert card.get_attribute("data-status") == "cancelled"
+    page.locator("#balance .amount", has_text="5.00").wait_for()
+    assert page.locator("#balance .frozen").count() == 0
+
+
 def test_a_card_drawn_before_its_task_ended_catches_up_when_the_socket_opens(stack, person):
     """The history is drawn while a task waits; its socket cannot open until the task has ended
     (as on a train through a tunnel). Once it opens, the card shows the image and the publish

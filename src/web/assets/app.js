@@ -73,10 +73,34 @@ function waitsInQueue(card) {
   return card.dataset.status === "submitted" || card.dataset.status === "queued";
 }
 
+// Tasks the socket said had ended. A card drawn from an answer that left the server before the
+// end (the cancel button's own answer, arriving after the news) is drawn again when it lands.
+const ended = new Set();
+
+function taskEnded(notice) {
+  document.title = baseTitle;
+  ended.add(notice.task_id);
+  refreshCard(notice.task_id);
+  balanceChanged();
+}
+
+function redrawIfEnded(element) {
+  const cards = element.matches?.("article.task[data-task-id]")
+    ? [element]
+    : [...(element.querySelectorAll?.("article.task[data-task-id]") ?? [])];
+  for (const card of cards) {
+    if (ended.has(card.dataset.taskId) && !FINAL.has(card.dataset.status)) refreshCard(card.dataset.taskId);
+  }
+}
+
 const handlers = {
   position(notice, card) {
     if (!card || !waitsInQueue(card)) return;
     show(field(card, "position"), fill(card.dataset.positionTemplate, { position: notice.position }));
+    // Paying to move ahead is offered only with someone ahead: a card that moved to or from the
+    // front is drawn again with its buttons.
+    const offered = Boolean(card.querySelector('[hx-post$="/prioritise"]'));
+    if (offered !== notice.position > 1) refreshCard(notice.task_id);
     if (notice.estimated_start_at) {
       show(field(card, "estimate"), fill(card.dataset.estimateTemplate, { start: timeText(notice.estimated_start_at) }));
     }
@@ -123,21 +147,9 @@ const handlers = {
     show(field(card, "percent"), `${percent}%`);
     document.title = `${percent}% · ${baseTitle}`;
   },
-  succeeded(notice) {
-    document.title = baseTitle;
-    refreshCard(notice.task_id);
-    balanceChanged();
-  },
-  failed(notice) {
-    document.title = baseTitle;
-    refreshCard(notice.task_id);
-    balanceChanged();
-  },
-  cancelled(notice) {
-    document.title = baseTitle;
-    refreshCard(notice.task_id);
-    balanceChanged();
-  },
+  succeeded: taskEnded,
+  failed: taskEnded,
+  cancelled: taskEnded,
   points_credited() {
     balanceChanged();
   },
@@ -378,4 +390,7 @@ if (document.querySelector("[data-countdown]")) {
   tickCountdowns();
   setInterval(tickCountdowns, 1000);
 }
-if (body.dataset.live === "1") openSocket();
+if (body.dataset.live === "1") {
+  if (window.htmx) window.htmx.onLoad(redrawIfEnded);
+  openSocket();
+}
