@@ -226,14 +226,16 @@ async fn add_estimates(state: &AppState, views: &mut [TaskView]) {
                 view.estimated_start_at = Some(*start);
                 view.estimated_end_at = Some(*end);
             }
-            Some(crate::tasks::pool::WaitEstimate::Unknown(why)) => {
-                view.estimate_note = Some(why.clone())
+            Some(unknown) => {
+                view.estimate_note = unknown.unknown_note();
+                view.estimate_reason = unknown.unknown_reason();
             }
             None => {
                 view.estimate_note = Some(format!(
                     "only the first {} queued tasks are estimated",
                     crate::tasks::pool::ESTIMATE_QUEUE_MAX
                 ));
+                view.estimate_reason = Some("too_far_back");
             }
         }
     }

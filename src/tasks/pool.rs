@@ -62,8 +62,32 @@ pub enum WaitEstimate {
         start: DateTime<Utc>,
         end: DateTime<Utc>,
     },
-    /// Why not: no server in service offers its model, no server is up, or it is too far back.
-    Unknown(String),
+    /// No server is in service at all.
+    NoServer,
+    /// No server in service offers its model.
+    NoServerFor { model: String },
+}
+
+impl WaitEstimate {
+    /// Why there is no telling, as a code a page words in its reader's language.
+    pub fn unknown_reason(&self) -> Option<&'static str> {
+        match self {
+            WaitEstimate::At { .. } => None,
+            WaitEstimate::NoServer => Some("no_server"),
+            WaitEstimate::NoServerFor { .. } => Some("no_server_for_model"),
+        }
+    }
+
+    /// Why there is no telling, in a sentence (the API's `estimate_note`).
+    pub fn unknown_note(&self) -> Option<String> {
+        match self {
+            WaitEstimate::At { .. } => None,
+            WaitEstimate::NoServer => Some("no image server is in service now".into()),
+            WaitEstimate::NoServerFor { model } => Some(format!(
+                "no image server in service offers model {model} now; it waits for one"
+            )),
+        }
+    }
 }
 
 /// What the leader sees of one server, as it publishes it.
@@ -576,13 +600,10 @@ impl PoolService {
                         start: now + seconds(at.start_in),
                         end: now + seconds(at.end_in),
                     },
-                    None if outlooks.is_empty() => {
-                        WaitEstimate::Unknown("no image server is in service now".into())
-                    }
-                    None => WaitEstimate::Unknown(format!(
-                        "no image server in service offers model {} now; it waits for one",
-                        model.as_deref().unwrap_or("?")
-                    )),
+                    None if outlooks.is_empty() => WaitEstimate::NoServer,
+                    None => WaitEstimate::NoServerFor {
+                        model: model.unwrap_or_else(|| "?".into()),
+                    },
                 };
                 (task_id, answer)
             })

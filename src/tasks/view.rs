@@ -55,6 +55,8 @@ pub struct TaskView {
     pub estimated_end_at: Option<DateTime<Utc>>,
     /// While queued without an estimate: why (no server in service offers its model, ...).
     pub estimate_note: Option<String>,
+    /// The same as a code: `no_server`, `no_server_for_model` or `too_far_back`.
+    pub estimate_reason: Option<&'static str>,
     /// The server it was sent to, once dispatched: waiting there to run next (`dispatched`),
     /// running there (`running`), or where it ran.
     pub backend: Option<String>,
@@ -102,6 +104,7 @@ pub fn view_of(record: TaskRecord) -> TaskView {
         estimated_start_at: None,
         estimated_end_at: None,
         estimate_note: None,
+        estimate_reason: None,
         backend: record.backend,
         progress: None,
         images: image_views(record.images),

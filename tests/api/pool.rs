@@ -626,6 +626,20 @@ async fn queued_tasks_show_wait_estimates_from_measured_step_times() {
             .contains("no image server"),
         "{waiting}"
     );
+    assert_eq!(waiting["estimate_reason"], "no_server", "{waiting}");
+    // The page says it in its reader's words.
+    let card = app
+        .http
+        .get(format!("{}/tasks/{}/card", app.address, tasks[2]))
+        .header("Cookie", format!("lang=zh; zhihui_session={token}"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(card.contains("现在没有接单的图像服务器"), "{card}");
+    assert!(!card.contains("no image server"), "{card}");
     saga.resign().await;
 }
 
