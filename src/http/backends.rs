@@ -32,8 +32,9 @@ pub struct BackendItem {
     pub name: String,
     pub url: String,
     pub capacity: u32,
-    /// `up`, `down`, `draining` (no new prompt; some still run), `drained` (draining and idle), or
-    /// `unknown` (no dispatcher leader has reported it in the last 10 s).
+    /// `up`, `down`, `draining` (no new prompt; some still run), `drained` (draining and idle),
+    /// `resuming` (resumed; the dispatcher leader has not followed yet), or `unknown` (no
+    /// dispatcher leader has reported it in the last 10 s).
     pub state: String,
     pub draining: bool,
     /// Prompts posted there and not ended (as the leader last reported).

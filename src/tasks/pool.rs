@@ -122,8 +122,9 @@ pub struct BackendStatus {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct BackendView {
     pub backend: PoolBackend,
-    /// `up`, `down`, `draining` (prompts still in flight), `drained` (draining, idle) or
-    /// `unknown` (no leader has reported recently).
+    /// `up`, `down`, `draining` (prompts still in flight), `drained` (draining, idle),
+    /// `resuming` (resumed; the leader has not followed yet) or `unknown` (no leader has
+    /// reported recently).
     pub state: &'static str,
     pub status: Option<BackendStatus>,
     pub tasks_succeeded: i64,
@@ -668,9 +669,12 @@ fn parse_configured(configured: &[BackendSettings]) -> anyhow::Result<Vec<NewBac
 
 /// A server's one-word state for operators.
 pub fn state_of(backend: &PoolBackend, status: Option<&BackendStatus>) -> &'static str {
-    // Draining from the admin's word until the leader has followed a resume as well.
-    let draining = backend.draining || status.is_some_and(|status| status.draining);
-    match (draining, status) {
+    // Resumed by the admin, still drained by the leader until it has followed the pool: it
+    // takes no task yet, and says so.
+    if !backend.draining && status.is_some_and(|status| status.draining) {
+        return "resuming";
+    }
+    match (backend.draining, status) {
         (true, Some(status)) if status.prompts_in_flight + status.staged == 0 => "drained",
         (true, _) => "draining",
         (false, Some(status)) if status.up => "up",

@@ -243,7 +243,36 @@ async fn servers_are_drained_resumed_added_and_removed_at_run_time_and_a_new_lea
     )
     .await;
     assert_eq!(response.status(), 200);
+    // Until the leader has followed the pool it takes no task there, and the state says so;
+    // the admin page reads its table again meanwhile.
+    assert_eq!(backends(app, &admin).await[&drained]["state"], "resuming");
+    let table = app
+        .http
+        .get(format!("{}/admin/servers", app.address))
+        .header("Cookie", format!("lang=zh; zhihui_session={admin}"))
+        .header("HX-Request", "true")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(table.contains("恢复中"), "{table}");
+    assert!(table.contains(r#"hx-trigger="every 2s""#), "{table}");
+    assert!(!table.contains("<html"), "a fragment: {table}");
     drive_until_state(&mut saga, app, &admin, &drained, "up").await;
+    let table = app
+        .http
+        .get(format!("{}/admin/servers", app.address))
+        .header("Cookie", format!("lang=zh; zhihui_session={admin}"))
+        .header("HX-Request", "true")
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(!table.contains("every 2s"), "settled: {table}");
     let pair = vec![
         submitted(app, &token, MODEL_A, 10).await,
         submitted(app, &token, MODEL_A, 10).await,

@@ -168,6 +168,10 @@ async fn in_flight_by_server(page: &Page) -> Result<Value, WebError> {
 pub async fn servers(page: Page) -> Result<HttpResponse, WebError> {
     let _ = admin_of(&page)?;
     let context = servers_context(&page).await?;
+    // The table asking for itself again while a server settles (see `_servers.html`).
+    if page.is_htmx() {
+        return page.fragment("admin/_servers.html", context);
+    }
     page.render("admin/servers.html", context).await
 }
 
