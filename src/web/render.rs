@@ -546,12 +546,24 @@ impl Page {
             Lang::Zh => Lang::En,
             Lang::En => Lang::Zh,
         };
+        // Signing in or up from the header goes back to this page; from the login or sign-up
+        // page itself, on to where that page was going.
+        let path = self.request.path();
+        let auth_next = if path == "/login" || path == "/register" {
+            let next = web::Query::<NextParam>::from_query(self.request.query_string())
+                .ok()
+                .and_then(|query| query.into_inner().next);
+            encode_path(&safe_next(next.as_deref()))
+        } else {
+            encode_path(&self.request.uri().to_string())
+        };
         context! {
             lang => self.lang.code(),
             lang_tag => self.lang.tag(),
             other_lang => other.code(),
-            path => self.request.path(),
+            path => path,
             return_to => encode_path(&self.request.uri().to_string()),
+            auth_next,
             signed_in => member.is_some(),
             is_admin => member.is_some_and(Member::is_admin),
             csrf => member.map(Member::csrf),
@@ -629,6 +641,11 @@ impl Page {
             .insert_header((actix_web::http::header::LOCATION, path))
             .finish()
     }
+}
+
+#[derive(serde::Deserialize)]
+struct NextParam {
+    next: Option<String>,
 }
 
 /// A serializable view (the API's own DTOs) as a template value.

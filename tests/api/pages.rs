@@ -784,3 +784,59 @@ async fn an_admins_own_page_does_not_offer_to_change_their_role() {
     let still: serde_json::Value = app.get_as(&admin, "/api/v1/me").await.json().await.unwrap();
     assert_eq!(still["role"], "admin");
 }
+
+/// A visitor sent to log in from a work may sign up instead: the header's sign-up link on the
+/// login page goes on to the work, and so does the registration.
+#[tokio::test]
+async fn signing_up_from_the_login_page_goes_on_to_where_the_login_was_going() {
+    let app = spawn_app().await;
+    let client = browser();
+    let work = "/gallery/works/0192b8f0-0000-7000-8000-000000000001";
+    let (status, _, body) = page(
+        &client,
+        &format!("{}/login?next={work}", app.address),
+        "zh-CN",
+    )
+    .await;
+    assert_eq!(status, 200);
+    // (The template escapes a slash in an attribute.)
+    let escaped = |path: &str| path.replace('/', "&#x2f;");
+    assert!(
+        body.contains(&format!(r#"href="/register?next={}""#, escaped(work))),
+        "{body}"
+    );
+    // Elsewhere, the header's links come back to the page they were on.
+    let (_, _, body) = page(
+        &client,
+        &format!("{}/gallery?tab=new", app.address),
+        "zh-CN",
+    )
+    .await;
+    assert!(
+        body.contains(&format!(
+            r#"href="/register?next={}""#,
+            escaped("/gallery%3Ftab%3Dnew")
+        )),
+        "{body}"
+    );
+
+    let registered = client
+        .post(format!("{}/register?next={work}", app.address))
+        .header("Origin", app.address.as_str())
+        .header("Accept", BROWSER_ACCEPT)
+        .header("Content-Type", "application/x-www-form-urlencoded")
+        .body("username=xinlai&password=correct+horse")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(registered.status(), 303, "{:?}", registered.text().await);
+    assert_eq!(
+        registered
+            .headers()
+            .get("location")
+            .unwrap()
+            .to_str()
+            .unwrap(),
+        work
+    );
+}
