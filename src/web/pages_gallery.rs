@@ -443,7 +443,7 @@ pub async fn publish_page(
     let context = publish_context(&page, &query.task).await?;
     page.render(
         "publish.html",
-        context! { form => context! { title => "", description => "", prompt_shown => true }, ..context },
+        context! { form => context! { title => "", description => "", prompt_shown => false }, ..context },
     )
     .await
 }

@@ -703,13 +703,17 @@ pub async fn points(page: Page, query: web::Query<CursorQuery>) -> Result<HttpRe
         .entries
         .iter()
         .map(|entry| {
-            let task_prompt = entry
-                .task_id
+            let task = ledger_task(entry);
+            let task_prompt = task
                 .and_then(|task| prompts.get(&task))
                 .map(|prompt| shortened(prompt, LEDGER_PROMPT_CHARS));
             context! {
+                ..context! {
+                    note => ledger_note(page.lang, entry),
+                    task_prompt,
+                    task_id => task.map(|task| task.to_string()),
+                },
                 ..ser(entry),
-                ..context! { note => ledger_note(page.lang, entry), task_prompt }
             }
         })
         .collect();
@@ -734,7 +738,7 @@ async fn task_prompts(
     user: UserId,
     entries: &[crate::http::accounts::LedgerEntryView],
 ) -> Result<std::collections::HashMap<Uuid, String>, WebError> {
-    let tasks: Vec<Uuid> = entries.iter().filter_map(|entry| entry.task_id).collect();
+    let tasks: Vec<Uuid> = entries.iter().filter_map(ledger_task).collect();
     if tasks.is_empty() {
         return Ok(Default::default());
     }
@@ -752,6 +756,18 @@ async fn task_prompts(
         read.await,
         "reading the prompts of the ledger's tasks",
     )?)
+}
+
+/// The task a ledger row belongs to: a hold's own, or the one a prioritise fee (or its refund)
+/// moved, which its recorded reason names.
+fn ledger_task(entry: &crate::http::accounts::LedgerEntryView) -> Option<Uuid> {
+    entry.task_id.or_else(|| {
+        let reason = entry.reason.as_deref()?;
+        let rest = reason
+            .strip_prefix("prioritise task ")
+            .or_else(|| reason.strip_prefix("prioritise of task "))?;
+        Uuid::parse_str(rest.split(' ').next()?).ok()
+    })
 }
 
 /// `text` cut to `chars` characters, with an ellipsis where it was cut.
@@ -1048,6 +1064,35 @@ pub async fn claim_state(page: Page, path: web::Path<String>) -> Result<HttpResp
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_prioritise_fee_and_its_refund_link_to_the_task_they_moved() {
+        let task = Uuid::from_u128(7);
+        let entry =
+            |kind: &str, reason: Option<String>, task_id| crate::http::accounts::LedgerEntryView {
+                occurred_at: chrono::DateTime::UNIX_EPOCH,
+                kind: kind.into(),
+                amount: Decimal::ONE,
+                available_after: Decimal::ONE,
+                frozen_after: Decimal::ZERO,
+                task_id,
+                operation_id: None,
+                reason,
+                correlation_id: Uuid::nil(),
+            };
+        let fee = entry("charge", Some(format!("prioritise task {task}")), None);
+        let refund = entry(
+            "refund",
+            Some(format!("prioritise of task {task} did not happen")),
+            None,
+        );
+        let hold = entry("freeze", None, Some(task));
+        let grant = entry("grant", Some("prioritise task 活动".into()), None);
+        assert_eq!(ledger_task(&fee), Some(task));
+        assert_eq!(ledger_task(&refund), Some(task));
+        assert_eq!(ledger_task(&hold), Some(task));
+        assert_eq!(ledger_task(&grant), None);
+    }
 
     #[test]
     fn a_month_is_weeks_of_seven_monday_first() {

@@ -535,7 +535,8 @@ def test_a_creator_publishes_with_the_prompt_hidden_and_a_visitor_likes_and_foll
     page.wait_for_url("**/gallery/publish?task=*")
     page.fill("#title", "敦煌·月下飞天")
     page.fill("#description", "试了三次才满意。")
-    page.uncheck("input[name=prompt_shown]")
+    # A prompt is the creator's to share: the form starts with it private.
+    assert not page.is_checked("input[name=prompt_shown]")
     page.click("form.publish button[type=submit]")
     page.wait_for_url(re.compile(r".*/gallery/works/[0-9a-f-]{36}\?done=published$"))
     work_url = page.url.split("?")[0]

@@ -383,6 +383,15 @@ function restoreDraft() {
   }
 }
 
+// A field whose pattern is not met says the page's own rule, in the page's language, not the
+// browser's "match the requested format".
+for (const input of document.querySelectorAll("input[data-pattern-message]")) {
+  input.addEventListener("invalid", () => {
+    if (input.validity.patternMismatch) input.setCustomValidity(input.dataset.patternMessage);
+  });
+  input.addEventListener("input", () => input.setCustomValidity(""));
+}
+
 restoreDraft();
 updatePrice();
 updateSeed();
