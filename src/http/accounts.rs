@@ -77,6 +77,7 @@ pub struct LedgerQuery {
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct GrantRequest {
     /// Positive, at most two decimal places; a string (`"100"`) or a number.
     #[schema(value_type = String, example = "100")]
@@ -185,7 +186,7 @@ fn ledger_entry_of(recorded: &RecordedEvent) -> anyhow::Result<(i64, LedgerEntry
 pub async fn ledger(
     state: web::Data<AppState>,
     caller: Authenticated,
-    query: web::Query<LedgerQuery>,
+    query: crate::http::extract::Query<LedgerQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let page = ledger_page(
         &state,

@@ -70,6 +70,7 @@ pub(crate) fn register_error(error: RegisterError) -> ApiError {
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct RegisterRequest {
     /// 3 to 32 letters, digits, `_`, `-`, `.`; starts with a letter; case-insensitive.
     #[schema(
@@ -85,6 +86,7 @@ pub struct RegisterRequest {
 
 /// Either `username` + `password`, or `phone` + `code` (from `POST /api/v1/auth/code`).
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct LoginRequest {
     pub username: Option<String>,
     pub password: Option<String>,
@@ -105,6 +107,7 @@ pub struct LoginResponse {
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct CodeRequest {
     pub phone: String,
 }

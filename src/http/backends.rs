@@ -14,6 +14,7 @@ use crate::state::AppState;
 use crate::tasks::pool::{BackendView, PoolServiceError, state_of};
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct AddBackendRequest {
     /// 1 to 32 letters, digits, `-` and `_`; names the server in task events, Redis and metrics.
     pub name: String,

@@ -93,7 +93,7 @@ pub struct MonthResponse {
 pub async fn month(
     state: web::Data<AppState>,
     caller: Authenticated,
-    query: web::Query<MonthQuery>,
+    query: crate::http::extract::Query<MonthQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let month = match &query.month {
         None => state.checkins.today(),
@@ -180,7 +180,7 @@ fn report_range(
 pub async fn active_users(
     state: web::Data<AppState>,
     _admin: Admin,
-    query: web::Query<RangeQuery>,
+    query: crate::http::extract::Query<RangeQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let (from, to) = report_range(
         query.from.as_deref(),

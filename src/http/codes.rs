@@ -19,6 +19,7 @@ use crate::state::AppState;
 pub const REVOKE_REASON_LENGTH_MAX: usize = 200;
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct RedeemRequest {
     /// The 10-character code; case, hyphens and spaces do not matter.
     pub code: String,
@@ -38,6 +39,7 @@ pub struct RedeemResponse {
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct BatchRequest {
     /// 1 to 1,000,000.
     #[serde(deserialize_with = "crate::http::extract::whole::u32")]
@@ -101,6 +103,7 @@ impl BatchView {
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct RevokeRequest {
     pub reason: String,
 }

@@ -491,15 +491,80 @@ impl<T: serde::de::DeserializeOwned> Json<T> {
                 "the body must be a JSON object".into(),
             ));
         }
-        // A value a field cannot take names the field (its path: `amount`, `event_types[1]`);
-        // what the body as a whole lacks or has too much is the body's.
+        // A value a field cannot take names the field (its path: `amount`, `event_types[1]`),
+        // and so does a field missing, unknown or given twice; anything else is the body's.
         let mut deserializer = serde_json::Deserializer::from_str(raw.get());
         serde_path_to_error::deserialize(&mut deserializer)
             .map(Json)
             .map_err(|error| {
                 let path = error.path().to_string();
                 let detail = error.into_inner().to_string();
-                unreadable(if path == "." { "body".into() } else { path }, detail)
+                unreadable(field_named(&path, &detail, "body"), detail)
             })
+    }
+}
+
+/// The field a deserializing error is about: its path, or, at the top, the field serde's message
+/// names (`missing field `amount``, `unknown field `nte``, `duplicate field `limit``), else
+/// `whole` (the body, the query).
+fn field_named(path: &str, detail: &str, whole: &str) -> String {
+    if path != "." {
+        return path.to_owned();
+    }
+    ["missing field `", "unknown field `", "duplicate field `"]
+        .iter()
+        .find_map(|prefix| detail.strip_prefix(prefix))
+        .and_then(|rest| rest.split_once('`'))
+        .map_or_else(|| whole.to_owned(), |(name, _)| name.to_owned())
+}
+
+/// A query string read as `T`, a 422 naming the parameter that could not be read (`limit`, not
+/// "the query"), after the caller's own refusal as for [`Json`].
+#[derive(Debug)]
+pub struct Query<T>(pub T);
+
+impl<T> Query<T> {
+    pub fn into_inner(self) -> T {
+        self.0
+    }
+}
+
+impl<T> std::ops::Deref for Query<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T: serde::de::DeserializeOwned + 'static> FromRequest for Query<T> {
+    type Error = actix_web::Error;
+    type Future = LocalBoxFuture<'static, Result<Self, Self::Error>>;
+
+    fn from_request(request: &HttpRequest, _payload: &mut Payload) -> Self::Future {
+        let read = {
+            let query = request.query_string();
+            let deserializer =
+                serde_urlencoded::Deserializer::new(form_urlencoded::parse(query.as_bytes()));
+            serde_path_to_error::deserialize(deserializer).map_err(|error| {
+                let path = error.path().to_string();
+                let detail = error.into_inner().to_string();
+                ApiError::invalid(
+                    field_named(&path, &detail, "query"),
+                    zhihui_domain::rule::Broken::new(zhihui_domain::rule::Rule::Unreadable)
+                        .with("detail", detail),
+                )
+            })
+        };
+        let request = request.clone();
+        Box::pin(async move {
+            match read {
+                Ok(value) => Ok(Query(value)),
+                Err(error) => match caller_refused(&request).await {
+                    Some(refused) => Err(refused.into()),
+                    None => Err(error.into()),
+                },
+            }
+        })
     }
 }

@@ -305,7 +305,7 @@ fn personal_json<T: Serialize>(viewer: &Viewer, body: &T) -> HttpResponse {
 pub async fn hot(
     state: web::Data<AppState>,
     viewer: Viewer,
-    query: web::Query<PageQuery>,
+    query: crate::http::extract::Query<PageQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let page = state
         .gallery
@@ -322,7 +322,7 @@ pub async fn hot(
 pub async fn newest(
     state: web::Data<AppState>,
     viewer: Viewer,
-    query: web::Query<PageQuery>,
+    query: crate::http::extract::Query<PageQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let page = state
         .gallery
@@ -505,7 +505,7 @@ pub async fn creator_works(
     state: web::Data<AppState>,
     viewer: Viewer,
     path: web::Path<String>,
-    query: web::Query<PageQuery>,
+    query: crate::http::extract::Query<PageQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let creator = UserId::from_uuid(parse_id(&path, "creator")?);
     if !state.gallery.user_exists(creator).await? {
@@ -519,6 +519,7 @@ pub async fn creator_works(
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct PublishBody {
     pub task_id: Uuid,
     /// Image ids of the task, in the order to show; all of them when absent or empty.
@@ -736,7 +737,7 @@ pub async fn unblock(
 pub async fn feed(
     state: web::Data<AppState>,
     caller: Authenticated,
-    query: web::Query<PageQuery>,
+    query: crate::http::extract::Query<PageQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let page = state
         .gallery
@@ -753,7 +754,7 @@ pub async fn feed(
 pub async fn my_likes(
     state: web::Data<AppState>,
     caller: Authenticated,
-    query: web::Query<PageQuery>,
+    query: crate::http::extract::Query<PageQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let before = match &query.cursor {
         None => None,
@@ -814,7 +815,7 @@ pub struct MyWorksQuery {
 pub async fn my_works(
     state: web::Data<AppState>,
     caller: Authenticated,
-    query: web::Query<MyWorksQuery>,
+    query: crate::http::extract::Query<MyWorksQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let limit = query.limit.unwrap_or(MY_WORKS_PAGE_MAX);
     if !(1..=MY_WORKS_PAGE_MAX).contains(&limit) {
@@ -883,6 +884,7 @@ pub async fn works_of(
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct HideBody {
     /// Why (one line, up to 200 characters): the creator sees it, the audit log keeps it.
     pub reason: String,

@@ -61,7 +61,7 @@ pub async fn ticket(
 pub async fn socket(
     state: web::Data<AppState>,
     request: HttpRequest,
-    query: web::Query<SocketQuery>,
+    query: crate::http::extract::Query<SocketQuery>,
     body: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let session =

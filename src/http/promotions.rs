@@ -19,6 +19,7 @@ use crate::state::AppState;
 const PROMOTION_NAMESPACE: Uuid = Uuid::from_u128(0x51a3_e7c2_08d4_4f61_a2b9_6e0d_13c5_78f4);
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct PromotionRequest {
     /// 1 to 100 characters.
     pub title: String,
@@ -270,6 +271,7 @@ pub(crate) async fn change_promotion(
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct StockRequest {
     /// Units to add (at least 1; the stock stays at most 1,000,000).
     #[serde(deserialize_with = "crate::http::extract::whole::u32")]

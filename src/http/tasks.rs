@@ -455,7 +455,7 @@ pub(crate) async fn task_view(
 pub async fn tasks(
     state: web::Data<AppState>,
     caller: Authenticated,
-    query: web::Query<TaskListQuery>,
+    query: crate::http::extract::Query<TaskListQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let page = task_page(&state, caller.user_id(), &query).await?;
     Ok(HttpResponse::Ok().json(page))

@@ -12,6 +12,7 @@ use crate::http::{ApiError, event_metadata};
 use crate::state::AppState;
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ChangePasswordRequest {
     pub current_password: String,
     /// 8 to 128 characters, not only spaces.
@@ -20,6 +21,7 @@ pub struct ChangePasswordRequest {
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct BindPhoneRequest {
     pub phone: String,
     /// A code sent to that phone by `POST /api/v1/auth/code`.
@@ -27,6 +29,7 @@ pub struct BindPhoneRequest {
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ChangeRoleRequest {
     /// `user` or `admin`.
     #[schema(value_type = String, example = "admin", pattern = "^(user|admin)$")]

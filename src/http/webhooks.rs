@@ -292,7 +292,7 @@ pub async fn deliveries(
     state: web::Data<AppState>,
     caller: Authenticated,
     path: web::Path<String>,
-    query: web::Query<DeliveriesQuery>,
+    query: crate::http::extract::Query<DeliveriesQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let endpoint_id = parse_id(&path)?;
     let limit = query.limit.unwrap_or(20);
