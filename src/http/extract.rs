@@ -545,7 +545,7 @@ impl<T: serde::de::DeserializeOwned + 'static> FromRequest for Query<T> {
         let read = {
             let query = request.query_string();
             let deserializer =
-                serde_urlencoded::Deserializer::new(form_urlencoded::parse(query.as_bytes()));
+                serde_urlencoded::Deserializer::new(url::form_urlencoded::parse(query.as_bytes()));
             serde_path_to_error::deserialize(deserializer).map_err(|error| {
                 let path = error.path().to_string();
                 let detail = error.into_inner().to_string();
