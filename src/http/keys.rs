@@ -128,7 +128,38 @@ fn created(key: String, record: ApiKey) -> CreatedKey {
     }
 }
 
-/// Make `user_id` a key (the caller's own, or any user's for an admin).
+/// Make `user_id` a key (the caller's own, or any user's for an admin): the API and the
+/// settings page.
+pub(crate) async fn create_key(
+    state: &AppState,
+    user_id: UserId,
+    body: CreateKeyRequest,
+    metadata: &crate::platform::event_store::EventMetadata,
+) -> Result<CreatedKey, ApiError> {
+    let new_key = parse_request(state, body)?;
+    let (key, record) = state
+        .api_keys
+        .create(user_id, new_key, metadata)
+        .await
+        .map_err(key_error)?;
+    Ok(created(key, record))
+}
+
+/// Revoke one of `user_id`'s keys (the API and the settings page).
+pub(crate) async fn revoke_key(
+    state: &AppState,
+    user_id: UserId,
+    key_id: Uuid,
+    metadata: &crate::platform::event_store::EventMetadata,
+) -> Result<(), ApiError> {
+    state
+        .api_keys
+        .revoke(user_id, key_id, metadata)
+        .await
+        .map_err(key_error)?;
+    Ok(())
+}
+
 async fn create_for(
     state: &AppState,
     request: &HttpRequest,
@@ -136,13 +167,8 @@ async fn create_for(
     user_id: UserId,
     body: CreateKeyRequest,
 ) -> Result<HttpResponse, ApiError> {
-    let new_key = parse_request(state, body)?;
-    let (key, record) = state
-        .api_keys
-        .create(user_id, new_key, &event_metadata(request, actor))
-        .await
-        .map_err(key_error)?;
-    Ok(HttpResponse::Created().json(created(key, record)))
+    let created = create_key(state, user_id, body, &event_metadata(request, actor)).await?;
+    Ok(HttpResponse::Created().json(created))
 }
 
 /// Make an API key for yourself (with a person's session). The key is in this answer only.
@@ -201,15 +227,13 @@ pub async fn revoke(
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     let key_id = parse_key_id(&path)?;
-    state
-        .api_keys
-        .revoke(
-            caller.user_id(),
-            key_id,
-            &event_metadata(&request, caller.actor()),
-        )
-        .await
-        .map_err(key_error)?;
+    revoke_key(
+        &state,
+        caller.user_id(),
+        key_id,
+        &event_metadata(&request, caller.actor()),
+    )
+    .await?;
     Ok(HttpResponse::NoContent().finish())
 }
 

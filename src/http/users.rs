@@ -105,8 +105,21 @@ pub async fn change_password(
     caller: Authenticated,
     body: crate::http::extract::Json<ChangePasswordRequest>,
 ) -> Result<HttpResponse, ApiError> {
+    let metadata = event_metadata(&request, caller.actor());
+    change_password_of(&state, caller.user_id(), &body, &metadata).await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// Change `user_id`'s password, proven by the current one; every session ends (the API and the
+/// settings page).
+pub(crate) async fn change_password_of(
+    state: &AppState,
+    user_id: UserId,
+    body: &ChangePasswordRequest,
+    metadata: &crate::platform::event_store::EventMetadata,
+) -> Result<(), ApiError> {
     let new_password = parse_password("new_password", &body.new_password)?;
-    let user = existing_user(&state, caller.user_id()).await?;
+    let user = existing_user(state, user_id).await?;
     if !state
         .passwords
         .verify(&body.current_password, user.password_hash.as_ref())
@@ -122,14 +135,13 @@ pub async fn change_password(
         password_hash,
         at: state.clock.now(),
     };
-    let metadata = event_metadata(&request, caller.actor());
     state
         .users
-        .update(caller.user_id(), command, &metadata)
+        .update(user_id, command, metadata)
         .await
         .map_err(register_error)?;
-    state.end_sessions(caller.user_id()).await?;
-    Ok(HttpResponse::NoContent().finish())
+    state.end_sessions(user_id).await?;
+    Ok(())
 }
 
 /// Bind a phone number to one's account, proven by a code sent to it.

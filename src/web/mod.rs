@@ -23,6 +23,7 @@ pub mod i18n;
 mod pages_admin;
 mod pages_auth;
 mod pages_gallery;
+mod pages_settings;
 mod pages_user;
 mod render;
 mod session;
@@ -118,6 +119,16 @@ pub fn routes(config: &mut web::ServiceConfig) {
         .route("/checkin", web::post().to(pages_user::check_in))
         .route("/redeem", web::get().to(pages_user::redeem_page))
         .route("/redeem", web::post().to(pages_user::redeem))
+        .route("/settings", web::get().to(pages_settings::settings_page))
+        .route("/settings/keys", web::post().to(pages_settings::create_key))
+        .route(
+            "/settings/keys/{id}/revoke",
+            web::post().to(pages_settings::revoke_key),
+        )
+        .route(
+            "/settings/password",
+            web::post().to(pages_settings::change_password),
+        )
         .route("/sales", web::get().to(pages_user::sales))
         .route("/sales/{id}/claim", web::post().to(pages_user::claim))
         .route("/sales/{id}/claim", web::get().to(pages_user::claim_state))

@@ -17,6 +17,8 @@ use crate::http::auth::{LoginRequest, RegisterRequest};
 #[derive(Debug, Deserialize)]
 pub struct NextQuery {
     next: Option<String>,
+    /// Sent here after a password change (every session ended): the page says why.
+    changed: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -48,7 +50,14 @@ pub async fn login_page(
     if page.member.is_some() {
         return Ok(Page::see_other(&next));
     }
-    login_form(&page, &next, context! {}, StatusCode::OK).await
+    let extra = match query.changed {
+        Some(_) => context! {
+            message => page.t("settings.password_changed", &[]),
+            message_kind => "info",
+        },
+        None => context! {},
+    };
+    login_form(&page, &next, extra, StatusCode::OK).await
 }
 
 async fn login_form(

@@ -42,6 +42,8 @@ const TEMPLATES: &[(&str, &str)] = &[
         include_str!("templates/_checkin_panel.html"),
     ),
     ("redeem.html", include_str!("templates/redeem.html")),
+    ("settings.html", include_str!("templates/settings.html")),
+    ("_keys.html", include_str!("templates/_keys.html")),
     ("sales.html", include_str!("templates/sales.html")),
     ("_sale.html", include_str!("templates/_sale.html")),
     ("gallery.html", include_str!("templates/gallery.html")),

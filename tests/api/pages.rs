@@ -730,53 +730,64 @@ async fn a_form_that_cannot_be_read_is_a_page_in_the_readers_language() {
     assert!(body.contains("提交的内容太长"), "{body}");
 }
 
-/// An admin's own user page offers no role form and says why; the form posted anyway is refused
-/// in the reader's words, and the role stays.
-#[tokio::test]
-async fn an_admins_own_page_does_not_offer_to_change_their_role() {
-    let app = spawn_app().await;
-    let admin = app.admin_token("guanliyuan").await;
-    let me: serde_json::Value = app.get_as(&admin, "/api/v1/me").await.json().await.unwrap();
-    let own = format!("{}/admin/users/{}", app.address, me["id"].as_str().unwrap());
-    let other = app.register("xiaohong", "correct horse").await;
-    let client = browser();
-    let cookie = format!("lang=zh; zhihui_session={admin}");
-    let open = |url: String| {
-        client
-            .get(url)
-            .header("Accept", BROWSER_ACCEPT)
-            .header("Cookie", cookie.as_str())
-            .send()
-    };
-    let body = open(own.clone()).await.unwrap().text().await.unwrap();
-    assert!(body.contains("管理员不能修改自己的角色"), "{body}");
-    assert!(!body.contains(r#"name="role""#), "{body}");
-    let body = open(format!("{}/admin/users/{other}", app.address))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    assert!(body.contains(r#"name="role""#), "{body}");
-
-    let refused = client
-        .post(format!("{own}/role"))
-        .header("Origin", app.address.as_str())
+/// A signed-in reader's form, sent as htmx sends it: the session cookie (Chinese pages), the
+/// CSRF header, from the site itself.
+async fn htmx_form(
+    client: &reqwest::Client,
+    base: &str,
+    token: &str,
+    path: &str,
+    body: &str,
+) -> reqwest::Response {
+    client
+        .post(format!("{base}{path}"))
+        .header("Origin", base)
         .header("Accept", BROWSER_ACCEPT)
-        .header("Cookie", cookie.as_str())
+        .header("Cookie", format!("lang=zh; zhihui_session={token}"))
         .header("Content-Type", "application/x-www-form-urlencoded")
         .header("HX-Request", "true")
         .header(
             zhihui::http::cookie::CSRF_HEADER,
-            zhihui::http::cookie::csrf_token(&admin),
+            zhihui::http::cookie::csrf_token(token),
         )
-        .body("role=user")
+        .body(body.to_owned())
+        .send()
+        .await
+        .unwrap()
+}
+
+/// A signed-in reader's page, in Chinese.
+async fn page_of(client: &reqwest::Client, base: &str, token: &str, path: &str) -> String {
+    client
+        .get(format!("{base}{path}"))
+        .header("Accept", BROWSER_ACCEPT)
+        .header("Cookie", format!("lang=zh; zhihui_session={token}"))
         .send()
         .await
         .unwrap()
         .text()
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// An admin's own user page offers no role form and says why; the form posted anyway is refused
+/// in the reader's words, and the role stays.
+#[tokio::test]
+async fn an_admins_own_page_does_not_offer_to_change_their_role() {
+    let app = spawn_app().await;
+    let (client, base) = (browser(), app.address.as_str());
+    let admin = app.admin_token("guanliyuan").await;
+    let me: serde_json::Value = app.get_as(&admin, "/api/v1/me").await.json().await.unwrap();
+    let own = format!("/admin/users/{}", me["id"].as_str().unwrap());
+    let other = app.register("xiaohong", "correct horse").await;
+    let body = page_of(&client, base, &admin, &own).await;
+    assert!(body.contains("管理员不能修改自己的角色"), "{body}");
+    assert!(!body.contains(r#"name="role""#), "{body}");
+    let body = page_of(&client, base, &admin, &format!("/admin/users/{other}")).await;
+    assert!(body.contains(r#"name="role""#), "{body}");
+
+    let refused = htmx_form(&client, base, &admin, &format!("{own}/role"), "role=user").await;
+    let refused = refused.text().await.unwrap();
     assert!(
         refused.contains("管理员不能修改自己的角色，请另一位管理员操作。"),
         "{refused}"
@@ -839,4 +850,120 @@ async fn signing_up_from_the_login_page_goes_on_to_where_the_login_was_going() {
             .unwrap(),
         work
     );
+}
+
+/// The settings page: a key made there is shown once and works within its scopes; a key's
+/// scopes must be chosen; revoked there, it is refused; the admin scope is not a user's to
+/// take; a password changed there ends the session and the new one logs in.
+#[tokio::test]
+async fn a_user_makes_uses_and_revokes_a_key_and_changes_the_password_on_the_settings_page() {
+    let app = spawn_app().await;
+    let (client, base) = (browser(), app.address.as_str());
+    app.register("xiaohong", "correct horse").await;
+    let token = app.login("xiaohong", "correct horse").await;
+    let body = page_of(&client, base, &token, "/settings").await;
+    assert!(
+        body.contains("账号设置") && body.contains("xiaohong"),
+        "{body}"
+    );
+    assert!(body.contains(r#"value="tasks:read""#), "{body}");
+    assert!(!body.contains(r#"value="admin""#), "{body}");
+    assert!(body.contains("还没有 API 密钥。"), "{body}");
+
+    // No scope ticked: refused by name, in the reader's words; nothing made. The admin scope
+    // sent anyway: refused.
+    for form in [
+        "name=%E5%90%8E%E5%8F%B0&expires=never",
+        "name=x&scope=admin&expires=never",
+    ] {
+        let refused = htmx_form(&client, base, &token, "/settings/keys", form).await;
+        assert_eq!(
+            refused.headers().get("hx-retarget").unwrap(),
+            "#key-messages"
+        );
+        let refused = refused.text().await.unwrap();
+        assert!(refused.contains("权限范围"), "{form}: {refused}");
+    }
+
+    let made = htmx_form(
+        &client,
+        base,
+        &token,
+        "/settings/keys",
+        "name=%E5%95%86%E5%93%81%E5%9B%BE%E5%90%8E%E5%8F%B0&scope=tasks:read&expires=30",
+    )
+    .await;
+    let made = made.text().await.unwrap();
+    let key = made
+        .split(r#"data-testid="new-key">"#)
+        .nth(1)
+        .and_then(|rest| rest.split('<').next())
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        key.starts_with(zhihui_domain::api_key::KEY_PREFIX),
+        "{made}"
+    );
+    assert!(made.contains("商品图后台"), "{made}");
+    assert_eq!(app.get_as(&key, "/api/v1/tasks").await.status(), 200);
+    assert_eq!(app.get_as(&key, "/api/v1/account").await.status(), 403);
+    // Shown once: the page drawn again lists it without the key.
+    let body = page_of(&client, base, &token, "/settings").await;
+    assert!(
+        body.contains("商品图后台") && !body.contains(&key),
+        "{body}"
+    );
+
+    let keys: serde_json::Value = app
+        .get_as(&token, "/api/v1/me/keys")
+        .await
+        .json()
+        .await
+        .unwrap();
+    let key_id = keys[0]["key_id"].as_str().unwrap();
+    assert!(keys[0]["expires_at"].is_string(), "{keys}");
+    let revoked = htmx_form(
+        &client,
+        base,
+        &token,
+        &format!("/settings/keys/{key_id}/revoke"),
+        "",
+    )
+    .await;
+    let revoked = revoked.text().await.unwrap();
+    assert!(revoked.contains("已吊销"), "{revoked}");
+    assert_eq!(app.get_as(&key, "/api/v1/tasks").await.status(), 401);
+
+    // The password: the current one proves it is the reader.
+    let wrong = htmx_form(
+        &client,
+        base,
+        &token,
+        "/settings/password",
+        "current_password=not+it&new_password=a+new+horse+battery",
+    )
+    .await;
+    let wrong = wrong.text().await.unwrap();
+    assert!(wrong.contains("当前密码不正确。"), "{wrong}");
+    let changed = htmx_form(
+        &client,
+        base,
+        &token,
+        "/settings/password",
+        "current_password=correct+horse&new_password=a+new+horse+battery",
+    )
+    .await;
+    assert_eq!(
+        changed.headers().get("hx-redirect").unwrap(),
+        "/login?changed=1&next=/settings"
+    );
+    assert_eq!(app.get_as(&token, "/api/v1/me").await.status(), 401);
+    let (_, _, login) = page(
+        &client,
+        &format!("{base}/login?changed=1&next=/settings"),
+        "zh-CN",
+    )
+    .await;
+    assert!(login.contains("密码已修改，请用新密码登录。"), "{login}");
+    app.login("xiaohong", "a new horse battery").await;
 }

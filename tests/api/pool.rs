@@ -246,33 +246,25 @@ async fn servers_are_drained_resumed_added_and_removed_at_run_time_and_a_new_lea
     // Until the leader has followed the pool it takes no task there, and the state says so;
     // the admin page reads its table again meanwhile.
     assert_eq!(backends(app, &admin).await[&drained]["state"], "resuming");
-    let table = app
-        .http
-        .get(format!("{}/admin/servers", app.address))
-        .header("Cookie", format!("lang=zh; zhihui_session={admin}"))
-        .header("HX-Request", "true")
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    assert!(table.contains("恢复中"), "{table}");
-    assert!(table.contains(r#"hx-trigger="every 2s""#), "{table}");
-    assert!(!table.contains("<html"), "a fragment: {table}");
+    let table = || async {
+        app.http
+            .get(format!("{}/admin/servers", app.address))
+            .header("Cookie", format!("lang=zh; zhihui_session={admin}"))
+            .header("HX-Request", "true")
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
+    let settling = table().await;
+    assert!(settling.contains("恢复中"), "{settling}");
+    assert!(settling.contains(r#"hx-trigger="every 2s""#), "{settling}");
+    assert!(!settling.contains("<html"), "a fragment: {settling}");
     drive_until_state(&mut saga, app, &admin, &drained, "up").await;
-    let table = app
-        .http
-        .get(format!("{}/admin/servers", app.address))
-        .header("Cookie", format!("lang=zh; zhihui_session={admin}"))
-        .header("HX-Request", "true")
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    assert!(!table.contains("every 2s"), "settled: {table}");
+    let settled = table().await;
+    assert!(!settled.contains("every 2s"), "settled: {settled}");
     let pair = vec![
         submitted(app, &token, MODEL_A, 10).await,
         submitted(app, &token, MODEL_A, 10).await,

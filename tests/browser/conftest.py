@@ -31,6 +31,8 @@ SCREENSHOTS = Path(os.environ.get("SCREENSHOTS", str(ROOT / "docs/screenshots"))
 def shot(page, name):
     """A whole-page screenshot under SCREENSHOTS, to be looked at."""
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    # From the top: a page scrolled down draws its sticky header mid-page in a whole-page shot.
+    page.evaluate("window.scrollTo(0, 0)")
     page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=True)
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 MODELS = "majicmixRealistic_v7.safetensors,anythingelseV4_v45.safetensors"

@@ -771,3 +771,32 @@ def test_one_clock_the_browsers_zone_on_every_time_of_a_page(stack, person):
             if button.count():
                 button.click()
     wait_until(lambda: user.go("/points").locator("[data-testid=frozen]").inner_text() == "0.00", "every hold released or settled")
+
+
+def test_a_user_makes_an_api_key_from_the_settings_page_and_revokes_it(stack, person):
+    """From the name in the header to the settings page; a key made there is shown once, works,
+    and once revoked is refused; all without a reload."""
+    user = person("zh")
+    name = unique("miyao")
+    user.register(name)
+    user.accept_dialogs()
+    page = user.go("/generate")
+    page.locator("header.top .who a.name", has_text=name).click()
+    page.wait_for_url("**/settings")
+    page.fill("#key-name", "商品图后台")
+    page.check("input[name=scope][value='tasks:read']")
+    page.select_option("#key-expires", "90")
+    page.click("form[hx-post='/settings/keys'] button[type=submit]")
+    key = page.locator("[data-testid=new-key]")
+    key.wait_for()
+    secret = key.inner_text()
+    assert secret.startswith("zhk_")
+    assert page.input_value("#key-name") == ""  # the form is emptied once the key is shown
+    status, tasks = stack.api("GET", "/api/v1/tasks", secret)
+    assert status == 200, tasks
+    row = page.locator("table.keys tbody tr", has_text="商品图后台")
+    row.get_by_role("button", name="吊销").click()
+    page.locator("table.keys tbody tr", has_text="已吊销").wait_for()
+    assert page.locator("[data-testid=new-key]").count() == 0
+    assert stack.api("GET", "/api/v1/tasks", secret)[0] == 401
+    shot(page, "flow-settings-key-revoked-zh-desktop")

@@ -83,6 +83,11 @@ def showcase(stack):
     assert stack.api("PUT", f"/api/v1/gallery/creators/{user_id}/follow", fan)[0] == 200
     fan_id = stack.api("GET", "/api/v1/me", fan)[1]["id"]
     assert stack.api("PUT", f"/api/v1/gallery/creators/{fan_id}/follow", token)[0] == 200
+    # Two API keys on the settings page, one of them revoked.
+    assert stack.api("POST", "/api/v1/me/keys", token, {"name": "商品图后台", "scopes": ["tasks:write", "tasks:read"]})[0] == 201
+    status, old_key = stack.api("POST", "/api/v1/me/keys", token, {"name": "旧脚本", "scopes": ["account:read"]})
+    assert status == 201, old_key
+    assert stack.api("DELETE", f"/api/v1/me/keys/{old_key['key_id']}", token)[0] == 204
     return {"name": name, "user_id": user_id, "code": code, "task": tasks[0], "unpublished": tasks[2],
             "work": shown["work_id"], "hidden_prompt_work": hidden["work_id"], "fan_id": fan_id}
 
@@ -117,6 +122,7 @@ def user_pages(showcase):
         ("gallery-mine", "/gallery/mine"),
         ("publish", f"/gallery/publish?task={showcase['unpublished']}"),
         ("like-this", f"/generate?from_work={showcase['work']}"),
+        ("settings", "/settings"),
     ]
 
 
@@ -205,7 +211,7 @@ def test_every_page_in_both_languages_at_both_sizes_is_screenshot(stack, browser
                 shoot(page, f"{name}-{lang}-{size}")
                 shots += 1
             admin.close()
-    assert shots == 2 * 2 * (5 + 18 + 1 + 7)
+    assert shots == 2 * 2 * (5 + 19 + 1 + 7)
     assert not too_wide, f"pages wider than the screen (name, pixels): {too_wide}"
 
 

@@ -1,0 +1,175 @@
+//! The reader's own settings: who they are, their password, and their API keys (made here and
+//! shown once, listed without the key, revoked on every instance at once). The same rules as
+//! the API: these pages call its functions.
+
+use actix_web::{HttpResponse, web};
+use chrono::Duration;
+use minijinja::context;
+use minijinja::value::Value;
+use serde::Deserialize;
+use uuid::Uuid;
+use zhihui_domain::api_key::Scope;
+
+use super::pages_user::metadata;
+use super::render::{Page, WebError, display_name, ser};
+use crate::http::ApiError;
+use crate::http::keys::{CreateKeyRequest, CreatedKey};
+
+/// How long a key made here lasts: a choice of whole periods (the API takes any time).
+const EXPIRY_DAYS: [u32; 3] = [30, 90, 365];
+
+/// `GET /settings`.
+pub async fn settings_page(page: Page) -> Result<HttpResponse, WebError> {
+    let member = page.member()?;
+    let user_id = member.session.user_id;
+    let Some(user) = page.state().users.get(user_id).await? else {
+        return Err(page.refusal(actix_web::http::StatusCode::NOT_FOUND, "error.not_found"));
+    };
+    let account = context! {
+        name => display_name(&user),
+        username => user.username.as_ref().map(|name| name.as_str().to_owned()),
+        phone => user.phone.as_ref().map(ToString::to_string),
+        role => user.role.as_str(),
+        registered_at => user.registered_at.to_rfc3339(),
+        has_password => user.password_hash.is_some(),
+    };
+    let keys = keys_context(&page, None).await?;
+    page.render("settings.html", context! { account, ..keys })
+        .await
+}
+
+/// The keys' part of the page: the list, the form's choices, and a key just made (this once).
+async fn keys_context(page: &Page, created: Option<&CreatedKey>) -> Result<Value, WebError> {
+    let member = page.member()?;
+    let keys = page.state().api_keys.list(member.session.user_id).await?;
+    // The admin scope is an admin's only: nobody else is offered it.
+    let scopes: Vec<&str> = Scope::ALL
+        .iter()
+        .filter(|scope| **scope != Scope::Admin || member.is_admin())
+        .map(|scope| scope.as_str())
+        .collect();
+    Ok(context! {
+        keys => ser(&keys),
+        scopes,
+        expiry_days => EXPIRY_DAYS,
+        created => created.map(ser),
+    })
+}
+
+#[derive(Debug, Default)]
+struct KeyForm {
+    name: String,
+    scopes: Vec<String>,
+    expires: String,
+}
+
+/// `POST /settings/keys` (htmx): the key, shown this once above the list; refused, why, with
+/// what was typed kept in the form.
+pub async fn create_key(page: Page, body: web::Bytes) -> Result<HttpResponse, WebError> {
+    let user = page.member()?.session.user_id;
+    // `serde_urlencoded` has no repeated fields (the scopes): read them by hand.
+    let mut form = KeyForm::default();
+    for (key, value) in url::form_urlencoded::parse(&body) {
+        match &*key {
+            "name" => form.name = value.into_owned(),
+            "scope" => form.scopes.push(value.into_owned()),
+            "expires" => form.expires = value.into_owned(),
+            _ => {}
+        }
+    }
+    let expires_at = match form.expires.as_str() {
+        "" | "never" => None,
+        days => match days.parse::<u32>() {
+            Ok(days) if EXPIRY_DAYS.contains(&days) => {
+                Some(page.state().clock.now() + Duration::days(i64::from(days)))
+            }
+            _ => {
+                return refused(
+                    &page,
+                    ApiError::invalid_by("expires_at", zhihui_domain::rule::Rule::InFuture),
+                );
+            }
+        },
+    };
+    let request = CreateKeyRequest {
+        name: form.name,
+        scopes: form.scopes,
+        expires_at,
+        requests_per_minute: None,
+    };
+    match crate::http::keys::create_key(page.state(), user, request, &metadata(&page)?).await {
+        Ok(created) => {
+            let context = keys_context(&page, Some(&created)).await?;
+            page.fragment("_keys.html", context)
+        }
+        Err(error) => refused(&page, error),
+    }
+}
+
+/// `POST /settings/keys/{id}/revoke` (htmx): the list again without it.
+pub async fn revoke_key(page: Page, path: web::Path<String>) -> Result<HttpResponse, WebError> {
+    let user = page.member()?.session.user_id;
+    let Ok(key_id) = Uuid::parse_str(&path) else {
+        return refused(&page, ApiError::NotFound("no such key".into()));
+    };
+    if let Err(error) =
+        crate::http::keys::revoke_key(page.state(), user, key_id, &metadata(&page)?).await
+    {
+        return refused(&page, error);
+    }
+    let context = keys_context(&page, None).await?;
+    page.fragment("_keys.html", context)
+}
+
+/// A refusal into the keys' message area; a store away is the 503 page.
+fn refused(page: &Page, error: ApiError) -> Result<HttpResponse, WebError> {
+    if matches!(
+        error,
+        ApiError::Unexpected(_) | ApiError::Unavailable { .. }
+    ) {
+        return Err(WebError::from(error));
+    }
+    page.alert("#key-messages", "error", &page.message_of(&error))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct PasswordForm {
+    current_password: String,
+    new_password: String,
+}
+
+/// `POST /settings/password`: changed, every session ends, and the reader logs in again with
+/// the new one (told so); refused, why.
+pub async fn change_password(
+    page: Page,
+    form: web::Form<PasswordForm>,
+) -> Result<HttpResponse, WebError> {
+    let user = page.member()?.session.user_id;
+    let form = form.into_inner();
+    let request = crate::http::users::ChangePasswordRequest {
+        current_password: form.current_password,
+        new_password: form.new_password,
+    };
+    match crate::http::users::change_password_of(page.state(), user, &request, &metadata(&page)?)
+        .await
+    {
+        Ok(()) => {
+            let to = "/login?changed=1&next=/settings";
+            if page.is_htmx() {
+                return Ok(HttpResponse::Ok()
+                    .insert_header(("HX-Redirect", to))
+                    .finish());
+            }
+            Ok(Page::see_other(to))
+        }
+        Err(ApiError::Unauthorized { .. }) => page.alert(
+            "#password-messages",
+            "error",
+            &page.t("settings.wrong_current", &[]),
+        ),
+        Err(error @ (ApiError::Unexpected(_) | ApiError::Unavailable { .. })) => {
+            Err(WebError::from(error))
+        }
+        Err(error) => page.alert("#password-messages", "error", &page.message_of(&error)),
+    }
+}
