@@ -124,8 +124,11 @@ pub fn scope_for(method: &actix_web::http::Method, pattern: &str) -> Option<Scop
     use actix_web::http::Method;
     let read = *method == Method::GET || *method == Method::HEAD;
     // Who is an admin is decided by people: a program holding the admin scope may grant
-    // points or run servers, but never makes (or unmakes) an admin.
-    if pattern == "/api/v1/admin/users/{id}/role" {
+    // points or run servers, but never makes (or unmakes) an admin, nor makes keys: a key
+    // never makes keys, not even through the admin's routes for another user's.
+    if pattern == "/api/v1/admin/users/{id}/role"
+        || pattern.starts_with("/api/v1/admin/users/{id}/keys")
+    {
         return None;
     }
     if pattern.starts_with("/api/v1/admin/") {
@@ -558,8 +561,13 @@ impl<T: serde::de::DeserializeOwned + 'static> FromRequest for Query<T> {
         };
         let request = request.clone();
         Box::pin(async move {
+            let pattern = request.match_pattern().unwrap_or_default();
+            // The public gallery answers anyone, and the socket is opened with a ticket: a
+            // query they cannot read is theirs to be told about.
+            let open_to_all = is_public_read(request.method(), &pattern) || pattern == "/api/v1/ws";
             match read {
                 Ok(value) => Ok(Query(value)),
+                Err(error) if open_to_all => Err(error.into()),
                 Err(error) => match caller_refused(&request).await {
                     Some(refused) => Err(refused.into()),
                     None => Err(error.into()),

@@ -236,17 +236,20 @@ fn constrain(document: &mut Value, schema: &str, property: &str, rule: Value) {
     }
 }
 
-/// A prompt: no control character but tab and line breaks (what `PromptText::parse` refuses).
-const PROMPT_PATTERN: &str = "^[^\\u0000-\\u0008\\u000B\\u000C\\u000E-\\u001F\\u007F-\\u009F]*$";
-/// The same, with something that is not white space.
-const PROMPT_PATTERN_NOT_BLANK: &str = "^[^\\u0000-\\u0008\\u000B\\u000C\\u000E-\\u001F\\u007F-\\u009F]*[^\\s\\u0000-\\u001F\\u007F-\\u009F][^\\u0000-\\u0008\\u000B\\u000C\\u000E-\\u001F\\u007F-\\u009F]*$";
+/// A prompt: no control character but tab and line breaks, and no direction control (what
+/// `PromptText::parse` refuses).
+const PROMPT_PATTERN: &str = "^[^\\u0000-\\u0008\\u000B\\u000C\\u000E-\\u001F\\u007F-\\u009F\\u202A-\\u202E\\u2066-\\u2069]*$";
+/// The same, with something that shows: not white space, and not a code point that draws
+/// nothing (`zhihui_domain::text::is_blank`; those outside the first plane, tags and the like,
+/// a pattern without the `u` flag cannot name).
+const PROMPT_PATTERN_NOT_BLANK: &str = "^[^\\u0000-\\u0008\\u000B\\u000C\\u000E-\\u001F\\u007F-\\u009F\\u202A-\\u202E\\u2066-\\u2069]*[^\\s\\u0000-\\u001F\\u007F-\\u009F\\u00AD\\u034F\\u061C\\u115F\\u1160\\u17B4\\u17B5\\u180B-\\u180F\\u200B-\\u200F\\u202A-\\u202E\\u2060-\\u206F\\u3164\\uFE00-\\uFE0F\\uFEFF\\uFFA0\\uFFF0-\\uFFF8][^\\u0000-\\u0008\\u000B\\u000C\\u000E-\\u001F\\u007F-\\u009F\\u202A-\\u202E\\u2066-\\u2069]*$";
 
 /// One line of free text (a title, a reason, a note, a key's name): no control characters, line
 /// separators or direction controls (`zhihui_domain::text::refuse_controls`).
 const ONE_LINE_PATTERN: &str =
     "^[^\\u0000-\\u001F\\u007F-\\u009F\\u2028\\u2029\\u202A-\\u202E\\u2066-\\u2069]*$";
-/// The same, with something that is not white space.
-const ONE_LINE_PATTERN_NOT_BLANK: &str = "^[^\\u0000-\\u001F\\u007F-\\u009F\\u2028\\u2029\\u202A-\\u202E\\u2066-\\u2069]*[^\\s\\u0000-\\u001F\\u007F-\\u009F\\u2028\\u2029\\u202A-\\u202E\\u2066-\\u2069][^\\u0000-\\u001F\\u007F-\\u009F\\u2028\\u2029\\u202A-\\u202E\\u2066-\\u2069]*$";
+/// The same, with something that shows (as for a prompt).
+const ONE_LINE_PATTERN_NOT_BLANK: &str = "^[^\\u0000-\\u001F\\u007F-\\u009F\\u2028\\u2029\\u202A-\\u202E\\u2066-\\u2069]*[^\\s\\u0000-\\u001F\\u007F-\\u009F\\u00AD\\u034F\\u061C\\u115F\\u1160\\u17B4\\u17B5\\u180B-\\u180F\\u200B-\\u200F\\u2028\\u2029\\u202A-\\u202E\\u2060-\\u206F\\u3164\\uFE00-\\uFE0F\\uFEFF\\uFFA0\\uFFF0-\\uFFF8][^\\u0000-\\u001F\\u007F-\\u009F\\u2028\\u2029\\u202A-\\u202E\\u2066-\\u2069]*$";
 
 /// What the request bodies and parameters are checked against, stated in the document from the
 /// constants the checks use. Rules that tie two fields together (an end after a start, a day

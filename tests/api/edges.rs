@@ -1348,3 +1348,62 @@ async fn a_socket_whose_session_ended_unheard_closes_when_notifications_come_bac
     assert_eq!(reason, "session ended");
     let _ = std::fs::remove_dir_all(&directory);
 }
+
+/// The document's text patterns say what the server's rules say: a prompt (or a key's name) of
+/// characters that draw nothing is blank, a direction control is refused, and a joined emoji or
+/// Chinese text is fine; each sample is sent too, so the document and the server are compared.
+#[tokio::test]
+async fn the_openapi_text_patterns_agree_with_the_servers_rules() {
+    let app = spawn_app_with(|_| {}).await;
+    let token = app.admin_token("guanliyuan").await;
+    let document: Value = app.get("/api/openapi.json").await.json().await.unwrap();
+    let schemas = &document["components"]["schemas"];
+    let pattern = |schema: &str, property: &str| {
+        regex::Regex::new(
+            schemas[schema]["properties"][property]["pattern"]
+                .as_str()
+                .unwrap(),
+        )
+        .unwrap()
+    };
+    let prompt = pattern("SubmitTaskRequest", "prompt");
+    let key_name = pattern("CreateKeyRequest", "name");
+    for (text, accepted) in [
+        ("雪中的红狐狸", true),
+        ("👩\u{200D}🎨 画家", true),
+        ("\u{200B}", false),
+        (" \u{FEFF}\u{2060} ", false),
+        ("雪中\u{202E}狐狸", false),
+    ] {
+        assert_eq!(prompt.is_match(text), accepted, "prompt {text:?}");
+        assert_eq!(key_name.is_match(text), accepted, "key name {text:?}");
+        let status = app
+            .post("/api/v1/tasks", Some(&token), &json!({"prompt": text}))
+            .await
+            .status()
+            .as_u16();
+        // Accepted prompts may still be refused for points (an admin has none): not for the text.
+        assert_eq!(status != 422, accepted, "prompt {text:?}: {status}");
+        let status = app
+            .post(
+                "/api/v1/me/keys",
+                Some(&token),
+                &json!({"name": text, "scopes": ["tasks:read"]}),
+            )
+            .await
+            .status()
+            .as_u16();
+        assert_eq!(status != 422, accepted, "key name {text:?}: {status}");
+    }
+}
+
+/// The public gallery answers anyone: a visitor's unreadable query is told as such (422 naming
+/// the parameter), not taken for a missing login.
+#[tokio::test]
+async fn a_visitors_unreadable_query_on_the_public_gallery_is_a_422_naming_it() {
+    let app = spawn_app_with(|_| {}).await;
+    let response = app.get("/api/v1/gallery/hot?limit=abc").await;
+    assert_eq!(response.status(), 422);
+    let problem: Value = response.json().await.unwrap();
+    assert_eq!(problem["field"], "limit", "{problem}");
+}

@@ -181,6 +181,21 @@ async fn key_rules_are_checked_naming_the_field() {
         (status, problem["type"].as_str()),
         (403, Some("/problems/scope-missing"))
     );
+    let keys_path = format!("/api/v1/admin/users/{}/keys", me["id"].as_str().unwrap());
+    let (status, problem) = problem_of(
+        app.post(
+            &keys_path,
+            Some(&admin_key),
+            &json!({"name": "一把新钥匙", "scopes": ["admin"]}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (403, Some("/problems/scope-missing")),
+        "a key never makes keys"
+    );
     let (status, problem) = problem_of(
         app.put(&role_path, Some(&admin), &json!({"role": "user"}))
             .await,
