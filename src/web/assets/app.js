@@ -100,7 +100,7 @@ const handlers = {
     // Paying to move ahead is offered only with someone ahead: a card that moved to or from the
     // front is drawn again with its buttons.
     const offered = Boolean(card.querySelector('[hx-post$="/prioritise"]'));
-    if (offered !== notice.position > 1) refreshCard(notice.task_id);
+    if (card.dataset.status === "queued" && offered !== notice.position > 1) refreshCard(notice.task_id);
     if (notice.estimated_start_at) {
       show(field(card, "estimate"), fill(card.dataset.estimateTemplate, { start: timeText(notice.estimated_start_at) }));
     }
