@@ -214,9 +214,20 @@ def test_a_running_task_cancelled_while_its_answers_cross_ends_as_cancelled_with
     page.route(f"**/tasks/{task_id}/card", hold_first_card)
     card.locator("button.danger").click()
     wait_until(lambda: page.evaluate("1") and "cancel" in held and "card" in held, "both answers held")
+    # Seen by an observer, not by polling: the older card may be drawn again at once.
+    page.evaluate(
+        """(id) => {
+            window.__older = false;
+            new MutationObserver(() => {
+                const card = document.getElementById(`task-${id}`);
+                if (card && card.textContent.includes('正在取消')) window.__older = true;
+            }).observe(document.body, {subtree: true, childList: true, characterData: true});
+        }""",
+        task_id,
+    )
     route, answer = held["cancel"]
     route.fulfill(response=answer)
-    wait_until(lambda: "正在取消" in card.inner_text(), "the button's older card shown")
+    wait_until(lambda: page.evaluate("window.__older"), "the button's older card shown")
     held["card"].continue_()
     card.locator(".notice", has_text="已取消").wait_for()
     assert card.get_attribute("data-status") == "cancelled"
