@@ -802,7 +802,7 @@ def test_a_user_makes_an_api_key_from_the_settings_page_and_revokes_it(stack, pe
     key.wait_for()
     secret = key.inner_text()
     assert secret.startswith("zhk_")
-    assert page.input_value("#key-name") == ""  # the form is emptied once the key is shown
+    wait_until(lambda: page.input_value("#key-name") == "", "the form emptied once the key is shown")
     status, tasks = stack.api("GET", "/api/v1/tasks", secret)
     assert status == 200, tasks
     row = page.locator("table.keys tbody tr", has_text="商品图后台")
