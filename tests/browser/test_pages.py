@@ -435,3 +435,25 @@ def test_what_revalidating_private_images_costs_the_history_page(stack, browser)
         # (Resource timing reports a revalidated image as 200: the bytes say it was a 304.)
         assert again["assets"]["requests"] == 0, again
     user.close()
+
+
+def test_the_laptop_header_keeps_one_row_with_points_frozen_and_a_long_name(stack, person):
+    """At 1280 px the header's links, a balance with points frozen, a long name, log out and the
+    language switch sit on one row in both languages: a header that grows a row while a task
+    runs pushes the page down under the reader's eyes."""
+    admin = stack.token(*ADMIN)
+    for lang in ("en", "zh"):
+        user = person(lang, viewport=(1280, 720))
+        name = unique("touweihenchang") + "mingzi"
+        user.register(name)
+        token = stack.token(name, "correct horse")
+        me = stack.api("GET", "/api/v1/me", token)[1]
+        assert stack.api("POST", f"/api/v1/admin/accounts/{me['id']}/grants", admin, {"amount": "1000.5", "reason": "页头测试"})[0] == 201
+        status, task = stack.api("POST", "/api/v1/tasks", token, {"prompt": "页头里的冻结积分", "steps": 50, "images": 4})
+        assert status == 201, task
+        page = user.go("/history")
+        page.locator("#balance .frozen").wait_for()
+        tops = page.evaluate("""() => [...document.querySelectorAll('header.top .bar > *')]
+            .map((element) => element.getBoundingClientRect().top)""")
+        assert max(tops) - min(tops) < 20, f"{lang}: the header's parts start at {tops}"
+        assert stack.api("POST", f"/api/v1/tasks/{task['task_id']}/cancel", token)[0] in (200, 202)
