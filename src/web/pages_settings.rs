@@ -84,8 +84,8 @@ pub async fn create_key(page: Page, body: web::Bytes) -> Result<HttpResponse, We
                 Some(page.state().clock.now() + Duration::days(i64::from(days)))
             }
             _ => {
-                return refused(
-                    &page,
+                return page.refused(
+                    "#key-messages",
                     ApiError::invalid_by("expires_at", zhihui_domain::rule::Rule::InFuture),
                 );
             }
@@ -102,7 +102,7 @@ pub async fn create_key(page: Page, body: web::Bytes) -> Result<HttpResponse, We
             let context = keys_context(&page, Some(&created)).await?;
             page.fragment("_keys.html", context)
         }
-        Err(error) => refused(&page, error),
+        Err(error) => page.refused("#key-messages", error),
     }
 }
 
@@ -110,26 +110,15 @@ pub async fn create_key(page: Page, body: web::Bytes) -> Result<HttpResponse, We
 pub async fn revoke_key(page: Page, path: web::Path<String>) -> Result<HttpResponse, WebError> {
     let user = page.member()?.session.user_id;
     let Ok(key_id) = Uuid::parse_str(&path) else {
-        return refused(&page, ApiError::NotFound("no such key".into()));
+        return page.refused("#key-messages", ApiError::NotFound("no such key".into()));
     };
     if let Err(error) =
         crate::http::keys::revoke_key(page.state(), user, key_id, &metadata(&page)?).await
     {
-        return refused(&page, error);
+        return page.refused("#key-messages", error);
     }
     let context = keys_context(&page, None).await?;
     page.fragment("_keys.html", context)
-}
-
-/// A refusal into the keys' message area; a store away is the 503 page.
-fn refused(page: &Page, error: ApiError) -> Result<HttpResponse, WebError> {
-    if matches!(
-        error,
-        ApiError::Unexpected(_) | ApiError::Unavailable { .. }
-    ) {
-        return Err(WebError::from(error));
-    }
-    page.alert("#key-messages", "error", &page.message_of(&error))
 }
 
 #[derive(Debug, Deserialize)]
@@ -167,9 +156,6 @@ pub async fn change_password(
             "error",
             &page.t("settings.wrong_current", &[]),
         ),
-        Err(error @ (ApiError::Unexpected(_) | ApiError::Unavailable { .. })) => {
-            Err(WebError::from(error))
-        }
-        Err(error) => page.alert("#password-messages", "error", &page.message_of(&error)),
+        Err(error) => page.refused("#password-messages", error),
     }
 }

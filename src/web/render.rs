@@ -511,6 +511,18 @@ impl Page {
         }
     }
 
+    /// A refusal into a form's message area (`target`), in the reader's words; a store away or
+    /// our bug is the error page instead (503 with `Retry-After`, or 500).
+    pub fn refused(&self, target: &str, error: ApiError) -> Result<HttpResponse, WebError> {
+        if matches!(
+            error,
+            ApiError::Unexpected(_) | ApiError::Unavailable { .. }
+        ) {
+            return Err(WebError::from(error));
+        }
+        self.alert(target, "error", &self.message_of(&error))
+    }
+
     /// An API error in the reader's words (see `Lang::message_of`).
     pub fn message_of(&self, error: &ApiError) -> String {
         self.lang.message_of(error)

@@ -43,18 +43,6 @@ fn with_trigger(mut response: HttpResponse, event: &'static str) -> HttpResponse
     response
 }
 
-/// An API refusal as an alert in `target`; a store away (503, try again) or our bug (500) as
-/// the failure it is, which the page says in its own place.
-fn refused(page: &Page, target: &str, error: ApiError) -> Result<HttpResponse, WebError> {
-    if matches!(
-        error,
-        ApiError::Unexpected(_) | ApiError::Unavailable { .. }
-    ) {
-        return Err(WebError::from(error));
-    }
-    page.alert(target, "error", &page.message_of(&error))
-}
-
 /// The daily active users as an SVG bar chart's bars (drawn by the template; no script).
 fn active_users_chart(days: &[(chrono::NaiveDate, u64)]) -> Value {
     let max = days
@@ -208,8 +196,7 @@ pub async fn add_server(page: Page, form: web::Form<ServerForm>) -> Result<HttpR
         match zhihui_domain::pool::NewBackend::parse(form.name.trim(), form.url.trim(), capacity) {
             Ok(backend) => backend,
             Err(error) => {
-                return refused(
-                    &page,
+                return page.refused(
                     "#servers-messages",
                     crate::http::backends::pool_error(
                         crate::tasks::pool::PoolServiceError::Rejected(error),
@@ -224,8 +211,7 @@ pub async fn add_server(page: Page, form: web::Form<ServerForm>) -> Result<HttpR
         .add(backend, &admin.actor())
         .await
     {
-        return refused(
-            &page,
+        return page.refused(
             "#servers-messages",
             crate::http::backends::pool_error(error),
         );
@@ -249,8 +235,7 @@ pub async fn server_action(
         _ => return Err(page.refusal(StatusCode::NOT_FOUND, "error.not_found")),
     };
     if let Err(error) = done {
-        return refused(
-            &page,
+        return page.refused(
             "#servers-messages",
             crate::http::backends::pool_error(error),
         );
@@ -425,7 +410,7 @@ pub async fn grant(
                 "balance-changed",
             ))
         }
-        Err(error) => refused(&page, "#grant-messages", error),
+        Err(error) => page.refused("#grant-messages", error),
     }
 }
 
@@ -456,7 +441,7 @@ pub async fn change_role(
     if let Err(error) =
         crate::http::users::change_role_of(page.state(), &admin, user_id, role, &metadata).await
     {
-        return refused(&page, "#role-messages", error);
+        return page.refused("#role-messages", error);
     }
     let Some(context) = user_context(&page, user_id).await? else {
         return Err(page.refusal(StatusCode::NOT_FOUND, "error.not_found"));

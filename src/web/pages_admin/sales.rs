@@ -161,7 +161,7 @@ pub async fn create_codes(
             "admin/_batch.html",
             context! { new_form_key => Uuid::new_v4().to_string(), ..batch_context(&page, &view) },
         ),
-        Err(error) => refused(&page, "#codes-messages", error),
+        Err(error) => page.refused("#codes-messages", error),
     }
 }
 
@@ -196,7 +196,7 @@ pub async fn revoke_codes(
         .await
     {
         Ok(view) => page.fragment("admin/_batch.html", batch_context(&page, &view)),
-        Err(error) => refused(&page, &format!("#batch-{batch_id}-messages"), error),
+        Err(error) => page.refused(&format!("#batch-{batch_id}-messages"), error),
     }
 }
 
@@ -321,7 +321,7 @@ pub async fn create_promotion(
                 ..promotion_context(&view, page.state().clock.now())
             },
         ),
-        Err(error) => refused(&page, target, error),
+        Err(error) => page.refused(target, error),
     }
 }
 
@@ -408,6 +408,6 @@ pub(super) async fn change_promotion(
                 promotion_context(&view, page.state().clock.now()),
             )
         }
-        Err(error) => refused(page, target, error),
+        Err(error) => page.refused(target, error),
     }
 }
