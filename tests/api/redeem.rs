@@ -351,6 +351,48 @@ async fn redis_flushed_before_and_during_redemptions_never_redeems_a_code_twice_
     project_and_verify(&app).await;
 }
 
+/// A batch revoked through one instance is refused through the other, whose cache had the
+/// batch as valid from a redemption a moment before; a revocation with a reason that shows
+/// nothing is refused and revokes nothing. Consecutive requests alternate between the two;
+/// the balance counts the one code redeemed before, and `audit verify` is clean.
+#[tokio::test]
+async fn a_batch_revoked_through_one_instance_is_refused_through_the_other() {
+    let app = spawn_codes_app().await;
+    let other = app.another_instance().await;
+    let admin = app.admin_token("admin").await;
+    let now = test_epoch();
+    let (batch, codes) = issued_batch(&app, &admin, 3, "5", (now - hours(1), now + hours(3))).await;
+    let (_, ann) = user(&app, "ann").await;
+    assert_eq!(redeem(&other, &ann, &codes[0].1).await.status(), 200);
+
+    let path = format!("/api/v1/admin/code-batches/{batch}/revoke");
+    let (blank, reason) = (
+        json!({"reason": "\u{200B} "}),
+        json!({"reason": "泄露在论坛上"}),
+    );
+    let (status, rule, problem) = problem_type(app.post(&path, Some(&admin), &blank).await).await;
+    assert_eq!(status, 422, "{rule} {problem}");
+    assert_eq!(problem["field"], "reason", "{problem}");
+    assert_eq!(redeem(&other, &ann, &codes[1].1).await.status(), 200);
+
+    assert_eq!(app.post(&path, Some(&admin), &reason).await.status(), 200);
+    let (status, rule, _) = problem_type(redeem(&other, &ann, &codes[2].1).await).await;
+    assert_eq!((status, rule.as_str()), (409, "/problems/code-revoked"));
+    let (status, rule, _) = problem_type(redeem(&app, &ann, &codes[2].1).await).await;
+    assert_eq!((status, rule.as_str()), (409, "/problems/code-revoked"));
+
+    for instance in [&app, &other] {
+        let balance: Value = instance
+            .get_as(&ann, "/api/v1/account")
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(balance["available"], "10.00");
+    }
+    project_and_verify(&app).await;
+}
+
 #[tokio::test]
 async fn forged_codes_are_refused_without_postgres_or_redis_and_limited_per_user() {
     // Both dependencies unreachable: a lookup would fail with a store error, not `Invalid`.
