@@ -148,6 +148,7 @@ pub(crate) fn task_error(error: TaskServiceError) -> ApiError {
         ref e @ TaskServiceError::NotQueued { .. } => conflict("task-not-queued", e),
         ref e @ TaskServiceError::AlreadyFirst => conflict("already-first", e),
         ref e @ TaskServiceError::NoRoom => conflict("no-room-ahead", e),
+        ref e @ TaskServiceError::PrioritiseUnderWay => conflict("prioritise-under-way", e),
         ref e @ TaskServiceError::Finished { .. } => conflict("task-finished", e),
         TaskServiceError::Crashed(point) => {
             ApiError::Unexpected(anyhow::anyhow!("injected crash at {point:?}"))
@@ -588,7 +589,7 @@ pub(crate) async fn task_page(
     responses(
         (status = 200, body = PrioritiseResponse),
         (status = 404, body = crate::http::problem::Problem),
-        (status = 409, description = "`task-not-queued`, `already-first`, `insufficient-points`, nothing charged", body = crate::http::problem::Problem),
+        (status = 409, description = "`task-not-queued`, `already-first`, `no-room-ahead`, `prioritise-under-way` (another prioritise of the task is being made), `insufficient-points`: nothing charged", body = crate::http::problem::Problem),
     )
 )]
 pub async fn prioritise(

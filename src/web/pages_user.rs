@@ -393,6 +393,7 @@ fn clone_refusal(error: &TaskServiceError) -> TaskServiceError {
         TaskServiceError::NotQueued { status } => TaskServiceError::NotQueued { status },
         TaskServiceError::AlreadyFirst => TaskServiceError::AlreadyFirst,
         TaskServiceError::NoRoom => TaskServiceError::NoRoom,
+        TaskServiceError::PrioritiseUnderWay => TaskServiceError::PrioritiseUnderWay,
         TaskServiceError::Finished { status } => TaskServiceError::Finished { status },
         other => TaskServiceError::Unexpected(anyhow::anyhow!("{other}")),
     }

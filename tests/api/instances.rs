@@ -14,6 +14,7 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 use zhihui::tasks::catalog::RequestedTask;
 use zhihui::tasks::service::{CrashPoint, TaskServiceError};
+use zhihui_domain::account::Operation;
 use zhihui_domain::points::Points;
 use zhihui_domain::task::{TaskEvent, TaskStatus};
 use zhihui_domain::user::UserId;
@@ -577,6 +578,112 @@ async fn keyed_submit_retries_over_two_instances_freeze_once() {
     let cancel = act(&b, &token, "cancel", &task_id).await;
     assert_eq!(cancel.status(), 200);
     assert_balance(&a, &token, "10.00", "0.00").await;
+    project_and_verify(&a).await;
+}
+
+/// Prioritises of one task sent together, alternating between two instances. Without an
+/// Idempotency-Key (a double click, a client retrying blind), one moves the task and pays; each
+/// other is told that another prioritise is under way or that the task is first now, and none is
+/// charged, nor refused for want of the points the others' fees held meanwhile. With one key,
+/// every request answers the one move, charged once. A prioritise that crashed after paying holds
+/// the task until the sweeper refunds it; then the next one moves it.
+#[tokio::test]
+async fn prioritises_sent_together_move_a_task_once_and_name_why_the_rest_did_not() {
+    let a = spawn_app().await;
+    let b = a.another_instance().await;
+    let ahead = a.register("early-bird", "correct horse battery").await;
+    let ahead_token = a.login("early-bird", "correct horse battery").await;
+    let user = a.register("impatient", "correct horse battery").await;
+    let token = b.login("impatient", "correct horse battery").await;
+    let admin = a.admin_token("admin-impatient").await;
+    grant_via(&a, &admin, &ahead, "1").await;
+    grant_via(&b, &admin, &user, "13").await;
+    submit_task(&a, &ahead_token, 1, 2).await;
+    let first = submit_task(&b, &token, 1, 2).await;
+    assert_balance(&a, &token, "12.00", "1.00").await;
+
+    let answers = futures::future::join_all((0..20).map(|n| {
+        let instance = if n % 2 == 0 { &a } else { &b };
+        act(instance, &token, "prioritise", &first)
+    }))
+    .await;
+    let mut moved = 0;
+    for answer in answers {
+        if answer.status() == 200 {
+            moved += 1;
+            continue;
+        }
+        assert_eq!(answer.status(), 409);
+        let problem: Value = answer.json().await.unwrap();
+        let rule = problem["type"].as_str().unwrap();
+        assert!(
+            ["/problems/prioritise-under-way", "/problems/already-first"].contains(&rule),
+            "{problem}"
+        );
+    }
+    assert_eq!(moved, 1);
+    assert_balance(&a, &token, "7.00", "1.00").await;
+
+    let second = submit_task(&a, &token, 1, 2).await;
+    let (path, body) = (format!("/api/v1/tasks/{second}/prioritise"), json!({}));
+    let answers = futures::future::join_all((0..6).map(|n| {
+        let instance = if n % 2 == 0 { &b } else { &a };
+        post_keyed(instance, &path, &token, "faster-please-1", &body)
+    }))
+    .await;
+    for answer in answers {
+        assert_eq!(answer.status(), 200);
+        let body: Value = answer.json().await.unwrap();
+        assert_eq!(body["position"], 1, "{body}");
+    }
+    for instance in [&a, &b] {
+        assert_balance(instance, &token, "1.00", "2.00").await;
+    }
+
+    // A prioritise that crashed after its fee holds the task until the sweeper refunds it.
+    grant_via(&b, &admin, &user, "10").await;
+    let third = submit_task(&b, &token, 1, 2).await;
+    let crashed = a
+        .services_on_app_clock()
+        .tasks
+        .crashing_at(CrashPoint::AfterCharge)
+        .prioritise(
+            UserId::from_uuid(Uuid::parse_str(&user).unwrap()),
+            Uuid::parse_str(&third).unwrap(),
+            None,
+            &metadata(),
+        )
+        .await;
+    assert!(matches!(crashed, Err(TaskServiceError::Crashed(_))));
+    let held = act(&b, &token, "prioritise", &third).await;
+    assert_eq!(held.status(), 409);
+    let problem: Value = held.json().await.unwrap();
+    assert_eq!(problem["type"], "/problems/prioritise-under-way");
+    assert_balance(&a, &token, "5.00", "3.00").await;
+    a.clock.advance(Duration::from_millis(
+        a.settings.tasks.intent_resolve_after_ms + 1,
+    ));
+    let swept = a.services_on_app_clock().tasks.sweep_once().await.unwrap();
+    assert_eq!(swept.intents_resolved, 1);
+    assert_balance(&b, &token, "10.00", "3.00").await;
+    assert_eq!(act(&a, &token, "prioritise", &third).await.status(), 200);
+    assert_balance(&b, &token, "5.00", "3.00").await;
+
+    let account = account_of(&a, &user).await;
+    let charges = account
+        .operations
+        .values()
+        .filter(|operation| {
+            matches!(
+                operation,
+                Operation::Charge {
+                    refunded: false,
+                    ..
+                }
+            )
+        })
+        .count();
+    assert_eq!(charges, 3, "one fee per move, the crashed one refunded");
     project_and_verify(&a).await;
 }
 

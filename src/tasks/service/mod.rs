@@ -98,6 +98,8 @@ pub enum TaskServiceError {
     AlreadyFirst,
     #[error("the task cannot move ahead right now; try again")]
     NoRoom,
+    #[error("another prioritise of this task is under way; look at its place in a moment")]
+    PrioritiseUnderWay,
     #[error("the task is {status}: it cannot be cancelled")]
     Finished { status: &'static str },
     #[error("injected crash at {0:?}")]
@@ -190,6 +192,14 @@ pub struct AccountMoves {
 /// The operation id of the refund of an abandoned prioritise's fee (one per charge).
 pub fn refund_operation_id(charge_operation_id: OperationId) -> OperationId {
     Uuid::new_v5(&REFUND_NAMESPACE, charge_operation_id.as_bytes())
+}
+
+/// What [`TaskService::claim_prioritise`] found.
+enum PrioritiseClaim {
+    /// This request's own intent: it ends it.
+    Mine(Uuid),
+    /// The same operation holds the task already: its intent covers this request too.
+    Shared,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -419,6 +429,57 @@ impl TaskService {
         .await
         .context("recording an intent")?;
         Ok((written == 1).then_some(intent_id))
+    }
+
+    /// A prioritise's intent, which is also its claim on the task: one prioritise of a task is
+    /// under way at a time (`task_intents_one_prioritise`). A request of the same operation (its
+    /// Idempotency-Key sent again while the first is under way, or after it crashed) goes on
+    /// under the intent that is there: the account and the task record an operation once.
+    async fn claim_prioritise(
+        &self,
+        task_id: TaskId,
+        user_id: UserId,
+        operation_id: OperationId,
+    ) -> Result<PrioritiseClaim, TaskServiceError> {
+        let client = crate::platform::postgres::checkout(&self.pool)
+            .await
+            .context("getting a connection")?;
+        // The holder may end between the insert and the read; a few tries settle it.
+        for _ in 0..3 {
+            let intent_id = Uuid::now_v7();
+            let written = crate::platform::postgres::execute_cached(
+                &client,
+                "INSERT INTO task_intents (intent_id, kind, task_id, user_id, operation_id, created_at)
+                 VALUES ($1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (task_id) WHERE kind = 'prioritise' DO NOTHING",
+                &[
+                    &intent_id,
+                    &IntentKind::Prioritise.as_str(),
+                    &task_id,
+                    &user_id.as_uuid(),
+                    &operation_id,
+                    &self.clock.now(),
+                ],
+            )
+            .await
+            .context("recording an intent")?;
+            if written == 1 {
+                return Ok(PrioritiseClaim::Mine(intent_id));
+            }
+            let holder = crate::platform::postgres::query_cached(
+                &client,
+                "SELECT operation_id FROM task_intents WHERE task_id = $1 AND kind = 'prioritise'",
+                &[&task_id],
+            )
+            .await
+            .context("reading the prioritise under way")?;
+            match holder.first().map(|row| row.get::<_, Option<Uuid>>(0)) {
+                Some(held) if held == Some(operation_id) => return Ok(PrioritiseClaim::Shared),
+                Some(_) => return Err(TaskServiceError::PrioritiseUnderWay),
+                None => continue,
+            }
+        }
+        Err(TaskServiceError::PrioritiseUnderWay)
     }
 
     /// Delete an intent: its request is done. Returns once the row is gone; requests that end

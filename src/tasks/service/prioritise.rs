@@ -25,41 +25,51 @@ impl TaskService {
         if state.owner != Some(user_id) {
             return Err(TaskServiceError::NotFound);
         }
-        match state.prioritisations.get(&operation_id) {
-            Some(PrioritisationOutcome::Moved) => {
-                return Ok(PrioritiseOutcome {
-                    operation_id,
-                    position: self.queue.rank(task_id).await?.map(|rank| rank + 1),
-                    fee,
-                    charged_now: false,
-                });
-            }
-            Some(PrioritisationOutcome::Abandoned) => return Err(TaskServiceError::RolledBack),
-            None => {}
+        if let Some(answer) = self.recorded(&state, task_id, operation_id, fee).await? {
+            return answer;
         }
         if state.status != TaskStatus::Queued {
             return Err(TaskServiceError::NotQueued {
                 status: state.status.as_str(),
             });
         }
-        let to_score = match self
-            .queue
-            .prioritise_target(task_id, settings.prioritise_jump_max)
+        // Claimed before the queue is read: a prioritise that ends meanwhile has moved the task
+        // already, so the place read here is the one this request pays to leave.
+        let intent = match self
+            .claim_prioritise(task_id, user_id, operation_id)
             .await?
         {
-            PrioritiseTarget::Ahead { to_score, .. } => to_score,
-            PrioritiseTarget::AlreadyFirst => return Err(TaskServiceError::AlreadyFirst),
-            PrioritiseTarget::NoRoom => return Err(TaskServiceError::NoRoom),
+            PrioritiseClaim::Mine(intent) => Some(intent),
+            PrioritiseClaim::Shared => None,
+        };
+        let target = self
+            .queue
+            .prioritise_target(task_id, settings.prioritise_jump_max)
+            .await?;
+        let refusal = match target {
+            PrioritiseTarget::Ahead { to_score, .. } => Ok(to_score),
+            PrioritiseTarget::AlreadyFirst => Err(TaskServiceError::AlreadyFirst),
+            PrioritiseTarget::NoRoom => Err(TaskServiceError::NoRoom),
             // Queued by its events but not in the queue: a dispatcher holds it right now.
-            PrioritiseTarget::NotQueued => {
-                return Err(TaskServiceError::NotQueued {
-                    status: TaskStatus::Dispatched.as_str(),
-                });
+            PrioritiseTarget::NotQueued => Err(TaskServiceError::NotQueued {
+                status: TaskStatus::Dispatched.as_str(),
+            }),
+        };
+        let to_score = match refusal {
+            Ok(to_score) => to_score,
+            Err(refusal) => {
+                self.end_prioritise(intent).await?;
+                if intent.is_none() {
+                    // The request this one shares the operation with may have moved the task
+                    // since it was loaded: its answer is this one's too.
+                    let state = self.load(task_id).await?;
+                    if let Some(answer) = self.recorded(&state, task_id, operation_id, fee).await? {
+                        return answer;
+                    }
+                }
+                return Err(refusal);
             }
         };
-        let intent = self
-            .begin_intent(IntentKind::Prioritise, task_id, user_id, Some(operation_id))
-            .await?;
         let charge = AccountCommand::Charge {
             operation_id,
             amount: fee,
@@ -71,7 +81,7 @@ impl TaskService {
             handled.state_after.operations.get(&operation_id)
         {
             // A retry of a prioritise that was refused and refunded.
-            self.end_intent(intent).await?;
+            self.end_prioritise(intent).await?;
             return Err(TaskServiceError::RolledBack);
         }
         self.crash_if(CrashPoint::AfterCharge)?;
@@ -89,7 +99,7 @@ impl TaskService {
                 {
                     self.queue.move_to(task_id, score).await?;
                 }
-                self.end_intent(intent).await?;
+                self.end_prioritise(intent).await?;
                 Ok(PrioritiseOutcome {
                     operation_id,
                     position: self.queue.rank(task_id).await?.map(|rank| rank + 1),
@@ -106,10 +116,39 @@ impl TaskService {
                     metadata.correlation_id,
                 )
                 .await?;
-                self.end_intent(intent).await?;
+                self.end_prioritise(intent).await?;
                 Err(task_error(error))
             }
             Err(other) => Err(other.into()),
         }
+    }
+
+    /// End this request's intent, when it wrote one (a request sharing another's leaves it).
+    async fn end_prioritise(&self, intent: Option<Uuid>) -> anyhow::Result<()> {
+        match intent {
+            Some(intent) => self.end_intent(intent).await,
+            None => Ok(()),
+        }
+    }
+
+    /// The answer of an operation the task has recorded already (moved, or abandoned after its
+    /// request failed); `None` while it has not.
+    async fn recorded(
+        &self,
+        state: &TaskState,
+        task_id: TaskId,
+        operation_id: OperationId,
+        fee: Amount,
+    ) -> anyhow::Result<Option<Result<PrioritiseOutcome, TaskServiceError>>> {
+        Ok(match state.prioritisations.get(&operation_id) {
+            Some(PrioritisationOutcome::Moved) => Some(Ok(PrioritiseOutcome {
+                operation_id,
+                position: self.queue.rank(task_id).await?.map(|rank| rank + 1),
+                fee,
+                charged_now: false,
+            })),
+            Some(PrioritisationOutcome::Abandoned) => Some(Err(TaskServiceError::RolledBack)),
+            None => None,
+        })
     }
 }

@@ -9,7 +9,7 @@ impl TaskService {
     /// nothing was paid, so the intent ends with it.
     pub(super) async fn pay(
         &self,
-        intent: Uuid,
+        intent: Option<Uuid>,
         user_id: UserId,
         command: AccountCommand,
         metadata: &EventMetadata,
@@ -33,7 +33,9 @@ impl TaskService {
             )) => TaskServiceError::IdempotencyKeyReused,
             Err(other) => return Err(other.into()),
         };
-        self.end_intent(intent).await?;
+        if let Some(intent) = intent {
+            self.end_intent(intent).await?;
+        }
         Err(refusal)
     }
 
@@ -134,7 +136,7 @@ impl TaskService {
             amount: checked.price,
             at: self.clock.now(),
         };
-        self.pay(intent, user_id, freeze, metadata).await?;
+        self.pay(Some(intent), user_id, freeze, metadata).await?;
         self.crash_if(CrashPoint::AfterFreeze)?;
 
         let (prompt, negative_prompt) = futures::join!(
