@@ -194,14 +194,6 @@ pub fn refund_operation_id(charge_operation_id: OperationId) -> OperationId {
     Uuid::new_v5(&REFUND_NAMESPACE, charge_operation_id.as_bytes())
 }
 
-/// What [`TaskService::claim_prioritise`] found.
-enum PrioritiseClaim {
-    /// This request's own intent: it ends it.
-    Mine(Uuid),
-    /// The same operation holds the task already: its intent covers this request too.
-    Shared,
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum IntentKind {
     Submit,
@@ -373,6 +365,20 @@ impl TaskService {
         user_id: UserId,
         operation_id: Option<OperationId>,
     ) -> anyhow::Result<Uuid> {
+        self.write_intent(kind, task_id, user_id, operation_id)
+            .await?
+            .context("a prioritise's claim met by an intent of another kind")
+    }
+
+    /// Write an intent; `None` when it is a prioritise's and another prioritise of the task
+    /// holds its claim (`task_intents_one_prioritise`, which no other kind meets).
+    async fn write_intent(
+        &self,
+        kind: IntentKind,
+        task_id: TaskId,
+        user_id: UserId,
+        operation_id: Option<OperationId>,
+    ) -> anyhow::Result<Option<Uuid>> {
         // Fresh for every request: an intent belongs to the request that wrote it, so a refused
         // duplicate (the same Idempotency-Key with another body) ends its own intent, never
         // the one of the request that won and may still crash.
@@ -380,10 +386,11 @@ impl TaskService {
         let client = crate::platform::postgres::checkout(&self.pool)
             .await
             .context("getting a connection")?;
-        crate::platform::postgres::execute_cached(
+        let written = crate::platform::postgres::execute_cached(
             &client,
             "INSERT INTO task_intents (intent_id, kind, task_id, user_id, operation_id, created_at)
-                 VALUES ($1, $2, $3, $4, $5, $6)",
+                 VALUES ($1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (task_id) WHERE kind = 'prioritise' DO NOTHING",
             &[
                 &intent_id,
                 &kind.as_str(),
@@ -395,7 +402,7 @@ impl TaskService {
         )
         .await
         .context("recording an intent")?;
-        Ok(intent_id)
+        Ok((written == 1).then_some(intent_id))
     }
 
     /// A submission's intent, written only while the read model counts fewer than
@@ -432,54 +439,17 @@ impl TaskService {
     }
 
     /// A prioritise's intent, which is also its claim on the task: one prioritise of a task is
-    /// under way at a time (`task_intents_one_prioritise`). A request of the same operation (its
-    /// Idempotency-Key sent again while the first is under way, or after it crashed) goes on
-    /// under the intent that is there: the account and the task record an operation once.
+    /// under way at a time (`task_intents_one_prioritise`); while one is, another (of any
+    /// operation) is refused [`TaskServiceError::PrioritiseUnderWay`] before it pays.
     async fn claim_prioritise(
         &self,
         task_id: TaskId,
         user_id: UserId,
         operation_id: OperationId,
-    ) -> Result<PrioritiseClaim, TaskServiceError> {
-        let client = crate::platform::postgres::checkout(&self.pool)
-            .await
-            .context("getting a connection")?;
-        // The holder may end between the insert and the read; a few tries settle it.
-        for _ in 0..3 {
-            let intent_id = Uuid::now_v7();
-            let written = crate::platform::postgres::execute_cached(
-                &client,
-                "INSERT INTO task_intents (intent_id, kind, task_id, user_id, operation_id, created_at)
-                 VALUES ($1, $2, $3, $4, $5, $6)
-                 ON CONFLICT (task_id) WHERE kind = 'prioritise' DO NOTHING",
-                &[
-                    &intent_id,
-                    &IntentKind::Prioritise.as_str(),
-                    &task_id,
-                    &user_id.as_uuid(),
-                    &operation_id,
-                    &self.clock.now(),
-                ],
-            )
-            .await
-            .context("recording an intent")?;
-            if written == 1 {
-                return Ok(PrioritiseClaim::Mine(intent_id));
-            }
-            let holder = crate::platform::postgres::query_cached(
-                &client,
-                "SELECT operation_id FROM task_intents WHERE task_id = $1 AND kind = 'prioritise'",
-                &[&task_id],
-            )
-            .await
-            .context("reading the prioritise under way")?;
-            match holder.first().map(|row| row.get::<_, Option<Uuid>>(0)) {
-                Some(held) if held == Some(operation_id) => return Ok(PrioritiseClaim::Shared),
-                Some(_) => return Err(TaskServiceError::PrioritiseUnderWay),
-                None => continue,
-            }
-        }
-        Err(TaskServiceError::PrioritiseUnderWay)
+    ) -> Result<Uuid, TaskServiceError> {
+        self.write_intent(IntentKind::Prioritise, task_id, user_id, Some(operation_id))
+            .await?
+            .ok_or(TaskServiceError::PrioritiseUnderWay)
     }
 
     /// Delete an intent: its request is done. Returns once the row is gone; requests that end

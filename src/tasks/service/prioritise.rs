@@ -34,40 +34,38 @@ impl TaskService {
             });
         }
         // Claimed before the queue is read: a prioritise that ends meanwhile has moved the task
-        // already, so the place read here is the one this request pays to leave.
-        let intent = match self
+        // already, so the place read here is the one this request pays to leave. Another
+        // request holding the claim, of whatever operation (its key sent again while it is under
+        // way), is told so: only the holder's intent covers what it pays.
+        let intent = self
             .claim_prioritise(task_id, user_id, operation_id)
-            .await?
-        {
-            PrioritiseClaim::Mine(intent) => Some(intent),
-            PrioritiseClaim::Shared => None,
-        };
-        let target = self
+            .await?;
+        let target = match self
             .queue
             .prioritise_target(task_id, settings.prioritise_jump_max)
-            .await?;
-        let refusal = match target {
-            PrioritiseTarget::Ahead { to_score, .. } => Ok(to_score),
-            PrioritiseTarget::AlreadyFirst => Err(TaskServiceError::AlreadyFirst),
-            PrioritiseTarget::NoRoom => Err(TaskServiceError::NoRoom),
-            // Queued by its events but not in the queue: a dispatcher holds it right now.
-            PrioritiseTarget::NotQueued => Err(TaskServiceError::NotQueued {
-                status: TaskStatus::Dispatched.as_str(),
-            }),
+            .await
+        {
+            Ok(target) => target,
+            Err(error) => {
+                // Nothing was paid: the task is free for the next request at once.
+                self.end_intent(intent).await?;
+                return Err(error.into());
+            }
         };
-        let to_score = match refusal {
-            Ok(to_score) => to_score,
-            Err(refusal) => {
-                self.end_prioritise(intent).await?;
-                if intent.is_none() {
-                    // The request this one shares the operation with may have moved the task
-                    // since it was loaded: its answer is this one's too.
-                    let state = self.load(task_id).await?;
-                    if let Some(answer) = self.recorded(&state, task_id, operation_id, fee).await? {
-                        return answer;
+        let to_score = match target {
+            PrioritiseTarget::Ahead { to_score, .. } => to_score,
+            refused => {
+                self.end_intent(intent).await?;
+                return Err(match refused {
+                    PrioritiseTarget::AlreadyFirst => TaskServiceError::AlreadyFirst,
+                    // Queued by its events but not in the queue: a dispatcher holds it now.
+                    PrioritiseTarget::NotQueued => TaskServiceError::NotQueued {
+                        status: TaskStatus::Dispatched.as_str(),
+                    },
+                    PrioritiseTarget::NoRoom | PrioritiseTarget::Ahead { .. } => {
+                        TaskServiceError::NoRoom
                     }
-                }
-                return Err(refusal);
+                });
             }
         };
         let charge = AccountCommand::Charge {
@@ -81,7 +79,7 @@ impl TaskService {
             handled.state_after.operations.get(&operation_id)
         {
             // A retry of a prioritise that was refused and refunded.
-            self.end_prioritise(intent).await?;
+            self.end_intent(intent).await?;
             return Err(TaskServiceError::RolledBack);
         }
         self.crash_if(CrashPoint::AfterCharge)?;
@@ -99,7 +97,7 @@ impl TaskService {
                 {
                     self.queue.move_to(task_id, score).await?;
                 }
-                self.end_prioritise(intent).await?;
+                self.end_intent(intent).await?;
                 Ok(PrioritiseOutcome {
                     operation_id,
                     position: self.queue.rank(task_id).await?.map(|rank| rank + 1),
@@ -116,18 +114,10 @@ impl TaskService {
                     metadata.correlation_id,
                 )
                 .await?;
-                self.end_prioritise(intent).await?;
+                self.end_intent(intent).await?;
                 Err(task_error(error))
             }
             Err(other) => Err(other.into()),
-        }
-    }
-
-    /// End this request's intent, when it wrote one (a request sharing another's leaves it).
-    async fn end_prioritise(&self, intent: Option<Uuid>) -> anyhow::Result<()> {
-        match intent {
-            Some(intent) => self.end_intent(intent).await,
-            None => Ok(()),
         }
     }
 

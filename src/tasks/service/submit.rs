@@ -9,7 +9,7 @@ impl TaskService {
     /// nothing was paid, so the intent ends with it.
     pub(super) async fn pay(
         &self,
-        intent: Option<Uuid>,
+        intent: Uuid,
         user_id: UserId,
         command: AccountCommand,
         metadata: &EventMetadata,
@@ -33,9 +33,7 @@ impl TaskService {
             )) => TaskServiceError::IdempotencyKeyReused,
             Err(other) => return Err(other.into()),
         };
-        if let Some(intent) = intent {
-            self.end_intent(intent).await?;
-        }
+        self.end_intent(intent).await?;
         Err(refusal)
     }
 
@@ -136,7 +134,7 @@ impl TaskService {
             amount: checked.price,
             at: self.clock.now(),
         };
-        self.pay(Some(intent), user_id, freeze, metadata).await?;
+        self.pay(intent, user_id, freeze, metadata).await?;
         self.crash_if(CrashPoint::AfterFreeze)?;
 
         let (prompt, negative_prompt) = futures::join!(
