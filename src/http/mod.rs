@@ -7,6 +7,7 @@ pub(crate) mod backends;
 pub(crate) mod checkins;
 pub(crate) mod codes;
 pub mod cookie;
+pub mod deadline;
 pub mod extract;
 pub mod gallery;
 mod health;
@@ -37,163 +38,197 @@ pub const JSON_BODY_BYTES_MAX: usize = 64 * 1024;
 /// Header a client may set to tie its request to events and logs (a UUID); one is made otherwise.
 pub const CORRELATION_ID_HEADER: &str = "x-correlation-id";
 
+/// An API route to `handler`, answered 503 `request-overdue` past its deadline.
+fn api<F, Args>(route: actix_web::Route, handler: F) -> actix_web::Route
+where
+    F: actix_web::Handler<Args>,
+    Args: actix_web::FromRequest + 'static,
+    F::Output: actix_web::Responder + 'static,
+{
+    deadline::within_deadline(route, handler, actix_web::HttpResponse::from_error)
+}
+
 /// Mount every route.
 pub fn routes(config: &mut web::ServiceConfig) {
     config
         .app_data(json_config())
         .app_data(path_config())
         .app_data(query_config())
-        .route("/health", web::get().to(health::health))
-        .route("/ready", web::get().to(health::ready))
-        .route("/api/openapi.json", web::get().to(openapi::document))
+        .route("/health", api(web::get(), health::health))
+        .route("/ready", api(web::get(), health::ready))
+        .route("/api/openapi.json", api(web::get(), openapi::document))
         .service(
             web::scope("/api/v1")
-                .route("/auth/register", web::post().to(auth::register))
-                .route("/auth/login", web::post().to(auth::login))
-                .route("/auth/code", web::post().to(auth::send_code))
-                .route("/auth/logout", web::post().to(auth::logout))
-                .route("/me", web::get().to(users::me))
-                .route("/me/password", web::put().to(users::change_password))
-                .route("/me/phone", web::post().to(users::bind_phone))
-                .route("/me/keys", web::post().to(keys::create))
-                .route("/me/keys", web::get().to(keys::list))
-                .route("/me/keys/{key_id}", web::delete().to(keys::revoke))
-                .route("/admin/users/{id}/keys", web::post().to(keys::admin_create))
-                .route("/admin/users/{id}/keys", web::get().to(keys::admin_list))
+                .route("/auth/register", api(web::post(), auth::register))
+                .route("/auth/login", api(web::post(), auth::login))
+                .route("/auth/code", api(web::post(), auth::send_code))
+                .route("/auth/logout", api(web::post(), auth::logout))
+                .route("/me", api(web::get(), users::me))
+                .route("/me/password", api(web::put(), users::change_password))
+                .route("/me/phone", api(web::post(), users::bind_phone))
+                .route("/me/keys", api(web::post(), keys::create))
+                .route("/me/keys", api(web::get(), keys::list))
+                .route("/me/keys/{key_id}", api(web::delete(), keys::revoke))
+                .route(
+                    "/admin/users/{id}/keys",
+                    api(web::post(), keys::admin_create),
+                )
+                .route("/admin/users/{id}/keys", api(web::get(), keys::admin_list))
                 .route(
                     "/admin/users/{id}/keys/{key_id}",
-                    web::delete().to(keys::admin_revoke),
+                    api(web::delete(), keys::admin_revoke),
                 )
-                .route("/me/webhooks", web::post().to(webhooks::register))
-                .route("/me/webhooks", web::get().to(webhooks::list))
-                .route("/me/webhooks/{id}", web::delete().to(webhooks::remove))
-                .route("/me/webhooks/{id}/rotate", web::post().to(webhooks::rotate))
-                .route("/me/webhooks/{id}/enable", web::post().to(webhooks::enable))
+                .route("/me/webhooks", api(web::post(), webhooks::register))
+                .route("/me/webhooks", api(web::get(), webhooks::list))
+                .route("/me/webhooks/{id}", api(web::delete(), webhooks::remove))
+                .route(
+                    "/me/webhooks/{id}/rotate",
+                    api(web::post(), webhooks::rotate),
+                )
+                .route(
+                    "/me/webhooks/{id}/enable",
+                    api(web::post(), webhooks::enable),
+                )
                 .route(
                     "/me/webhooks/{id}/disable",
-                    web::post().to(webhooks::disable),
+                    api(web::post(), webhooks::disable),
                 )
                 .route(
                     "/me/webhooks/{id}/deliveries",
-                    web::get().to(webhooks::deliveries),
+                    api(web::get(), webhooks::deliveries),
                 )
                 .route(
                     "/me/webhooks/{id}/redeliver",
-                    web::post().to(webhooks::redeliver),
+                    api(web::post(), webhooks::redeliver),
                 )
-                .route("/users/{id}", web::get().to(users::user))
-                .route("/admin/users/{id}", web::get().to(users::admin_user))
-                .route("/admin/users/{id}/role", web::put().to(users::change_role))
-                .route("/account", web::get().to(accounts::balance))
-                .route("/account/ledger", web::get().to(accounts::ledger))
+                .route("/users/{id}", api(web::get(), users::user))
+                .route("/admin/users/{id}", api(web::get(), users::admin_user))
+                .route(
+                    "/admin/users/{id}/role",
+                    api(web::put(), users::change_role),
+                )
+                .route("/account", api(web::get(), accounts::balance))
+                .route("/account/ledger", api(web::get(), accounts::ledger))
                 .route(
                     "/admin/accounts/{user}/grants",
-                    web::post().to(accounts::grant),
+                    api(web::post(), accounts::grant),
                 )
-                .route("/admin/projections", web::get().to(accounts::projections))
-                .route("/tasks", web::post().to(tasks::submit))
-                .route("/tasks", web::get().to(tasks::tasks))
-                .route("/tasks/{id}", web::get().to(tasks::task))
-                .route("/tasks/{id}/prioritise", web::post().to(tasks::prioritise))
-                .route("/tasks/{id}/cancel", web::post().to(tasks::cancel))
-                .route("/ws", web::get().to(live::socket))
-                .route("/ws/ticket", web::post().to(live::ticket))
-                .route("/images/{id}", web::get().to(live::image))
+                .route("/admin/projections", api(web::get(), accounts::projections))
+                .route("/tasks", api(web::post(), tasks::submit))
+                .route("/tasks", api(web::get(), tasks::tasks))
+                .route("/tasks/{id}", api(web::get(), tasks::task))
+                .route(
+                    "/tasks/{id}/prioritise",
+                    api(web::post(), tasks::prioritise),
+                )
+                .route("/tasks/{id}/cancel", api(web::post(), tasks::cancel))
+                .route("/ws", api(web::get(), live::socket))
+                .route("/ws/ticket", api(web::post(), live::ticket))
+                .route("/images/{id}", api(web::get(), live::image))
                 .route(
                     "/admin/images/{id}/original",
-                    web::get().to(live::original_image),
+                    api(web::get(), live::original_image),
                 )
-                .route("/codes/redeem", web::post().to(codes::redeem))
-                .route("/admin/code-batches", web::post().to(codes::create_batch))
-                .route("/admin/code-batches/{id}", web::get().to(codes::batch))
+                .route("/codes/redeem", api(web::post(), codes::redeem))
+                .route("/admin/code-batches", api(web::post(), codes::create_batch))
+                .route("/admin/code-batches/{id}", api(web::get(), codes::batch))
                 .route(
                     "/admin/code-batches/{id}/revoke",
-                    web::post().to(codes::revoke),
+                    api(web::post(), codes::revoke),
                 )
                 .route(
                     "/admin/code-batches/{id}/codes.csv",
-                    web::get().to(codes::export),
+                    api(web::get(), codes::export),
                 )
-                .route("/gallery/hot", web::get().to(gallery::hot))
-                .route("/gallery/new", web::get().to(gallery::newest))
-                .route("/gallery/feed", web::get().to(gallery::feed))
-                .route("/gallery/likes", web::get().to(gallery::my_likes))
-                .route("/gallery/works", web::post().to(gallery::publish))
-                .route("/gallery/works/{id}", web::get().to(gallery::work))
+                .route("/gallery/hot", api(web::get(), gallery::hot))
+                .route("/gallery/new", api(web::get(), gallery::newest))
+                .route("/gallery/feed", api(web::get(), gallery::feed))
+                .route("/gallery/likes", api(web::get(), gallery::my_likes))
+                .route("/gallery/works", api(web::post(), gallery::publish))
+                .route("/gallery/works/{id}", api(web::get(), gallery::work))
                 .route(
                     "/gallery/works/{id}/unpublish",
-                    web::post().to(gallery::unpublish),
+                    api(web::post(), gallery::unpublish),
                 )
-                .route("/gallery/works/{id}/like", web::put().to(gallery::like))
+                .route("/gallery/works/{id}/like", api(web::put(), gallery::like))
                 .route(
                     "/gallery/works/{id}/like",
-                    web::delete().to(gallery::unlike),
+                    api(web::delete(), gallery::unlike),
                 )
                 .route(
                     "/gallery/works/{id}/images/{image}",
-                    web::get().to(gallery::image),
+                    api(web::get(), gallery::image),
                 )
-                .route("/gallery/creators/{id}", web::get().to(gallery::creator))
+                .route("/gallery/creators/{id}", api(web::get(), gallery::creator))
                 .route(
                     "/gallery/creators/{id}/works",
-                    web::get().to(gallery::creator_works),
+                    api(web::get(), gallery::creator_works),
                 )
                 .route(
                     "/gallery/creators/{id}/follow",
-                    web::put().to(gallery::follow),
+                    api(web::put(), gallery::follow),
                 )
                 .route(
                     "/gallery/creators/{id}/follow",
-                    web::delete().to(gallery::unfollow),
+                    api(web::delete(), gallery::unfollow),
                 )
                 .route(
                     "/gallery/creators/{id}/block",
-                    web::put().to(gallery::block),
+                    api(web::put(), gallery::block),
                 )
                 .route(
                     "/gallery/creators/{id}/block",
-                    web::delete().to(gallery::unblock),
+                    api(web::delete(), gallery::unblock),
                 )
-                .route("/me/works", web::get().to(gallery::my_works))
+                .route("/me/works", api(web::get(), gallery::my_works))
                 .route(
                     "/admin/gallery/works/{id}/hide",
-                    web::post().to(gallery::hide),
+                    api(web::post(), gallery::hide),
                 )
-                .route("/checkins", web::post().to(checkins::check_in))
-                .route("/checkins", web::get().to(checkins::month))
+                .route("/checkins", api(web::post(), checkins::check_in))
+                .route("/checkins", api(web::get(), checkins::month))
                 .route(
                     "/admin/stats/active-users",
-                    web::get().to(checkins::active_users),
+                    api(web::get(), checkins::active_users),
                 )
-                .route("/promotions", web::get().to(promotions::open))
-                .route("/promotions/{id}/claims", web::post().to(promotions::claim))
+                .route("/promotions", api(web::get(), promotions::open))
+                .route(
+                    "/promotions/{id}/claims",
+                    api(web::post(), promotions::claim),
+                )
                 .route(
                     "/promotions/{id}/claims/me",
-                    web::get().to(promotions::my_claim),
+                    api(web::get(), promotions::my_claim),
                 )
-                .route("/admin/promotions", web::post().to(promotions::create))
-                .route("/admin/promotions/{id}", web::get().to(promotions::show))
+                .route("/admin/promotions", api(web::post(), promotions::create))
+                .route("/admin/promotions/{id}", api(web::get(), promotions::show))
                 .route(
                     "/admin/promotions/{id}/end",
-                    web::post().to(promotions::end),
+                    api(web::post(), promotions::end),
                 )
                 .route(
                     "/admin/promotions/{id}/stock",
-                    web::post().to(promotions::raise),
+                    api(web::post(), promotions::raise),
                 )
-                .route("/admin/backends", web::get().to(backends::list))
-                .route("/admin/backends", web::post().to(backends::add))
-                .route("/admin/backends/{name}", web::delete().to(backends::remove))
+                .route("/admin/backends", api(web::get(), backends::list))
+                .route("/admin/backends", api(web::post(), backends::add))
+                .route(
+                    "/admin/backends/{name}",
+                    api(web::delete(), backends::remove),
+                )
                 .route(
                     "/admin/backends/{name}/drain",
-                    web::post().to(backends::drain),
+                    api(web::post(), backends::drain),
                 )
                 .route(
                     "/admin/backends/{name}/resume",
-                    web::post().to(backends::resume),
+                    api(web::post(), backends::resume),
                 )
-                .route("/admin/queue", web::get().to(tasks::queue))
-                .route("/admin/queue/rebuild", web::post().to(tasks::rebuild_queue)),
+                .route("/admin/queue", api(web::get(), tasks::queue))
+                .route(
+                    "/admin/queue/rebuild",
+                    api(web::post(), tasks::rebuild_queue),
+                ),
         );
 }
 

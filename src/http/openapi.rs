@@ -426,7 +426,7 @@ fn constrain_inputs(document: &mut Value) {
 /// are `application/problem+json` (the handlers' `body = Problem` says only the schema), and
 /// the answers the shared layers give are listed where they apply: 401 where a token is needed,
 /// 403 on admin routes, 422 where parameters or a body are read (a value the extractor refuses),
-/// 413 where a JSON body is read, 503 when PostgreSQL or Redis is down.
+/// 413 where a JSON body is read, 503 when PostgreSQL or Redis is down or does not answer in time.
 pub fn document_json() -> Value {
     let mut document = serde_json::to_value(ApiDoc::openapi()).unwrap_or(Value::Null);
     constrain_inputs(&mut document);
@@ -475,7 +475,7 @@ pub fn document_json() -> Value {
             if path.starts_with("/api/") {
                 implied.push((
                     "503",
-                    "a dependency (PostgreSQL, Redis) is unavailable; try again",
+                    "`unavailable`: a dependency (PostgreSQL, Redis) is away or failing over; `request-overdue`: the request ran past its deadline; both with `Retry-After`",
                 ));
             }
             if path.starts_with("/api/v1/admin/") {

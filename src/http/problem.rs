@@ -52,6 +52,13 @@ pub enum ApiError {
     },
     #[error("not ready: {} unavailable", .dependencies.join(", "))]
     Unavailable { dependencies: Vec<String> },
+    /// The request ran past its deadline (`http.read_deadline_ms`, `http.write_deadline_ms`):
+    /// a store stopped answering without closing its connections (a paused server, a network
+    /// partition). Which one is not known here.
+    #[error(
+        "the request did not finish within {after_s} s: a store is slow to answer. It may still be done: send it again in a moment with the same Idempotency-Key, or look before sending one without a key again"
+    )]
+    Overdue { after_s: u64 },
     #[error(transparent)]
     Unexpected(anyhow::Error),
 }
@@ -145,7 +152,9 @@ impl ApiError {
     pub fn retry_after_s(&self) -> Option<u64> {
         match self {
             ApiError::TooManyRequests { retry_after_s, .. } => Some(*retry_after_s),
-            ApiError::Unavailable { .. } => Some(UNAVAILABLE_RETRY_AFTER_S),
+            ApiError::Unavailable { .. } | ApiError::Overdue { .. } => {
+                Some(UNAVAILABLE_RETRY_AFTER_S)
+            }
             _ => None,
         }
     }
@@ -271,6 +280,7 @@ impl ApiError {
             ApiError::TooManyRequests { rule, .. } => (*rule, "Too many requests"),
             ApiError::Refused { rule, .. } => (*rule, "Refused"),
             ApiError::Unavailable { .. } => ("unavailable", "Dependency unavailable"),
+            ApiError::Overdue { .. } => ("request-overdue", "Request overdue"),
             ApiError::Unexpected(_) => ("internal", "Internal error"),
         };
         let detail = match self {
@@ -364,7 +374,9 @@ impl ResponseError for ApiError {
             ApiError::Conflict { .. } => StatusCode::CONFLICT,
             ApiError::TooManyRequests { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Refused { status, .. } => *status,
-            ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable { .. } | ApiError::Overdue { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Unexpected(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }

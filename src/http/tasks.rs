@@ -733,7 +733,14 @@ pub async fn rebuild_queue(
     state: web::Data<AppState>,
     _admin: Admin,
 ) -> Result<HttpResponse, ApiError> {
-    let report = state.tasks.rebuild_queue().await?;
+    // To its end even past the request's deadline (a long queue): sent again, it finds the
+    // queue rebuilt.
+    let tasks = state.tasks.clone();
+    let report =
+        crate::platform::worker_local::off_worker(Box::pin(
+            async move { tasks.rebuild_queue().await },
+        ))
+        .await?;
     Ok(HttpResponse::Ok().json(RebuildResponse {
         queued: report.queued,
         removed: report.removed,

@@ -135,13 +135,19 @@ pub(crate) async fn change_password_of(
         password_hash,
         at: state.clock.now(),
     };
-    state
-        .users
-        .update(user_id, command, metadata)
-        .await
-        .map_err(register_error)?;
-    state.end_sessions(user_id).await?;
-    Ok(())
+    let (state, metadata) = (state.clone(), metadata.clone());
+    // To its end even if the request is dropped (past its deadline, its client gone): the
+    // sessions end only here, and the same request sent again is refused the old password.
+    crate::platform::worker_local::off_worker(Box::pin(async move {
+        state
+            .users
+            .update(user_id, command, &metadata)
+            .await
+            .map_err(register_error)?;
+        state.end_sessions(user_id).await?;
+        Ok(())
+    }))
+    .await
 }
 
 /// Bind a phone number to one's account, proven by a code sent to it.
@@ -237,15 +243,22 @@ pub(crate) async fn change_role_of(
         role,
         at: state.clock.now(),
     };
-    let user = state
-        .users
-        .update(user_id, command, metadata)
-        .await
-        .map_err(register_error)?;
-    if before.role != user.role {
-        state.end_sessions(user_id).await?;
-        // An admin's key loses the admin scope with the role, on every instance.
-        state.api_keys.forget_user(&user).await?;
-    }
-    Ok(user)
+    let (state, metadata) = (state.clone(), metadata.clone());
+    // To its end even if the request is dropped (past its deadline, its client gone): the
+    // sessions and cached keys follow the role only here, and the same request sent again finds
+    // the role changed already.
+    crate::platform::worker_local::off_worker(Box::pin(async move {
+        let user = state
+            .users
+            .update(user_id, command, &metadata)
+            .await
+            .map_err(register_error)?;
+        if before.role != user.role {
+            state.end_sessions(user_id).await?;
+            // An admin's key loses the admin scope with the role, on every instance.
+            state.api_keys.forget_user(&user).await?;
+        }
+        Ok(user)
+    }))
+    .await
 }

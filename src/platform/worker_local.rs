@@ -48,20 +48,23 @@ pub fn on_http_worker() -> bool {
     HTTP_WORKER.with(|worker| worker.borrow().is_some())
 }
 
-/// Run `work` on the main runtime when called on an HTTP worker, in place otherwise: for
-/// CPU-heavy request work, which would otherwise hold up the socket I/O of the requests its
-/// worker shares a thread with. The work goes on to its end even if the request is dropped
-/// (a client that goes away mid-submit leaves no less done than one that waits).
+/// Run `work` on the main runtime when called on an HTTP worker, as a task of the calling
+/// thread's runtime otherwise: for CPU-heavy request work, which would otherwise hold up the
+/// socket I/O of the requests its worker shares a thread with, and for a request's steps that
+/// must all happen once begun. Either way the work goes on to its end even if the request is
+/// dropped (past its deadline, its client gone): one that goes away mid-submit leaves no less
+/// done than one that waits.
 pub async fn off_worker<F, T, E>(work: F) -> Result<T, E>
 where
     F: Future<Output = Result<T, E>> + Send + 'static,
     T: Send + 'static,
     E: From<anyhow::Error> + Send + 'static,
 {
-    let Some(main) = HTTP_WORKER.with(|worker| worker.borrow().clone()) else {
-        return work.await;
+    let spawned = match HTTP_WORKER.with(|worker| worker.borrow().clone()) {
+        Some(main) => main.spawn(work),
+        None => tokio::spawn(work),
     };
-    match main.spawn(work).await {
+    match spawned.await {
         Ok(done) => done,
         Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
         Err(error) => Err(anyhow::anyhow!("the main runtime is shutting down: {error}").into()),
@@ -89,7 +92,7 @@ mod tests {
     }
 
     #[test]
-    fn a_worker_runs_its_offloaded_work_on_the_main_runtime_and_others_in_place() {
+    fn a_worker_runs_its_offloaded_work_on_the_main_runtime_and_others_on_their_own() {
         let main = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("main-runtime")

@@ -138,6 +138,7 @@ impl Lang {
             ApiError::NotFound(_) => self.text("error.not_found", &[]),
             ApiError::Unexpected(_) => self.text("error.unexpected", &[]),
             ApiError::Unavailable { .. } => self.text("error.unavailable", &[]),
+            ApiError::Overdue { .. } => self.text("error.overdue", &[]),
             ApiError::Refused {
                 rule,
                 window: Some((from, until)),
@@ -195,6 +196,7 @@ impl Lang {
             ApiError::TooManyRequests { .. } => "too_many",
             ApiError::Refused { .. } => "refused",
             ApiError::Unavailable { .. } => "unavailable",
+            ApiError::Overdue { .. } => "overdue",
             ApiError::Unexpected(_) => "internal",
         };
         problem.title = self.text(&format!("api_title.{title}"), &[]);

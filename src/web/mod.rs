@@ -57,119 +57,150 @@ pub fn form_body_bytes_max(tasks: &crate::platform::configuration::TaskSettings)
         + FORM_FIELDS_BYTES_MAX
 }
 
+/// A page's route to `handler`: past its deadline, the failure page in the reader's language
+/// (503, `Retry-After`).
+fn page<F, Args>(route: actix_web::Route, handler: F) -> actix_web::Route
+where
+    F: actix_web::Handler<Args>,
+    Args: actix_web::FromRequest + 'static,
+    F::Output: actix_web::Responder + 'static,
+{
+    crate::http::deadline::within_deadline(route, handler, |overdue| {
+        actix_web::HttpResponse::from_error(render::WebError::from(overdue))
+    })
+}
+
 /// Mount the pages (after the API's routes).
 pub fn routes(config: &mut web::ServiceConfig) {
     config
-        .route("/", web::get().to(pages_user::home))
-        .route("/assets/{name}", web::get().to(assets::serve))
-        .route("/lang/{lang}", web::post().to(pages_auth::choose_language))
-        .route("/login", web::get().to(pages_auth::login_page))
-        .route("/login", web::post().to(pages_auth::login))
-        .route("/login/code", web::post().to(pages_auth::send_code))
-        .route("/register", web::get().to(pages_auth::register_page))
-        .route("/register", web::post().to(pages_auth::register))
-        .route("/logout", web::post().to(pages_auth::logout))
-        .route("/generate", web::get().to(pages_user::generate_page))
-        .route("/generate", web::post().to(pages_user::generate))
-        .route("/tasks/{id}", web::get().to(pages_user::task_page))
-        .route("/tasks/{id}/card", web::get().to(pages_user::task_card))
-        .route("/tasks/{id}/cancel", web::post().to(pages_user::cancel))
+        .route("/", page(web::get(), pages_user::home))
+        .route("/assets/{name}", page(web::get(), assets::serve))
+        .route(
+            "/lang/{lang}",
+            page(web::post(), pages_auth::choose_language),
+        )
+        .route("/login", page(web::get(), pages_auth::login_page))
+        .route("/login", page(web::post(), pages_auth::login))
+        .route("/login/code", page(web::post(), pages_auth::send_code))
+        .route("/register", page(web::get(), pages_auth::register_page))
+        .route("/register", page(web::post(), pages_auth::register))
+        .route("/logout", page(web::post(), pages_auth::logout))
+        .route("/generate", page(web::get(), pages_user::generate_page))
+        .route("/generate", page(web::post(), pages_user::generate))
+        .route("/tasks/{id}", page(web::get(), pages_user::task_page))
+        .route("/tasks/{id}/card", page(web::get(), pages_user::task_card))
+        .route("/tasks/{id}/cancel", page(web::post(), pages_user::cancel))
         .route(
             "/tasks/{id}/prioritise",
-            web::post().to(pages_user::prioritise),
+            page(web::post(), pages_user::prioritise),
         )
-        .route("/gallery", web::get().to(pages_gallery::gallery))
-        .route("/gallery/feed", web::get().to(pages_gallery::feed))
-        .route("/gallery/likes", web::get().to(pages_gallery::likes))
-        .route("/gallery/mine", web::get().to(pages_gallery::mine))
+        .route("/gallery", page(web::get(), pages_gallery::gallery))
+        .route("/gallery/feed", page(web::get(), pages_gallery::feed))
+        .route("/gallery/likes", page(web::get(), pages_gallery::likes))
+        .route("/gallery/mine", page(web::get(), pages_gallery::mine))
         .route(
             "/gallery/publish",
-            web::get().to(pages_gallery::publish_page),
+            page(web::get(), pages_gallery::publish_page),
         )
-        .route("/gallery/publish", web::post().to(pages_gallery::publish))
-        .route("/gallery/works/{id}", web::get().to(pages_gallery::work))
+        .route(
+            "/gallery/publish",
+            page(web::post(), pages_gallery::publish),
+        )
+        .route("/gallery/works/{id}", page(web::get(), pages_gallery::work))
         .route(
             "/gallery/works/{id}/like",
-            web::post().to(pages_gallery::like),
+            page(web::post(), pages_gallery::like),
         )
         .route(
             "/gallery/works/{id}/unpublish",
-            web::post().to(pages_gallery::unpublish),
+            page(web::post(), pages_gallery::unpublish),
         )
         .route(
             "/gallery/works/{id}/hide",
-            web::post().to(pages_gallery::hide),
+            page(web::post(), pages_gallery::hide),
         )
         .route(
             "/gallery/creators/{id}",
-            web::get().to(pages_gallery::creator),
+            page(web::get(), pages_gallery::creator),
         )
         .route(
             "/gallery/creators/{id}/follow",
-            web::post().to(pages_gallery::follow),
+            page(web::post(), pages_gallery::follow),
         )
         .route(
             "/gallery/creators/{id}/block",
-            web::post().to(pages_gallery::block),
+            page(web::post(), pages_gallery::block),
         )
-        .route("/history", web::get().to(pages_user::history))
-        .route("/points", web::get().to(pages_user::points))
-        .route("/balance", web::get().to(pages_user::balance))
-        .route("/checkin", web::get().to(pages_user::checkin_page))
-        .route("/checkin", web::post().to(pages_user::check_in))
-        .route("/redeem", web::get().to(pages_user::redeem_page))
-        .route("/redeem", web::post().to(pages_user::redeem))
-        .route("/settings", web::get().to(pages_settings::settings_page))
-        .route("/settings/keys", web::post().to(pages_settings::create_key))
+        .route("/history", page(web::get(), pages_user::history))
+        .route("/points", page(web::get(), pages_user::points))
+        .route("/balance", page(web::get(), pages_user::balance))
+        .route("/checkin", page(web::get(), pages_user::checkin_page))
+        .route("/checkin", page(web::post(), pages_user::check_in))
+        .route("/redeem", page(web::get(), pages_user::redeem_page))
+        .route("/redeem", page(web::post(), pages_user::redeem))
+        .route("/settings", page(web::get(), pages_settings::settings_page))
+        .route(
+            "/settings/keys",
+            page(web::post(), pages_settings::create_key),
+        )
         .route(
             "/settings/keys/{id}/revoke",
-            web::post().to(pages_settings::revoke_key),
+            page(web::post(), pages_settings::revoke_key),
         )
         .route(
             "/settings/password",
-            web::post().to(pages_settings::change_password),
+            page(web::post(), pages_settings::change_password),
         )
-        .route("/sales", web::get().to(pages_user::sales))
-        .route("/sales/{id}/claim", web::post().to(pages_user::claim))
-        .route("/sales/{id}/claim", web::get().to(pages_user::claim_state))
-        .route("/admin", web::get().to(pages_admin::overview))
-        .route("/admin/servers", web::get().to(pages_admin::servers))
-        .route("/admin/servers", web::post().to(pages_admin::add_server))
+        .route("/sales", page(web::get(), pages_user::sales))
+        .route("/sales/{id}/claim", page(web::post(), pages_user::claim))
+        .route(
+            "/sales/{id}/claim",
+            page(web::get(), pages_user::claim_state),
+        )
+        .route("/admin", page(web::get(), pages_admin::overview))
+        .route("/admin/servers", page(web::get(), pages_admin::servers))
+        .route("/admin/servers", page(web::post(), pages_admin::add_server))
         .route(
             "/admin/servers/{name}/{action}",
-            web::post().to(pages_admin::server_action),
+            page(web::post(), pages_admin::server_action),
         )
-        .route("/admin/users", web::get().to(pages_admin::users))
-        .route("/admin/users/{id}", web::get().to(pages_admin::user))
+        .route("/admin/users", page(web::get(), pages_admin::users))
+        .route("/admin/users/{id}", page(web::get(), pages_admin::user))
         .route(
             "/admin/users/{id}/grant",
-            web::post().to(pages_admin::grant),
+            page(web::post(), pages_admin::grant),
         )
         .route(
             "/admin/users/{id}/role",
-            web::post().to(pages_admin::change_role),
+            page(web::post(), pages_admin::change_role),
         )
-        .route("/admin/codes", web::get().to(pages_admin::codes))
-        .route("/admin/codes", web::post().to(pages_admin::create_codes))
-        .route("/admin/codes/{id}", web::get().to(pages_admin::code_batch))
+        .route("/admin/codes", page(web::get(), pages_admin::codes))
+        .route("/admin/codes", page(web::post(), pages_admin::create_codes))
+        .route(
+            "/admin/codes/{id}",
+            page(web::get(), pages_admin::code_batch),
+        )
         .route(
             "/admin/codes/{id}/revoke",
-            web::post().to(pages_admin::revoke_codes),
+            page(web::post(), pages_admin::revoke_codes),
         )
-        .route("/admin/promotions", web::get().to(pages_admin::promotions))
         .route(
             "/admin/promotions",
-            web::post().to(pages_admin::create_promotion),
+            page(web::get(), pages_admin::promotions),
+        )
+        .route(
+            "/admin/promotions",
+            page(web::post(), pages_admin::create_promotion),
         )
         .route(
             "/admin/promotions/{id}/stock",
-            web::post().to(pages_admin::raise_stock),
+            page(web::post(), pages_admin::raise_stock),
         )
         .route(
             "/admin/promotions/{id}/end",
-            web::post().to(pages_admin::end_promotion),
+            page(web::post(), pages_admin::end_promotion),
         )
-        .route("/admin/audit", web::get().to(pages_admin::audit));
+        .route("/admin/audit", page(web::get(), pages_admin::audit));
 }
 
 /// What no route answers: a browser asking for a page gets the failure page in its language

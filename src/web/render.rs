@@ -334,6 +334,11 @@ impl From<ApiError> for WebError {
                 "error.unavailable",
                 Some(crate::http::problem::UNAVAILABLE_RETRY_AFTER_S),
             ),
+            ApiError::Overdue { .. } => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "error.overdue",
+                Some(crate::http::problem::UNAVAILABLE_RETRY_AFTER_S),
+            ),
             ApiError::TooManyRequests { retry_after_s, .. } => (
                 StatusCode::TOO_MANY_REQUESTS,
                 "error.too_many",

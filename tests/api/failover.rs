@@ -690,3 +690,148 @@ async fn a_primary_restarted_by_an_operator_is_a_503_with_retry_after_meanwhile_
     );
     assert!(told.grants.len() > 10, "{} grants", told.grants.len());
 }
+
+/// A loopback TCP proxy in front of PostgreSQL that can stop passing bytes either way without
+/// closing anything: what a paused server (SIGSTOP, a VM frozen) or a cut network looks like to
+/// its clients. What arrives meanwhile is passed on once it is thawed.
+struct FreezingProxy {
+    port: u16,
+    frozen: tokio::sync::watch::Sender<bool>,
+}
+
+impl FreezingProxy {
+    async fn start(upstream: (String, u16)) -> FreezingProxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (frozen, _) = tokio::sync::watch::channel(false);
+        let gate = frozen.clone();
+        tokio::spawn(async move {
+            loop {
+                let (client, _) = listener.accept().await.unwrap();
+                let server = tokio::net::TcpStream::connect((upstream.0.as_str(), upstream.1))
+                    .await
+                    .unwrap();
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                tokio::spawn(pass(client_read, server_write, gate.subscribe()));
+                tokio::spawn(pass(server_read, client_write, gate.subscribe()));
+            }
+        });
+        FreezingProxy { port, frozen }
+    }
+
+    fn freeze(&self, frozen: bool) {
+        self.frozen.send_replace(frozen);
+    }
+}
+
+/// Copy `from` to `to`, holding each read while `frozen` says so.
+async fn pass(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut frozen: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buffer = vec![0_u8; 64 * 1024];
+    loop {
+        let read = match from.read(&mut buffer).await {
+            Ok(0) | Err(_) => return,
+            Ok(read) => read,
+        };
+        if frozen.wait_for(|frozen| !frozen).await.is_err()
+            || to.write_all(&buffer[..read]).await.is_err()
+        {
+            return;
+        }
+    }
+}
+
+/// PostgreSQL stops answering without closing its connections. A read, a page and a grant are
+/// each answered 503 with `Retry-After` at their deadline (the page and the problem in the
+/// reader's language), not held for as long as the server stays away. Once it answers again,
+/// the grant sent again with its Idempotency-Key is granted once, and `audit verify` is clean.
+// Multi-threaded: the proxy goes on passing bytes while `audit verify` (a process the test
+// waits for, blocking its thread) connects through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_that_stops_answering_is_a_503_at_the_deadline_and_a_grant_sent_again_lands_once()
+ {
+    let database = crate::helpers::create_database().await;
+    let direct = crate::helpers::test_settings(&database);
+    let upstream = direct.database.pg_config().unwrap();
+    let host = match &upstream.get_hosts()[0] {
+        tokio_postgres::config::Host::Tcp(host) => host.clone(),
+        other => panic!("a TCP host expected: {other:?}"),
+    };
+    let proxy = FreezingProxy::start((host.clone(), upstream.get_ports()[0])).await;
+    let url = secrecy::ExposeSecret::expose_secret(&direct.database.url).replace(
+        &format!("{host}:{}", upstream.get_ports()[0]),
+        &format!("127.0.0.1:{}", proxy.port),
+    );
+    let app = spawn_app_at(&url, |settings| {
+        settings.database.failover_wait_ms = 1_000;
+        settings.http.read_deadline_ms = 1_000;
+        settings.http.write_deadline_ms = 2_000;
+    })
+    .await;
+    let user = app.register("frozen-user", "correct horse battery").await;
+    let token = app.login("frozen-user", "correct horse battery").await;
+    let admin = app.admin_token("admin-frozen").await;
+    let grant = |key: &'static str| {
+        app.http
+            .post(format!(
+                "{}/api/v1/admin/accounts/{user}/grants",
+                app.address
+            ))
+            .bearer_auth(&admin)
+            .header("Idempotency-Key", key)
+            .json(&json!({"amount": "8", "reason": "补偿：服务器暂停"}))
+            .send()
+    };
+    assert_eq!(grant("warm-up").await.unwrap().status(), 201);
+    assert_eq!(app.get_as(&token, "/api/v1/tasks").await.status(), 200);
+
+    proxy.freeze(true);
+    let started = Instant::now();
+    let read = app
+        .http
+        .get(format!("{}/api/v1/tasks", app.address))
+        .bearer_auth(&token)
+        .header("Accept-Language", "zh-CN")
+        .timeout(WAIT_LIMIT)
+        .send()
+        .await
+        .unwrap();
+    let waited = started.elapsed();
+    assert_eq!(read.status(), 503);
+    assert_eq!(read.headers()["retry-after"], "2");
+    let problem: Value = read.json().await.unwrap();
+    assert_eq!(problem["type"], "/problems/request-overdue", "{problem}");
+    assert_eq!(problem["title"], "请求超时");
+    assert!(waited < Duration::from_secs(5), "answered after {waited:?}");
+
+    let page = app
+        .http
+        .get(format!("{}/history", app.address))
+        .header("Cookie", format!("zhihui_session={token}; lang=zh"))
+        .header("Accept", "text/html")
+        .timeout(WAIT_LIMIT)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(page.status(), 503);
+    assert_eq!(page.headers()["retry-after"], "2");
+    let body = page.text().await.unwrap();
+    assert!(body.contains("服务响应超时"), "{body}");
+
+    let overdue = grant("during-the-freeze").await.unwrap();
+    assert_eq!(overdue.status(), 503);
+    assert_eq!(overdue.headers()["retry-after"], "2");
+
+    proxy.freeze(false);
+    let again = grant("during-the-freeze").await.unwrap();
+    assert!([200, 201].contains(&again.status().as_u16()), "{again:?}");
+    assert_eq!(app.get_as(&token, "/api/v1/tasks").await.status(), 200);
+    let (available, _) = crate::instances::balance_via(&app, &token).await;
+    assert_eq!(available, "16.00");
+    crate::tasks::project_and_verify(&app).await;
+}

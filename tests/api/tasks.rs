@@ -1120,8 +1120,9 @@ pub(crate) async fn project_and_verify(app: &TestApp) {
     let verify = app.cli(&["audit", "verify"]);
     assert!(
         verify.status.success(),
-        "{}",
-        String::from_utf8_lossy(&verify.stdout)
+        "{}{}",
+        String::from_utf8_lossy(&verify.stdout),
+        String::from_utf8_lossy(&verify.stderr)
     );
 }
 

@@ -688,6 +688,13 @@ pub struct HttpSettings {
     pub metrics_port: Option<u16>,
     /// How long in-flight requests may run after SIGINT/SIGTERM before being dropped.
     pub shutdown_timeout_ms: u64,
+    /// A GET or HEAD not answered within this long is answered 503 with `Retry-After`: a store
+    /// that stops answering without closing its connections (a paused server, a network
+    /// partition) would otherwise hold the request for as long as it stays away.
+    pub read_deadline_ms: u64,
+    /// The same for every other method. Longer than `database.failover_wait_ms`, which a write
+    /// whose outcome is unknown spends finding a new primary.
+    pub write_deadline_ms: u64,
     /// A user socket is pinged this often, and its session checked (expired or revoked: the
     /// socket closes); a peer silent for two intervals is dropped.
     pub socket_ping_interval_ms: u64,

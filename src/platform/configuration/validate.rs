@@ -61,6 +61,11 @@ impl Settings {
             self.http.socket_ping_interval_ms >= 10 && self.http.sockets_per_user_max >= 1,
             "http.socket_ping_interval_ms must be at least 10 and http.sockets_per_user_max at least 1"
         );
+        anyhow::ensure!(
+            self.http.read_deadline_ms >= 1000
+                && self.http.write_deadline_ms > self.database.failover_wait_ms,
+            "http.read_deadline_ms must be at least 1000, and http.write_deadline_ms longer than database.failover_wait_ms (a write may spend that long finding a new primary)"
+        );
         self.validate_tasks()?;
         self.validate_dispatch()?;
         self.validate_codes()?;
