@@ -269,19 +269,21 @@ async fn follow(
                 Ok(Envelope::Task { user_id: owner, task_id, notice }) if owner == user_id.as_uuid() => {
                     match &notice {
                         TaskNotice::Position { .. } => {
-                            // A new queued task (or a prioritised one): the board reads its
-                            // place with everyone else's.
-                            if following.len() < WATCHED_TASKS_MAX {
-                                following.add(task_id);
-                            }
+                            // A task submitted since the socket opened (through this page, another
+                            // tab, or a program's key): the board reads its place with everyone
+                            // else's, and a page listing the newest tasks shows its card.
+                            let new = following.len() < WATCHED_TASKS_MAX && following.add(task_id);
                             state.positions.refresh();
-                            continue;
+                            if !new {
+                                continue;
+                            }
+                            serde_json::json!({"type": "submitted", "task_id": task_id})
                         }
                         _ => {
                             following.remove(task_id);
+                            notice_json(task_id, &notice)
                         }
                     }
-                    notice_json(task_id, &notice)
                 }
                 Ok(Envelope::Task { .. }) => continue,
                 Ok(Envelope::Claim { user_id: owner, promotion_id, claim_id, granted, reason })

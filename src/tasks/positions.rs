@@ -212,12 +212,14 @@ impl Following {
         self.told.keys().copied().collect()
     }
 
-    /// Follow a task (again: nothing changes).
-    pub fn add(&mut self, task_id: TaskId) {
+    /// Follow a task (again: nothing changes). Whether it was not followed before.
+    pub fn add(&mut self, task_id: TaskId) -> bool {
         if let std::collections::hash_map::Entry::Vacant(entry) = self.told.entry(task_id) {
             entry.insert(None);
             self.board.follow(task_id);
+            return true;
         }
+        false
     }
 
     pub fn remove(&mut self, task_id: TaskId) {

@@ -673,6 +673,7 @@ pub async fn history(
             tasks,
             statuses => HISTORY_STATUSES,
             status,
+            first_page => query.cursor.is_none(),
             next_cursor => listed.next_cursor,
         },
     )

@@ -284,7 +284,8 @@ async fn hear_until(
 }
 
 /// The places of a user's queued tasks follow the queue: when it opens, when a task ahead leaves,
-/// and for a task it submits later; another user's tasks are never told.
+/// and for a task it submits later (through any instance: told first as submitted); another
+/// user's tasks are never told.
 #[tokio::test]
 async fn queue_places_reach_the_socket_when_it_opens_and_when_the_queue_moves() {
     let app = app_with_pings_every(60_000, 8).await;
@@ -316,9 +317,29 @@ async fn queue_places_reach_the_socket_when_it_opens_and_when_the_queue_moves() 
         .await;
     assert_eq!(cancelled.status(), 200);
     let heard = hear_positions(&mut socket, &[(first.clone(), 1), (second.clone(), 2)]).await;
-    // A new task of hers is followed too.
-    let third = submit(alice.clone()).await;
+    // A new task of hers, submitted through another instance, is told as submitted (once, and
+    // before its place), and followed too; the tasks queued before the socket opened never are.
+    let other = app.another_instance().await;
+    let response = crate::tasks::submit(&other, &alice, &json!({"prompt": "一只狐狸"}), None).await;
+    assert_eq!(response.status(), 201);
+    let third: Value = response.json().await.unwrap();
+    let third = third["task_id"].as_str().unwrap().to_owned();
     let later = hear_positions(&mut socket, &[(third.clone(), 3)]).await;
+    let submitted: Vec<&Value> = heard
+        .iter()
+        .chain(&later)
+        .filter(|message| message["type"] == "submitted")
+        .collect();
+    assert_eq!(submitted, [&json!({"type": "submitted", "task_id": third})]);
+    let told_first = later
+        .iter()
+        .position(|message| message["task_id"] == third.as_str());
+    assert_eq!(
+        told_first,
+        later
+            .iter()
+            .position(|message| message["type"] == "submitted")
+    );
     for message in heard.iter().chain(&later) {
         assert_ne!(
             message["task_id"],

@@ -268,6 +268,44 @@ def test_a_card_drawn_before_its_task_ended_catches_up_when_the_socket_opens(sta
     assert card.get_by_role("link", name="发布到画廊").is_visible()
 
 
+def test_a_task_submitted_elsewhere_appears_on_the_open_pages_without_a_reload(stack, person):
+    """A person with the generate page and the history open in two tabs, and a program of theirs
+    submitting through an API key: the program's task shows up on top of both lists (the empty
+    state gone) and runs to its image there; a task submitted from the page is on it once."""
+    admin = stack.token(*ADMIN)
+    user = person("zh")
+    name = unique("liangge")
+    user.register(name)
+    token = stack.token(name, "correct horse")
+    me = stack.api("GET", "/api/v1/me", token)[1]
+    assert stack.api("POST", f"/api/v1/admin/accounts/{me['id']}/grants", admin, {"amount": "5", "reason": "两个标签页"})[0] == 201
+    status, key = stack.api("POST", "/api/v1/me/keys", token, {"name": "我的脚本", "scopes": ["tasks:write", "tasks:read"]})
+    assert status == 201, key
+    generate = user.go("/generate")
+    assert generate.locator("p.empty").is_visible()
+    history = user.context.new_page()
+    history.goto(f"{stack.base}/history")
+    for tab in (generate, history):
+        tab.locator("body[data-socket=open]").wait_for(state="attached")
+
+    status, task = stack.api("POST", "/api/v1/tasks", key["key"], {"prompt": "脚本画的一座雪山", "steps": 4})
+    assert status == 201, task
+    for tab, list_of in ((generate, "#tasks"), (history, ".cards.history")):
+        card = tab.locator(f"{list_of} > article.task").first
+        wait_until(lambda: card.get_attribute("data-task-id") == task["task_id"], "the program's task on top")
+        card.locator(".images img").wait_for(timeout=40_000)
+        assert tab.locator(f"#task-{task['task_id']}").count() == 1
+    assert generate.locator("p.empty").count() == 0
+    shot(generate, "flow-task-from-elsewhere-zh-desktop")
+
+    mine = submit(generate, "页面上画的一片竹林", steps=4)
+    mine_id = mine.get_attribute("data-task-id")
+    mine.locator(".images img").wait_for(timeout=40_000)
+    assert generate.locator(f"#task-{mine_id}").count() == 1
+    wait_until(lambda: history.locator(f"#task-{mine_id}").count() == 1, "the page's task in the other tab")
+    history.close()
+
+
 def test_a_check_in_a_redeemed_code_and_a_flash_sale_each_show_in_the_ledger(stack, person):
     user = person("zh")
     name = unique("qiandao")

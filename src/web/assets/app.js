@@ -93,7 +93,39 @@ function redrawIfEnded(element) {
   }
 }
 
+// A task of the reader's queued since the socket opened (through another tab, or a program's
+// key): a list of the newest tasks shows its card on top. The tab that submitted it may draw the
+// same card from its own answer, before or after this one lands.
+async function showSubmitted(notice, card) {
+  const list = document.querySelector("[data-live-tasks]");
+  if (card || !list || !window.htmx) return;
+  let html;
+  try {
+    const response = await fetch(`/tasks/${notice.task_id}/card`, { credentials: "same-origin" });
+    if (!response.ok) return;
+    html = await response.text();
+  } catch {
+    return;
+  }
+  if (document.getElementById(`task-${notice.task_id}`)) return;
+  list.parentElement?.querySelector(":scope > p.empty")?.remove();
+  list.insertAdjacentHTML("afterbegin", html);
+  window.htmx.process(list.firstElementChild);
+}
+
+// A card swapped into a list that shows it already (the submitting tab's answer landing after
+// the socket's card): the one on top stays, in the same turn as the swap, so that no reader,
+// person or script, ever sees the task twice.
+function dropTwins() {
+  const seen = new Set();
+  for (const card of document.querySelectorAll("article.task[data-task-id]")) {
+    if (seen.has(card.id)) card.remove();
+    else seen.add(card.id);
+  }
+}
+
 const handlers = {
+  submitted: showSubmitted,
   position(notice, card) {
     if (!card || !waitsInQueue(card)) return;
     show(field(card, "position"), fill(card.dataset.positionTemplate, { position: notice.position }));
@@ -401,5 +433,6 @@ if (document.querySelector("[data-countdown]")) {
 }
 if (body.dataset.live === "1") {
   if (window.htmx) window.htmx.onLoad(redrawIfEnded);
+  body.addEventListener("htmx:afterSwap", dropTwins);
   openSocket();
 }
