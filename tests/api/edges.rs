@@ -1298,13 +1298,7 @@ async fn a_socket_whose_session_ended_unheard_closes_when_notifications_come_bac
     .await;
     app.register("lianjie", "a long password").await;
     let token = app.login("lianjie", "a long password").await;
-    let url = format!(
-        "{}/api/v1/ws?token={token}",
-        app.address.replace("http://", "ws://")
-    );
-    let (mut socket, _) = async_tungstenite::tokio::connect_async(url.as_str())
-        .await
-        .unwrap();
+    let mut socket = app.socket(&token).await;
     // The socket's first ping (sent at once, after a session check): the next is two minutes on.
     tokio::time::timeout(Duration::from_secs(10), async {
         while let Some(message) = socket.next().await {

@@ -9,7 +9,6 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use futures::StreamExt;
-use secrecy::ExposeSecret;
 use uuid::Uuid;
 use zhihui::platform::event_store::postgres::{PostgresEventStore, PostgresEventStoreOptions};
 use zhihui::platform::event_store::{
@@ -1026,15 +1025,8 @@ async fn an_append_whose_answer_is_lost_lands_exactly_once() {
     for group_commit in [false, true] {
         let mut settings = test_settings(&create_database().await);
         let upstream = settings.database.pg_config().unwrap();
-        let host = match &upstream.get_hosts()[0] {
-            tokio_postgres::config::Host::Tcp(host) => host.clone(),
-            other => panic!("a TCP host expected: {other:?}"),
-        };
-        let proxy = LosingProxy::start((host.clone(), upstream.get_ports()[0])).await;
-        let url = settings.database.url.expose_secret().replace(
-            &format!("{host}:{}", upstream.get_ports()[0]),
-            &format!("127.0.0.1:{}", proxy.port),
-        );
+        let proxy = LosingProxy::start(crate::helpers::postgres_address(&settings)).await;
+        let url = crate::helpers::postgres_url_via(&settings, proxy.port);
         settings.database.url = secrecy::SecretString::from(url);
         // One connection: the append that warms it up prepares the statement the next one uses,
         // so the next answer the proxy sees is the append's own.

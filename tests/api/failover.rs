@@ -757,16 +757,8 @@ async fn a_postgres_that_stops_answering_is_a_503_at_the_deadline_and_a_grant_se
  {
     let database = crate::helpers::create_database().await;
     let direct = crate::helpers::test_settings(&database);
-    let upstream = direct.database.pg_config().unwrap();
-    let host = match &upstream.get_hosts()[0] {
-        tokio_postgres::config::Host::Tcp(host) => host.clone(),
-        other => panic!("a TCP host expected: {other:?}"),
-    };
-    let proxy = FreezingProxy::start((host.clone(), upstream.get_ports()[0])).await;
-    let url = secrecy::ExposeSecret::expose_secret(&direct.database.url).replace(
-        &format!("{host}:{}", upstream.get_ports()[0]),
-        &format!("127.0.0.1:{}", proxy.port),
-    );
+    let proxy = FreezingProxy::start(crate::helpers::postgres_address(&direct)).await;
+    let url = crate::helpers::postgres_url_via(&direct, proxy.port);
     let app = spawn_app_at(&url, |settings| {
         settings.database.failover_wait_ms = 1_000;
         settings.http.read_deadline_ms = 1_000;

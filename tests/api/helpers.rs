@@ -79,6 +79,9 @@ pub struct TestApp {
     pub ollama: crate::fake_ollama::FakeOllama,
 }
 
+/// A user socket of the API.
+pub type Socket = async_tungstenite::WebSocketStream<async_tungstenite::tokio::ConnectStream>;
+
 impl TestApp {
     pub async fn get(&self, path: &str) -> reqwest::Response {
         self.http
@@ -300,6 +303,19 @@ impl TestApp {
         .unwrap()
     }
 
+    /// A user socket opened with `token` in its URL (the fallback for clients that can send
+    /// neither a ticket nor a header).
+    pub async fn socket(&self, token: &str) -> Socket {
+        let url = format!(
+            "{}/api/v1/ws?token={token}",
+            self.address.replace("http://", "ws://")
+        );
+        async_tungstenite::tokio::connect_async(url.as_str())
+            .await
+            .expect("the socket opens")
+            .0
+    }
+
     /// Create an admin through the users service (as `zhihui users create --admin` does) and
     /// return its token.
     pub async fn admin_token(&self, username: &str) -> String {
@@ -451,6 +467,24 @@ async fn start_instance(
 pub fn dead_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     listener.local_addr().unwrap().port()
+}
+
+/// The PostgreSQL address (host, port) of `settings`, for a test's proxy to stand in front of.
+pub fn postgres_address(settings: &Settings) -> (String, u16) {
+    let config = settings.database.pg_config().unwrap();
+    match &config.get_hosts()[0] {
+        tokio_postgres::config::Host::Tcp(host) => (host.clone(), config.get_ports()[0]),
+        other => panic!("a TCP host expected: {other:?}"),
+    }
+}
+
+/// The database URL of `settings` pointed at a proxy on loopback `port` instead.
+pub fn postgres_url_via(settings: &Settings, port: u16) -> String {
+    let (host, upstream_port) = postgres_address(settings);
+    settings.database.url.expose_secret().replace(
+        &format!("{host}:{upstream_port}"),
+        &format!("127.0.0.1:{port}"),
+    )
 }
 
 /// A plain connection to the test's database, for assertions on stored rows.

@@ -335,13 +335,7 @@ async fn chinese_reasons_notes_and_titles_come_back_as_written() {
     assert!(open.to_string().contains(title), "{open}");
 
     // A notice with a Chinese reason reaches its owner's socket as written.
-    let url = format!(
-        "{}/api/v1/ws?token={token}",
-        app.address.replace("http://", "ws://")
-    );
-    let (mut socket, _) = async_tungstenite::tokio::connect_async(url.as_str())
-        .await
-        .unwrap();
+    let mut socket = app.socket(&token).await;
     let task_id: zhihui_domain::task::TaskId = uuid::Uuid::now_v7();
     let user_id = zhihui_domain::user::UserId::from_uuid(uuid::Uuid::parse_str(&user).unwrap());
     let reason = "图像服务器显存不足，请稍后再试 🙏";

@@ -550,20 +550,8 @@ async fn the_claimer_hears_the_outcome_on_its_socket_and_nobody_else_does() {
     let mut claimers = users(&app, 2).await;
     let (_, other) = claimers.pop().unwrap();
     let (_, token) = claimers.pop().unwrap();
-    let socket_of = |token: &str| {
-        let url = format!(
-            "{}/api/v1/ws?token={token}",
-            app.address.replace("http://", "ws://")
-        );
-        async move {
-            async_tungstenite::tokio::connect_async(url.as_str())
-                .await
-                .unwrap()
-                .0
-        }
-    };
-    let mut socket = socket_of(&token).await;
-    let mut other_socket = socket_of(&other).await;
+    let mut socket = app.socket(&token).await;
+    let mut other_socket = app.socket(&other).await;
     let answers = claim_all(&[&app], promotion, std::slice::from_ref(&token)).await;
     assert_eq!(answers[0].0, 202);
     consume_all(&[&app]).await;

@@ -17,7 +17,7 @@ use crate::helpers::{TestApp, spawn_app_with};
 
 const LIMIT: Duration = Duration::from_secs(20);
 
-type Socket = async_tungstenite::WebSocketStream<async_tungstenite::tokio::ConnectStream>;
+use crate::helpers::Socket;
 
 async fn app_with_pings_every(ms: u64, sockets_max: usize) -> TestApp {
     spawn_app_with(move |settings| {
@@ -32,13 +32,6 @@ fn socket_url(app: &TestApp, token: &str) -> String {
         "{}/api/v1/ws?token={token}",
         app.address.replace("http://", "ws://")
     )
-}
-
-async fn open(app: &TestApp, token: &str) -> Socket {
-    async_tungstenite::tokio::connect_async(socket_url(app, token))
-        .await
-        .expect("the socket opens")
-        .0
 }
 
 /// Read until the server's close frame: its reason (pings are answered while reading).
@@ -90,10 +83,10 @@ async fn a_logout_closes_that_sessions_sockets_and_a_password_change_all_of_the_
     let first = app.login("alice", "a long password").await;
     let second = app.login("alice", "a long password").await;
     let bob = app.login("bob", "a long password").await;
-    let mut first_socket = open(&app, &first).await;
-    let mut second_socket = open(&app, &second).await;
-    let mut third_socket = open(&app, &second).await;
-    let mut bob_socket = open(&app, &bob).await;
+    let mut first_socket = app.socket(&first).await;
+    let mut second_socket = app.socket(&second).await;
+    let mut third_socket = app.socket(&second).await;
+    let mut bob_socket = app.socket(&bob).await;
 
     let logout = app
         .post("/api/v1/auth/logout", Some(&first), &json!({}))
@@ -128,7 +121,7 @@ async fn a_role_change_closes_the_users_sockets() {
     let token = app.login("carol", "a long password").await;
     let admin = app.admin_token("socket-admin").await;
     let me: Value = app.get_as(&token, "/api/v1/me").await.json().await.unwrap();
-    let mut socket = open(&app, &token).await;
+    let mut socket = app.socket(&token).await;
     let response = app
         .put(
             &format!("/api/v1/admin/users/{}/role", me["id"].as_str().unwrap()),
@@ -145,7 +138,7 @@ async fn an_expired_session_closes_its_socket_at_the_next_ping() {
     let app = app_with_pings_every(50, 8).await;
     app.register("dave", "a long password").await;
     let token = app.login("dave", "a long password").await;
-    let mut socket = open(&app, &token).await;
+    let mut socket = app.socket(&token).await;
     // Pings do not keep the session alive; past its idle lifetime it has ended.
     assert!(still_open(&mut socket).await);
     app.clock
@@ -222,8 +215,8 @@ async fn a_user_opens_at_most_the_configured_number_of_sockets() {
     let app = app_with_pings_every(60_000, 2).await;
     app.register("frank", "a long password").await;
     let token = app.login("frank", "a long password").await;
-    let mut first = open(&app, &token).await;
-    let _second = open(&app, &token).await;
+    let mut first = app.socket(&token).await;
+    let _second = app.socket(&token).await;
     let refused = reqwest::Client::new()
         .get(format!("{}/api/v1/ws?token={token}", app.address))
         .send()
@@ -305,7 +298,7 @@ async fn queue_places_reach_the_socket_when_it_opens_and_when_the_queue_moves() 
     let first = submit(alice.clone()).await;
     let second = submit(alice.clone()).await;
     app.project().await;
-    let mut socket = open(&app, &alice).await;
+    let mut socket = app.socket(&alice).await;
     hear_positions(&mut socket, &[(first.clone(), 2), (second.clone(), 3)]).await;
     // Bob's task leaves the queue: alice's move up.
     let cancelled = app
@@ -373,7 +366,7 @@ async fn a_task_that_left_the_queue_before_the_socket_opened_is_said_to_have_lef
         .await;
     assert_eq!(cancelled.status(), 200);
     // Not projected: the read model still has the first task queued when the socket opens.
-    let mut socket = open(&app, &alice).await;
+    let mut socket = app.socket(&alice).await;
     let mut heard = hear_positions(&mut socket, &[(tasks[1].clone(), 1)]).await;
     hear_until(&mut socket, &mut heard, |heard| {
         heard
