@@ -1013,9 +1013,13 @@ pub(crate) async fn each<T: redis::FromRedisValue>(
     Ok(pipe.query_async(&mut connection).await?)
 }
 
+/// The public name of a user without a username (signed up by phone): the id's last ten hex
+/// digits, its random part (the first ones are its creation time, shared by everyone who signed
+/// up in the same minute, and would tell when). The `#` no username may hold, so nobody can
+/// register a name that passes for another user's.
 fn short_name(user: Uuid) -> String {
     let simple = user.simple().to_string();
-    format!("user-{}", &simple[..8])
+    format!("user#{}", &simple[simple.len() - 10..])
 }
 
 /// A pair's membership (a like, a follow side) applied over any older one: see
@@ -1061,6 +1065,19 @@ pub(crate) async fn apply_follow_pair(
     since: Option<DateTime<Utc>>,
     push_followers_max: u32,
 ) -> anyhow::Result<u64> {
+    // A follow applied for the first time (the request and the worker both apply it, in either
+    // order): the creator's earlier works were never pushed into this follower's inbox, which is
+    // rebuilt at its next read from the works of everyone followed then.
+    let new_follow = match (version, since) {
+        (Some(version), Some(_)) => {
+            let seen: Option<u64> = connection
+                .hget(keys.following_versions(follower), creator.to_string())
+                .await
+                .context("reading a follow's version")?;
+            seen.is_none_or(|seen| version > seen)
+        }
+        _ => false,
+    };
     apply_pair(
         connection,
         &keys.following(follower),
@@ -1079,6 +1096,12 @@ pub(crate) async fn apply_follow_pair(
         since,
     )
     .await?;
+    if new_follow {
+        let _: i64 = connection
+            .del(keys.inbox_live(follower))
+            .await
+            .context("marking an inbox for a rebuild")?;
+    }
     if followers > u64::from(push_followers_max) {
         let _: i64 = connection
             .sadd(keys.famous(), creator.to_string())
@@ -1205,5 +1228,24 @@ mod push_again_tests {
         assert_eq!(push_again_at(10_000), 9_000);
         assert_eq!(push_again_at(2), 2, "below ten, the limit itself");
         assert_eq!(push_again_at(0), 0);
+    }
+}
+
+#[cfg(test)]
+mod short_name_tests {
+    use super::short_name;
+
+    #[test]
+    fn users_signed_up_in_the_same_minute_get_names_apart_that_no_username_can_take() {
+        let names: std::collections::HashSet<String> = (0..1_000)
+            .map(|_| short_name(uuid::Uuid::now_v7()))
+            .collect();
+        assert_eq!(names.len(), 1_000);
+        for name in &names {
+            assert!(
+                zhihui_domain::identity::Username::parse(name).is_err(),
+                "{name}"
+            );
+        }
     }
 }

@@ -1115,6 +1115,50 @@ async fn an_unfollowed_creators_works_leave_the_feed_at_once_on_both_processes()
     assert_eq!(ids(&feed), std::slice::from_ref(&work));
 }
 
+/// A reader whose feed is live (read lately) follows a creator who published before: the
+/// creator's works are in the feed at once, on both processes, as for a reader who had never
+/// opened it, and newest first among the works of those they followed before.
+#[tokio::test]
+async fn following_a_creator_brings_their_earlier_works_into_a_feed_already_read() {
+    let harness = gallery_harness(|_| {}).await;
+    let app = &harness.app;
+    let second = app.another_instance().await;
+    let (first_id, first) = funded_user(app, "xianlai", "100").await;
+    let (creator_id, creator) = funded_user(app, "houlai", "100").await;
+    let (_, reader) = member(app, "laoduzhe").await;
+    let tasks = Box::pin(succeeded_tasks(&harness, &creator, 2)).await;
+    let mut earlier = vec![publish(app, &creator, &tasks[0], "早先的一幅山水", true).await];
+    app.clock.advance(Duration::from_secs(1));
+    earlier.push(publish(app, &creator, &tasks[1], "早先的一幅花鸟", true).await);
+    let follow = |id: &str| format!("/api/v1/gallery/creators/{id}/follow");
+    assert!(
+        send(app, reqwest::Method::PUT, &follow(&first_id), &reader)
+            .await
+            .status()
+            .is_success()
+    );
+    let empty = json_of(app.get_as(&reader, "/api/v1/gallery/feed").await).await;
+    assert!(ids(&empty).is_empty(), "{empty}");
+    app.clock.advance(Duration::from_secs(5));
+    let first_tasks = Box::pin(succeeded_tasks(&harness, &first, 1)).await;
+    let newest = publish(app, &first, &first_tasks[0], "关注之后的新作", true).await;
+    gallery_worker(app).catch_up().await.unwrap();
+    let live = json_of(second.get_as(&reader, "/api/v1/gallery/feed").await).await;
+    assert_eq!(ids(&live), std::slice::from_ref(&newest));
+
+    let followed = send(&second, reqwest::Method::PUT, &follow(&creator_id), &reader).await;
+    assert_eq!(json_of(followed).await["following"], true);
+    let expected = vec![newest.clone(), earlier[1].clone(), earlier[0].clone()];
+    for process in [app, &second] {
+        let feed = json_of(process.get_as(&reader, "/api/v1/gallery/feed").await).await;
+        assert_eq!(ids(&feed), expected, "{feed}");
+    }
+    // The worker applying the follow again changes nothing.
+    gallery_worker(app).catch_up().await.unwrap();
+    let feed = json_of(app.get_as(&reader, "/api/v1/gallery/feed").await).await;
+    assert_eq!(ids(&feed), expected, "{feed}");
+}
+
 /// One's own works page by a keyset cursor in the `Link` header, in the API and the pages: all
 /// published at one instant (the test clock stands still), none skipped or repeated; a cursor
 /// or limit that is not one is a 422 naming it.
