@@ -60,17 +60,19 @@ impl Username {
     pub fn parse(raw: &str) -> Result<Username, InvalidIdentifier> {
         let name = raw.trim().to_ascii_lowercase();
         let length = name.chars().count();
+        // Said first for a name in Chinese (two characters are too short as well): what it
+        // lacks is Latin letters.
+        if length > 0 && !name.starts_with(|c: char| c.is_ascii_lowercase()) {
+            return Err(InvalidIdentifier(Broken::new(
+                Rule::UsernameStartsWithLetter,
+            )));
+        }
         if !(USERNAME_LENGTH_MIN..=USERNAME_LENGTH_MAX).contains(&length) {
             return Err(InvalidIdentifier(
                 Broken::new(Rule::LengthBetween)
                     .with("min", USERNAME_LENGTH_MIN)
                     .with("max", USERNAME_LENGTH_MAX),
             ));
-        }
-        if !name.starts_with(|c: char| c.is_ascii_lowercase()) {
-            return Err(InvalidIdentifier(Broken::new(
-                Rule::UsernameStartsWithLetter,
-            )));
         }
         if let Some(bad) = name
             .chars()
@@ -205,5 +207,27 @@ impl From<PasswordHash> for String {
 impl fmt::Debug for PasswordHash {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("PasswordHash(<redacted>)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Username;
+    use crate::rule::Rule;
+
+    fn refused(raw: &str) -> Rule {
+        Username::parse(raw).expect_err(raw).0.rule
+    }
+
+    #[test]
+    fn a_name_in_chinese_is_told_it_needs_latin_letters_before_its_length() {
+        assert_eq!(refused("小红"), Rule::UsernameStartsWithLetter);
+        assert_eq!(refused("小红帽"), Rule::UsernameStartsWithLetter);
+        assert_eq!(refused("1abc"), Rule::UsernameStartsWithLetter);
+        assert_eq!(refused("ab"), Rule::LengthBetween);
+        assert_eq!(refused("   "), Rule::LengthBetween);
+        assert_eq!(refused("xiao红"), Rule::UsernameCharacters);
+        let name = Username::parse(" XiaoHong ").expect("a Latin name");
+        assert_eq!(name.as_str(), "xiaohong");
     }
 }

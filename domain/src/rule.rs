@@ -73,12 +73,13 @@ rules! {
     NextOfEarlierPage => "next_of_earlier_page", "must be the `next` of an earlier page";
     Unreadable => "unreadable", "cannot be read: {detail}";
     JsonContentType => "json_content_type", "must be application/json";
-    UsernameStartsWithLetter => "username_starts_with_letter", "must start with a letter";
-    UsernameCharacters => "username_characters", "may only contain letters, digits, '_', '-' and '.', not {character}";
+    UsernameStartsWithLetter => "username_starts_with_letter", "must start with a Latin letter (a-z)";
+    UsernameCharacters => "username_characters", "may only contain Latin letters (a-z), digits, '_', '-' and '.', not {character}";
     PhoneDigits => "phone_digits", "must be digits, optionally after a leading '+'";
     PhoneCountryCode => "phone_country_code", "needs a country code (+...) unless it is an 11-digit mainland mobile number";
     PhoneLength => "phone_length", "must be '+', a country code and {min} to {max} digits in all";
     PasswordHash => "password_hash", "must be an argon2id PHC string";
+    PasswordUnchanged => "password_unchanged", "must differ from the current password";
     LoginEither => "login_either", "give username and password, or phone and code";
     LoginNotBoth => "login_not_both", "give username and password, or phone and code, not both";
     MessageOrWindow => "message_or_window", "give message_id, or since and until";

@@ -132,7 +132,11 @@ pub async fn run(settings: &Settings, command: CodesCommand) -> anyhow::Result<(
 /// `zhihui audit code <code>`.
 pub async fn audit_code(settings: &Settings, text: &str) -> anyhow::Result<()> {
     let state = state(settings)?;
-    let life = state.codes.life(text).await?;
+    let life = state
+        .codes
+        .life(text)
+        .await?
+        .with_context(|| format!("{text:?} is not a valid code (malformed or forged)"))?;
     let mut out = std::io::stdout().lock();
     writeln!(out, "code         {}", life.code)?;
     writeln!(

@@ -156,6 +156,7 @@ fn notice_json(task_id: TaskId, notice: &TaskNotice) -> Value {
         TaskNotice::Failed { reason } => {
             json!({"type": "failed", "task_id": task_id, "reason": reason})
         }
+        TaskNotice::ServerLost => json!({"type": "server_lost", "task_id": task_id}),
         TaskNotice::Cancelled => json!({"type": "cancelled", "task_id": task_id}),
     }
 }

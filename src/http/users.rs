@@ -96,7 +96,7 @@ pub async fn user(
         (status = 204, description = "changed; log in again"),
         (status = 401, description = "`wrong-credentials`: the current password is wrong", body = crate::http::problem::Problem),
         (status = 409, description = "`user-rule`: a phone-only user has no password", body = crate::http::problem::Problem),
-        (status = 422, body = crate::http::problem::Problem),
+        (status = 422, description = "a field breaks its rule; `new_password` the same as the current one breaks `password_unchanged`", body = crate::http::problem::Problem),
     )
 )]
 pub async fn change_password(
@@ -119,6 +119,13 @@ pub(crate) async fn change_password_of(
     metadata: &crate::platform::event_store::EventMetadata,
 ) -> Result<(), ApiError> {
     let new_password = parse_password("new_password", &body.new_password)?;
+    // Taken, it would end every session for nothing.
+    if body.new_password == body.current_password {
+        return Err(ApiError::invalid_by(
+            "new_password",
+            zhihui_domain::rule::Rule::PasswordUnchanged,
+        ));
+    }
     let user = existing_user(state, user_id).await?;
     if !state
         .passwords

@@ -43,6 +43,9 @@ pub enum TaskNotice {
         value: f64,
         max: f64,
     },
+    /// The image server it was posted to stopped answering: what became of it is asked once the
+    /// server is back (or it fails at its timeout).
+    ServerLost,
     /// Image ids (served at `/api/v1/images/{id}`).
     Succeeded {
         images: Vec<Uuid>,
@@ -59,6 +62,7 @@ impl TaskNotice {
         "position",
         "dispatched",
         "progress",
+        "server_lost",
         "succeeded",
         "failed",
         "cancelled",
@@ -70,6 +74,7 @@ impl TaskNotice {
             TaskNotice::Position { .. } => "position",
             TaskNotice::Dispatched => "dispatched",
             TaskNotice::Progress { .. } => "progress",
+            TaskNotice::ServerLost => "server_lost",
             TaskNotice::Succeeded { .. } => "succeeded",
             TaskNotice::Failed { .. } => "failed",
             TaskNotice::Cancelled => "cancelled",

@@ -594,6 +594,23 @@ async fn a_password_change_needs_the_current_one_and_ends_every_session() {
         (status, problem["type"].as_str()),
         (401, Some("/problems/wrong-credentials"))
     );
+    // The same password again would end every session for nothing: refused, naming the field.
+    let (status, problem) = problem_of(
+        app.put(
+            "/api/v1/me/password",
+            Some(&token),
+            &json!({"current_password": "correct horse battery", "new_password": "correct horse battery"}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(status, 422, "{problem}");
+    assert!(
+        problem.to_string().contains("password_unchanged"),
+        "{problem}"
+    );
+    assert!(problem.to_string().contains("new_password"), "{problem}");
+    assert_eq!(app.get_as(&other, "/api/v1/me").await.status(), 200);
     let response = app
         .put(
             "/api/v1/me/password",

@@ -304,22 +304,8 @@ async fn tasks_become_images_the_points_are_settled_and_the_owner_is_told() {
     let (user, token) = funded_user(app, "painter", "10").await;
     let (_, other_token) = funded_user(app, "neighbour", "10").await;
     // The owner's socket, connected before anything happens.
-    let url = format!(
-        "{}/api/v1/ws?token={token}",
-        app.address.replace("http://", "ws://")
-    );
-    let (mut socket, _) = async_tungstenite::tokio::connect_async(url.as_str())
-        .await
-        .unwrap();
-    let (mut other_socket, _) = async_tungstenite::tokio::connect_async(
-        format!(
-            "{}/api/v1/ws?token={other_token}",
-            app.address.replace("http://", "ws://")
-        )
-        .as_str(),
-    )
-    .await
-    .unwrap();
+    let mut socket = app.socket(&token).await;
+    let mut other_socket = app.socket(&other_token).await;
 
     let process = harness.process();
     let mut saga = harness.lead(&process).await;
@@ -643,6 +629,7 @@ async fn a_server_killed_mid_task_and_restarted_loses_nothing() {
     let harness = harness(1, faults).await;
     let app = &harness.app;
     let (user, token) = funded_user(app, "crash-survivor", "10").await;
+    let mut socket = app.socket(&token).await;
     let process = harness.process();
     let mut saga = harness.lead(&process).await;
     drive_until_connected(&mut saga, 1).await;
@@ -653,6 +640,22 @@ async fn a_server_killed_mid_task_and_restarted_loses_nothing() {
     drive_until(&mut saga, &process, &tasks[..1], &[TaskStatus::Running]).await;
     // SIGKILL: queue, history and sockets gone, connections refused.
     crash_and_wait(&mut saga, &harness.sims[0]).await;
+    // The owner is told the running task (and the one staged behind it there) waits for its
+    // server, not left reading its last progress.
+    let mut lost = std::collections::HashSet::new();
+    while !lost.contains(&tasks[0]) {
+        let notice = next_text(&mut socket).await;
+        if notice["type"] == "server_lost" {
+            let task = notice["task_id"].as_str().unwrap().to_owned();
+            assert!(tasks.contains(&task), "{notice}");
+            lost.insert(task);
+            continue;
+        }
+        assert!(
+            !["succeeded", "failed", "cancelled"].contains(&notice["type"].as_str().unwrap_or("")),
+            "{notice}"
+        );
+    }
     harness.sims[0].restart().await;
     // After the reconnect the lost prompt is found missing and posted once more, same id.
     drive_until(

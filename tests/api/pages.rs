@@ -967,3 +967,26 @@ async fn a_user_makes_uses_and_revokes_a_key_and_changes_the_password_on_the_set
     assert!(login.contains("密码已修改，请用新密码登录。"), "{login}");
     app.login("xiaohong", "a new horse battery").await;
 }
+
+/// An admin looking up something that is no code gets told so in their language, on the page
+/// (not an error page), naming what they typed.
+#[tokio::test]
+async fn the_audit_page_names_a_code_that_is_none_in_the_readers_language() {
+    let app = spawn_app().await;
+    let admin = app.admin_token("chazhang").await;
+    for (lang, expected) in [
+        ("zh", "“ZZZZZZZZZZ”不是有效的兑换码"),
+        ("en", "“ZZZZZZZZZZ” is not a valid code"),
+    ] {
+        let response = browser()
+            .get(format!("{}/admin/audit?code=ZZZZZZZZZZ", app.address))
+            .header("Cookie", format!("lang={lang}; zhihui_session={admin}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 200);
+        let page = response.text().await.unwrap();
+        assert!(page.contains(expected), "{page}");
+        assert!(!page.contains("malformed or forged"), "{page}");
+    }
+}

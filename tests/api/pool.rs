@@ -307,6 +307,18 @@ async fn servers_are_drained_resumed_added_and_removed_at_run_time_and_a_new_lea
     )
     .await;
     assert_eq!(taken.status(), 409);
+    // The page tells the admin, in their language, that the configuration does not name it,
+    // and both ways to settle that.
+    let listed = table().await;
+    assert!(
+        listed.contains("服务器池里有 gpu-2，配置文件里没有：在 dispatch.backends 里写上它"),
+        "{listed}"
+    );
+    assert!(
+        listed.contains("<code>zhihui backends remove gpu-2</code>"),
+        "{listed}"
+    );
+    assert!(!listed.contains("not configured"), "{listed}");
     drive_until_connected(&mut saga, 3).await;
     drive_until_inspected(&mut saga, &process, 3).await;
     let three = vec![
@@ -528,12 +540,7 @@ async fn queued_tasks_show_wait_estimates_from_measured_step_times() {
     drive_until(&mut saga, &process, &warm_up, &[TaskStatus::Succeeded]).await;
 
     // The owner's socket: its position notices carry the estimates too.
-    let (mut socket, _) = async_tungstenite::tokio::connect_async(format!(
-        "{}/api/v1/ws?token={token}",
-        app.address.replace("http://", "ws://")
-    ))
-    .await
-    .unwrap();
+    let mut socket = app.socket(&token).await;
     let tasks = [
         submitted(app, &token, MODEL_A, 10).await,
         submitted(app, &token, MODEL_A, 10).await,

@@ -305,6 +305,54 @@ def test_a_task_submitted_elsewhere_appears_on_the_open_pages_without_a_reload(s
     wait_until(lambda: history.locator(f"#task-{mine_id}").count() == 1, "the page's task in the other tab")
     history.close()
 
+    # The program submits while the page's socket cannot open (a train in a tunnel): once it
+    # opens, the task it was never told of is on top all the same, once.
+    generate.route("**/api/v1/ws/ticket", lambda route: route.abort())
+    generate.reload()
+    status, late = stack.api("POST", "/api/v1/tasks", key["key"], {"prompt": "隧道里提交的一条河", "steps": 4})
+    assert status == 201, late
+    wait_until(lambda: stack.api("GET", "/api/v1/tasks?limit=1", token)[1]["tasks"][0]["task_id"] == late["task_id"], "the task listed")
+    assert generate.locator("body[data-socket=open]").count() == 0
+    assert generate.locator(f"#task-{late['task_id']}").count() == 0
+    generate.unroute("**/api/v1/ws/ticket")
+    generate.locator("body[data-socket=open]").wait_for(state="attached", timeout=40_000)
+    top = generate.locator("#tasks > article.task").first
+    wait_until(lambda: top.get_attribute("data-task-id") == late["task_id"], "the task from the tunnel on top")
+    top.locator(".images img").wait_for(timeout=40_000)
+    assert generate.locator(f"#task-{late['task_id']}").count() == 1
+    assert generate.locator(f"#task-{mine_id}").count() == 1
+
+
+def test_a_task_whose_server_dies_says_so_and_finishes_once_the_server_is_back(stack, person):
+    """The server a person's task runs on is killed: the card says the server stopped answering
+    (not a progress bar frozen without a word), and once the server is back the task runs again
+    and ends with its image, without a reload."""
+    admin = stack.token(*ADMIN)
+    user = person("zh", (390, 844))
+    name = unique("duandian")
+    user.register(name)
+    token = stack.token(name, "correct horse")
+    me = stack.api("GET", "/api/v1/me", token)[1]
+    assert stack.api("POST", f"/api/v1/admin/accounts/{me['id']}/grants", admin, {"amount": "2", "reason": "断电测试"})[0] == 201
+    page = user.go("/generate")
+    page.locator("body[data-socket=open]").wait_for(state="attached")
+    card = submit(page, "停电前的最后一幅画", steps=40)
+    wait_until(lambda: card.get_attribute("data-server") is not None and card.get_attribute("data-status") == "running", "the task running on a server")
+    server = card.get_attribute("data-server")
+    index = int(server.removeprefix("gpu-"))
+    crashed = stack.processes[index]
+    crashed.kill()
+    crashed.wait()
+    line = card.locator("[data-field=server]")
+    wait_until(lambda: "暂时联系不上" in line.inner_text(), "the card saying the server stopped answering")
+    assert server in line.inner_text()
+    shot(page, "flow-server-lost-zh-phone")
+    stack.processes[index] = subprocess.Popen(crashed.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    card.locator(".images img").wait_for(timeout=90_000)
+    assert card.get_attribute("data-status") == "succeeded"
+    assert "暂时联系不上" not in card.inner_text()
+    wait_until(stack.servers_up, "both image servers up again")
+
 
 def test_a_check_in_a_redeemed_code_and_a_flash_sale_each_show_in_the_ledger(stack, person):
     user = person("zh")
@@ -744,6 +792,24 @@ def test_a_prompt_sent_after_the_session_ended_comes_back_after_signing_in(stack
     assert page.input_value("#prompt") == ""
 
 
+def test_a_prompt_being_typed_stays_when_the_language_is_switched(stack, person):
+    user = person("zh", (390, 844))
+    user.register(unique("qiehuan"))
+    page = user.go("/generate")
+    prompt = "月光下的竹林，一只熊猫在吃竹子"
+    page.fill("#prompt", prompt)
+    page.locator("#generate-form details summary").click()
+    page.fill("#negative_prompt", "模糊")
+    page.locator("form.lang-switch button").click()
+    page.wait_for_load_state()
+    wait_until(lambda: page.evaluate("document.documentElement.lang") == "en", "the page in English")
+    assert page.input_value("#prompt") == prompt
+    assert page.locator("#negative_prompt").input_value() == "模糊"
+    # Given back once: the next visit starts empty.
+    page = user.go("/generate")
+    assert page.input_value("#prompt") == ""
+
+
 def test_a_field_error_is_said_in_the_pages_language(stack, person):
     """Ordinary mistakes, typed in the page: each rule is said in the page's language, never in the
     API's English inside a Chinese page (or Chinese inside an English one)."""
@@ -840,6 +906,11 @@ def test_a_user_makes_an_api_key_from_the_settings_page_and_revokes_it(stack, pe
     key.wait_for()
     secret = key.inner_text()
     assert secret.startswith("zhk_")
+    user.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=stack.base)
+    page.get_by_role("button", name="复制").click()
+    page.get_by_role("button", name="已复制").wait_for()
+    assert page.evaluate("navigator.clipboard.readText()") == secret
+    assert page.get_by_role("link", name="接口文档（OpenAPI）").get_attribute("href") == "/api/openapi.json"
     wait_until(lambda: page.input_value("#key-name") == "", "the form emptied once the key is shown")
     status, tasks = stack.api("GET", "/api/v1/tasks", secret)
     assert status == 200, tasks

@@ -432,6 +432,21 @@ impl Saga {
                     format!("socket closed: {reason}"),
                     self.dispatcher.clock.now(),
                 ));
+                // Its owners are told it waits for the server, which may never come back.
+                let lost: Vec<(UserId, TaskId)> = self
+                    .in_flight
+                    .iter()
+                    .filter(|(_, flight)| flight.backend == backend)
+                    .map(|(task_id, flight)| (flight.owner, *task_id))
+                    .collect();
+                if !lost.is_empty() {
+                    let notifier = self.dispatcher.notifier.clone();
+                    self.dispatcher.work.spawn(async move {
+                        for (owner, task_id) in lost {
+                            notifier.tell(owner, task_id, TaskNotice::ServerLost).await;
+                        }
+                    });
+                }
                 Ok(())
             }
             Input::Socket(backend, SocketEvent::Message(message)) => {

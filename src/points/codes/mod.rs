@@ -584,12 +584,11 @@ impl CodeService {
     }
 
     /// A code's life (`zhihui audit code`): its batch, its redemption and its credit, each from
-    /// its stream.
-    pub async fn life(&self, text: &str) -> anyhow::Result<CodeLife> {
-        let code = self
-            .keys
-            .decode(text)
-            .map_err(|_| anyhow::anyhow!("{text:?} is not a valid code (malformed or forged)"))?;
+    /// its stream. `None`: `text` is no code of ours (malformed or forged).
+    pub async fn life(&self, text: &str) -> anyhow::Result<Option<CodeLife>> {
+        let Ok(code) = self.keys.decode(text) else {
+            return Ok(None);
+        };
         let serial = code.serial();
         let batch = self.batch_of_serial(serial).await?.map(|(batch, _)| batch);
         let mut redemption = command::load::<CodeRedemption>(&self.store, &code_stream(serial))
@@ -642,14 +641,14 @@ impl CodeService {
             .await
             .context("reading the redeemer's account")?;
         }
-        Ok(CodeLife {
+        Ok(Some(CodeLife {
             code: code.to_string(),
             serial,
             key_slot: code.slot(),
             batch,
             redemption,
             credit,
-        })
+        }))
     }
 }
 

@@ -164,6 +164,7 @@ const handlers = {
     show(field(card, "status"), card.dataset.runningText);
     if (card.dataset.server) {
       show(field(card, "server"), fill(card.dataset.runningOnTemplate, { server: card.dataset.server }));
+      field(card, "server")?.classList.remove("warning");
     } else if (!card.dataset.askedServer) {
       // Drawn before it was sent to a server (its "dispatched" came before the card was on the
       // page): drawn again once, from its events, to say where it runs.
@@ -178,6 +179,15 @@ const handlers = {
     show(field(card, "progress-row"));
     show(field(card, "percent"), `${percent}%`);
     document.title = `${percent}% · ${baseTitle}`;
+  },
+  // Its server stopped answering: said in place of where it runs until the server is back
+  // (its progress again) or the task ends.
+  server_lost(notice, card) {
+    if (!card || !card.dataset.server) return;
+    const line = field(card, "server");
+    if (!line) return;
+    show(line, fill(card.dataset.serverLostTemplate, { server: card.dataset.server }));
+    line.classList.add("warning");
   },
   succeeded: taskEnded,
   failed: taskEnded,
@@ -225,6 +235,32 @@ function catchUp() {
   }
 }
 
+// The socket tells of the tasks queued after it opens. One queued before, between the page's
+// drawing and the socket's opening or while the socket was closed, is looked for among the
+// reader's newest tasks once it opens: those newer than a list's top card are drawn above it,
+// oldest first, so the newest ends on top.
+async function catchUpSubmitted() {
+  const list = document.querySelector("[data-live-tasks]");
+  if (!list) return;
+  const top = list.querySelector("article.task[data-task-id]")?.dataset.taskId;
+  let tasks;
+  try {
+    const response = await fetch("/api/v1/tasks?limit=20", { credentials: "same-origin" });
+    if (!response.ok) return;
+    tasks = (await response.json()).tasks;
+  } catch {
+    return;
+  }
+  const newer = [];
+  for (const task of tasks) {
+    if (task.task_id === top) break;
+    newer.push(task.task_id);
+  }
+  for (const taskId of newer.reverse()) {
+    await showSubmitted({ task_id: taskId }, document.getElementById(`task-${taskId}`));
+  }
+}
+
 // The socket: opened with a one-time ticket (the session cookie never goes into a URL), opened
 // again with a growing pause when it closes.
 let pause = 500;
@@ -250,6 +286,7 @@ async function openSocket() {
     pause = 500;
     body.dataset.socket = "open";
     catchUp();
+    catchUpSubmitted();
   });
   socket.addEventListener("message", (event) => {
     let notice;
@@ -379,12 +416,19 @@ document.addEventListener("htmx:timeout", (event) => showFailure(event.detail.el
 const DRAFT = "zhihui.generate.draft";
 const DRAFT_FIELDS = ["prompt", "negative_prompt"];
 
-document.addEventListener("htmx:beforeRequest", (event) => {
-  const form = event.detail.elt;
-  if (form.id !== "generate-form") return;
+function keepDraft(form) {
   const fields = {};
   for (const name of DRAFT_FIELDS) if (form.elements[name]) fields[name] = form.elements[name].value;
   sessionStorage.setItem(DRAFT, JSON.stringify(fields));
+}
+
+document.addEventListener("htmx:beforeRequest", (event) => {
+  if (event.detail.elt.id === "generate-form") keepDraft(event.detail.elt);
+});
+// Switching the language draws the page again: what was typed comes back in the other one.
+document.addEventListener("submit", (event) => {
+  const form = document.getElementById("generate-form");
+  if (form && event.target.matches?.("form.lang-switch")) keepDraft(form);
 });
 document.addEventListener("htmx:afterRequest", (event) => {
   if (event.detail.elt.id !== "generate-form" || !event.detail.successful) return;
@@ -436,3 +480,17 @@ if (body.dataset.live === "1") {
   body.addEventListener("htmx:afterSwap", dropTwins);
   openSocket();
 }
+
+// A key shown once: copied with one press (the clipboard needs a secure context; elsewhere the
+// key stays selected for the person to copy).
+document.addEventListener("click", async (event) => {
+  const button = event.target.closest?.("button[data-copy]");
+  if (!button) return;
+  try {
+    await navigator.clipboard.writeText(button.dataset.copy);
+    button.textContent = button.dataset.copied;
+  } catch {
+    const code = button.parentElement?.querySelector("code");
+    if (code) window.getSelection()?.selectAllChildren(code);
+  }
+});

@@ -13,6 +13,7 @@ use rust_decimal::Decimal;
 use serde::Deserialize;
 use uuid::Uuid;
 use zhihui_domain::claim::Identifier;
+use zhihui_domain::pool::PoolDifference;
 use zhihui_domain::user::{Role, UserId, Username};
 
 use super::render::{Page, WebError, display_name, ser};
@@ -118,7 +119,25 @@ async fn servers_context(page: &Page) -> Result<Value, WebError> {
         .await?
         .iter()
         .map(|difference| {
-            context! { difference => difference.to_string(), apply => difference.command() }
+            let apply = difference.command();
+            match difference {
+                PoolDifference::NotInPool(backend) => context! {
+                    kind => "not_in_pool", name => backend.name(), url => backend.url(),
+                    capacity => backend.capacity(), apply,
+                },
+                PoolDifference::NotConfigured { name } => {
+                    context! { kind => "not_configured", name, apply }
+                }
+                PoolDifference::Differs {
+                    name,
+                    pool_url,
+                    pool_capacity,
+                    configured,
+                } => context! {
+                    kind => "differs", name, pool_url, pool_capacity,
+                    url => configured.url(), capacity => configured.capacity(), apply,
+                },
+            }
         })
         .collect();
     let load = in_flight_by_server(page).await?;
@@ -505,8 +524,8 @@ pub async fn audit(page: Page, query: web::Query<AuditQuery>) -> Result<HttpResp
     let mut code = None;
     let mut code_error = None;
     if let Some(text) = code_query {
-        match state.codes.life(text).await {
-            Ok(life) => {
+        match state.codes.life(text).await? {
+            Some(life) => {
                 code = Some(context! {
                     code => life.code,
                     serial => life.serial,
@@ -528,7 +547,7 @@ pub async fn audit(page: Page, query: web::Query<AuditQuery>) -> Result<HttpResp
                     }),
                 });
             }
-            Err(error) => code_error = Some(error.to_string()),
+            None => code_error = Some(page.t("admin.not_a_code", &[("code", text.to_owned())])),
         }
     }
     let repairs = crate::points::settlements::repairs(&state.pg_pool, None).await?;
