@@ -97,21 +97,7 @@ pub fn unavailable_dependency(error: &anyhow::Error) -> Option<&'static str> {
             .downcast_ref::<redis::RedisError>()
             .is_some_and(redis_unavailable)
     });
-    let postgres_down = error.chain().any(|cause| {
-        cause
-            .downcast_ref::<tokio_postgres::Error>()
-            .is_some_and(postgres_unavailable)
-            || cause
-                .downcast_ref::<deadpool_postgres::PoolError>()
-                .is_some_and(|pool_error| match pool_error {
-                    // The pool's backend errors are its failures to open a connection: no
-                    // server (yet) takes writes, e.g. a standby not promoted yet ("database
-                    // does not allow writes", no SQLSTATE), a refused or reset connection.
-                    deadpool_postgres::PoolError::Backend(_)
-                    | deadpool_postgres::PoolError::Timeout(_) => true,
-                    _ => false,
-                })
-    });
+    let postgres_down = crate::platform::postgres::away(error);
     let event_store_down = error.chain().any(|cause| {
         matches!(
             cause.downcast_ref::<crate::platform::event_store::EventStoreError>(),

@@ -223,6 +223,30 @@ pub async fn ping(pool: &Pool) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Whether `error` says, anywhere in its cause chain, that PostgreSQL is away (refused, closed,
+/// shutting down or starting, read-only, out of connections or resources; see
+/// [`sql_state_unavailable`]) or that no connection could be had: nothing about what was being
+/// done, which succeeds once the server answers again.
+pub fn away(error: &anyhow::Error) -> bool {
+    error.chain().any(|cause| {
+        cause
+            .downcast_ref::<tokio_postgres::Error>()
+            .is_some_and(|error| {
+                error.is_closed() || error.code().is_some_and(sql_state_unavailable)
+            })
+            || cause
+                .downcast_ref::<deadpool_postgres::PoolError>()
+                .is_some_and(|pool_error| match pool_error {
+                    // The pool's backend errors are its failures to open a connection: no
+                    // server (yet) takes writes, e.g. a standby not promoted yet ("database
+                    // does not allow writes", no SQLSTATE), a refused or reset connection.
+                    deadpool_postgres::PoolError::Backend(_)
+                    | deadpool_postgres::PoolError::Timeout(_) => true,
+                    _ => false,
+                })
+    })
+}
+
 /// The SQLSTATEs of a server that is not there to answer, rather than of a statement it refused:
 /// connection exceptions (class 08), an administrator's or a crash's shutdown, a server still
 /// starting (57P01-57P03), a read-only transaction on a server that is (still or newly) a

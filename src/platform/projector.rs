@@ -440,6 +440,13 @@ impl Projector {
                 }
             }
         }
+        // PostgreSQL away (down, shutting down, read-only, out of connections) says nothing of
+        // the events: the runner starts again once it answers. Looking for a poison event then
+        // would name a sound one, and a stop recorded by a server back just in time would hold
+        // a healthy projection until an operator cleared it.
+        if let Some(error) = last_error.take_if(|error| crate::platform::postgres::away(error)) {
+            return Err(error);
+        }
         if let Some(error) = &last_error {
             tracing::warn!(projection = %self.checkpoint_name, error = %crate::platform::telemetry::error_chain(error), "looking for the poison event");
         }
@@ -450,7 +457,7 @@ impl Projector {
                 .commit_batch(position, std::slice::from_ref(event), event.position)
                 .await
             {
-                if Halt::of(&error).is_some() {
+                if Halt::of(&error).is_some() || crate::platform::postgres::away(&error) {
                     return Err(error);
                 }
                 let reason = format!(

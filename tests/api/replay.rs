@@ -402,3 +402,45 @@ async fn events_tail_follows_what_is_committed_after_it_started() {
     assert_eq!(line["event_type"], "PointsFrozen");
     assert!(line["version"].as_u64().unwrap() >= 3, "{line}");
 }
+
+/// PostgreSQL away while a batch is applied (here a trigger answers as a server shutting down
+/// does) is no poison event: the batch fails, nothing is recorded as stopped, and the same
+/// runner applies everything once the server answers again.
+#[tokio::test]
+async fn a_batch_failing_because_postgres_is_away_names_no_poison_event() {
+    let app = spawn_app().await;
+    let user = UserId::from_uuid(Uuid::now_v7());
+    activity(&app, user, 2).await;
+    let client = crate::helpers::connect(&app.settings).await;
+    client
+        .batch_execute(
+            "CREATE FUNCTION away() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 RAISE EXCEPTION 'terminating connection due to administrator command'
+                     USING ERRCODE = 'admin_shutdown';
+             END $$;
+             CREATE TRIGGER away BEFORE INSERT ON ledger_entries
+                 FOR EACH ROW EXECUTE FUNCTION away();",
+        )
+        .await
+        .unwrap();
+    let projector = app.projector(ProjectionName::Ledger);
+    let error = projector.catch_up().await.expect_err("PostgreSQL is away");
+    assert!(zhihui::platform::postgres::away(&error), "{error:#}");
+    let stopped: Option<String> = client
+        .query_one(
+            "SELECT stopped_reason FROM projection_checkpoints WHERE projection = 'ledger'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(stopped, None);
+
+    client
+        .batch_execute("DROP TRIGGER away ON ledger_entries")
+        .await
+        .unwrap();
+    assert_eq!(projector.catch_up().await.unwrap(), 1 + 2 * 2);
+    assert_eq!(checkpoint_events(&app, "ledger").await, 1 + 2 * 2);
+}
