@@ -243,7 +243,7 @@ impl Drop for OwnRedis {
 async fn app_on_own_redis(
     customise: impl FnOnce(&mut zhihui::platform::configuration::Settings),
 ) -> (OwnRedis, u16, std::path::PathBuf, crate::helpers::TestApp) {
-    let port = crate::helpers::dead_port();
+    let port = crate::helpers::free_port();
     let directory = std::env::temp_dir().join(format!("zhihui-redis-{}", uuid::Uuid::now_v7()));
     std::fs::create_dir_all(&directory).unwrap();
     let redis = OwnRedis::start(port, &directory);
@@ -278,7 +278,7 @@ async fn replication_info(port: u16) -> String {
 #[tokio::test]
 async fn a_logout_answered_done_survives_a_redis_failover_and_one_that_could_not_be_is_not_answered_done()
  {
-    let (master_port, replica_port) = (crate::helpers::dead_port(), crate::helpers::dead_port());
+    let (master_port, replica_port) = (crate::helpers::free_port(), crate::helpers::free_port());
     let directory = std::env::temp_dir().join(format!("zhihui-failover-{}", uuid::Uuid::now_v7()));
     std::fs::create_dir_all(directory.join("master")).unwrap();
     std::fs::create_dir_all(directory.join("replica")).unwrap();
@@ -1204,7 +1204,7 @@ async fn next_notification(
 async fn a_notification_subscription_that_ended_is_opened_again_and_its_listeners_told() {
     use zhihui::platform::notify::{Envelope, NotificationHub, Notifier};
 
-    let port = crate::helpers::dead_port();
+    let port = crate::helpers::free_port();
     let directory =
         std::env::temp_dir().join(format!("zhihui-resubscribe-{}", uuid::Uuid::now_v7()));
     std::fs::create_dir_all(&directory).unwrap();

@@ -26,7 +26,7 @@ use tokio::sync::Mutex;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::helpers::{dead_port, spawn_app_at};
+use crate::helpers::{free_port, spawn_app_at};
 use crate::processes::serve_capturing;
 
 /// Longest any one wait may take (a hang, not a slow machine).
@@ -82,8 +82,8 @@ impl Pair {
     fn start(synchronous: bool) -> Pair {
         let pair = Pair {
             directory: std::env::temp_dir().join(format!("zhihui-pg-pair-{}", Uuid::now_v7())),
-            primary_port: dead_port(),
-            standby_port: dead_port(),
+            primary_port: free_port(),
+            standby_port: free_port(),
             synchronous,
         };
         let output = pair.services("start-pg-pair");

@@ -463,10 +463,26 @@ async fn start_instance(
     }
 }
 
-/// A loopback port on which nothing listens (bound, then released).
+/// A loopback port on which nothing listens, now or later in the test.
 pub fn dead_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
+    // Bound without listening: a connection to it is refused. Held until the test's process
+    // ends, so no listener another test opens meanwhile can take the port and answer in a
+    // protocol the caller does not speak (a Redis client reading an HTTP answer is a 500, not
+    // the 503 of a store that is away).
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = socket.local_addr().unwrap().port();
+    std::mem::forget(socket);
+    port
+}
+
+/// A loopback port free now, for a server the test starts on it itself.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// The PostgreSQL address (host, port) of `settings`, for a test's proxy to stand in front of.

@@ -240,11 +240,7 @@ async fn metrics_parse_and_follow_tasks_through_a_real_process() {
 /// face users while the metrics stay internal.
 #[tokio::test]
 async fn metrics_on_a_port_of_their_own_leave_the_api_port() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = crate::helpers::free_port();
     let app = crate::helpers::spawn_app_with(move |settings| {
         settings.http.metrics_port = Some(port);
     })
@@ -318,7 +314,7 @@ impl Prometheus {
         );
         let config_file = directory.join("prometheus.yml");
         std::fs::write(&config_file, config).unwrap();
-        let port = crate::helpers::dead_port();
+        let port = crate::helpers::free_port();
         let address = format!("127.0.0.1:{port}");
         let child = std::process::Command::new("prometheus")
             .arg(format!("--config.file={}", config_file.display()))

@@ -66,11 +66,7 @@ pub(crate) async fn serve_capturing(
             std::process::Stdio::inherit()
         }
     };
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = crate::helpers::free_port();
     let settings = &app.settings;
     let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_zhihui"))
         .arg("serve")
