@@ -174,15 +174,26 @@ pub async fn bind_phone(
     caller: Authenticated,
     body: crate::http::extract::Json<BindPhoneRequest>,
 ) -> Result<HttpResponse, ApiError> {
-    let phone = parse_phone(&body.phone)?;
-    verify_code(&state, &phone, &body.code).await?;
     let metadata = event_metadata(&request, caller.actor());
-    let user = state
-        .users
-        .bind_phone(caller.user_id(), phone, &metadata)
-        .await
-        .map_err(register_error)?;
+    let user = bind_phone_of(&state, caller.user_id(), &body, &metadata).await?;
     Ok(HttpResponse::Ok().json(UserView::from(&user)))
+}
+
+/// Bind `body.phone` to `user_id`, proven by the code sent to it (the API and the settings
+/// page).
+pub(crate) async fn bind_phone_of(
+    state: &AppState,
+    user_id: UserId,
+    body: &BindPhoneRequest,
+    metadata: &crate::platform::event_store::EventMetadata,
+) -> Result<RegisteredUser, ApiError> {
+    let phone = parse_phone(&body.phone)?;
+    verify_code(state, &phone, &body.code).await?;
+    state
+        .users
+        .bind_phone(user_id, phone, metadata)
+        .await
+        .map_err(register_error)
 }
 
 /// Any user's profile (admins).

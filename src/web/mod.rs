@@ -151,6 +151,14 @@ pub fn routes(config: &mut web::ServiceConfig) {
             "/settings/password",
             page(web::post(), pages_settings::change_password),
         )
+        .route(
+            "/settings/phone/code",
+            page(web::post(), pages_settings::send_phone_code),
+        )
+        .route(
+            "/settings/phone",
+            page(web::post(), pages_settings::bind_phone),
+        )
         .route("/sales", page(web::get(), pages_user::sales))
         .route("/sales/{id}/claim", page(web::post(), pages_user::claim))
         .route(

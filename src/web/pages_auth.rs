@@ -175,13 +175,15 @@ pub async fn send_code(
     form: web::Form<PhoneForm>,
 ) -> Result<HttpResponse, WebError> {
     let next = safe_next(query.next.as_deref());
-    match crate::http::auth::send_login_code(page.state(), &page.request, &form.phone).await {
+    let sent = crate::http::auth::send_login_code(page.state(), &page.request, &form.phone).await;
+    let resend_in = resend_in(&page, &sent);
+    match sent {
         Ok(_) => {
             let message = page.t("login.code_sent", &[]);
             login_form(
                 &page,
                 &next,
-                context! { message, message_kind => "info", phone => form.phone.trim() },
+                context! { message, message_kind => "info", phone => form.phone.trim(), resend_in },
                 StatusCode::OK,
             )
             .await
@@ -192,13 +194,31 @@ pub async fn send_code(
             let form = login_form(
                 &page,
                 &next,
-                context! { message, phone => form.phone.trim() },
+                context! { message, phone => form.phone.trim(), resend_in },
                 StatusCode::OK,
             )
             .await?;
             Ok(answer_for(form, &error))
         }
     }
+}
+
+/// The longest wait a send-code button counts down on the page; a longer one (the day's sends
+/// used up) is said in the message instead.
+const RESEND_COUNTDOWN_MAX_S: u64 = 600;
+
+/// Seconds until another code may be sent to the phone, for its button to count down: after a
+/// code went, or a send refused as too soon; `None` when it may be sent now.
+pub(super) fn resend_in(
+    page: &Page,
+    sent: &Result<crate::http::auth::CodeSent, ApiError>,
+) -> Option<u64> {
+    let seconds = match sent {
+        Ok(sent) => crate::http::retry_after(&page.state().clock, sent.next_send_at),
+        Err(ApiError::TooManyRequests { retry_after_s, .. }) => *retry_after_s,
+        Err(_) => return None,
+    };
+    (seconds <= RESEND_COUNTDOWN_MAX_S).then_some(seconds)
 }
 
 pub async fn register_page(

@@ -226,17 +226,6 @@ pub async fn mine(page: Page, query: web::Query<DoneQuery>) -> Result<HttpRespon
     .await
 }
 
-/// To `path` after an action: htmx follows `HX-Redirect`, a plain form a 303.
-fn redirect(page: &Page, path: &str) -> HttpResponse {
-    if page.is_htmx() {
-        HttpResponse::Ok()
-            .insert_header(("HX-Redirect", path))
-            .finish()
-    } else {
-        Page::see_other(path)
-    }
-}
-
 fn not_found(page: &Page) -> WebError {
     page.refusal(StatusCode::NOT_FOUND, "error.not_found")
 }
@@ -301,7 +290,7 @@ pub async fn like(
         }
     };
     if !page.is_htmx() {
-        return Ok(redirect(&page, &format!("/gallery/works/{work_id}")));
+        return Ok(page.redirect(&format!("/gallery/works/{work_id}")));
     }
     page.fragment(
         "_like_inner.html",
@@ -372,7 +361,7 @@ pub async fn follow(
         }
     };
     if !page.is_htmx() {
-        return Ok(redirect(&page, &format!("/gallery/creators/{creator}")));
+        return Ok(page.redirect(&format!("/gallery/creators/{creator}")));
     }
     page.fragment(
         "_follow_inner.html",
@@ -405,7 +394,7 @@ pub async fn block(
         gallery.unblock(user, creator, &metadata(&page)?).await
     };
     match done {
-        Ok(()) => Ok(redirect(&page, &format!("/gallery/creators/{creator}"))),
+        Ok(()) => Ok(page.redirect(&format!("/gallery/creators/{creator}"))),
         Err(error) => {
             let text = message(&page, error)?;
             page.alert("#follow-messages", "error", &text)
@@ -508,10 +497,7 @@ pub async fn publish(page: Page, body: web::Bytes) -> Result<HttpResponse, WebEr
         )
         .await;
     match published {
-        Ok(work_id) => Ok(redirect(
-            &page,
-            &format!("/gallery/works/{work_id}?done=published"),
-        )),
+        Ok(work_id) => Ok(page.redirect(&format!("/gallery/works/{work_id}?done=published"))),
         Err(error) => {
             let text = message(&page, error)?;
             page.alert("#publish-messages", "error", &text)
@@ -529,10 +515,7 @@ pub async fn unpublish(page: Page, path: web::Path<String>) -> Result<HttpRespon
         .unpublish(user, work_id, &metadata(&page)?)
         .await
     {
-        Ok(()) => Ok(redirect(
-            &page,
-            &format!("/gallery/mine?done=unpublished&work={work_id}"),
-        )),
+        Ok(()) => Ok(page.redirect(&format!("/gallery/mine?done=unpublished&work={work_id}"))),
         Err(GalleryError::Unexpected(error)) => Err(WebError::from(error)),
         Err(_) => Err(not_found(&page)),
     }
@@ -557,7 +540,7 @@ pub async fn hide(
         .hide(admin, work_id, &form.reason, &metadata(&page)?)
         .await
     {
-        Ok(()) => Ok(redirect(&page, "/gallery?sort=new&done=hidden")),
+        Ok(()) => Ok(page.redirect("/gallery?sort=new&done=hidden")),
         Err(error) => {
             let text = message(&page, error)?;
             if page.is_htmx() {

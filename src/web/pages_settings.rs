@@ -1,6 +1,7 @@
-//! The reader's own settings: who they are, their password, and their API keys (made here and
-//! shown once, listed without the key, revoked on every instance at once). The same rules as
-//! the API: these pages call its functions.
+//! The reader's own settings: who they are, their password, a phone to bind (to log in with a
+//! code, also after forgetting the password), and their API keys (made here and shown once,
+//! listed without the key, revoked on every instance at once). The same rules as the API: these
+//! pages call its functions.
 
 use actix_web::{HttpResponse, web};
 use chrono::Duration;
@@ -18,8 +19,18 @@ use crate::http::keys::{CreateKeyRequest, CreatedKey};
 /// How long a key made here lasts: a choice of whole periods (the API takes any time).
 const EXPIRY_DAYS: [u32; 3] = [30, 90, 365];
 
+#[derive(Debug, Deserialize)]
+pub struct SettingsQuery {
+    /// Back from binding a phone: say so once.
+    #[serde(default)]
+    phone_bound: Option<String>,
+}
+
 /// `GET /settings`.
-pub async fn settings_page(page: Page) -> Result<HttpResponse, WebError> {
+pub async fn settings_page(
+    page: Page,
+    query: web::Query<SettingsQuery>,
+) -> Result<HttpResponse, WebError> {
     let member = page.member()?;
     let user_id = member.session.user_id;
     let Some(user) = page.state().users.get(user_id).await? else {
@@ -34,8 +45,90 @@ pub async fn settings_page(page: Page) -> Result<HttpResponse, WebError> {
         has_password => user.password_hash.is_some(),
     };
     let keys = keys_context(&page, None).await?;
-    page.render("settings.html", context! { account, ..keys })
+    let phone_bound = query.phone_bound.is_some() && user.phone.is_some();
+    page.render("settings.html", context! { account, phone_bound, ..keys })
         .await
+}
+
+#[derive(Debug, Deserialize)]
+pub struct PhoneForm {
+    phone: String,
+    #[serde(default)]
+    code: String,
+}
+
+/// The phone card again (htmx): the number typed kept, a message, the send button's wait, and
+/// the code's field open once a code is on its way.
+fn phone_card(
+    page: &Page,
+    phone: &str,
+    message: (&str, String),
+    resend_in: Option<u64>,
+    code_ready: bool,
+) -> Result<HttpResponse, WebError> {
+    let (kind, text) = message;
+    page.fragment(
+        "_phone_card.html",
+        context! {
+            bind_phone => phone.trim(),
+            phone_message => text,
+            phone_message_kind => kind,
+            resend_in,
+            code_ready,
+        },
+    )
+}
+
+/// `POST /settings/phone/code` (htmx): a code sent to the phone to bind, then the card with the
+/// field to type it in; refused, why (a send too soon counts down to the next).
+pub async fn send_phone_code(
+    page: Page,
+    form: web::Form<PhoneForm>,
+) -> Result<HttpResponse, WebError> {
+    page.member()?;
+    let sent = crate::http::auth::send_login_code(page.state(), &page.request, &form.phone).await;
+    let resend_in = super::pages_auth::resend_in(&page, &sent);
+    match sent {
+        Ok(_) => {
+            let message = page.t("login.code_sent", &[]);
+            phone_card(&page, &form.phone, ("info", message), resend_in, true)
+        }
+        Err(error @ (ApiError::Unexpected(_) | ApiError::Unavailable { .. })) => {
+            Err(WebError::from(error))
+        }
+        Err(error) => {
+            let message = page.message_of(&error);
+            // Too soon: a code sent a moment ago is still good.
+            phone_card(
+                &page,
+                &form.phone,
+                ("error", message),
+                resend_in,
+                resend_in.is_some(),
+            )
+        }
+    }
+}
+
+/// `POST /settings/phone` (htmx): bound, the page again saying so; refused (a wrong or spent
+/// code, a phone another account has), why, in the card.
+pub async fn bind_phone(page: Page, form: web::Form<PhoneForm>) -> Result<HttpResponse, WebError> {
+    let user = page.member()?.session.user_id;
+    let form = form.into_inner();
+    let request = crate::http::users::BindPhoneRequest {
+        phone: form.phone.clone(),
+        code: form.code,
+    };
+    match crate::http::users::bind_phone_of(page.state(), user, &request, &metadata(&page)?).await {
+        Ok(_) => Ok(page.redirect("/settings?phone_bound=1")),
+        Err(error @ (ApiError::Unexpected(_) | ApiError::Unavailable { .. })) => {
+            Err(WebError::from(error))
+        }
+        Err(error) => {
+            let message = page.message_of(&error);
+            phone_card(&page, &form.phone, ("error", message), None, true)
+        }
+    }
 }
 
 /// The keys' part of the page: the list, the form's choices, and a key just made (this once).
@@ -142,15 +235,7 @@ pub async fn change_password(
     match crate::http::users::change_password_of(page.state(), user, &request, &metadata(&page)?)
         .await
     {
-        Ok(()) => {
-            let to = "/login?changed=1&next=/settings";
-            if page.is_htmx() {
-                return Ok(HttpResponse::Ok()
-                    .insert_header(("HX-Redirect", to))
-                    .finish());
-            }
-            Ok(Page::see_other(to))
-        }
+        Ok(()) => Ok(page.redirect("/login?changed=1&next=/settings")),
         Err(ApiError::Unauthorized { .. }) => page.alert(
             "#password-messages",
             "error",

@@ -44,6 +44,14 @@ const TEMPLATES: &[(&str, &str)] = &[
     ("redeem.html", include_str!("templates/redeem.html")),
     ("settings.html", include_str!("templates/settings.html")),
     ("_keys.html", include_str!("templates/_keys.html")),
+    (
+        "_phone_card.html",
+        include_str!("templates/_phone_card.html"),
+    ),
+    (
+        "_send_code_button.html",
+        include_str!("templates/_send_code_button.html"),
+    ),
     ("sales.html", include_str!("templates/sales.html")),
     ("_sale.html", include_str!("templates/_sale.html")),
     ("gallery.html", include_str!("templates/gallery.html")),
@@ -652,6 +660,17 @@ impl Page {
             .insert_header(("HX-Retarget", target))
             .insert_header(("HX-Reswap", "innerHTML"))
             .body(body))
+    }
+
+    /// To `path` after an action: htmx follows `HX-Redirect`, a plain form a 303.
+    pub fn redirect(&self, path: &str) -> HttpResponse {
+        if self.is_htmx() {
+            HttpResponse::Ok()
+                .insert_header(("HX-Redirect", path))
+                .finish()
+        } else {
+            Page::see_other(path)
+        }
     }
 
     /// After a form without htmx: back to `path`.

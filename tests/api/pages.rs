@@ -4,6 +4,8 @@
 
 #![allow(clippy::unwrap_used)]
 
+use std::time::Duration;
+
 use crate::helpers::{dead_port, one_redis_at, spawn_app, spawn_app_with};
 
 const BROWSER_ACCEPT: &str = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8";
@@ -966,6 +968,157 @@ async fn a_user_makes_uses_and_revokes_a_key_and_changes_the_password_on_the_set
     .await;
     assert!(login.contains("密码已修改，请用新密码登录。"), "{login}");
     app.login("xiaohong", "a new horse battery").await;
+}
+
+/// A user who signed up with a username binds a phone from the settings page (to log in with a
+/// code after forgetting the password): the send button counts down to the next send, a wrong
+/// code and a phone another account holds are refused in the card, and the bound phone logs in.
+#[tokio::test]
+async fn a_user_binds_a_phone_on_the_settings_page_and_logs_in_with_it() {
+    let app = spawn_app().await;
+    let (client, base) = (browser(), app.address.as_str());
+    app.register("xiaohong", "correct horse").await;
+    let token = app.login("xiaohong", "correct horse").await;
+    let phone = "+8613800138000";
+    let body = page_of(&client, base, &token, "/settings").await;
+    assert!(
+        body.contains("绑定手机号") && body.contains(r#"id="phone-card""#),
+        "{body}"
+    );
+
+    let sent = htmx_form(
+        &client,
+        base,
+        &token,
+        "/settings/phone/code",
+        "phone=13800138000",
+    )
+    .await;
+    assert_eq!(sent.status(), 200);
+    let sent = sent.text().await.unwrap();
+    assert!(sent.contains("验证码已发送"), "{sent}");
+    // The next send is a minute away: the button counts it down.
+    assert!(sent.contains(r#"data-wait="60""#), "{sent}");
+    assert!(sent.contains("重新发送（{seconds} 秒）"), "{sent}");
+    assert!(
+        !sent.contains(
+            r#"name="code" inputmode="numeric" autocomplete="one-time-code" required disabled"#
+        ),
+        "{sent}"
+    );
+    let code = app.codes.last(phone).unwrap();
+
+    // Half a minute later, again: too soon, and the wait left is counted down.
+    app.clock.advance(Duration::from_secs(30));
+    let again = htmx_form(
+        &client,
+        base,
+        &token,
+        "/settings/phone/code",
+        "phone=13800138000",
+    )
+    .await;
+    let again = again.text().await.unwrap();
+    assert!(again.contains("验证码发送太频繁"), "{again}");
+    assert!(again.contains(r#"data-wait="30""#), "{again}");
+    assert_eq!(app.codes.count(phone), 1);
+
+    let wrong_code = format!("{}{}", (code.as_bytes()[0] - b'0' + 1) % 10, &code[1..]);
+    let wrong = htmx_form(
+        &client,
+        base,
+        &token,
+        "/settings/phone",
+        &format!("phone=13800138000&code={wrong_code}"),
+    )
+    .await;
+    let wrong = wrong.text().await.unwrap();
+    assert!(
+        wrong.contains("验证码不正确。") && wrong.contains(r#"value="13800138000""#),
+        "{wrong}"
+    );
+    let me: serde_json::Value = app.get_as(&token, "/api/v1/me").await.json().await.unwrap();
+    assert!(me["phone"].is_null(), "{me}");
+
+    let bound = htmx_form(
+        &client,
+        base,
+        &token,
+        "/settings/phone",
+        &format!("phone=13800138000&code={code}"),
+    )
+    .await;
+    assert_eq!(
+        bound.headers().get("hx-redirect").unwrap(),
+        "/settings?phone_bound=1"
+    );
+    let body = page_of(&client, base, &token, "/settings?phone_bound=1").await;
+    assert!(body.contains("手机号 +8613800138000 已绑定"), "{body}");
+    assert!(!body.contains(r#"id="phone-card""#), "{body}");
+
+    // Another account cannot have it.
+    app.register("xiaolan", "correct horse").await;
+    let other = app.login("xiaolan", "correct horse").await;
+    app.clock.advance(Duration::from_secs(60));
+    htmx_form(
+        &client,
+        base,
+        &other,
+        "/settings/phone/code",
+        "phone=13800138000",
+    )
+    .await;
+    let taken = htmx_form(
+        &client,
+        base,
+        &other,
+        "/settings/phone",
+        &format!("phone=13800138000&code={}", app.codes.last(phone).unwrap()),
+    )
+    .await;
+    let taken = taken.text().await.unwrap();
+    assert!(taken.contains("这个手机号已被其他账号使用。"), "{taken}");
+
+    // The bound phone logs the first user in.
+    app.clock.advance(Duration::from_secs(60));
+    app.post(
+        "/api/v1/auth/code",
+        None,
+        &serde_json::json!({ "phone": phone }),
+    )
+    .await;
+    let login: serde_json::Value = app
+        .post(
+            "/api/v1/auth/login",
+            None,
+            &serde_json::json!({ "phone": phone, "code": app.codes.last(phone).unwrap() }),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    let by_phone = login["token"].as_str().unwrap();
+    let me_again: serde_json::Value = app
+        .get_as(by_phone, "/api/v1/me")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(me_again["user_id"], me["user_id"], "{login}");
+
+    // The login page's send button counts down too.
+    let response = client
+        .post(format!("{base}/login/code"))
+        .header("Origin", base)
+        .header("Accept", BROWSER_ACCEPT)
+        .header("Cookie", "lang=zh")
+        .header("Content-Type", "application/x-www-form-urlencoded")
+        .body("phone=13900139000")
+        .send()
+        .await
+        .unwrap();
+    let login_page = response.text().await.unwrap();
+    assert!(login_page.contains(r#"data-wait="60""#), "{login_page}");
 }
 
 /// An admin looking up something that is no code gets told so in their language, on the page

@@ -520,6 +520,54 @@ def test_a_user_logs_in_with_a_phone_code(stack, person):
     assert page.locator(".who .name").inner_text().startswith("+86139")
 
 
+def test_a_user_binds_a_phone_on_the_settings_page_and_then_logs_in_with_a_code(stack, person):
+    """A user who signed up with a username binds a phone on a phone's screen: the send button
+    counts down to the next send and is free again after it; a wrong code is said in the card;
+    the right one binds the phone, which then logs the user in."""
+    user = person("zh", (390, 844))
+    name = unique("bangding")
+    user.register(name)
+    page = user.go("/settings")
+    phone = "137" + str(int(unique("")[:6], 16) % 10**8).zfill(8)
+    card = page.locator("#phone-card")
+    assert card.locator("#bind-code").is_disabled()
+    page.fill("#bind-phone", phone)
+    card.get_by_role("button", name="发送验证码").click()
+    card.locator(".notice.info", has_text="验证码已发送").wait_for()
+    # The wait counts down on the button, then it may be pressed again.
+    assert card.locator("button[data-wait]").count() == 1
+    resend = card.get_by_role("button", name="重新发送", exact=True)
+    resend.wait_for()
+    wait_until(resend.is_enabled, "the send button free once the wait is over")
+    code = wait_until(lambda: stack.login_code(f"+86{phone}"), "the logged code")
+    wrong = str((int(code[0]) + 1) % 10) + code[1:]
+    page.fill("#bind-code", wrong)
+    card.get_by_role("button", name="绑定").click()
+    page.locator("#phone-card .notice.error", has_text="验证码不正确").wait_for()
+    assert page.input_value("#bind-phone") == phone
+    shot(page, "flow-settings-phone-wrong-code-zh-phone")
+    page.fill("#bind-code", code)
+    page.locator("#phone-card").get_by_role("button", name="绑定").click()
+    page.wait_for_url("**/settings?phone_bound=1")
+    page.locator(".notice.info", has_text=f"手机号 +86{phone} 已绑定").wait_for()
+    assert page.locator("#phone-card").count() == 0
+    shot(page, "flow-settings-phone-bound-zh-phone")
+
+    other = person("zh")
+    login = other.go("/login")
+    login.fill("#phone", phone)
+    login.click("#with-code ~ form[action^='/login/code'] button")
+    login.locator(".notice.info").wait_for()
+    assert login.locator("form[action^='/login/code'] button[data-wait]").count() == 1
+    code = wait_until(
+        lambda: (fresh := stack.login_code(f"+86{phone}")) != code and fresh, "a second code"
+    )
+    login.fill("#code", code)
+    login.locator("form", has=login.locator("#code")).locator("button[type=submit]").click()
+    login.wait_for_url("**/generate")
+    assert login.locator(".who .name").inner_text() == name
+
+
 def test_a_refused_submit_says_how_many_points_are_missing(stack, person):
     user = person("zh")
     user.register(unique("qiong"))

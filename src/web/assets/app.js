@@ -326,6 +326,23 @@ function tickCountdowns() {
   }
 }
 
+// A send-code button that may not be pressed again yet counts the seconds down on itself,
+// then is free again (the server refuses an earlier send anyway).
+function waitButtons(root) {
+  for (const button of root.querySelectorAll?.("button[data-wait]") ?? []) {
+    if (button.dataset.waiting) continue;
+    button.dataset.waiting = "1";
+    const until = Date.now() + Number(button.dataset.wait) * 1000;
+    const tick = () => {
+      const left = Math.ceil((until - Date.now()) / 1000);
+      button.disabled = left > 0;
+      button.textContent = left > 0 ? fill(button.dataset.waitText, { seconds: left }) : button.dataset.readyText;
+      if (left > 0) setTimeout(tick, 250);
+    };
+    tick();
+  }
+}
+
 // The price beside the form: images × price per image.
 function updatePrice() {
   const form = document.getElementById("generate-form");
@@ -469,6 +486,8 @@ for (const input of document.querySelectorAll("input[data-pattern-message]")) {
 }
 
 restoreDraft();
+waitButtons(document);
+if (window.htmx) window.htmx.onLoad(waitButtons);
 updatePrice();
 updateSeed();
 if (document.querySelector("[data-countdown]")) {
