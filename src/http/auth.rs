@@ -8,7 +8,9 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 use zhihui_domain::claim::Identifier;
-use zhihui_domain::user::{PhoneNumber, RegisteredUser, Role, UserError, Username};
+use zhihui_domain::user::{
+    PhoneNumber, RegisteredUser, Role, UserCommand, UserError, UserId, Username,
+};
 
 use crate::http::extract::Authenticated;
 use crate::http::{ApiError, event_metadata, retry_after};
@@ -82,6 +84,20 @@ pub struct RegisterRequest {
     /// 8 to 128 characters, not only spaces.
     #[schema(min_length = 8, max_length = 128, pattern = "\\S")]
     pub password: String,
+}
+
+/// A forgotten password set again, proven by a code sent to the account's phone.
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PasswordResetRequest {
+    /// The phone bound to the account: E.164 (`+8613800138000`), or an 11-digit mainland
+    /// mobile number.
+    pub phone: String,
+    /// A code sent to that phone by `POST /api/v1/auth/code`.
+    pub code: String,
+    /// 8 to 128 characters, not only spaces.
+    #[schema(min_length = 8, max_length = 128, pattern = "\\S")]
+    pub new_password: String,
 }
 
 /// Either `username` + `password`, or `phone` + `code` (from `POST /api/v1/auth/code`).
@@ -204,15 +220,7 @@ pub(crate) async fn log_in(
     body: LoginRequest,
 ) -> Result<LoginResponse, ApiError> {
     let client = client_scope(state, request);
-    admit(
-        state,
-        &format!("login:{client}"),
-        state.auth_settings.logins_per_client_per_minute,
-        Duration::from_secs(60),
-        "too-many-logins",
-        "this client has tried to log in too often in the last minute",
-    )
-    .await?;
+    admit_login(state, &client).await?;
     // Before the credentials are read: a password or role change from here on refuses this
     // login's session.
     let since = state.sessions.login_epoch().await?;
@@ -256,6 +264,19 @@ pub(crate) async fn log_in(
         expires_at,
         user: UserView::from(&user),
     })
+}
+
+/// A login (or a password reset, which ends in one) from `client`, within its per-minute limit.
+async fn admit_login(state: &AppState, client: &str) -> Result<(), ApiError> {
+    admit(
+        state,
+        &format!("login:{client}"),
+        state.auth_settings.logins_per_client_per_minute,
+        Duration::from_secs(60),
+        "too-many-logins",
+        "this client has tried to log in too often in the last minute",
+    )
+    .await
 }
 
 fn missing(field: &str, with: &str) -> ApiError {
@@ -332,6 +353,97 @@ async fn code_login(
         .find_or_register_by_phone(&phone, metadata)
         .await
         .map_err(register_error)
+}
+
+/// Set a forgotten password again: a code sent to the phone bound to the account proves who
+/// asks. Every session of the account ends (its API keys keep working), and the lock that
+/// wrong passwords put on its username is lifted for where the request comes from.
+#[utoipa::path(
+    post, path = "/api/v1/auth/password-reset", tag = "auth",
+    request_body = PasswordResetRequest,
+    responses(
+        (status = 204, description = "the password is set: log in with it"),
+        (status = 401, description = "`wrong-code` or `code-expired`", body = crate::http::problem::Problem),
+        (status = 404, description = "`phone-not-bound`: no account has this phone", body = crate::http::problem::Problem),
+        (status = 409, description = "`no-password-account`: the account logs in with codes only and has no username", body = crate::http::problem::Problem),
+        (status = 422, description = "the phone or the new password breaks its rule (the code is not used up)", body = crate::http::problem::Problem),
+        (status = 429, description = "`phone-locked` after wrong codes; `too-many-logins` from this client", body = crate::http::problem::Problem),
+    )
+)]
+pub async fn reset_password(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    body: crate::http::extract::Json<PasswordResetRequest>,
+) -> Result<HttpResponse, ApiError> {
+    reset_password_of(&state, &request, &body).await?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+/// [`reset_password`], for the API and the pages alike.
+pub(crate) async fn reset_password_of(
+    state: &AppState,
+    request: &HttpRequest,
+    body: &PasswordResetRequest,
+) -> Result<(), ApiError> {
+    // Every rule before the code is used up: a password typed too short costs no code.
+    let phone = parse_phone(&body.phone)?;
+    let new_password = parse_password("new_password", &body.new_password)?;
+    let client = client_scope(state, request);
+    admit_login(state, &client).await?;
+    verify_code(state, &phone, &body.code).await?;
+    let Some(user) = state.users.find(&Identifier::Phone(phone)).await? else {
+        return Err(ApiError::Refused {
+            status: actix_web::http::StatusCode::NOT_FOUND,
+            rule: "phone-not-bound",
+            detail: "no account has this phone bound; logging in with a code makes one".into(),
+            window: None,
+        });
+    };
+    let Some(username) = user.username.clone() else {
+        return Err(ApiError::Conflict {
+            rule: "no-password-account",
+            detail: "this account logs in with codes sent to its phone and has no password".into(),
+        });
+    };
+    let metadata = event_metadata(request, format!("user:{}", user.user_id));
+    set_password(state, user.user_id, &new_password, &metadata).await?;
+    let device = request
+        .cookie(crate::http::cookie::LOGIN_DEVICE_COOKIE)
+        .map(|cookie| cookie.value().to_owned());
+    let source = state
+        .password_guard
+        .source_of(&username, device.as_deref(), client)
+        .await?;
+    state.password_guard.reset(&username, &source).await?;
+    Ok(())
+}
+
+/// Record `new_password` as `user_id`'s and end every session of theirs (a change proven by
+/// the current password, or a reset by a code sent to their phone).
+pub(crate) async fn set_password(
+    state: &AppState,
+    user_id: UserId,
+    new_password: &PlainPassword,
+    metadata: &crate::platform::event_store::EventMetadata,
+) -> Result<(), ApiError> {
+    let password_hash = state.passwords.hash(new_password).await?;
+    let command = UserCommand::ChangePassword {
+        password_hash,
+        at: state.clock.now(),
+    };
+    let (state, metadata) = (state.clone(), metadata.clone());
+    // To its end even if the request is dropped (past its deadline, its client gone): the
+    // sessions end only here, and the same request sent again is refused the old password.
+    crate::platform::worker_local::off_worker(Box::pin(async move {
+        state
+            .users
+            .update(user_id, command, &metadata)
+            .await
+            .map_err(register_error)?;
+        state.end_sessions(user_id).await?;
+        Ok(())
+    }))
+    .await
 }
 
 /// Use up the code of `phone`, or answer why not (wrong, expired, locked).

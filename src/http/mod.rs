@@ -63,6 +63,10 @@ pub fn routes(config: &mut web::ServiceConfig) {
                 .route("/auth/login", api(web::post(), auth::login))
                 .route("/auth/code", api(web::post(), auth::send_code))
                 .route("/auth/logout", api(web::post(), auth::logout))
+                .route(
+                    "/auth/password-reset",
+                    api(web::post(), auth::reset_password),
+                )
                 .route("/me", api(web::get(), users::me))
                 .route("/me/password", api(web::put(), users::change_password))
                 .route("/me/phone", api(web::post(), users::bind_phone))

@@ -22,6 +22,7 @@ use crate::state::AppState;
         super::auth::login,
         super::auth::send_code,
         super::auth::logout,
+        super::auth::reset_password,
         super::users::me,
         super::users::user,
         super::users::change_password,

@@ -137,24 +137,7 @@ pub(crate) async fn change_password_of(
             detail: "current_password is wrong".into(),
         });
     }
-    let password_hash = state.passwords.hash(&new_password).await?;
-    let command = UserCommand::ChangePassword {
-        password_hash,
-        at: state.clock.now(),
-    };
-    let (state, metadata) = (state.clone(), metadata.clone());
-    // To its end even if the request is dropped (past its deadline, its client gone): the
-    // sessions end only here, and the same request sent again is refused the old password.
-    crate::platform::worker_local::off_worker(Box::pin(async move {
-        state
-            .users
-            .update(user_id, command, &metadata)
-            .await
-            .map_err(register_error)?;
-        state.end_sessions(user_id).await?;
-        Ok(())
-    }))
-    .await
+    crate::http::auth::set_password(state, user_id, &new_password, metadata).await
 }
 
 /// Bind a phone number to one's account, proven by a code sent to it.

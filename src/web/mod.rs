@@ -82,6 +82,15 @@ pub fn routes(config: &mut web::ServiceConfig) {
         .route("/login", page(web::get(), pages_auth::login_page))
         .route("/login", page(web::post(), pages_auth::login))
         .route("/login/code", page(web::post(), pages_auth::send_code))
+        .route("/password-reset", page(web::get(), pages_auth::reset_page))
+        .route(
+            "/password-reset",
+            page(web::post(), pages_auth::reset_password),
+        )
+        .route(
+            "/password-reset/code",
+            page(web::post(), pages_auth::send_reset_code),
+        )
         .route("/register", page(web::get(), pages_auth::register_page))
         .route("/register", page(web::post(), pages_auth::register))
         .route("/logout", page(web::post(), pages_auth::logout))

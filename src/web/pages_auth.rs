@@ -36,6 +36,15 @@ pub struct PhoneForm {
 }
 
 #[derive(Debug, Deserialize)]
+pub struct ResetForm {
+    phone: String,
+    #[serde(default)]
+    code: String,
+    #[serde(default)]
+    new_password: String,
+}
+
+#[derive(Debug, Deserialize)]
 pub struct RegisterForm {
     username: String,
     password: String,
@@ -198,6 +207,68 @@ pub async fn send_code(
                 StatusCode::OK,
             )
             .await?;
+            Ok(answer_for(form, &error))
+        }
+    }
+}
+
+/// `GET /password-reset`: a forgotten password set again with a code sent to the account's
+/// phone (a signed-in reader goes to their settings: the forms here carry no CSRF token).
+pub async fn reset_page(page: Page) -> Result<HttpResponse, WebError> {
+    if page.member.is_some() {
+        return Ok(Page::see_other("/settings"));
+    }
+    page.render("password_reset.html", context! {}).await
+}
+
+/// `POST /password-reset/code`: a code sent to the phone, then the form to type it in with
+/// the new password.
+pub async fn send_reset_code(
+    page: Page,
+    form: web::Form<PhoneForm>,
+) -> Result<HttpResponse, WebError> {
+    let sent = crate::http::auth::send_login_code(page.state(), &page.request, &form.phone).await;
+    let resend_in = resend_in(&page, &sent);
+    let phone = form.phone.trim();
+    match sent {
+        Ok(_) => {
+            let message = page.t("login.code_sent", &[]);
+            let context =
+                context! { message, message_kind => "info", phone, resend_in, code_ready => true };
+            page.render("password_reset.html", context).await
+        }
+        Err(ApiError::Unexpected(error)) => Err(WebError::from(error)),
+        Err(error) => {
+            let message = page.message_of(&error);
+            // Too soon: a code sent a moment ago is still good.
+            let context = context! { message, phone, resend_in, code_ready => resend_in.is_some() };
+            let form = page.render("password_reset.html", context).await?;
+            Ok(answer_for(form, &error))
+        }
+    }
+}
+
+/// `POST /password-reset`: set, on to the login page saying so; refused, why, with the phone
+/// kept.
+pub async fn reset_password(
+    page: Page,
+    form: web::Form<ResetForm>,
+) -> Result<HttpResponse, WebError> {
+    let form = form.into_inner();
+    let request = crate::http::auth::PasswordResetRequest {
+        phone: form.phone.clone(),
+        code: form.code.clone(),
+        new_password: form.new_password,
+    };
+    match crate::http::auth::reset_password_of(page.state(), &page.request, &request).await {
+        Ok(()) => Ok(Page::see_other("/login?changed=1")),
+        Err(ApiError::Unexpected(error)) => Err(WebError::from(error)),
+        Err(error) => {
+            let message = page.message_of(&error);
+            // What was typed stays but the password: a code refused for another field's rule
+            // is still good.
+            let context = context! { message, phone => form.phone.trim(), code => form.code.trim(), code_ready => true };
+            let form = page.render("password_reset.html", context).await?;
             Ok(answer_for(form, &error))
         }
     }

@@ -49,6 +49,10 @@ const TEMPLATES: &[(&str, &str)] = &[
         include_str!("templates/_phone_card.html"),
     ),
     (
+        "password_reset.html",
+        include_str!("templates/password_reset.html"),
+    ),
+    (
         "_send_code_button.html",
         include_str!("templates/_send_code_button.html"),
     ),

@@ -677,6 +677,7 @@ async fn the_openapi_document_lists_the_auth_endpoints() {
         "/api/v1/auth/login",
         "/api/v1/auth/code",
         "/api/v1/auth/logout",
+        "/api/v1/auth/password-reset",
         "/api/v1/me",
         "/api/v1/admin/users/{id}/role",
     ] {
@@ -965,4 +966,123 @@ async fn a_guesser_is_stopped_and_cannot_lock_the_owner_out() {
         login_from(&app, "203.0.113.7", None, name, right).await.0,
         200
     );
+}
+
+/// A forgotten password is set again with a code sent to the account's phone: rules are checked
+/// before the code is used up; a wrong code is refused; the reset ends every session, lifts the
+/// lock wrong passwords put on the username, and the new password logs in. A phone nobody has
+/// bound and an account with no password are each told so by name.
+#[tokio::test]
+async fn a_forgotten_password_is_set_again_with_a_code_sent_to_the_bound_phone() {
+    let app = spawn_app().await;
+    const PHONE: &str = "+8613800138001";
+    app.register("wangji", "correct horse battery").await;
+    let token = app.login("wangji", "correct horse battery").await;
+    send_code(&app, PHONE).await;
+    let bound = app
+        .post(
+            "/api/v1/me/phone",
+            Some(&token),
+            &json!({"phone": PHONE, "code": app.codes.last(PHONE).unwrap()}),
+        )
+        .await;
+    assert_eq!(bound.status(), 200);
+    // Wrong passwords lock the username.
+    for _ in 0..10 {
+        app.post(
+            "/api/v1/auth/login",
+            None,
+            &json!({"username": "wangji", "password": "not the one at all"}),
+        )
+        .await;
+    }
+    let (status, problem) = problem_of(
+        app.post(
+            "/api/v1/auth/login",
+            None,
+            &json!({"username": "wangji", "password": "correct horse battery"}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (429, Some("/problems/username-locked"))
+    );
+
+    app.clock.advance(Duration::from_secs(60));
+    send_code(&app, PHONE).await;
+    let code = app.codes.last(PHONE).unwrap();
+    let reset = |code: String, password: &'static str| {
+        let app = &app;
+        async move {
+            problem_of(
+                app.post(
+                    "/api/v1/auth/password-reset",
+                    None,
+                    &json!({"phone": PHONE, "code": code, "new_password": password}),
+                )
+                .await,
+            )
+            .await
+        }
+    };
+    // A password breaking its rule: refused by name, and the code is still good.
+    let (status, problem) = reset(code.clone(), "short").await;
+    assert_eq!(status, 422);
+    assert!(problem.to_string().contains("new_password"), "{problem}");
+    let (status, problem) = reset(wrong_code_for(&code), "a brand new battery").await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (401, Some("/problems/wrong-code"))
+    );
+    let done = app
+        .post(
+            "/api/v1/auth/password-reset",
+            None,
+            &json!({"phone": PHONE, "code": code, "new_password": "a brand new battery"}),
+        )
+        .await;
+    assert_eq!(done.status(), 204);
+    // Used up: the same code again is refused.
+    let (status, _) = reset(code, "a brand new battery").await;
+    assert_eq!(status, 401);
+    assert_eq!(app.get_as(&token, "/api/v1/me").await.status(), 401);
+    let old = app
+        .post(
+            "/api/v1/auth/login",
+            None,
+            &json!({"username": "wangji", "password": "correct horse battery"}),
+        )
+        .await;
+    assert_eq!(old.status(), 401);
+    app.login("wangji", "a brand new battery").await;
+
+    // A phone nobody has bound; an account that only logs in with codes.
+    for (phone, status, rule) in [
+        ("+8613800138002", 404, "/problems/phone-not-bound"),
+        ("+8613800138003", 409, "/problems/no-password-account"),
+    ] {
+        if status == 409 {
+            send_code(&app, phone).await;
+            let login = code_login(&app, phone, &app.codes.last(phone).unwrap()).await;
+            assert_eq!(login.status(), 200);
+            app.clock.advance(Duration::from_secs(60));
+        }
+        send_code(&app, phone).await;
+        let (got, problem) = problem_of(
+            app.post(
+                "/api/v1/auth/password-reset",
+                None,
+                &json!({"phone": phone, "code": app.codes.last(phone).unwrap(), "new_password": "a brand new battery"}),
+            )
+            .await,
+        )
+        .await;
+        assert_eq!(
+            (got, problem["type"].as_str()),
+            (status, Some(rule)),
+            "{problem}"
+        );
+    }
 }

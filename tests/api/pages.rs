@@ -1121,6 +1121,54 @@ async fn a_user_binds_a_phone_on_the_settings_page_and_logs_in_with_it() {
     assert!(login_page.contains(r#"data-wait="60""#), "{login_page}");
 }
 
+/// The reset page for a forgotten password, reached from the login page, in both languages;
+/// a phone breaking its rule is said by name with what was typed kept; a signed-in reader goes
+/// to their settings.
+#[tokio::test]
+async fn the_password_reset_page_is_linked_from_login_and_names_what_is_wrong() {
+    let app = spawn_app().await;
+    let (client, base) = (browser(), app.address.as_str());
+    let (status, _, login) = page(&client, &format!("{base}/login"), "zh-CN").await;
+    assert_eq!(status, 200);
+    assert!(
+        login.contains(r#"<a href="/password-reset">忘记密码？</a>"#),
+        "{login}"
+    );
+    for (language, title) in [("zh-CN", "重设密码"), ("en", "Reset your password")] {
+        let (status, _, reset) = page(&client, &format!("{base}/password-reset"), language).await;
+        assert_eq!(status, 200);
+        assert!(reset.contains(title), "{reset}");
+    }
+    let refused = client
+        .post(format!("{base}/password-reset/code"))
+        .header("Origin", base)
+        .header("Accept", BROWSER_ACCEPT)
+        .header("Cookie", "lang=zh")
+        .header("Content-Type", "application/x-www-form-urlencoded")
+        .body("phone=2025550123")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 422);
+    let refused = refused.text().await.unwrap();
+    assert!(
+        refused.contains("手机号") && refused.contains(r#"value="2025550123""#),
+        "{refused}"
+    );
+
+    app.register("xiaohong", "correct horse").await;
+    let token = app.login("xiaohong", "correct horse").await;
+    let signed_in = client
+        .get(format!("{base}/password-reset"))
+        .header("Accept", BROWSER_ACCEPT)
+        .header("Cookie", format!("lang=zh; zhihui_session={token}"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(signed_in.status(), 303);
+    assert_eq!(signed_in.headers().get("location").unwrap(), "/settings");
+}
+
 /// An admin looking up something that is no code gets told so in their language, on the page
 /// (not an error page), naming what they typed.
 #[tokio::test]

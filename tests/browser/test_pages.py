@@ -96,6 +96,7 @@ def visitor_pages(showcase):
     return [
         ("login", "/login"),
         ("register", "/register"),
+        ("password-reset", "/password-reset"),
         ("gallery-visitor", "/gallery"),
         ("work-visitor", f"/gallery/works/{showcase['work']}"),
         ("creator-visitor", f"/gallery/creators/{showcase['user_id']}"),
@@ -211,7 +212,7 @@ def test_every_page_in_both_languages_at_both_sizes_is_screenshot(stack, browser
                 shoot(page, f"{name}-{lang}-{size}")
                 shots += 1
             admin.close()
-    assert shots == 2 * 2 * (5 + 19 + 1 + 7)
+    assert shots == 2 * 2 * (6 + 19 + 1 + 7)
     assert not too_wide, f"pages wider than the screen (name, pixels): {too_wide}"
 
 
