@@ -434,19 +434,30 @@ impl GalleryService {
         Ok(())
     }
 
-    /// A work of `creator`'s as its stream has it (the read models may not have it yet): its
-    /// status (`published`, `unpublished` or `hidden`) and why it was hidden. `None` for a work
-    /// that is not theirs.
+    /// A work of `creator`'s as its stream has it (the read models may not have it yet): where
+    /// it stands and its last publication. `None` for a work that is not theirs, or was never
+    /// published.
+    pub async fn own_work(
+        &self,
+        creator: UserId,
+        work_id: WorkId,
+    ) -> anyhow::Result<Option<WorkState>> {
+        let state = command::load::<Work>(&self.store, &work_stream(work_id))
+            .await?
+            .state;
+        Ok((state.last.as_ref().map(|last| last.creator) == Some(creator)).then_some(state))
+    }
+
+    /// [`Gallery::own_work`]'s status (`published`, `unpublished` or `hidden`) and why it was
+    /// hidden.
     pub async fn own_work_status(
         &self,
         creator: UserId,
         work_id: WorkId,
     ) -> anyhow::Result<Option<(&'static str, Option<String>)>> {
-        let work = command::load::<Work>(&self.store, &work_stream(work_id)).await?;
-        let state = work.state;
-        if state.last.as_ref().map(|last| last.creator) != Some(creator) {
+        let Some(state) = self.own_work(creator, work_id).await? else {
             return Ok(None);
-        }
+        };
         let status = match state.status {
             WorkStatus::NotPublished => return Ok(None),
             WorkStatus::Published => "published",

@@ -11,6 +11,7 @@ use minijinja::context;
 use minijinja::value::Value;
 use serde::Deserialize;
 use uuid::Uuid;
+use zhihui_domain::gallery::work::{WorkStatus, work_id_of_task};
 use zhihui_domain::user::UserId;
 
 use super::pages_user::metadata;
@@ -430,11 +431,31 @@ pub async fn publish_page(
     query: web::Query<PublishQuery>,
 ) -> Result<HttpResponse, WebError> {
     let context = publish_context(&page, &query.task).await?;
-    page.render(
-        "publish.html",
-        context! { form => context! { title => "", description => "", prompt_shown => false }, ..context },
-    )
-    .await
+    let user = page.member()?.session.user_id;
+    // Published before and taken down since: the form as it was then, to publish it again as
+    // it was or changed.
+    let earlier = match Uuid::parse_str(&query.task) {
+        Ok(task) => page
+            .state()
+            .gallery
+            .own_work(user, work_id_of_task(task))
+            .await?
+            .filter(|work| work.status == WorkStatus::Unpublished)
+            .and_then(|work| work.last),
+        Err(_) => None,
+    };
+    let form = match earlier {
+        Some(last) => context! {
+            title => last.title.as_str(),
+            description => last.description.as_ref().map_or("", |text| text.as_str()),
+            prompt_shown => last.prompt_shown,
+            images => last.images,
+            again => true,
+        },
+        None => context! { title => "", description => "", prompt_shown => false },
+    };
+    page.render("publish.html", context! { form, ..context })
+        .await
 }
 
 #[derive(Debug, Deserialize)]

@@ -1494,6 +1494,30 @@ async fn an_action_from_the_pages_is_confirmed_where_it_lands_even_before_the_re
     // Without the words in its address, the list says nothing of it.
     let plain = page_text(app, &creator, "/gallery/mine").await;
     assert!(!plain.contains("作品已取消发布"));
+    // Taken down, it offers to be published again, with the form as it was published.
+    assert!(
+        row(&mine, "西湖晨雾").contains(&format!("/gallery/publish?task={}", tasks[0])),
+        "{mine}"
+    );
+    let again = page_text(
+        app,
+        &creator,
+        &format!("/gallery/publish?task={}", tasks[0]),
+    )
+    .await;
+    assert!(again.contains(r#"value="西湖晨雾""#), "{again}");
+    // Of the task's two images, the one published then is ticked, the other is not.
+    assert!(
+        again.contains(&format!(r#"value="{image}" checked><img"#)),
+        "{again}"
+    );
+    assert_eq!(again.matches(r#"name="image""#).count(), 2, "{again}");
+    assert_eq!(again.matches(" checked><img").count(), 1, "{again}");
+    assert!(
+        again.contains("已取消发布：下面按上次发布的内容填好了"),
+        "{again}"
+    );
+    assert!(!form.contains(r#"value="西湖晨雾""#), "{form}");
 
     let reason = "画面含有未授权的商标";
     let hidden = page_post(
