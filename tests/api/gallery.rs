@@ -1539,6 +1539,17 @@ async fn an_action_from_the_pages_is_confirmed_where_it_lands_even_before_the_re
     )
     .await;
     assert!(row(&mine, "断桥残雪").contains(reason), "{mine}");
+    // Its task's card no longer offers to publish it, and says where the reason is.
+    app.project().await;
+    let task = page_text(app, &creator, &format!("/tasks/{}", tasks[1])).await;
+    assert!(
+        task.contains(r#"<a class="button" href="/gallery/mine">作品已被隐藏：看原因</a>"#),
+        "{task}"
+    );
+    assert!(
+        !task.contains(&format!("/gallery/publish?task={}", tasks[1])),
+        "{task}"
+    );
 }
 
 /// A rebuild of a cached card that was already reading when the work was hidden must not bring
