@@ -520,6 +520,21 @@ def test_a_user_logs_in_with_a_phone_code(stack, person):
     assert page.locator(".who .name").inner_text().startswith("+86139")
 
 
+def send_code_waiting_out_the_interval(page, button):
+    """Press a page's send-code button. A code sent to the same phone moments before (within the
+    send interval, a second here) is refused as too soon: the button counts down, and is pressed
+    again once free."""
+    button.click()
+    page.locator(".notice").first.wait_for()
+    if page.locator(".notice.error").count():
+        assert "验证码发送太频繁" in page.locator(".notice.error").inner_text()
+        resend = page.get_by_role("button", name="重新发送", exact=True)
+        resend.wait_for()
+        wait_until(resend.is_enabled, "the send button free once the wait is over")
+        resend.click()
+    page.locator(".notice.info", has_text="验证码已发送").wait_for()
+
+
 def test_a_user_binds_a_phone_on_the_settings_page_and_then_logs_in_with_a_code(stack, person):
     """A user who signed up with a username binds a phone on a phone's screen: the send button
     counts down to the next send and is free again after it; a wrong code is said in the card;
@@ -556,8 +571,7 @@ def test_a_user_binds_a_phone_on_the_settings_page_and_then_logs_in_with_a_code(
     other = person("zh")
     login = other.go("/login")
     login.fill("#phone", phone)
-    login.click("#with-code ~ form[action^='/login/code'] button")
-    login.locator(".notice.info").wait_for()
+    send_code_waiting_out_the_interval(login, login.locator("#with-code ~ form[action^='/login/code'] button"))
     assert login.locator("form[action^='/login/code'] button[data-wait]").count() == 1
     code = wait_until(
         lambda: (fresh := stack.login_code(f"+86{phone}")) != code and fresh, "a second code"
@@ -587,17 +601,7 @@ def test_a_forgotten_password_is_set_again_from_the_login_page_with_a_phone_code
     page.wait_for_url("**/password-reset")
     assert page.locator("#code").is_disabled()
     page.fill("#phone", phone)
-    page.get_by_role("button", name="发送验证码").click()
-    # The binding's code went out within the send interval (a second here) or just before: a
-    # refusal counts down on the button, which then sends.
-    page.locator(".notice").first.wait_for()
-    if page.locator(".notice.error").count():
-        assert "验证码发送太频繁" in page.locator(".notice.error").inner_text()
-        resend = page.get_by_role("button", name="重新发送", exact=True)
-        resend.wait_for()
-        wait_until(resend.is_enabled, "the send button free once the wait is over")
-        resend.click()
-    page.locator(".notice.info", has_text="验证码已发送").wait_for()
+    send_code_waiting_out_the_interval(page, page.get_by_role("button", name="发送验证码"))
     code = wait_until(
         lambda: (fresh := stack.login_code(f"+86{phone}")) != code and fresh, "the reset code"
     )
