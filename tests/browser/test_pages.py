@@ -70,6 +70,12 @@ def showcase(stack):
     status, hidden = stack.api("POST", "/api/v1/gallery/works", token, {
         "task_id": tasks[1], "title": "江南清晨", "prompt_shown": False})
     assert status == 201, hidden
+    # One published and taken down: "my works" offers it again, and its publish form comes back
+    # filled in as it was.
+    status, down = stack.api("POST", "/api/v1/gallery/works", token, {
+        "task_id": tasks[2], "title": "雨后的西湖", "description": "断桥边的一场小雨。", "prompt_shown": True})
+    assert status == 201, down
+    assert stack.api("POST", f"/api/v1/gallery/works/{down['work_id']}/unpublish", token)[0] == 204
     # And one an admin hid: "my works" shows its owner why.
     status, removed = stack.api("POST", "/api/v1/gallery/works", token, {"task_id": tasks[3], "title": "竹林夜雨", "prompt_shown": True})
     assert status == 201, removed
