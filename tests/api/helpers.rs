@@ -503,6 +503,18 @@ pub fn postgres_url_via(settings: &Settings, port: u16) -> String {
     )
 }
 
+/// Why `projection` stopped, as its checkpoint row says (`None`: it did not).
+pub async fn stopped_reason(client: &tokio_postgres::Client, projection: &str) -> Option<String> {
+    client
+        .query_one(
+            "SELECT stopped_reason FROM projection_checkpoints WHERE projection = $1",
+            &[&projection],
+        )
+        .await
+        .unwrap()
+        .get(0)
+}
+
 /// A plain connection to the test's database, for assertions on stored rows.
 pub async fn connect(settings: &Settings) -> tokio_postgres::Client {
     let (client, connection) =

@@ -493,14 +493,7 @@ async fn a_poison_event_stops_the_projection_naming_it_and_nothing_after_it_is_a
         .unwrap()
         .get(0);
     assert_eq!(entries, 1);
-    let reason: Option<String> = client
-        .query_one(
-            "SELECT stopped_reason FROM projection_checkpoints WHERE projection = 'ledger'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let reason = crate::helpers::stopped_reason(&client, "ledger").await;
     assert!(reason.unwrap().contains("PointsGranted"));
 }
 

@@ -427,14 +427,7 @@ async fn a_batch_failing_because_postgres_is_away_names_no_poison_event() {
     let projector = app.projector(ProjectionName::Ledger);
     let error = projector.catch_up().await.expect_err("PostgreSQL is away");
     assert!(zhihui::platform::postgres::away(&error), "{error:#}");
-    let stopped: Option<String> = client
-        .query_one(
-            "SELECT stopped_reason FROM projection_checkpoints WHERE projection = 'ledger'",
-            &[],
-        )
-        .await
-        .unwrap()
-        .get(0);
+    let stopped = crate::helpers::stopped_reason(&client, "ledger").await;
     assert_eq!(stopped, None);
 
     client
