@@ -242,7 +242,13 @@ pub async fn revoke(
     post, operation_id = "admin_create_key", path = "/api/v1/admin/users/{id}/keys", tag = "admin", security(("bearer" = []), ("api_key" = ["admin"])),
     params(("id" = Uuid, Path, description = "user id")),
     request_body = CreateKeyRequest,
-    responses((status = 201, body = CreatedKey), (status = 403, body = crate::http::problem::Problem), (status = 404, body = crate::http::problem::Problem), (status = 422, body = crate::http::problem::Problem))
+    responses(
+        (status = 201, body = CreatedKey),
+        (status = 403, body = crate::http::problem::Problem),
+        (status = 404, body = crate::http::problem::Problem),
+        (status = 409, description = "`too-many-keys`", body = crate::http::problem::Problem),
+        (status = 422, body = crate::http::problem::Problem),
+    )
 )]
 pub async fn admin_create(
     state: web::Data<AppState>,
