@@ -48,6 +48,7 @@ rules! {
     OneLine => "one_line", "must be one line without control characters";
     NoControlCharacters => "no_control_characters", "must not contain control characters other than line breaks and tabs";
     NoControlCharacter => "no_control_character", "must not contain the control character {character}";
+    NotContain => "not_contain", "must not contain {character}";
     VisibleAscii => "visible_ascii", "must be 1 to {max} visible ASCII characters";
     Between => "between", "must be {min} to {max}";
     IntegerBetween => "integer_between", "must be an integer from {min} to {max}, got {value}";

@@ -61,7 +61,8 @@ pub async fn apply(
             | UserEvent::RoleChanged(_)
             | UserEvent::PhoneBound(_)
             | UserEvent::ApiKeyCreated(_)
-            | UserEvent::ApiKeyRevoked(_) => {
+            | UserEvent::ApiKeyRevoked(_)
+            | UserEvent::DisplayNameSet(_) => {
                 let role = match &event {
                     UserEvent::RoleChanged(e) => Some(e.role.as_str()),
                     _ => None,

@@ -159,6 +159,9 @@ pub fn hot_score(likes: u64, published_at: DateTime<Utc>, now: DateTime<Utc>) ->
     likes as f64 / (hours + 2.0).powf(1.5)
 }
 
+/// A user's (display name, handle): see [`GalleryService::name_of`] and `handle_of`.
+type Names = (Arc<str>, Arc<str>);
+
 #[derive(Debug, Clone)]
 pub struct GalleryService {
     store: AnyEventStore,
@@ -169,7 +172,11 @@ pub struct GalleryService {
     notifier: Notifier,
     settings: GallerySettings,
     cards: Layered<WorkCard>,
-    names: moka::future::Cache<Uuid, Arc<str>>,
+    /// Each user's (display name, handle), dropped on every process when the name changes.
+    names: moka::future::Cache<Uuid, Arc<Names>>,
+    /// Moves whenever a name is dropped: a load that saw it move is not kept (it may have read
+    /// the name before the change).
+    names_forgotten: Arc<std::sync::atomic::AtomicU64>,
     /// What a visitor sees, for [`PUBLIC_FRESH`]: a work with its likes, the first pages.
     public_views: moka::future::Cache<WorkId, Arc<Option<WorkView>>>,
     public_pages: moka::future::Cache<String, Arc<reads::WorkPage>>,
@@ -202,8 +209,12 @@ impl GalleryService {
             clock,
             notifier,
             cards,
-            // Display names do not change once chosen: kept until evicted.
-            names: moka::future::Cache::new(settings.cache_capacity),
+            // Dropped when a name changes (`forget_name`); the hour is a backstop only.
+            names: moka::future::Cache::builder()
+                .max_capacity(settings.cache_capacity)
+                .time_to_live(Duration::from_secs(3600))
+                .build(),
+            names_forgotten: Arc::default(),
             public_views: moka::future::Cache::builder()
                 .max_capacity(settings.cache_capacity)
                 .time_to_live(PUBLIC_FRESH)
@@ -265,6 +276,9 @@ impl GalleryService {
                     Ok(Envelope::GalleryChanged { work_id: None }) => {
                         self.forget_public(None).await;
                     }
+                    Ok(Envelope::UserRenamed { user_id }) => {
+                        self.forget_name_local(user_id).await;
+                    }
                     // Fallen behind, or the subscription was opened again: a change may have
                     // gone unheard.
                     Ok(Envelope::Resubscribed)
@@ -293,6 +307,9 @@ impl GalleryService {
     fn forget_all_cached(&self) {
         self.public_forgotten
             .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.names_forgotten
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.names.invalidate_all();
         self.cards.forget_all_local();
         self.public_views.invalidate_all();
         self.public_pages.invalidate_all();
@@ -312,23 +329,79 @@ impl GalleryService {
         }
     }
 
-    /// A display name: the username, or a short form of the id for a user without one (a
-    /// phone number is never shown). Read from the user's stream (its first event names them;
-    /// the read model may lag a new user) and kept: a name once chosen does not change.
+    /// A user's name as others see it: the display name they chose, else their handle.
     pub async fn name_of(&self, user: Uuid) -> anyhow::Result<Arc<str>> {
-        if let Some(name) = self.names.get(&user).await {
-            return Ok(name);
+        Ok(self.names_of(user).await?.0.clone())
+    }
+
+    /// A user's handle: the username, or a short form of the id for a user without one (a
+    /// phone number is never shown). It never changes; shown beside a display name, which
+    /// anyone may choose alike.
+    pub async fn handle_of(&self, user: Uuid) -> anyhow::Result<Arc<str>> {
+        Ok(self.names_of(user).await?.1.clone())
+    }
+
+    /// (display name, handle), read from the user's stream (the read model may lag a new user)
+    /// and kept until the name changes.
+    async fn names_of(&self, user: Uuid) -> anyhow::Result<Arc<Names>> {
+        if let Some(names) = self.names.get(&user).await {
+            return Ok(names);
         }
         metrics::counter!("zhihui_gallery_cache_loads_total").increment(1);
-        let registered = self.registration(UserId::from_uuid(user)).await?;
-        let name: Arc<str> = Arc::from(
-            registered
-                .and_then(|registered| registered.username)
-                .map(|name| name.as_str().to_owned())
-                .unwrap_or_else(|| short_name(user)),
-        );
-        self.names.insert(user, name.clone()).await;
-        Ok(name)
+        let seen = self
+            .names_forgotten
+            .load(std::sync::atomic::Ordering::Acquire);
+        let loaded = command::load::<zhihui_domain::user::User>(
+            &self.store,
+            &UserId::from_uuid(user).stream(),
+        )
+        .await?;
+        let (handle, chosen): (Arc<str>, _) = match loaded.state {
+            zhihui_domain::user::UserState::Registered(registered) => (
+                Arc::from(
+                    registered
+                        .username
+                        .map(|name| name.as_str().to_owned())
+                        .unwrap_or_else(|| short_name(user)),
+                ),
+                registered.display_name,
+            ),
+            zhihui_domain::user::UserState::Unregistered => (Arc::from(short_name(user)), None),
+        };
+        let name = chosen.map_or_else(|| handle.clone(), |name| Arc::from(name.as_str()));
+        let names = Arc::new((name, handle));
+        // Read before a change was announced, it may be the old name: used, not kept.
+        if self
+            .names_forgotten
+            .load(std::sync::atomic::Ordering::Acquire)
+            == seen
+        {
+            self.names.insert(user, names.clone()).await;
+        }
+        Ok(names)
+    }
+
+    /// A user changed their display name: every process drops it and every public copy that
+    /// shows it.
+    pub async fn forget_name(&self, user: UserId) {
+        self.forget_name_local(user.as_uuid()).await;
+        let envelope = Envelope::UserRenamed {
+            user_id: user.as_uuid(),
+        };
+        if let Err(error) = self.notifier.publish(&envelope).await {
+            tracing::warn!(error = %crate::platform::telemetry::error_chain(&error), %user, "a new display name was not announced");
+        }
+    }
+
+    async fn forget_name_local(&self, user: Uuid) {
+        self.names_forgotten
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.names.invalidate(&user).await;
+        // A work's view and the first pages show names (creators, first likers).
+        self.public_forgotten
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.public_views.invalidate_all();
+        self.public_pages.invalidate_all();
     }
 
     /// The user's registration, if they are registered.
@@ -823,7 +896,11 @@ impl GalleryService {
                 || self.load_card(work_id),
             )
             .await?;
-        Ok(loaded.as_ref().clone().map(Arc::new))
+        let Some(mut card) = loaded.as_ref().clone() else {
+            return Ok(None);
+        };
+        card.creator_name = self.name_of(card.creator).await?.to_string();
+        Ok(Some(Arc::new(card)))
     }
 
     /// A card from the truth: the work's stream, its task's stream, the creator's name.
@@ -844,7 +921,8 @@ impl GalleryService {
         Ok(Some(WorkCard {
             work_id,
             creator: last.creator.as_uuid(),
-            creator_name: self.name_of(last.creator.as_uuid()).await?.to_string(),
+            // Named as it is read (`card`): the name may change while the card is kept.
+            creator_name: String::new(),
             title: last.title.as_str().to_owned(),
             description: last.description.map(|d| d.as_str().to_owned()),
             images: last.images,

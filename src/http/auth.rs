@@ -25,6 +25,8 @@ use crate::state::AppState;
 pub struct UserView {
     pub id: Uuid,
     pub username: Option<String>,
+    /// The name others see, when one was chosen (`PUT /api/v1/me/display-name`).
+    pub display_name: Option<String>,
     pub phone: Option<String>,
     #[schema(value_type = String, example = "user")]
     pub role: Role,
@@ -36,6 +38,7 @@ impl From<&RegisteredUser> for UserView {
         UserView {
             id: user.user_id.as_uuid(),
             username: user.username.as_ref().map(|name| name.to_string()),
+            display_name: user.display_name.as_ref().map(ToString::to_string),
             phone: user.phone.as_ref().map(|phone| phone.to_string()),
             role: user.role,
             registered_at: user.registered_at,

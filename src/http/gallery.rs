@@ -414,7 +414,11 @@ pub async fn image(
 #[derive(Debug, Serialize, utoipa::ToSchema)]
 pub struct CreatorResponse {
     pub creator: Uuid,
+    /// The display name they chose, else the handle.
     pub name: String,
+    /// The username, or `user#` and ten hex digits for a user without one: it never changes,
+    /// and tells apart creators who chose the same display name.
+    pub handle: String,
     pub followers: u64,
     pub following: u64,
     /// Whether the caller follows them (absent for a visitor).
@@ -473,6 +477,11 @@ pub async fn creator_of(
     Ok(CreatorResponse {
         creator: creator.as_uuid(),
         name: state.gallery.name_of(creator.as_uuid()).await?.to_string(),
+        handle: state
+            .gallery
+            .handle_of(creator.as_uuid())
+            .await?
+            .to_string(),
         followers,
         following,
         followed,

@@ -296,7 +296,9 @@ async fn follow(
                         serde_json::json!({"type": "claim_refused", "promotion_id": promotion_id, "claim_id": claim_id, "reason": reason})
                     }
                 }
-                Ok(Envelope::Claim { .. } | Envelope::GalleryChanged { .. }) => continue,
+                Ok(Envelope::Claim { .. }
+                    | Envelope::GalleryChanged { .. }
+                    | Envelope::UserRenamed { .. }) => continue,
                 Ok(Envelope::Credited { user_id: owner, amount, reason }) if owner == user_id.as_uuid() => {
                     serde_json::json!({"type": "points_credited", "amount": amount, "reason": reason})
                 }

@@ -27,6 +27,7 @@ use crate::state::AppState;
         super::users::user,
         super::users::change_password,
         super::users::bind_phone,
+        super::users::set_display_name,
         super::users::admin_user,
         super::users::change_role,
         super::accounts::balance,
@@ -333,6 +334,14 @@ fn constrain_inputs(document: &mut Value) {
             "AddBackendRequest",
             "capacity",
             json!({"minimum": 1, "maximum": zhihui_domain::pool::BACKEND_CAPACITY_MAX}),
+        ),
+        (
+            "DisplayNameRequest",
+            "display_name",
+            json!({
+                "maxLength": zhihui_domain::user::DISPLAY_NAME_LENGTH_MAX,
+                "pattern": ONE_LINE_PATTERN.replacen("[^", "[^#", 1),
+            }),
         ),
         ("CodeRequest", "phone", phone.clone()),
         ("BindPhoneRequest", "phone", phone.clone()),

@@ -4,11 +4,12 @@
 use actix_web::{HttpRequest, HttpResponse, web};
 use serde::Deserialize;
 use uuid::Uuid;
-use zhihui_domain::user::{RegisteredUser, Role, UserCommand, UserId};
+use zhihui_domain::user::{DisplayName, RegisteredUser, Role, UserCommand, UserError, UserId};
 
 use crate::http::auth::{UserView, parse_password, parse_phone, register_error, verify_code};
 use crate::http::extract::{Admin, Authenticated, ensure_owner};
 use crate::http::{ApiError, event_metadata};
+use crate::identity::users::RegisterError;
 use crate::state::AppState;
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -26,6 +27,15 @@ pub struct BindPhoneRequest {
     pub phone: String,
     /// A code sent to that phone by `POST /api/v1/auth/code`.
     pub code: String,
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DisplayNameRequest {
+    /// The name others see on works, likes and your page: 1 to 20 characters in any language,
+    /// one line, without `#`. Empty: none (your username, or a short id, is shown).
+    #[schema(max_length = 20, example = "西湖边的画室")]
+    pub display_name: String,
 }
 
 #[derive(Debug, Deserialize, utoipa::ToSchema)]
@@ -177,6 +187,64 @@ pub(crate) async fn bind_phone_of(
         .bind_phone(user_id, phone, metadata)
         .await
         .map_err(register_error)
+}
+
+/// Choose the name others see. Works, likes and your page show it on every instance at once.
+#[utoipa::path(
+    put, path = "/api/v1/me/display-name", tag = "users", security(("bearer" = [])),
+    request_body = DisplayNameRequest,
+    responses(
+        (status = 200, body = UserView),
+        (status = 401, body = crate::http::problem::Problem),
+        (status = 422, description = "`display_name` breaks its rule (named)", body = crate::http::problem::Problem),
+        (status = 429, description = "`renamed-too-often`: 5 changes in 24 hours, the most; `Retry-After` says when", body = crate::http::problem::Problem),
+    )
+)]
+pub async fn set_display_name(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    caller: Authenticated,
+    body: crate::http::extract::Json<DisplayNameRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let metadata = event_metadata(&request, caller.actor());
+    let user = display_name_of(&state, caller.user_id(), &body.display_name, &metadata).await?;
+    Ok(HttpResponse::Ok().json(UserView::from(&user)))
+}
+
+/// Set (or, empty, take away) `user_id`'s display name, and drop every copy that shows the old
+/// one (the API and the settings page).
+pub(crate) async fn display_name_of(
+    state: &AppState,
+    user_id: UserId,
+    raw: &str,
+    metadata: &crate::platform::event_store::EventMetadata,
+) -> Result<RegisteredUser, ApiError> {
+    let name = if zhihui_domain::text::is_blank(raw) {
+        None
+    } else {
+        Some(
+            DisplayName::parse(raw)
+                .map_err(|invalid| ApiError::invalid("display_name", invalid.0))?,
+        )
+    };
+    let command = UserCommand::SetDisplayName {
+        name,
+        at: state.clock.now(),
+    };
+    let user = match state.users.update(user_id, command, metadata).await {
+        Ok(user) => user,
+        Err(RegisterError::Rejected(error @ UserError::RenamedTooOften { again_at })) => {
+            return Err(ApiError::TooManyRequests {
+                rule: "renamed-too-often",
+                detail: error.to_string(),
+                retry_at: again_at,
+                retry_after_s: crate::http::retry_after(&state.clock, again_at),
+            });
+        }
+        Err(error) => return Err(register_error(error)),
+    };
+    state.gallery.forget_name(user_id).await;
+    Ok(user)
 }
 
 /// Any user's profile (admins).

@@ -118,6 +118,8 @@ pub enum Envelope {
     /// A work was published, unpublished or hidden (`None`: the lists changed): every process
     /// drops its cached copy at once.
     GalleryChanged { work_id: Option<Uuid> },
+    /// A user changed their display name: every process drops its copies that show it.
+    UserRenamed { user_id: Uuid },
     /// Never published: this process's subscription was opened again after it ended, and what
     /// was sent meanwhile is lost. Whoever keeps copies that notifications invalidate drops
     /// them all.

@@ -168,6 +168,10 @@ pub fn routes(config: &mut web::ServiceConfig) {
             "/settings/phone",
             page(web::post(), pages_settings::bind_phone),
         )
+        .route(
+            "/settings/display-name",
+            page(web::post(), pages_settings::set_display_name),
+        )
         .route("/sales", page(web::get(), pages_user::sales))
         .route("/sales/{id}/claim", page(web::post(), pages_user::claim))
         .route(

@@ -24,6 +24,9 @@ pub struct SettingsQuery {
     /// Back from binding a phone: say so once.
     #[serde(default)]
     phone_bound: Option<String>,
+    /// Back from changing the display name: say so once.
+    #[serde(default)]
+    renamed: Option<String>,
 }
 
 /// `GET /settings`.
@@ -39,6 +42,7 @@ pub async fn settings_page(
     let account = context! {
         name => display_name(&user),
         username => user.username.as_ref().map(|name| name.as_str().to_owned()),
+        display_name => user.display_name.as_ref().map(ToString::to_string),
         phone => user.phone.as_ref().map(ToString::to_string),
         role => user.role.as_str(),
         registered_at => user.registered_at.to_rfc3339(),
@@ -46,8 +50,47 @@ pub async fn settings_page(
     };
     let keys = keys_context(&page, None).await?;
     let phone_bound = query.phone_bound.is_some() && user.phone.is_some();
-    page.render("settings.html", context! { account, phone_bound, ..keys })
-        .await
+    let renamed = query.renamed.is_some();
+    page.render(
+        "settings.html",
+        context! { account, phone_bound, renamed, ..keys },
+    )
+    .await
+}
+
+#[derive(Debug, Deserialize)]
+pub struct DisplayNameForm {
+    #[serde(default)]
+    display_name: String,
+}
+
+/// `POST /settings/display-name`: the page again saying so (the header shows the new name);
+/// refused, why, with what was typed kept.
+pub async fn set_display_name(
+    page: Page,
+    form: web::Form<DisplayNameForm>,
+) -> Result<HttpResponse, WebError> {
+    let user = page.member()?.session.user_id;
+    match crate::http::users::display_name_of(
+        page.state(),
+        user,
+        &form.display_name,
+        &metadata(&page)?,
+    )
+    .await
+    {
+        Ok(_) => Ok(page.redirect("/settings?renamed=1")),
+        Err(error @ (ApiError::Unexpected(_) | ApiError::Unavailable { .. })) => {
+            Err(WebError::from(error))
+        }
+        Err(error) => page.fragment(
+            "_display_name_form.html",
+            context! {
+                display_name_value => form.display_name.clone(),
+                display_name_message => page.message_of(&error),
+            },
+        ),
+    }
 }
 
 #[derive(Debug, Deserialize)]

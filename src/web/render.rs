@@ -49,6 +49,10 @@ const TEMPLATES: &[(&str, &str)] = &[
         include_str!("templates/_phone_card.html"),
     ),
     (
+        "_display_name_form.html",
+        include_str!("templates/_display_name_form.html"),
+    ),
+    (
         "password_reset.html",
         include_str!("templates/password_reset.html"),
     ),
@@ -701,8 +705,12 @@ fn html(status: StatusCode, body: String) -> HttpResponse {
         .body(body)
 }
 
-/// How a user is named on a page: the username, else the phone with its middle hidden.
+/// How a user is named on their own pages: the display name they chose, else the username,
+/// else the phone with its middle hidden.
 pub fn display_name(user: &zhihui_domain::user::RegisteredUser) -> String {
+    if let Some(name) = &user.display_name {
+        return name.as_str().to_owned();
+    }
     if let Some(name) = &user.username {
         return name.as_str().to_owned();
     }

@@ -1755,3 +1755,143 @@ async fn a_kept_comfyui_workflow_stays_in_the_owners_file_and_never_in_the_publi
         assert!(etag.ends_with("-public\""), "{etag}");
     }
 }
+
+/// Sets `token`'s display name through `process`.
+async fn rename(process: &TestApp, token: &str, name: impl serde::Serialize) -> reqwest::Response {
+    process
+        .put(
+            "/api/v1/me/display-name",
+            Some(token),
+            &json!({ "display_name": name }),
+        )
+        .await
+}
+
+/// Waits (a second at most) until `process` answers `path` with `check` true.
+async fn within_a_second(process: &TestApp, path: &str, check: impl Fn(&Value) -> bool) {
+    let started = Instant::now();
+    loop {
+        let body = json_of(process.get(path).await).await;
+        if check(&body) {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "{path} still answers {body} after a second"
+        );
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test]
+async fn a_chinese_display_name_names_its_user_on_every_work_and_process_at_once() {
+    let harness = gallery_harness(|_| {}).await;
+    let app = &harness.app;
+    let second = app.another_instance().await;
+    let (creator_id, creator) = funded_user(app, "xiaolin", "100").await;
+    let (_, fan) = member(app, "fan_a").await;
+    let tasks = Box::pin(succeeded_tasks(&harness, &creator, 1)).await;
+    let work = publish(app, &creator, &tasks[0], "断桥残雪", true).await;
+    let liked = send(
+        app,
+        reqwest::Method::PUT,
+        &format!("/api/v1/gallery/works/{work}/like"),
+        &fan,
+    )
+    .await;
+    assert_eq!(json_of(liked).await["likes"], 1);
+    let work_path = format!("/api/v1/gallery/works/{work}");
+    let creator_path = format!("/api/v1/gallery/creators/{creator_id}");
+    // Seen, so kept, by visitors of both processes.
+    for process in [app, &second] {
+        let view = json_of(process.get(&work_path).await).await;
+        assert_eq!(view["creator_name"], "xiaolin");
+        assert_eq!(view["first_likers"], json!(["fan_a"]));
+        let new = json_of(process.get("/api/v1/gallery/new").await).await;
+        assert_eq!(new["works"][0]["creator_name"], "xiaolin");
+        let profile = json_of(process.get(&creator_path).await).await;
+        assert_eq!(
+            (&profile["name"], &profile["handle"]),
+            (&json!("xiaolin"), &json!("xiaolin"))
+        );
+    }
+
+    // The creator names themselves through one process, the fan through the other.
+    let renamed = rename(app, &creator, "  西湖边的画室 ").await;
+    let me = json_of(renamed).await;
+    assert_eq!(me["display_name"], "西湖边的画室");
+    assert_eq!(me["username"], "xiaolin");
+    let renamed = rename(&second, &fan, "小粉丝🌸").await;
+    assert_eq!(json_of(renamed).await["display_name"], "小粉丝🌸");
+    for process in [&second, app] {
+        within_a_second(process, &work_path, |view| {
+            view["creator_name"] == "西湖边的画室" && view["first_likers"] == json!(["小粉丝🌸"])
+        })
+        .await;
+        within_a_second(process, "/api/v1/gallery/new", |page| {
+            page["works"][0]["creator_name"] == "西湖边的画室"
+        })
+        .await;
+        within_a_second(process, &creator_path, |profile| {
+            profile["name"] == "西湖边的画室" && profile["handle"] == "xiaolin"
+        })
+        .await;
+    }
+
+    // Refused, each naming its rule, and nothing changed.
+    for (typed, rule) in [
+        ("画师#1", "not_contain"),
+        ("第一行\n第二行", "one_line"),
+        (&*"画".repeat(21), "length_at_most"),
+    ] {
+        let refused = rename(app, &creator, typed).await;
+        assert_eq!(refused.status(), 422, "{typed}");
+        let body: Value = refused.json().await.unwrap();
+        assert_eq!(
+            (body["field"].as_str(), body["rule"].as_str()),
+            (Some("display_name"), Some(rule)),
+            "{body}"
+        );
+    }
+    let me = json_of(app.get_as(&creator, "/api/v1/me").await).await;
+    assert_eq!(me["display_name"], "西湖边的画室");
+
+    // Empty takes the name away: the username again.
+    let cleared = rename(app, &creator, "").await;
+    assert!(json_of(cleared).await["display_name"].is_null());
+    for process in [app, &second] {
+        within_a_second(process, &work_path, |view| {
+            view["creator_name"] == "xiaolin"
+        })
+        .await;
+    }
+
+    // Five changes a day: the sixth waits for the first to be a day old.
+    for name in ["一", "二", "三"] {
+        let answer = rename(app, &creator, name).await;
+        assert_eq!(answer.status(), 200);
+    }
+    let refused = rename(&second, &creator, "第六次").await;
+    assert_eq!(refused.status(), 429);
+    let wait: u64 = refused.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((86_390..=86_400).contains(&wait), "{wait}");
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["type"], "/problems/renamed-too-often", "{body}");
+    app.clock.advance(Duration::from_secs(86_400));
+    // A day on, the session is over too.
+    let creator = app.login("xiaolin", "correct horse battery").await;
+    let answer = rename(&second, &creator, "第六次").await;
+    assert_eq!(json_of(answer).await["display_name"], "第六次");
+
+    app.project().await;
+    let verified = app.verify(None).await;
+    assert!(
+        verified.differences.is_empty(),
+        "{:?}",
+        verified.differences
+    );
+}

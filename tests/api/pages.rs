@@ -1191,3 +1191,85 @@ async fn the_audit_page_names_a_code_that_is_none_in_the_readers_language() {
         assert!(!page.contains("malformed or forged"), "{page}");
     }
 }
+
+#[tokio::test]
+async fn a_user_chooses_a_chinese_display_name_on_the_settings_page_and_their_page_shows_it() {
+    let app = spawn_app().await;
+    let (client, base) = (browser(), app.address.as_str());
+    let user = app.register("xiaohong", "correct horse").await;
+    let token = app.login("xiaohong", "correct horse").await;
+    let body = page_of(&client, base, &token, "/settings").await;
+    assert!(
+        body.contains(r#"id="display-name-form""#) && body.contains("保存昵称"),
+        "{body}"
+    );
+    let form = |name: &str| {
+        format!(
+            "display_name={}",
+            url::form_urlencoded::byte_serialize(name.as_bytes()).collect::<String>()
+        )
+    };
+
+    // Refused: why, in the form, with what was typed kept.
+    let refused = htmx_form(
+        &client,
+        base,
+        &token,
+        "/settings/display-name",
+        &form("小红#1"),
+    )
+    .await;
+    assert_eq!(refused.status(), 200);
+    let refused = refused.text().await.unwrap();
+    assert!(
+        refused.contains("昵称：不能含 #") && refused.contains(r#"value="小红#1""#),
+        "{refused}"
+    );
+    let me: serde_json::Value = app.get_as(&token, "/api/v1/me").await.json().await.unwrap();
+    assert!(me["display_name"].is_null(), "{me}");
+
+    let saved = htmx_form(
+        &client,
+        base,
+        &token,
+        "/settings/display-name",
+        &form(" 小红的画册 "),
+    )
+    .await;
+    assert_eq!(
+        saved.headers().get("hx-redirect").unwrap(),
+        "/settings?renamed=1"
+    );
+    let body = page_of(&client, base, &token, "/settings?renamed=1").await;
+    assert!(body.contains("昵称已改为“小红的画册”"), "{body}");
+    assert!(body.contains(r#"value="小红的画册""#), "{body}");
+    // The header names the reader by it.
+    assert!(
+        body.contains(
+            r#"id="who-name" href="/settings" title="账号设置" aria-current="page">小红的画册</a>"#
+        ),
+        "{body}"
+    );
+    // Their public page: the name, and the username beside it (names are not unique).
+    let profile = page_of(&client, base, &token, &format!("/gallery/creators/{user}")).await;
+    assert!(
+        profile.contains(r#"<h1 id="creator-name">小红的画册</h1>"#)
+            && profile.contains("@xiaohong"),
+        "{profile}"
+    );
+
+    // Emptied: the username again.
+    let cleared = htmx_form(&client, base, &token, "/settings/display-name", &form("")).await;
+    assert_eq!(
+        cleared.headers().get("hx-redirect").unwrap(),
+        "/settings?renamed=1"
+    );
+    let body = page_of(&client, base, &token, "/settings?renamed=1").await;
+    assert!(body.contains("昵称已清除"), "{body}");
+    let profile = page_of(&client, base, &token, &format!("/gallery/creators/{user}")).await;
+    assert!(
+        profile.contains(r#"<h1 id="creator-name">xiaohong</h1>"#)
+            && !profile.contains("@xiaohong"),
+        "{profile}"
+    );
+}

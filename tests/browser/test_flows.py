@@ -1021,3 +1021,29 @@ def test_a_user_makes_an_api_key_from_the_settings_page_and_revokes_it(stack, pe
     assert page.locator("[data-testid=new-key]").count() == 0
     assert stack.api("GET", "/api/v1/tasks", secret)[0] == 401
     shot(page, "flow-settings-key-revoked-zh-desktop")
+
+
+def test_a_user_chooses_a_chinese_display_name_and_finds_it_on_their_public_page(stack, person):
+    """On a phone's screen: a display name with a `#` is refused by name with what was typed
+    kept; a Chinese one is saved, the header says it, and the public page it links to shows it
+    with the username beside it."""
+    user = person("zh", (390, 844))
+    name = unique("nicheng")
+    user.register(name)
+    page = user.go("/settings")
+    page.fill("#display-name", "小雨#1")
+    page.get_by_role("button", name="保存昵称").click()
+    page.locator("#display-name-form .notice.error", has_text="不能含 #").wait_for()
+    assert page.input_value("#display-name") == "小雨#1"
+    shot(page, "flow-settings-display-name-refused-zh-phone")
+    page.fill("#display-name", "小雨的画室")
+    page.get_by_role("button", name="保存昵称").click()
+    page.wait_for_url("**/settings?renamed=1")
+    page.locator(".notice.info", has_text="昵称已改为“小雨的画室”").wait_for()
+    assert page.locator(".who .name").inner_text() == "小雨的画室"
+    shot(page, "flow-settings-display-name-saved-zh-phone")
+    page.get_by_role("link", name="我的主页（别人看到的样子）").click()
+    page.wait_for_url("**/gallery/creators/*")
+    assert page.locator("#creator-name").inner_text() == "小雨的画室"
+    assert page.locator(".handle").inner_text() == f"@{name}"
+    shot(page, "flow-creator-display-name-zh-phone")

@@ -15,6 +15,14 @@ use crate::Decider;
 use crate::api_key::{ACTIVE_KEYS_MAX, KEY_NAME_LENGTH_MAX, Scope};
 use crate::event::{DecodeError, DomainEvent, expect_version, parse_payload, payload_of};
 
+/// Characters of a display name, at most.
+pub const DISPLAY_NAME_LENGTH_MAX: usize = 20;
+/// Times a user may change their display name within [`RENAME_WINDOW_HOURS`]: enough to mend a
+/// typo or two, not enough to pass for a different person every minute (every change drops the
+/// gallery's cached pages on every process).
+pub const RENAMES_PER_WINDOW_MAX: usize = 5;
+pub const RENAME_WINDOW_HOURS: i64 = 24;
+
 pub use crate::identity::{
     InvalidIdentifier, PHONE_DIGITS_MAX, PHONE_DIGITS_MIN, PasswordHash, PhoneNumber,
     USERNAME_LENGTH_MAX, USERNAME_LENGTH_MIN, UserId, Username,
@@ -47,6 +55,40 @@ pub struct RegisteredUser {
     pub registered_at: DateTime<Utc>,
     /// Every key ever made, revoked ones included (the audit names them).
     pub api_keys: Vec<ApiKey>,
+    /// The name the gallery shows, when the user chose one.
+    pub display_name: Option<DisplayName>,
+    /// When the display name was changed, the latest [`RENAMES_PER_WINDOW_MAX`] times.
+    pub renamed_at: Vec<DateTime<Utc>>,
+}
+
+/// The name a user shows others (works, likes, their page), in any language: one line, 1 to
+/// [`DISPLAY_NAME_LENGTH_MAX`] characters, never `#` (the gallery names a user without a username
+/// `user#` and ten hex digits: nobody may take a name that passes for another user's).
+/// Not unique: a user's page shows their username or that short id beside it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct DisplayName(String);
+
+impl DisplayName {
+    pub fn parse(raw: &str) -> Result<DisplayName, crate::text::InvalidText> {
+        let name = crate::text::checked_text(raw, 1, DISPLAY_NAME_LENGTH_MAX, false)?;
+        if name.contains('#') {
+            return Err(crate::text::InvalidText(
+                crate::rule::Broken::new(crate::rule::Rule::NotContain).with("character", "#"),
+            ));
+        }
+        Ok(DisplayName(name))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for DisplayName {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(&self.0)
+    }
 }
 
 /// An API key as the user's stream knows it (never the key itself: its digest).
@@ -122,6 +164,12 @@ pub enum UserCommand {
         key_id: Uuid,
         at: DateTime<Utc>,
     },
+    /// Choose the name others see (`None`: none, the username or short id again). The same
+    /// name again is done already.
+    SetDisplayName {
+        name: Option<DisplayName>,
+        at: DateTime<Utc>,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -147,6 +195,13 @@ pub struct RoleChanged {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DisplayNameSet {
+    /// `None`: the name was taken away.
+    pub name: Option<DisplayName>,
+    pub set_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PhoneBound {
     pub phone: PhoneNumber,
     pub bound_at: DateTime<Utc>,
@@ -160,6 +215,7 @@ pub enum UserEvent {
     PhoneBound(PhoneBound),
     ApiKeyCreated(ApiKeyCreated),
     ApiKeyRevoked(ApiKeyRevoked),
+    DisplayNameSet(DisplayNameSet),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -211,6 +267,10 @@ pub enum UserError {
     KeyNotFound,
     #[error("key {0} exists with other contents")]
     KeyIdTaken(Uuid),
+    #[error(
+        "the display name was changed {RENAMES_PER_WINDOW_MAX} times in {RENAME_WINDOW_HOURS} hours, the most; it can change again at {again_at}"
+    )]
+    RenamedTooOften { again_at: DateTime<Utc> },
 }
 
 #[derive(Debug)]
@@ -351,6 +411,28 @@ impl Decider for User {
                     revoked_at: *at,
                 })])
             }
+            (UserState::Registered(user), UserCommand::SetDisplayName { name, at }) => {
+                if user.display_name == *name {
+                    return Ok(vec![]);
+                }
+                let window = chrono::Duration::hours(RENAME_WINDOW_HOURS);
+                let recent: Vec<&DateTime<Utc>> = user
+                    .renamed_at
+                    .iter()
+                    .filter(|renamed_at| **renamed_at > *at - window)
+                    .collect();
+                if recent.len() >= RENAMES_PER_WINDOW_MAX
+                    && let Some(oldest) = recent.iter().min()
+                {
+                    return Err(UserError::RenamedTooOften {
+                        again_at: **oldest + window,
+                    });
+                }
+                Ok(vec![UserEvent::DisplayNameSet(DisplayNameSet {
+                    name: name.clone(),
+                    set_at: *at,
+                })])
+            }
             (UserState::Registered(user), UserCommand::BindPhone { phone, at }) => {
                 match &user.phone {
                     Some(bound) if bound == phone => Ok(vec![]),
@@ -376,7 +458,18 @@ impl Decider for User {
                 role: registered.role,
                 registered_at: registered.registered_at,
                 api_keys: Vec::new(),
+                display_name: None,
+                renamed_at: Vec::new(),
             }),
+            (UserState::Registered(mut user), UserEvent::DisplayNameSet(set)) => {
+                user.display_name = set.name.clone();
+                user.renamed_at.push(set.set_at);
+                // Only the latest ones can refuse a change.
+                if user.renamed_at.len() > RENAMES_PER_WINDOW_MAX {
+                    user.renamed_at.remove(0);
+                }
+                UserState::Registered(user)
+            }
             (UserState::Registered(mut user), UserEvent::PasswordChanged(changed)) => {
                 user.password_hash = Some(changed.password_hash.clone());
                 UserState::Registered(user)
@@ -428,6 +521,7 @@ impl DomainEvent for UserEvent {
             UserEvent::PhoneBound(_) => "PhoneBound",
             UserEvent::ApiKeyCreated(_) => "ApiKeyCreated",
             UserEvent::ApiKeyRevoked(_) => "ApiKeyRevoked",
+            UserEvent::DisplayNameSet(_) => "DisplayNameSet",
         }
     }
 
@@ -443,6 +537,7 @@ impl DomainEvent for UserEvent {
             UserEvent::PhoneBound(payload) => payload_of(payload),
             UserEvent::ApiKeyCreated(payload) => payload_of(payload),
             UserEvent::ApiKeyRevoked(payload) => payload_of(payload),
+            UserEvent::DisplayNameSet(payload) => payload_of(payload),
         }
     }
 
@@ -459,6 +554,7 @@ impl DomainEvent for UserEvent {
                 | "PhoneBound"
                 | "ApiKeyCreated"
                 | "ApiKeyRevoked"
+                | "DisplayNameSet"
         ) {
             return Err(DecodeError::UnknownType {
                 event_type: event_type.to_owned(),
@@ -473,6 +569,7 @@ impl DomainEvent for UserEvent {
             "PhoneBound" => UserEvent::PhoneBound(parse_payload(event_type, payload)?),
             "ApiKeyCreated" => UserEvent::ApiKeyCreated(parse_payload(event_type, payload)?),
             "ApiKeyRevoked" => UserEvent::ApiKeyRevoked(parse_payload(event_type, payload)?),
+            "DisplayNameSet" => UserEvent::DisplayNameSet(parse_payload(event_type, payload)?),
             other => {
                 return Err(DecodeError::UnknownType {
                     event_type: other.to_owned(),

@@ -399,3 +399,78 @@ fn a_stored_v1_payload_still_folds() {
         Err(DecodeError::UnknownType { .. })
     ));
 }
+
+fn renamed(name: &str, at_seconds: i64) -> UserEvent {
+    UserEvent::DisplayNameSet(DisplayNameSet {
+        name: Some(DisplayName::parse(name).unwrap()),
+        set_at: at(at_seconds),
+    })
+}
+
+fn rename(name: &str, at_seconds: i64) -> UserCommand {
+    UserCommand::SetDisplayName {
+        name: Some(DisplayName::parse(name).unwrap()),
+        at: at(at_seconds),
+    }
+}
+
+#[test]
+fn given_a_user_when_set_display_name_then_set_and_the_same_name_again_is_done_already() {
+    given::<User>(&[registered_alice()])
+        .when(rename("  西湖边的画室 ", 10))
+        .then(&[renamed("西湖边的画室", 10)]);
+    given::<User>(&[registered_alice(), renamed("西湖边的画室", 10)])
+        .when(rename("西湖边的画室", 20))
+        .then(&[]);
+    given::<User>(&[registered_alice(), renamed("西湖边的画室", 10)])
+        .when(UserCommand::SetDisplayName {
+            name: None,
+            at: at(20),
+        })
+        .then(&[UserEvent::DisplayNameSet(DisplayNameSet {
+            name: None,
+            set_at: at(20),
+        })]);
+    given::<User>(&[])
+        .when(rename("无人", 1))
+        .then_error(UserError::NotRegistered);
+}
+
+#[test]
+fn given_five_renames_in_a_day_when_another_then_refused_until_the_oldest_is_a_day_old() {
+    let day = RENAME_WINDOW_HOURS * 3600;
+    let mut history = vec![registered_alice()];
+    for index in 0..5 {
+        history.push(renamed(&format!("画师{index}"), 100 + index * 60));
+    }
+    given::<User>(&history)
+        .when(rename("第六个名字", 400))
+        .then_error(UserError::RenamedTooOften {
+            again_at: at(100 + day),
+        });
+    given::<User>(&history)
+        .when(rename("第六个名字", 100 + day))
+        .then(&[renamed("第六个名字", 100 + day)]);
+    // The same name again is no change, so no limit refuses it.
+    given::<User>(&history).when(rename("画师4", 400)).then(&[]);
+}
+
+#[test]
+fn a_display_name_is_one_line_of_up_to_twenty_characters_in_any_language_without_a_hash() {
+    assert_eq!(
+        DisplayName::parse(" 山水之间 ").unwrap().as_str(),
+        "山水之间"
+    );
+    let twenty = "画".repeat(DISPLAY_NAME_LENGTH_MAX);
+    assert!(DisplayName::parse(&twenty).is_ok());
+    let refused = |raw: &str| DisplayName::parse(raw).unwrap_err().0.rule;
+    assert_eq!(
+        refused(&format!("{twenty}画")),
+        crate::rule::Rule::LengthAtMost
+    );
+    assert_eq!(refused("  "), crate::rule::Rule::NotEmpty);
+    assert_eq!(refused("\u{200B}"), crate::rule::Rule::NotEmpty);
+    assert_eq!(refused("第一行\n第二行"), crate::rule::Rule::OneLine);
+    assert_eq!(refused("user#0123456789"), crate::rule::Rule::NotContain);
+    assert_eq!(refused("画师#1"), crate::rule::Rule::NotContain);
+}
