@@ -55,14 +55,15 @@ pub async fn apply(
                     .await
                     .context("inserting a user")?;
             }
-            // Every later event moves the version; a role change or a phone binding also sets
-            // its column (NULL keeps the current value).
+            // Every later event moves the version; a role change, a phone binding or a username
+            // also sets its column (NULL keeps the current value).
             UserEvent::PasswordChanged(_)
             | UserEvent::RoleChanged(_)
             | UserEvent::PhoneBound(_)
             | UserEvent::ApiKeyCreated(_)
             | UserEvent::ApiKeyRevoked(_)
-            | UserEvent::DisplayNameSet(_) => {
+            | UserEvent::DisplayNameSet(_)
+            | UserEvent::UsernameSet(_) => {
                 let role = match &event {
                     UserEvent::RoleChanged(e) => Some(e.role.as_str()),
                     _ => None,
@@ -71,15 +72,20 @@ pub async fn apply(
                     UserEvent::PhoneBound(e) => Some(e.phone.as_str().to_owned()),
                     _ => None,
                 };
+                let username = match &event {
+                    UserEvent::UsernameSet(e) => Some(e.username.as_str().to_owned()),
+                    _ => None,
+                };
                 transaction
                     .execute(
                         &format!(
                             "UPDATE {table}
                                 SET role = COALESCE($4, role), phone = COALESCE($5, phone),
+                                    username = COALESCE($6, username),
                                     stream_version = $2, updated_at = $3
                               WHERE user_id = $1 AND stream_version < $2"
                         ),
-                        &[&user_id, &version, &at, &role, &phone],
+                        &[&user_id, &version, &at, &role, &phone, &username],
                     )
                     .await
                     .context("recording a user change")?;

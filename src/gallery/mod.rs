@@ -335,8 +335,8 @@ impl GalleryService {
     }
 
     /// A user's handle: the username, or a short form of the id for a user without one (a
-    /// phone number is never shown). It never changes; shown beside a display name, which
-    /// anyone may choose alike.
+    /// phone number is never shown). Shown beside a display name, which anyone may choose
+    /// alike; it changes once at most, when a user who signed up by phone sets a username.
     pub async fn handle_of(&self, user: Uuid) -> anyhow::Result<Arc<str>> {
         Ok(self.names_of(user).await?.1.clone())
     }

@@ -416,8 +416,8 @@ pub struct CreatorResponse {
     pub creator: Uuid,
     /// The display name they chose, else the handle.
     pub name: String,
-    /// The username, or `user#` and ten hex digits for a user without one: it never changes,
-    /// and tells apart creators who chose the same display name.
+    /// The username, or `user#` and ten hex digits for a user without one (until they set a
+    /// username; then it stays): tells apart creators who chose the same display name.
     pub handle: String,
     pub followers: u64,
     pub following: u64,

@@ -71,6 +71,7 @@ pub fn routes(config: &mut web::ServiceConfig) {
                 .route("/me/password", api(web::put(), users::change_password))
                 .route("/me/phone", api(web::post(), users::bind_phone))
                 .route("/me/display-name", api(web::put(), users::set_display_name))
+                .route("/me/username", api(web::put(), users::set_username))
                 .route("/me/keys", api(web::post(), keys::create))
                 .route("/me/keys", api(web::get(), keys::list))
                 .route("/me/keys/{key_id}", api(web::delete(), keys::revoke))

@@ -28,6 +28,7 @@ use crate::state::AppState;
         super::users::change_password,
         super::users::bind_phone,
         super::users::set_display_name,
+        super::users::set_username,
         super::users::admin_user,
         super::users::change_role,
         super::accounts::balance,

@@ -189,6 +189,73 @@ pub(crate) async fn bind_phone_of(
         .map_err(register_error)
 }
 
+/// Give an account made with a phone code a username and a password, to log in with them too
+/// (from a program, or without the phone at hand). A username, once set, stays.
+#[utoipa::path(
+    put, path = "/api/v1/me/username", tag = "users", security(("bearer" = [])),
+    request_body(content = crate::http::auth::RegisterRequest, description = "the same rules as registering"),
+    responses(
+        (status = 200, body = UserView),
+        (status = 401, body = crate::http::problem::Problem),
+        (status = 409, description = "`username-taken`, or `username-already-set`: this account has another username", body = crate::http::problem::Problem),
+        (status = 422, description = "a field breaks its rule (named)", body = crate::http::problem::Problem),
+    )
+)]
+pub async fn set_username(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    caller: Authenticated,
+    body: crate::http::extract::Json<crate::http::auth::RegisterRequest>,
+) -> Result<HttpResponse, ApiError> {
+    let metadata = event_metadata(&request, caller.actor());
+    let user = username_of(&state, caller.user_id(), &body, &metadata).await?;
+    Ok(HttpResponse::Ok().json(UserView::from(&user)))
+}
+
+/// Set `user_id`'s username and password (the API and the settings page). Both fields are
+/// checked before the name is claimed.
+pub(crate) async fn username_of(
+    state: &AppState,
+    user_id: UserId,
+    body: &crate::http::auth::RegisterRequest,
+    metadata: &crate::platform::event_store::EventMetadata,
+) -> Result<RegisteredUser, ApiError> {
+    let username = crate::http::auth::parse_username(&body.username);
+    let password = parse_password("password", &body.password);
+    let (username, password) = match (username, password) {
+        (Ok(username), Ok(password)) => (username, password),
+        (
+            Err(ApiError::Validation { field, broken }),
+            Err(ApiError::Validation {
+                field: other,
+                broken: other_broken,
+            }),
+        ) => {
+            return Err(ApiError::InvalidFields(vec![
+                (field, broken),
+                (other, other_broken),
+            ]));
+        }
+        (Err(error), _) | (_, Err(error)) => return Err(error),
+    };
+    let user = state
+        .users
+        .set_username(user_id, username, &password, &state.passwords, metadata)
+        .await
+        .map_err(|error| match error {
+            RegisterError::Rejected(error @ UserError::UsernameAlreadySet { .. }) => {
+                ApiError::Conflict {
+                    rule: "username-already-set",
+                    detail: error.to_string(),
+                }
+            }
+            error => register_error(error),
+        })?;
+    // The gallery named them by a short id until now.
+    state.gallery.forget_name(user_id).await;
+    Ok(user)
+}
+
 /// Choose the name others see. Works, likes and your page show it on every instance at once.
 #[utoipa::path(
     put, path = "/api/v1/me/display-name", tag = "users", security(("bearer" = [])),

@@ -48,6 +48,14 @@ fn unexpected<E: std::error::Error + Send + Sync + 'static>(
     error.into_anyhow("a user command")
 }
 
+/// Whether `user`'s stream records `identifier` as theirs.
+fn holds(user: &RegisteredUser, identifier: &Identifier) -> bool {
+    match identifier {
+        Identifier::Username(name) => user.username.as_ref() == Some(name),
+        Identifier::Phone(phone) => user.phone.as_ref() == Some(phone),
+    }
+}
+
 impl Users {
     pub fn new(
         store: AnyEventStore,
@@ -73,13 +81,17 @@ impl Users {
         )
     }
 
-    /// The registered owner of a username or phone number, if any.
+    /// The registered owner of a username or phone number, if any: the claim's holder, when
+    /// their stream holds it too (a claim whose user event never followed names nobody).
     pub async fn find(&self, identifier: &Identifier) -> anyhow::Result<Option<RegisteredUser>> {
         match load::<Claim>(&self.store, &identifier.stream())
             .await?
             .state
         {
-            ClaimState::Claimed { owner, .. } => self.get(owner).await,
+            ClaimState::Claimed { owner, .. } => Ok(self
+                .get(owner)
+                .await?
+                .filter(|user| holds(user, identifier))),
             ClaimState::Free => Ok(None),
         }
     }
@@ -108,7 +120,13 @@ impl Users {
                     claimed_at,
                 })) => {
                     let age = (self.clock.now() - claimed_at).to_std().unwrap_or_default();
-                    if age < self.orphan_claim_release || self.get(holder).await?.is_some() {
+                    // An orphan: its holder never recorded it (never registered, or died
+                    // between claiming a name or phone for their account and recording it).
+                    let recorded = self
+                        .get(holder)
+                        .await?
+                        .is_some_and(|user| holds(&user, identifier));
+                    if age < self.orphan_claim_release || recorded {
                         return Err(RegisterError::Taken { what });
                     }
                     tracing::warn!(%stream, %holder, "releasing an orphan claim");
@@ -227,6 +245,81 @@ impl Users {
         self.apply(user_id, &command, metadata).await
     }
 
+    /// Give a user who signed up with a phone a username and a password: claim the name, hash
+    /// the password (only a claim's winner pays for argon2id), record both on the user. A claim
+    /// the user's stream then refuses is let go at once.
+    pub async fn set_username(
+        &self,
+        user_id: UserId,
+        username: Username,
+        password: &PlainPassword,
+        passwords: &Passwords,
+        metadata: &EventMetadata,
+    ) -> Result<RegisteredUser, RegisterError> {
+        // Refuse before claiming: a claim this user cannot record would block the name.
+        match self.get(user_id).await? {
+            None => return Err(RegisterError::Rejected(UserError::NotRegistered)),
+            Some(user) => match user.username {
+                Some(held) if held == username => return self.get_registered(user_id).await,
+                Some(held) => {
+                    return Err(RegisterError::Rejected(UserError::UsernameAlreadySet {
+                        username: held,
+                    }));
+                }
+                None => {}
+            },
+        }
+        let identifier = Identifier::Username(username.clone());
+        self.claim(&identifier, user_id, metadata).await?;
+        let password_hash = match passwords.hash(password).await {
+            Ok(hash) => hash,
+            Err(error) => {
+                self.let_go(&identifier, user_id, metadata).await;
+                return Err(error.into());
+            }
+        };
+        let command = UserCommand::SetUsername {
+            username,
+            password_hash,
+            at: self.clock.now(),
+        };
+        match self.apply(user_id, &command, metadata).await {
+            // Refused on the stream (another request set a name first): the claim is nobody's.
+            // An append whose outcome is unknown keeps it: it may have landed.
+            Err(RegisterError::Rejected(error)) => {
+                self.let_go(&identifier, user_id, metadata).await;
+                Err(RegisterError::Rejected(error))
+            }
+            other => other,
+        }
+    }
+
+    async fn get_registered(&self, user_id: UserId) -> Result<RegisteredUser, RegisterError> {
+        self.get(user_id)
+            .await?
+            .ok_or(RegisterError::Rejected(UserError::NotRegistered))
+    }
+
+    /// Release `owner`'s claim of `identifier` that their stream never recorded. Best effort:
+    /// one left behind is released as an orphan once it is old enough.
+    async fn let_go(&self, identifier: &Identifier, owner: UserId, metadata: &EventMetadata) {
+        let release = ClaimCommand::ReleaseOrphan {
+            owner,
+            at: self.clock.now(),
+        };
+        if let Err(error) = execute::<Claim>(
+            &self.store,
+            &identifier.stream(),
+            &release,
+            metadata,
+            self.retry,
+        )
+        .await
+        {
+            tracing::warn!(error = %unexpected(error), stream = %identifier.stream(), "a claim nobody records was left for the orphan release");
+        }
+    }
+
     /// Bind a phone number to a user: claim it, then record it on the user.
     pub async fn bind_phone(
         &self,
@@ -246,12 +339,19 @@ impl Users {
                 _ => {}
             },
         }
-        self.claim(&Identifier::Phone(phone.clone()), user_id, metadata)
-            .await?;
+        let identifier = Identifier::Phone(phone.clone());
+        self.claim(&identifier, user_id, metadata).await?;
         let command = UserCommand::BindPhone {
             phone,
             at: self.clock.now(),
         };
-        self.update(user_id, command, metadata).await
+        match self.update(user_id, command, metadata).await {
+            // Another phone was bound meanwhile: this one is nobody's.
+            Err(RegisterError::Rejected(error)) => {
+                self.let_go(&identifier, user_id, metadata).await;
+                Err(RegisterError::Rejected(error))
+            }
+            other => other,
+        }
     }
 }

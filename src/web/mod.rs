@@ -94,6 +94,10 @@ pub fn routes(config: &mut web::ServiceConfig) {
         .route("/register", page(web::get(), pages_auth::register_page))
         .route("/register", page(web::post(), pages_auth::register))
         .route("/logout", page(web::post(), pages_auth::logout))
+        .route(
+            "/logout/password-reset",
+            page(web::post(), pages_auth::logout_to_reset),
+        )
         .route("/generate", page(web::get(), pages_user::generate_page))
         .route("/generate", page(web::post(), pages_user::generate))
         .route("/tasks/{id}", page(web::get(), pages_user::task_page))
@@ -167,6 +171,10 @@ pub fn routes(config: &mut web::ServiceConfig) {
         .route(
             "/settings/phone",
             page(web::post(), pages_settings::bind_phone),
+        )
+        .route(
+            "/settings/username",
+            page(web::post(), pages_settings::set_username),
         )
         .route(
             "/settings/display-name",

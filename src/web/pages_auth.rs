@@ -354,16 +354,27 @@ pub async fn register(
 
 /// `POST /logout`: the session ends everywhere (its sockets close), the cookie goes.
 pub async fn logout(page: Page) -> Result<HttpResponse, WebError> {
+    log_out(page, "/login").await
+}
+
+/// `POST /logout/password-reset`: a signed-in reader who forgot their password (the settings'
+/// change needs it) leaves, on to the reset with a code to their phone.
+pub async fn logout_to_reset(page: Page) -> Result<HttpResponse, WebError> {
+    log_out(page, "/password-reset").await
+}
+
+/// End the reader's session and clear its cookie, on to `to`.
+async fn log_out(page: Page, to: &str) -> Result<HttpResponse, WebError> {
     if let Some(member) = &page.member {
         page.state().end_session(&member.session).await?;
     }
     let secure = page.web().secure_cookies(&page.request);
     let mut response = if page.is_htmx() {
         HttpResponse::Ok()
-            .insert_header(("HX-Redirect", "/login"))
+            .insert_header(("HX-Redirect", to))
             .finish()
     } else {
-        Page::see_other("/login")
+        Page::see_other(to)
     };
     response
         .add_cookie(&session::cleared_session_cookie(secure))

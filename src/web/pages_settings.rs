@@ -24,6 +24,9 @@ pub struct SettingsQuery {
     /// Back from binding a phone: say so once.
     #[serde(default)]
     phone_bound: Option<String>,
+    /// Back from setting a username: say so once.
+    #[serde(default)]
+    username_set: Option<String>,
     /// Back from changing the display name: say so once.
     #[serde(default)]
     renamed: Option<String>,
@@ -51,11 +54,47 @@ pub async fn settings_page(
     let keys = keys_context(&page, None).await?;
     let phone_bound = query.phone_bound.is_some() && user.phone.is_some();
     let renamed = query.renamed.is_some();
+    let username_set = query.username_set.is_some();
     page.render(
         "settings.html",
-        context! { account, phone_bound, renamed, ..keys },
+        context! { account, phone_bound, renamed, username_set, ..keys },
     )
     .await
+}
+
+#[derive(Debug, Deserialize)]
+pub struct UsernameForm {
+    #[serde(default)]
+    username: String,
+    #[serde(default)]
+    password: String,
+}
+
+/// `POST /settings/username` (an account made with a phone code): the page again saying so;
+/// refused, why, with the name typed kept (never the password).
+pub async fn set_username(
+    page: Page,
+    form: web::Form<UsernameForm>,
+) -> Result<HttpResponse, WebError> {
+    let user = page.member()?.session.user_id;
+    let form = form.into_inner();
+    let request = crate::http::auth::RegisterRequest {
+        username: form.username.clone(),
+        password: form.password,
+    };
+    match crate::http::users::username_of(page.state(), user, &request, &metadata(&page)?).await {
+        Ok(_) => Ok(page.redirect("/settings?username_set=1")),
+        Err(error @ (ApiError::Unexpected(_) | ApiError::Unavailable { .. })) => {
+            Err(WebError::from(error))
+        }
+        Err(error) => page.fragment(
+            "_username_form.html",
+            context! {
+                username_value => form.username.trim(),
+                username_message => page.message_of(&error),
+            },
+        ),
+    }
 }
 
 #[derive(Debug, Deserialize)]

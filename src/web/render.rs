@@ -49,6 +49,10 @@ const TEMPLATES: &[(&str, &str)] = &[
         include_str!("templates/_phone_card.html"),
     ),
     (
+        "_username_form.html",
+        include_str!("templates/_username_form.html"),
+    ),
+    (
         "_display_name_form.html",
         include_str!("templates/_display_name_form.html"),
     ),

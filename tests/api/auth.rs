@@ -1086,3 +1086,240 @@ async fn a_forgotten_password_is_set_again_with_a_code_sent_to_the_bound_phone()
         );
     }
 }
+
+/// A user made by a first code login of `phone` (11 digits): (id, token).
+async fn phone_user(app: &TestApp, phone: &str) -> (String, String) {
+    assert_eq!(send_code(app, phone).await.status(), 202);
+    let code = app.codes.last(&format!("+86{phone}")).unwrap();
+    let body: Value = code_login(app, phone, &code).await.json().await.unwrap();
+    (
+        body["user"]["id"].as_str().unwrap().to_owned(),
+        body["token"].as_str().unwrap().to_owned(),
+    )
+}
+
+async fn set_username(app: &TestApp, token: &str, username: &str) -> reqwest::Response {
+    app.put(
+        "/api/v1/me/username",
+        Some(token),
+        &json!({"username": username, "password": "西湖 correct horse"}),
+    )
+    .await
+}
+
+#[tokio::test]
+async fn a_phone_user_sets_a_username_and_password_and_logs_in_with_either_on_both_processes() {
+    let app = spawn_app().await;
+    let second = app.another_instance().await;
+    let (user, token) = phone_user(&app, "13800138001").await;
+    let creator = format!("/api/v1/gallery/creators/{user}");
+    for process in [&app, &second] {
+        let profile: Value = process.get(&creator).await.json().await.unwrap();
+        assert!(
+            profile["handle"].as_str().unwrap().starts_with("user#"),
+            "{profile}"
+        );
+    }
+    // Without a username there is no password, so none is right.
+    let (status, problem) = problem_of(
+        app.put(
+            "/api/v1/me/password",
+            Some(&token),
+            &json!({"current_password": "whatever it is", "new_password": "西湖 correct horse"}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (401, Some("/problems/wrong-credentials"))
+    );
+
+    // Both fields are checked, and named, before the name is claimed.
+    let (status, problem) = problem_of(
+        app.put(
+            "/api/v1/me/username",
+            Some(&token),
+            &json!({"username": "xiaoyu", "password": "short"}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(status, 422, "{problem}");
+    assert_eq!(problem["field"], "password", "{problem}");
+    app.register("xiaoyu2", "correct horse battery").await;
+
+    let body: Value = set_username(&app, &token, "XiaoYu")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (&body["username"], &body["phone"]),
+        (&json!("xiaoyu"), &json!("+8613800138001"))
+    );
+    let login = app.login("xiaoyu", "西湖 correct horse").await;
+    let me: Value = second.get_json(&login, "/api/v1/me").await;
+    assert_eq!(me["id"], user.as_str());
+    // The old session lives on; the code still logs in to the same user.
+    assert_eq!(app.get_as(&token, "/api/v1/me").await.status(), 200);
+    // The gallery's short id gave way to the username, on both processes.
+    for process in [&second, &app] {
+        crate::gallery::within_a_second(process, &creator, |profile| profile["handle"] == "xiaoyu")
+            .await;
+    }
+
+    // Sent again: done already. Another name: refused, the first stays.
+    assert_eq!(set_username(&second, &token, "xiaoyu").await.status(), 200);
+    let (status, problem) = problem_of(set_username(&second, &token, "xiaoyu3").await).await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (409, Some("/problems/username-already-set"))
+    );
+    // A name someone has is taken, for phone users as for anyone.
+    let (_, other) = phone_user(&app, "13800138002").await;
+    for taken in ["xiaoyu", "XIAOYU", "xiaoyu2"] {
+        let (status, problem) = problem_of(set_username(&app, &other, taken).await).await;
+        assert_eq!(
+            (status, problem["type"].as_str()),
+            (409, Some("/problems/username-taken")),
+            "{taken}"
+        );
+    }
+    // The one refused for another name did not block it: anyone can register it.
+    assert_eq!(
+        app.post(
+            "/api/v1/auth/register",
+            None,
+            &json!({"username": "xiaoyu3", "password": "correct horse battery"}),
+        )
+        .await
+        .status(),
+        201
+    );
+
+    // Two phone users race for one name through both processes: one has it, the other may
+    // pick another at once.
+    let (first_id, first) = phone_user(&app, "13800138003").await;
+    let (second_id, other_racer) = phone_user(&app, "13800138004").await;
+    let (a, b) = tokio::join!(
+        set_username(&app, &first, "tongming"),
+        set_username(&second, &other_racer, "tongming")
+    );
+    let mut statuses = [a.status().as_u16(), b.status().as_u16()];
+    statuses.sort_unstable();
+    assert_eq!(statuses, [200, 409]);
+    let winner = app.login("tongming", "西湖 correct horse").await;
+    let me: Value = app.get_json(&winner, "/api/v1/me").await;
+    let loser = if me["id"] == first_id.as_str() {
+        &other_racer
+    } else {
+        &first
+    };
+    assert!(me["id"] == first_id.as_str() || me["id"] == second_id.as_str());
+    assert_eq!(set_username(&app, loser, "butong").await.status(), 200);
+
+    // One account sends two names at once through both processes: it gets one, and the other
+    // is nobody's at once (not held for the orphan bound).
+    for round in 0..4 {
+        let (_, racer) = phone_user(&app, &format!("1380013802{round}")).await;
+        let names = [format!("liangge{round}a"), format!("liangge{round}b")];
+        let (a, b) = tokio::join!(
+            set_username(&app, &racer, &names[0]),
+            set_username(&second, &racer, &names[1])
+        );
+        let mut statuses = [a.status().as_u16(), b.status().as_u16()];
+        statuses.sort_unstable();
+        assert_eq!(statuses, [200, 409]);
+        let me: Value = app.get_json(&racer, "/api/v1/me").await;
+        let lost = names
+            .iter()
+            .find(|name| me["username"] != name.as_str())
+            .unwrap();
+        let registered = app
+            .post(
+                "/api/v1/auth/register",
+                None,
+                &json!({"username": lost, "password": "correct horse battery"}),
+            )
+            .await;
+        assert_eq!(registered.status(), 201, "{lost}");
+    }
+
+    app.project().await;
+    let client = crate::helpers::connect(&app.settings).await;
+    let row = client
+        .query_one(
+            "SELECT username FROM users WHERE user_id = $1",
+            &[&uuid::Uuid::parse_str(&user).unwrap()],
+        )
+        .await
+        .unwrap();
+    assert_eq!(row.get::<_, Option<String>>(0).as_deref(), Some("xiaoyu"));
+    let verified = app.verify(None).await;
+    assert!(
+        verified.differences.is_empty(),
+        "{:?}",
+        verified.differences
+    );
+}
+
+#[tokio::test]
+async fn a_name_claimed_for_an_account_that_never_recorded_it_logs_nobody_in_and_is_freed_later() {
+    let app = spawn_app().await;
+    let (user, token) = phone_user(&app, "13800138005").await;
+    // Simulate a crash between claiming a name for this account and recording it there.
+    let claimed = ClaimEvent::Claimed(IdentifierClaimed {
+        owner: UserId::from_uuid(uuid::Uuid::parse_str(&user).unwrap()),
+        claimed_at: app.clock.now(),
+    });
+    app.services()
+        .event_store
+        .append(
+            "user-name-banlu",
+            zhihui::platform::event_store::ExpectedVersion::NoStream,
+            vec![NewEvent {
+                id: uuid::Uuid::now_v7(),
+                event_type: claimed.event_type().into(),
+                schema_version: 1,
+                payload: claimed.to_payload(),
+                metadata: zhihui::platform::event_store::EventMetadata {
+                    correlation_id: uuid::Uuid::now_v7(),
+                    causation_id: None,
+                    actor: "test".into(),
+                },
+            }],
+        )
+        .await
+        .unwrap();
+    // The account then takes another name, with a password.
+    assert_eq!(set_username(&app, &token, "zhenming").await.status(), 200);
+    // The half-taken name logs nobody in, not even with that account's password.
+    let (status, problem) = problem_of(
+        app.post(
+            "/api/v1/auth/login",
+            None,
+            &json!({"username": "banlu", "password": "西湖 correct horse"}),
+        )
+        .await,
+    )
+    .await;
+    assert_eq!(
+        (status, problem["type"].as_str()),
+        (401, Some("/problems/wrong-credentials"))
+    );
+    // Held for the bound (its append might still have been under way), then anyone's.
+    let body = json!({"username": "banlu", "password": "correct horse battery"});
+    app.clock.advance(Duration::from_millis(59_999));
+    let (status, _) = problem_of(app.post("/api/v1/auth/register", None, &body).await).await;
+    assert_eq!(status, 409);
+    app.clock.advance(Duration::from_millis(1));
+    assert_eq!(
+        app.post("/api/v1/auth/register", None, &body)
+            .await
+            .status(),
+        201
+    );
+    app.login("banlu", "correct horse battery").await;
+    app.login("zhenming", "西湖 correct horse").await;
+}

@@ -1768,7 +1768,7 @@ async fn rename(process: &TestApp, token: &str, name: impl serde::Serialize) -> 
 }
 
 /// Waits (a second at most) until `process` answers `path` with `check` true.
-async fn within_a_second(process: &TestApp, path: &str, check: impl Fn(&Value) -> bool) {
+pub(crate) async fn within_a_second(process: &TestApp, path: &str, check: impl Fn(&Value) -> bool) {
     let started = Instant::now();
     loop {
         let body = json_of(process.get(path).await).await;

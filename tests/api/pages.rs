@@ -1273,3 +1273,97 @@ async fn a_user_chooses_a_chinese_display_name_on_the_settings_page_and_their_pa
         "{profile}"
     );
 }
+
+#[tokio::test]
+async fn a_phone_user_sets_a_username_and_password_on_the_settings_page() {
+    let app = spawn_app().await;
+    let (client, base) = (browser(), app.address.as_str());
+    app.register("xiaohong", "correct horse").await;
+    let phone = "+8613800138009";
+    app.post(
+        "/api/v1/auth/code",
+        None,
+        &serde_json::json!({"phone": phone}),
+    )
+    .await;
+    let login: serde_json::Value = app
+        .post(
+            "/api/v1/auth/login",
+            None,
+            &serde_json::json!({"phone": phone, "code": app.codes.last(phone).unwrap()}),
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+    let token = login["token"].as_str().unwrap().to_owned();
+    let body = page_of(&client, base, &token, "/settings").await;
+    assert!(
+        body.contains(r#"id="username-form""#) && body.contains("设置用户名和密码"),
+        "{body}"
+    );
+
+    let refused = htmx_form(
+        &client,
+        base,
+        &token,
+        "/settings/username",
+        "username=xiaoyu&password=short",
+    )
+    .await
+    .text()
+    .await
+    .unwrap();
+    assert!(
+        refused.contains("密码：") && refused.contains(r#"value="xiaoyu""#),
+        "{refused}"
+    );
+    let taken = htmx_form(
+        &client,
+        base,
+        &token,
+        "/settings/username",
+        "username=XiaoHong&password=correct+horse+2",
+    )
+    .await
+    .text()
+    .await
+    .unwrap();
+    assert!(taken.contains("这个用户名已被使用"), "{taken}");
+
+    let set = htmx_form(
+        &client,
+        base,
+        &token,
+        "/settings/username",
+        "username=xiaoyu&password=correct+horse+2",
+    )
+    .await;
+    assert_eq!(
+        set.headers().get("hx-redirect").unwrap(),
+        "/settings?username_set=1"
+    );
+    let body = page_of(&client, base, &token, "/settings?username_set=1").await;
+    assert!(
+        body.contains("现在也可以用用户名 xiaoyu 和密码登录了。"),
+        "{body}"
+    );
+    // Now it has a password to change, and no form to set a username.
+    assert!(
+        body.contains(r#"action="/settings/password""#) && !body.contains(r#"id="username-form""#),
+        "{body}"
+    );
+    let again = app.login("xiaoyu", "correct horse 2").await;
+    let me: serde_json::Value = app.get_json(&again, "/api/v1/me").await;
+    assert_eq!(me["id"], login["user"]["id"]);
+
+    // Its password forgotten while signed in: out, on to the reset with a code to the phone.
+    assert!(body.contains("忘记当前密码？"), "{body}");
+    let out = htmx_form(&client, base, &token, "/logout/password-reset", "").await;
+    assert_eq!(out.headers().get("hx-redirect").unwrap(), "/password-reset");
+    assert_eq!(app.get_as(&token, "/api/v1/me").await.status(), 401);
+    // A reader without a phone has no code to reset with: no such button.
+    let other = app.login("xiaohong", "correct horse").await;
+    let body = page_of(&client, base, &other, "/settings").await;
+    assert!(!body.contains("忘记当前密码？"), "{body}");
+}

@@ -1047,3 +1047,40 @@ def test_a_user_chooses_a_chinese_display_name_and_finds_it_on_their_public_page
     assert page.locator("#creator-name").inner_text() == "小雨的画室"
     assert page.locator(".handle").inner_text() == f"@{name}"
     shot(page, "flow-creator-display-name-zh-phone")
+
+
+def test_a_phone_user_sets_a_username_and_password_then_logs_in_with_them(stack, person):
+    """Someone who signed up with a phone code sets a username and a password in the settings
+    (a taken name said in the form, the name typed kept), then logs in with them."""
+    user = person("zh", (390, 844))
+    phone = "136" + str(int(unique("")[:6], 16) % 10**8).zfill(8)
+    login = user.go("/login")
+    login.fill("#phone", phone)
+    send_code_waiting_out_the_interval(login, login.locator("#with-code ~ form[action^='/login/code'] button"))
+    code = wait_until(lambda: stack.login_code(f"+86{phone}"), "the logged code")
+    login.fill("#code", code)
+    login.locator("form", has=login.locator("#code")).locator("button[type=submit]").click()
+    login.wait_for_url("**/generate")
+    taken = unique("yiyou")
+    person("zh").register(taken)
+
+    page = user.go("/settings")
+    form = page.locator("#username-form")
+    form.locator("#set-username").fill(taken)
+    form.locator("#set-password").fill("西湖 correct horse")
+    form.get_by_role("button", name="设置用户名和密码").click()
+    page.locator("#username-form .notice.error", has_text="这个用户名已被使用").wait_for()
+    assert page.input_value("#set-username") == taken
+    shot(page, "flow-settings-username-taken-zh-phone")
+    name = unique("shouji")
+    page.fill("#set-username", name)
+    page.fill("#set-password", "西湖 correct horse")
+    page.locator("#username-form").get_by_role("button", name="设置用户名和密码").click()
+    page.wait_for_url("**/settings?username_set=1")
+    page.locator(".notice.info", has_text=f"现在也可以用用户名 {name} 和密码登录了").wait_for()
+    assert page.locator("#current_password").count() == 1
+    shot(page, "flow-settings-username-set-zh-phone")
+
+    other = person("zh")
+    other.login(name, "西湖 correct horse")
+    assert other.page.locator(".who .name").inner_text() == page.locator(".who .name").inner_text()

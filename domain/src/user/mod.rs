@@ -164,6 +164,13 @@ pub enum UserCommand {
         key_id: Uuid,
         at: DateTime<Utc>,
     },
+    /// Give a user who signed up with a phone a username and a password, to log in with them
+    /// too. The same username again is done already; a user who has one keeps it.
+    SetUsername {
+        username: Username,
+        password_hash: PasswordHash,
+        at: DateTime<Utc>,
+    },
     /// Choose the name others see (`None`: none, the username or short id again). The same
     /// name again is done already.
     SetDisplayName {
@@ -195,6 +202,13 @@ pub struct RoleChanged {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsernameSet {
+    pub username: Username,
+    pub password_hash: PasswordHash,
+    pub set_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DisplayNameSet {
     /// `None`: the name was taken away.
     pub name: Option<DisplayName>,
@@ -216,6 +230,7 @@ pub enum UserEvent {
     ApiKeyCreated(ApiKeyCreated),
     ApiKeyRevoked(ApiKeyRevoked),
     DisplayNameSet(DisplayNameSet),
+    UsernameSet(UsernameSet),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -271,6 +286,8 @@ pub enum UserError {
         "the display name was changed {RENAMES_PER_WINDOW_MAX} times in {RENAME_WINDOW_HOURS} hours, the most; it can change again at {again_at}"
     )]
     RenamedTooOften { again_at: DateTime<Utc> },
+    #[error("this user already has the username {username}; it cannot change")]
+    UsernameAlreadySet { username: Username },
 }
 
 #[derive(Debug)]
@@ -411,6 +428,24 @@ impl Decider for User {
                     revoked_at: *at,
                 })])
             }
+            (
+                UserState::Registered(user),
+                UserCommand::SetUsername {
+                    username,
+                    password_hash,
+                    at,
+                },
+            ) => match &user.username {
+                Some(held) if held == username => Ok(vec![]),
+                Some(held) => Err(UserError::UsernameAlreadySet {
+                    username: held.clone(),
+                }),
+                None => Ok(vec![UserEvent::UsernameSet(UsernameSet {
+                    username: username.clone(),
+                    password_hash: password_hash.clone(),
+                    set_at: *at,
+                })]),
+            },
             (UserState::Registered(user), UserCommand::SetDisplayName { name, at }) => {
                 if user.display_name == *name {
                     return Ok(vec![]);
@@ -461,6 +496,11 @@ impl Decider for User {
                 display_name: None,
                 renamed_at: Vec::new(),
             }),
+            (UserState::Registered(mut user), UserEvent::UsernameSet(set)) => {
+                user.username = Some(set.username.clone());
+                user.password_hash = Some(set.password_hash.clone());
+                UserState::Registered(user)
+            }
             (UserState::Registered(mut user), UserEvent::DisplayNameSet(set)) => {
                 user.display_name = set.name.clone();
                 user.renamed_at.push(set.set_at);
@@ -522,6 +562,7 @@ impl DomainEvent for UserEvent {
             UserEvent::ApiKeyCreated(_) => "ApiKeyCreated",
             UserEvent::ApiKeyRevoked(_) => "ApiKeyRevoked",
             UserEvent::DisplayNameSet(_) => "DisplayNameSet",
+            UserEvent::UsernameSet(_) => "UsernameSet",
         }
     }
 
@@ -538,6 +579,7 @@ impl DomainEvent for UserEvent {
             UserEvent::ApiKeyCreated(payload) => payload_of(payload),
             UserEvent::ApiKeyRevoked(payload) => payload_of(payload),
             UserEvent::DisplayNameSet(payload) => payload_of(payload),
+            UserEvent::UsernameSet(payload) => payload_of(payload),
         }
     }
 
@@ -555,6 +597,7 @@ impl DomainEvent for UserEvent {
                 | "ApiKeyCreated"
                 | "ApiKeyRevoked"
                 | "DisplayNameSet"
+                | "UsernameSet"
         ) {
             return Err(DecodeError::UnknownType {
                 event_type: event_type.to_owned(),
@@ -570,6 +613,7 @@ impl DomainEvent for UserEvent {
             "ApiKeyCreated" => UserEvent::ApiKeyCreated(parse_payload(event_type, payload)?),
             "ApiKeyRevoked" => UserEvent::ApiKeyRevoked(parse_payload(event_type, payload)?),
             "DisplayNameSet" => UserEvent::DisplayNameSet(parse_payload(event_type, payload)?),
+            "UsernameSet" => UserEvent::UsernameSet(parse_payload(event_type, payload)?),
             other => {
                 return Err(DecodeError::UnknownType {
                     event_type: other.to_owned(),

@@ -474,3 +474,63 @@ fn a_display_name_is_one_line_of_up_to_twenty_characters_in_any_language_without
     assert_eq!(refused("user#0123456789"), crate::rule::Rule::NotContain);
     assert_eq!(refused("画师#1"), crate::rule::Rule::NotContain);
 }
+
+fn registered_by_phone() -> UserEvent {
+    UserEvent::Registered(UserRegistered {
+        user_id: alice(),
+        username: None,
+        password_hash: None,
+        phone: Some(PhoneNumber::parse("+8613800138000").unwrap()),
+        role: Role::User,
+        registered_at: at(0),
+    })
+}
+
+fn set_username(name: &str, tag: &str, at_seconds: i64) -> UserCommand {
+    UserCommand::SetUsername {
+        username: Username::parse(name).unwrap(),
+        password_hash: hash(tag),
+        at: at(at_seconds),
+    }
+}
+
+#[test]
+fn given_a_phone_user_when_set_username_then_both_set_and_a_password_can_change_after() {
+    let username_set = UserEvent::UsernameSet(UsernameSet {
+        username: Username::parse("xiaoyu").unwrap(),
+        password_hash: hash("one"),
+        set_at: at(5),
+    });
+    given::<User>(&[registered_by_phone()])
+        .when(set_username("xiaoyu", "one", 5))
+        .then(std::slice::from_ref(&username_set));
+    // A phone user has no password to change; once set, they do.
+    given::<User>(&[registered_by_phone()])
+        .when(UserCommand::ChangePassword {
+            password_hash: hash("two"),
+            at: at(6),
+        })
+        .then_error(UserError::PasswordWithoutUsername);
+    given::<User>(&[registered_by_phone(), username_set.clone()])
+        .when(UserCommand::ChangePassword {
+            password_hash: hash("two"),
+            at: at(6),
+        })
+        .then(&[UserEvent::PasswordChanged(PasswordChanged {
+            password_hash: hash("two"),
+            changed_at: at(6),
+        })]);
+    // Sent again (a retried request): done already, whatever its salt.
+    given::<User>(&[registered_by_phone(), username_set])
+        .when(set_username("xiaoyu", "three", 7))
+        .then(&[]);
+}
+
+#[test]
+fn given_a_username_when_set_another_then_refused() {
+    given::<User>(&[registered_alice()])
+        .when(set_username("alice2", "one", 5))
+        .then_error(UserError::UsernameAlreadySet {
+            username: Username::parse("alice").unwrap(),
+        });
+}
