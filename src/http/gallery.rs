@@ -793,6 +793,8 @@ pub struct MyWorkResponse {
     pub hidden_reason: Option<String>,
     pub published_at: DateTime<Utc>,
     pub likes: i64,
+    /// Its first image, for its owner whatever became of the work (`GET /api/v1/images/{id}`).
+    pub cover: Option<String>,
 }
 
 /// How many of one's own works a page lists at most (and when no `limit` is given).
@@ -865,7 +867,8 @@ pub async fn works_of(
     // its own rows, however many works came before.
     let rows = client
         .query(
-            "SELECT work_id, task_id, title, status, hidden_reason, published_at, like_count
+            "SELECT work_id, task_id, title, status, hidden_reason, published_at, like_count,
+                    images[1]
                FROM works WHERE creator = $1 AND (published_at, work_id) < ($2, $3)
               ORDER BY published_at DESC, work_id DESC LIMIT $4",
             &[&user.as_uuid(), &before_at, &before_id, &(limit + 1)],
@@ -881,6 +884,9 @@ pub async fn works_of(
             hidden_reason: row.get(4),
             published_at: row.get(5),
             likes: row.get(6),
+            cover: row
+                .get::<_, Option<String>>(7)
+                .map(|image| format!("/api/v1/images/{image}")),
         })
         .collect();
     let more = works.len() as i64 > limit;

@@ -709,12 +709,18 @@ fn html(status: StatusCode, body: String) -> HttpResponse {
         .body(body)
 }
 
-/// How a user is named on their own pages: the display name they chose, else the username,
-/// else the phone with its middle hidden.
+/// How a user is named on their own pages: the display name they chose, else
+/// [`account_name`].
 pub fn display_name(user: &zhihui_domain::user::RegisteredUser) -> String {
-    if let Some(name) = &user.display_name {
-        return name.as_str().to_owned();
+    match &user.display_name {
+        Some(name) => name.as_str().to_owned(),
+        None => account_name(user),
     }
+}
+
+/// The account as its credentials name it (what admins look for; a display name is anyone's
+/// to choose): the username, else the phone with its middle hidden.
+pub fn account_name(user: &zhihui_domain::user::RegisteredUser) -> String {
     if let Some(name) = &user.username {
         return name.as_str().to_owned();
     }

@@ -582,6 +582,18 @@ async fn a_hidden_work_leaves_every_list_cache_and_feed_on_both_processes_within
         .unwrap();
     assert_eq!(row["status"], "hidden");
     assert_eq!(row["hidden_reason"], "含有不适宜公开的内容");
+    // Its owner still sees its picture in their list; nobody else is served it.
+    let cover = row["cover"].as_str().unwrap();
+    assert!(cover.starts_with("/api/v1/images/"), "{row}");
+    let picture = app.get_as(&creator, cover).await;
+    assert_eq!(picture.status(), 200);
+    assert!(
+        picture.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("image/")
+    );
+    assert_eq!(app.get_as(&reader, cover).await.status(), 404);
     let again = app
         .post(
             "/api/v1/gallery/works",
@@ -1549,6 +1561,20 @@ async fn an_action_from_the_pages_is_confirmed_where_it_lands_even_before_the_re
     assert!(
         !task.contains(&format!("/gallery/publish?task={}", tasks[1])),
         "{task}"
+    );
+    // Once the read models catch up, its task's card offers it again too, in those words.
+    app.project().await;
+    let history = page_text(app, &creator, "/history").await;
+    let card = {
+        let start = history.find(&format!(r#"id="task-{}""#, tasks[0])).unwrap();
+        &history[start..start + history[start..].find("</article>").unwrap()]
+    };
+    assert!(
+        card.contains(&format!(
+            r#"<a class="button" href="/gallery/publish?task={}">重新发布</a>"#,
+            tasks[0]
+        )),
+        "{card}"
     );
 }
 

@@ -1258,6 +1258,14 @@ async fn a_user_chooses_a_chinese_display_name_on_the_settings_page_and_their_pa
         "{profile}"
     );
 
+    // Admins find the account by what it logs in with, and see what it shows.
+    let admin = app.admin_token("guanli").await;
+    let detail = page_of(&client, base, &admin, &format!("/admin/users/{user}")).await;
+    assert!(
+        detail.contains("<h1>xiaohong</h1>") && detail.contains("在画廊显示为“小红的画册”"),
+        "{detail}"
+    );
+
     // Emptied: the username again.
     let cleared = htmx_form(&client, base, &token, "/settings/display-name", &form("")).await;
     assert_eq!(

@@ -16,7 +16,7 @@ use zhihui_domain::claim::Identifier;
 use zhihui_domain::pool::PoolDifference;
 use zhihui_domain::user::{Role, UserId, Username};
 
-use super::render::{Page, WebError, display_name, ser};
+use super::render::{Page, WebError, account_name, ser};
 use crate::http::ApiError;
 use crate::http::extract::Admin;
 
@@ -334,7 +334,8 @@ async fn user_context(page: &Page, user_id: UserId) -> Result<Option<Value>, Web
     Ok(Some(context! {
         user => context! {
             user_id => user_id.to_string(),
-            name => display_name(&user),
+            name => account_name(&user),
+            display_name => user.display_name.as_ref().map(ToString::to_string),
             username => user.username.as_ref().map(|name| name.as_str().to_owned()),
             phone => user.phone.as_ref().map(ToString::to_string),
             role => user.role.as_str(),
@@ -509,7 +510,7 @@ pub async fn audit(page: Page, query: web::Query<AuditQuery>) -> Result<HttpResp
                 movements.reverse();
                 account = Some(context! {
                     user_id => user.user_id.to_string(),
-                    name => display_name(&user),
+                    name => account_name(&user),
                     movements => ser(&movements),
                 });
             }
