@@ -29,6 +29,9 @@ def showcase(stack):
     token = stack.token(name, "correct horse")
     me = stack.api("GET", "/api/v1/me", token)[1]
     user_id = me["id"]
+    # Shown by the name they chose, as people on a Chinese platform are.
+    display_name = "小红的画册"
+    assert stack.api("PUT", "/api/v1/me/display-name", token, {"display_name": display_name})[0] == 200
     assert stack.api("POST", f"/api/v1/admin/accounts/{user_id}/grants", admin, {"amount": "50", "reason": "新用户体验积分"})[0] == 201
     assert stack.api("POST", "/api/v1/checkins", token)[0] == 200
     prompts = ["一只在雪地里奔跑的红狐狸，电影感光线", "江南水乡，小桥流水，清晨薄雾", "赛博朋克风格的上海外滩夜景",
@@ -84,6 +87,7 @@ def showcase(stack):
     fan_name = unique("fensi")
     assert stack.api("POST", "/api/v1/auth/register", body={"username": fan_name, "password": "correct horse"})[0] == 201
     fan = stack.token(fan_name, "correct horse")
+    assert stack.api("PUT", "/api/v1/me/display-name", fan, {"display_name": "爱画画的小林"})[0] == 200
     assert stack.api("PUT", f"/api/v1/gallery/works/{shown['work_id']}/like", fan)[0] == 200
     assert stack.api("PUT", f"/api/v1/gallery/works/{shown['work_id']}/like", token)[0] == 200
     assert stack.api("PUT", f"/api/v1/gallery/creators/{user_id}/follow", fan)[0] == 200
@@ -94,7 +98,7 @@ def showcase(stack):
     status, old_key = stack.api("POST", "/api/v1/me/keys", token, {"name": "旧脚本", "scopes": ["account:read"]})
     assert status == 201, old_key
     assert stack.api("DELETE", f"/api/v1/me/keys/{old_key['key_id']}", token)[0] == 204
-    return {"name": name, "user_id": user_id, "code": code, "task": tasks[0], "unpublished": tasks[2],
+    return {"name": name, "display_name": display_name, "user_id": user_id, "code": code, "task": tasks[0], "unpublished": tasks[2],
             "work": shown["work_id"], "hidden_prompt_work": hidden["work_id"], "fan_id": fan_id}
 
 
@@ -201,7 +205,7 @@ def test_every_page_in_both_languages_at_both_sizes_is_screenshot(stack, browser
             # balance once the page has loaded.
             header = user.page.locator("header.top .who")
             wait_until(
-                lambda: header.locator(".name").inner_text() == showcase["name"]
+                lambda: header.locator(".name").inner_text() == showcase["display_name"]
                 and header.locator("#balance .amount").count() == 1,
                 "the reader's name and balance in the refusal's header",
             )
