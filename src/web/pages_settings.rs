@@ -122,13 +122,22 @@ pub async fn set_display_name(
         Err(error @ (ApiError::Unexpected(_) | ApiError::Unavailable { .. })) => {
             Err(WebError::from(error))
         }
-        Err(error) => page.fragment(
-            "_display_name_form.html",
-            context! {
-                display_name_value => form.display_name.clone(),
-                display_name_message => page.message_of(&error),
-            },
-        ),
+        Err(error) => {
+            let has_username = page
+                .state()
+                .users
+                .get(user)
+                .await?
+                .is_some_and(|user| user.username.is_some());
+            page.fragment(
+                "_display_name_form.html",
+                context! {
+                    display_name_value => form.display_name.clone(),
+                    display_name_message => page.message_of(&error),
+                    has_username,
+                },
+            )
+        }
     }
 }
 

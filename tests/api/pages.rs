@@ -1310,6 +1310,8 @@ async fn a_phone_user_sets_a_username_and_password_on_the_settings_page() {
         body.contains(r#"id="username-form""#) && body.contains("设置用户名和密码"),
         "{body}"
     );
+    // Without a username, an empty display name shows a short id: the hint says so.
+    assert!(body.contains("不填则显示“user#”加一串编号"), "{body}");
 
     let refused = htmx_form(
         &client,
@@ -1356,6 +1358,7 @@ async fn a_phone_user_sets_a_username_and_password_on_the_settings_page() {
         body.contains("现在也可以用用户名 xiaoyu 和密码登录了。"),
         "{body}"
     );
+    assert!(body.contains("不填则显示用户名"), "{body}");
     // Now it has a password to change, and no form to set a username.
     assert!(
         body.contains(r#"action="/settings/password""#) && !body.contains(r#"id="username-form""#),
