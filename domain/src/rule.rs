@@ -100,6 +100,7 @@ rules! {
     WorkTooManyImages => "work_too_many_images", "a work shows at most {max} images";
     WorkUnknownImage => "work_unknown_image", "image {image} is not one this task made";
     WorkImageTwice => "work_image_twice", "image {image} is named twice";
+    ReportNoteRequired => "report_note_required", "is required when the reason is \"other\"";
 }
 
 /// A rule broken, with the values its sentence names.

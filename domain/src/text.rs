@@ -98,3 +98,14 @@ pub fn refuse_controls(text: &str, multiline: bool) -> Result<(), Broken> {
     }
     Ok(())
 }
+
+/// What a refusal says back of a value the caller sent: enough to recognise it, never all of a
+/// long one (an answer is not a mirror for whatever was posted).
+pub fn echoed(text: &str) -> String {
+    const SHOWN: usize = 40;
+    if text.chars().count() <= SHOWN {
+        text.to_owned()
+    } else {
+        format!("{}…", text.chars().take(SHOWN).collect::<String>())
+    }
+}

@@ -1,5 +1,5 @@
-//! `works`, `work_likes` and `follows` (see `migrations/V15__gallery.sql`) from the work, like and
-//! follow streams. A like or a follow is once per pair on its pair's own stream, so an insert that
+//! `works`, `work_likes`, `follows` and `work_reports` (see `migrations/V15__gallery.sql` and
+//! `V19__work_reports.sql`) from the work, like, follow and report streams. A like or a follow is once per pair on its pair's own stream, so an insert that
 //! finds its row (or a delete that finds none) only happens when a batch is applied again after a
 //! crash before its commit; the like count moves only with a row actually inserted or deleted.
 //! A run of like events in a batch is folded to each pair's last state and written as one
@@ -14,12 +14,13 @@ use uuid::Uuid;
 use zhihui_domain::DomainEvent;
 use zhihui_domain::gallery::follow::FollowEvent;
 use zhihui_domain::gallery::like::LikeEvent;
+use zhihui_domain::gallery::report::ReportEvent;
 use zhihui_domain::gallery::work::WorkEvent;
 
 use crate::{ProjectedEvent, Tables};
 
 /// The stream prefixes the projection reads.
-pub const STREAM_PREFIXES: &[&str] = &["work-", "like-", "follow-"];
+pub const STREAM_PREFIXES: &[&str] = &["work-", "like-", "follow-", "report-"];
 
 pub async fn apply(
     transaction: &tokio_postgres::Transaction<'_>,
@@ -29,6 +30,7 @@ pub async fn apply(
     let works = tables.name("works");
     let work_likes = tables.name("work_likes");
     let follows = tables.name("follows");
+    let work_reports = tables.name("work_reports");
     let mut likes = PendingLikes::default();
     for recorded in events {
         let context = || format!("event {} of {}", recorded.id, recorded.stream);
@@ -99,6 +101,17 @@ pub async fn apply(
                         )
                         .await
                         .context("recording a hidden work")?;
+                    transaction
+                        .execute(
+                            &format!(
+                                "UPDATE {work_reports}
+                                    SET status = 'upheld', resolved_by = $2, resolved_at = $3
+                                  WHERE work_id = $1 AND status = 'open'"
+                            ),
+                            &[&e.work_id, &e.admin.as_uuid(), &e.hidden_at],
+                        )
+                        .await
+                        .context("upholding a hidden work's reports")?;
                 }
             }
         } else if recorded.stream.starts_with("like-") {
@@ -115,6 +128,63 @@ pub async fn apply(
                 LikeEvent::Unliked(e) => likes.record(e.work_id, e.user_id.as_uuid(), None),
             }
             continue;
+        } else if recorded.stream.starts_with("report-") {
+            let event = ReportEvent::from_stored(
+                &recorded.event_type,
+                recorded.schema_version,
+                &recorded.payload,
+            )
+            .with_context(context)?;
+            match event {
+                // A report that reaches a work hidden already (decided while it was visible)
+                // is upheld by that hiding.
+                ReportEvent::Reported(e) => {
+                    transaction
+                        .execute(
+                            &format!(
+                                "INSERT INTO {work_reports} AS r
+                                     (work_id, reporter, reason, note, reported_at, status,
+                                      resolved_at)
+                                 SELECT $1::uuid, $2::uuid, $3::text, $4::text, $5::timestamptz,
+                                        CASE WHEN w.status = 'hidden' THEN 'upheld' ELSE 'open' END,
+                                        CASE WHEN w.status = 'hidden' THEN $5::timestamptz END
+                                   FROM (SELECT 1) AS one
+                                   LEFT JOIN {works} w ON w.work_id = $1
+                                 ON CONFLICT (work_id, reporter) DO NOTHING"
+                            ),
+                            &[
+                                &e.work_id,
+                                &e.reporter.as_uuid(),
+                                &e.reason.as_str(),
+                                &e.note.as_ref().map(|note| note.as_str()),
+                                &e.reported_at,
+                            ],
+                        )
+                        .await
+                        .context("recording a report")?;
+                }
+                // Told on the report's own stream, a dismissal is the report's last word, also
+                // when a hiding of the work reached the read model first (two admins at once).
+                ReportEvent::Dismissed(e) => {
+                    transaction
+                        .execute(
+                            &format!(
+                                "UPDATE {work_reports}
+                                    SET status = 'dismissed', resolved_by = $3, resolved_at = $4
+                                  WHERE work_id = $1 AND reporter = $2
+                                    AND status <> 'dismissed'"
+                            ),
+                            &[
+                                &e.work_id,
+                                &e.reporter.as_uuid(),
+                                &e.admin.as_uuid(),
+                                &e.dismissed_at,
+                            ],
+                        )
+                        .await
+                        .context("recording a dismissed report")?;
+                }
+            }
         } else if recorded.stream.starts_with("follow-") {
             let event = FollowEvent::from_stored(
                 &recorded.event_type,

@@ -54,7 +54,7 @@ pub enum ProjectionName {
     Checkins,
     /// `promotions` and `promotion_claims`.
     Promotions,
-    /// `works`, `work_likes` and `follows`.
+    /// `works`, `work_likes`, `follows` and `work_reports`.
     Gallery,
 }
 
@@ -107,7 +107,7 @@ impl ProjectionName {
             ProjectionName::Codes => &["code_batches", "redeem_codes"],
             ProjectionName::Checkins => &["checkins"],
             ProjectionName::Promotions => &["promotions", "promotion_claims"],
-            ProjectionName::Gallery => &["works", "work_likes", "follows"],
+            ProjectionName::Gallery => &["works", "work_likes", "follows", "work_reports"],
         }
     }
 

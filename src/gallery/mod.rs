@@ -15,6 +15,7 @@
 pub mod cache;
 pub mod keys;
 pub mod reads;
+pub mod reports;
 pub mod worker;
 
 use std::sync::Arc;
@@ -113,6 +114,8 @@ pub enum GalleryError {
     Follow(#[from] FollowError),
     #[error(transparent)]
     Block(#[from] BlockError),
+    #[error(transparent)]
+    Report(#[from] zhihui_domain::gallery::report::ReportError),
     #[error(transparent)]
     Unexpected(#[from] anyhow::Error),
 }

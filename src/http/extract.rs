@@ -155,6 +155,7 @@ pub fn scope_for(method: &actix_web::http::Method, pattern: &str) -> Option<Scop
         | ("/api/v1/gallery/works", false)
         | ("/api/v1/gallery/works/{id}/unpublish", false)
         | ("/api/v1/gallery/works/{id}/like", false)
+        | ("/api/v1/gallery/works/{id}/report", false)
         | ("/api/v1/gallery/creators/{id}/follow", false)
         | ("/api/v1/gallery/creators/{id}/block", false) => Some(Scope::GalleryWrite),
         (pattern, _) if pattern.starts_with("/api/v1/me/webhooks") => Some(Scope::Webhooks),

@@ -9,8 +9,10 @@ use uuid::Uuid;
 use zhihui_domain::gallery::block::BlockError;
 use zhihui_domain::gallery::follow::FollowError;
 use zhihui_domain::gallery::like::LikeError;
+use zhihui_domain::gallery::report::ReportError;
 use zhihui_domain::gallery::work::WorkError;
 use zhihui_domain::rule::{Broken, Rule};
+use zhihui_domain::text::echoed;
 use zhihui_domain::user::UserId;
 
 use crate::gallery::reads::{Cursor, ListedWork, PAGE_MAX, WorkPage};
@@ -62,17 +64,6 @@ impl actix_web::FromRequest for Viewer {
 impl Viewer {
     pub fn user_id(&self) -> Option<UserId> {
         self.0.as_ref().map(|session| session.user_id)
-    }
-}
-
-/// What a refusal says back of an id the caller sent: enough to recognise it, never all of a
-/// long one (an answer is not a mirror for whatever was posted).
-fn echoed(text: &str) -> String {
-    const SHOWN: usize = 40;
-    if text.chars().count() <= SHOWN {
-        text.to_owned()
-    } else {
-        format!("{}…", text.chars().take(SHOWN).collect::<String>())
     }
 }
 
@@ -134,6 +125,18 @@ pub fn gallery_error(error: GalleryError) -> ApiError {
             "blocking-oneself",
             rule.to_string(),
         ),
+        GalleryError::Report(ReportError::NoSuchWork) => ApiError::NotFound("no such work".into()),
+        GalleryError::Report(rule @ ReportError::OwnWork) => refused(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "reporting-own-work",
+            rule.to_string(),
+        ),
+        GalleryError::Report(ReportError::NoteRequired) => {
+            ApiError::invalid_by("note", Rule::ReportNoteRequired)
+        }
+        GalleryError::Report(rule @ ReportError::AlreadyReported) => {
+            refused(StatusCode::CONFLICT, "already-reported", rule.to_string())
+        }
         GalleryError::Unexpected(error) => ApiError::from(error),
     }
 }
@@ -610,26 +613,50 @@ pub async fn unpublish(
     Ok(HttpResponse::NoContent().finish())
 }
 
-async fn paced(
-    state: &AppState,
-    caller: &Authenticated,
-    what: &'static str,
-    per_minute: u32,
-) -> Result<(), ApiError> {
-    let scope = format!("gallery:{what}:{}", caller.user_id());
+/// What a user may do so many times in a window, and the rule a refusal names.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Pace {
+    Likes,
+    Follows,
+    Reports,
+}
+
+/// One more of `pace` by `user`, if their window has room (the web app's forms are paced alike).
+pub(crate) async fn paced(state: &AppState, user: UserId, pace: Pace) -> Result<(), ApiError> {
+    let settings = state.gallery.settings();
+    let (what, rule, most, window, per) = match pace {
+        Pace::Likes => (
+            "like",
+            "too-many-likes",
+            settings.likes_per_minute,
+            60,
+            "a minute",
+        ),
+        Pace::Follows => (
+            "follow",
+            "too-many-follows",
+            settings.follows_per_minute,
+            60,
+            "a minute",
+        ),
+        Pace::Reports => (
+            "report",
+            "too-many-reports",
+            settings.reports_per_hour,
+            3600,
+            "an hour",
+        ),
+    };
+    let scope = format!("gallery:{what}:{user}");
     match state
         .limits
-        .admit(&scope, per_minute, std::time::Duration::from_secs(60))
+        .admit(&scope, most, std::time::Duration::from_secs(window))
         .await?
     {
         Admission::Admitted => Ok(()),
         Admission::Full { retry_at } => Err(ApiError::TooManyRequests {
-            rule: if what == "like" {
-                "too-many-likes"
-            } else {
-                "too-many-follows"
-            },
-            detail: format!("at most {per_minute} a minute; try again at {retry_at}"),
+            rule,
+            detail: format!("at most {most} {per}; try again at {retry_at}"),
             retry_at,
             retry_after_s: crate::http::retry_after(&state.clock, retry_at),
         }),
@@ -941,13 +968,7 @@ async fn like_answer(
     like: bool,
 ) -> Result<HttpResponse, ApiError> {
     let work_id = parse_id(path, "work")?;
-    paced(
-        state,
-        caller,
-        "like",
-        state.gallery.settings().likes_per_minute,
-    )
-    .await?;
+    paced(state, caller.user_id(), Pace::Likes).await?;
     let metadata = event_metadata(request, caller.actor());
     let done = if like {
         state
@@ -976,13 +997,7 @@ async fn follow_answer(
     follow: bool,
 ) -> Result<HttpResponse, ApiError> {
     let creator = UserId::from_uuid(parse_id(path, "creator")?);
-    paced(
-        state,
-        caller,
-        "follow",
-        state.gallery.settings().follows_per_minute,
-    )
-    .await?;
+    paced(state, caller.user_id(), Pace::Follows).await?;
     let metadata = event_metadata(request, caller.actor());
     let done = if follow {
         state
@@ -1011,13 +1026,7 @@ async fn block_answer(
     block: bool,
 ) -> Result<HttpResponse, ApiError> {
     let creator = UserId::from_uuid(parse_id(path, "creator")?);
-    paced(
-        state,
-        caller,
-        "follow",
-        state.gallery.settings().follows_per_minute,
-    )
-    .await?;
+    paced(state, caller.user_id(), Pace::Follows).await?;
     let metadata = event_metadata(request, caller.actor());
     if block {
         state
@@ -1032,4 +1041,145 @@ async fn block_answer(
     }
     .map_err(gallery_error)?;
     Ok(HttpResponse::Ok().json(BlockResponse { blocked: block }))
+}
+
+#[derive(Debug, Deserialize, utoipa::ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReportBody {
+    /// What is wrong: `sexual`, `violent`, `illegal`, `infringement`, `spam` or `other`.
+    pub reason: String,
+    /// What the admins should know (one line, up to 200 characters); required with `other`.
+    #[serde(default)]
+    pub note: Option<String>,
+}
+
+/// Report a work to the admins (once per work: the same report again changes nothing).
+#[utoipa::path(
+    put, operation_id = "gallery_report", path = "/api/v1/gallery/works/{id}/report", tag = "gallery", security(("bearer" = [])),
+    request_body = ReportBody,
+    responses(
+        (status = 204, description = "reported (or reported already in these words)"),
+        (status = 404, description = "no such work, or not visible", body = crate::http::problem::Problem),
+        (status = 409, description = "`already-reported`: the caller reported it before, otherwise", body = crate::http::problem::Problem),
+        (status = 422, description = "a field's rule, or `reporting-own-work`", body = crate::http::problem::Problem),
+        (status = 429, description = "`too-many-reports`", body = crate::http::problem::Problem)
+    )
+)]
+pub async fn report(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    caller: Authenticated,
+    path: web::Path<String>,
+    body: crate::http::extract::Json<ReportBody>,
+) -> Result<HttpResponse, ApiError> {
+    let work_id = parse_id(&path, "work")?;
+    paced(&state, caller.user_id(), Pace::Reports).await?;
+    state
+        .gallery
+        .report(
+            caller.user_id(),
+            work_id,
+            &body.reason,
+            body.note.as_deref().unwrap_or_default(),
+            &event_metadata(&request, caller.actor()),
+        )
+        .await
+        .map_err(gallery_error)?;
+    Ok(HttpResponse::NoContent().finish())
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ReportedWorkResponse {
+    pub work_id: Uuid,
+    pub title: String,
+    pub creator: Uuid,
+    /// `published`, or `unpublished` when its creator took it down since.
+    pub status: String,
+    /// The first image as the public reads it (absent once its creator took the work down).
+    pub cover: Option<String>,
+    pub reports: u64,
+    /// Each reason given, with how many gave it, the most given first.
+    pub reasons: Vec<ReasonCount>,
+    /// The reporters' notes, the earliest first.
+    pub notes: Vec<String>,
+    pub first_reported_at: DateTime<Utc>,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ReasonCount {
+    pub reason: String,
+    pub reports: u64,
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct ReportedWorksResponse {
+    /// The works with reports no admin has looked at (at most 100), the most reported first.
+    pub works: Vec<ReportedWorkResponse>,
+}
+
+/// The works with open reports.
+#[utoipa::path(
+    get, operation_id = "gallery_reports", path = "/api/v1/admin/gallery/reports", tag = "admin", security(("bearer" = [])),
+    responses((status = 200, body = ReportedWorksResponse), (status = 403, body = crate::http::problem::Problem))
+)]
+pub async fn reports(state: web::Data<AppState>, _admin: Admin) -> Result<HttpResponse, ApiError> {
+    let works = state
+        .gallery
+        .reported_works()
+        .await?
+        .into_iter()
+        .map(|work| ReportedWorkResponse {
+            cover: work
+                .cover
+                .filter(|_| work.status == "published")
+                .map(|image| format!("/api/v1/gallery/works/{}/images/{image}", work.work_id)),
+            work_id: work.work_id,
+            title: work.title,
+            creator: work.creator,
+            status: work.status,
+            reports: work.reports,
+            reasons: work
+                .reasons
+                .into_iter()
+                .map(|(reason, reports)| ReasonCount {
+                    reason: reason.as_str().to_owned(),
+                    reports,
+                })
+                .collect(),
+            notes: work.notes,
+            first_reported_at: work.first_reported_at,
+        })
+        .collect();
+    Ok(HttpResponse::Ok().json(ReportedWorksResponse { works }))
+}
+
+#[derive(Debug, Serialize, utoipa::ToSchema)]
+pub struct DismissedResponse {
+    /// How many open reports were dismissed.
+    pub dismissed: u64,
+}
+
+/// Nothing wrong found: dismiss a work's open reports (to hide the work instead, hide it: that
+/// upholds them).
+#[utoipa::path(
+    post, operation_id = "gallery_dismiss_reports", path = "/api/v1/admin/gallery/works/{id}/reports/dismiss", tag = "admin", security(("bearer" = [])),
+    responses((status = 200, body = DismissedResponse), (status = 403, body = crate::http::problem::Problem), (status = 404, body = crate::http::problem::Problem))
+)]
+pub async fn dismiss_reports(
+    state: web::Data<AppState>,
+    request: HttpRequest,
+    admin: Admin,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    let work_id = parse_id(&path, "work")?;
+    let dismissed = state
+        .gallery
+        .dismiss_reports(
+            admin.0.user_id,
+            work_id,
+            &event_metadata(&request, admin.actor()),
+        )
+        .await
+        .map_err(gallery_error)?;
+    Ok(HttpResponse::Ok().json(DismissedResponse { dismissed }))
 }

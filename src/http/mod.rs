@@ -191,6 +191,15 @@ pub fn routes(config: &mut web::ServiceConfig) {
                     "/admin/gallery/works/{id}/hide",
                     api(web::post(), gallery::hide),
                 )
+                .route(
+                    "/admin/gallery/works/{id}/reports/dismiss",
+                    api(web::post(), gallery::dismiss_reports),
+                )
+                .route("/admin/gallery/reports", api(web::get(), gallery::reports))
+                .route(
+                    "/gallery/works/{id}/report",
+                    api(web::put(), gallery::report),
+                )
                 .route("/checkins", api(web::post(), checkins::check_in))
                 .route("/checkins", api(web::get(), checkins::month))
                 .route(

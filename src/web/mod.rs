@@ -133,6 +133,10 @@ pub fn routes(config: &mut web::ServiceConfig) {
             page(web::post(), pages_gallery::hide),
         )
         .route(
+            "/gallery/works/{id}/report",
+            page(web::post(), pages_gallery::report),
+        )
+        .route(
             "/gallery/creators/{id}",
             page(web::get(), pages_gallery::creator),
         )
@@ -228,6 +232,11 @@ pub fn routes(config: &mut web::ServiceConfig) {
         .route(
             "/admin/promotions/{id}/end",
             page(web::post(), pages_admin::end_promotion),
+        )
+        .route("/admin/reports", page(web::get(), pages_admin::reports))
+        .route(
+            "/admin/reports/{id}/dismiss",
+            page(web::post(), pages_admin::dismiss_reports),
         )
         .route("/admin/audit", page(web::get(), pages_admin::audit));
 }

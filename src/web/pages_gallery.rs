@@ -254,6 +254,11 @@ pub async fn work(
             first_likers => view.first_likers.clone(),
             own,
             published_now => own && query.done.as_deref() == Some("published"),
+            reported_now => query.done.as_deref() == Some("reported"),
+            report_reasons => zhihui_domain::gallery::report::ReportReason::ALL
+                .iter()
+                .map(|reason| reason.as_str())
+                .collect::<Vec<_>>(),
             next => encode_path(page.request.path()),
         },
     )
@@ -543,8 +548,66 @@ pub async fn unpublish(page: Page, path: web::Path<String>) -> Result<HttpRespon
 }
 
 #[derive(Debug, Deserialize)]
+pub struct ReportForm {
+    /// Absent when no reason was chosen (a form sent without the browser's own check).
+    reason: Option<String>,
+    #[serde(default)]
+    note: String,
+}
+
+/// `POST /gallery/works/{id}/report`: the answer in the form's message area (htmx), or back to
+/// the work saying it was received.
+pub async fn report(
+    page: Page,
+    path: web::Path<String>,
+    form: web::Form<ReportForm>,
+) -> Result<HttpResponse, WebError> {
+    let user = page.member()?.session.user_id;
+    let work_id = Uuid::parse_str(&path).map_err(|_| not_found(&page))?;
+    let reported =
+        match crate::http::gallery::paced(page.state(), user, crate::http::gallery::Pace::Reports)
+            .await
+        {
+            Err(refused) => Err(page.message_of(&refused)),
+            Ok(()) => match page
+                .state()
+                .gallery
+                .report(
+                    user,
+                    work_id,
+                    form.reason.as_deref().unwrap_or_default(),
+                    &form.note,
+                    &metadata(&page)?,
+                )
+                .await
+            {
+                Ok(()) => Ok(()),
+                Err(GalleryError::Invalid {
+                    field: "reason", ..
+                }) => Err(page.t("gallery.report_pick_reason", &[])),
+                Err(GalleryError::Invalid { field, broken }) => {
+                    Err(page.field_message(field, &broken))
+                }
+                Err(error) => Err(message(&page, error)?),
+            },
+        };
+    match reported {
+        Ok(()) if page.is_htmx() => page.alert(
+            "#report-messages",
+            "success",
+            &page.t("gallery.reported", &[]),
+        ),
+        Ok(()) => Ok(page.redirect(&format!("/gallery/works/{work_id}?done=reported"))),
+        Err(text) if page.is_htmx() => page.alert("#report-messages", "error", &text),
+        Err(_) => Err(page.refusal(StatusCode::UNPROCESSABLE_ENTITY, "error.bad_form")),
+    }
+}
+
+#[derive(Debug, Deserialize)]
 pub struct HideForm {
     reason: String,
+    /// `reports`: the admin hid it from the reports' queue, and goes back there.
+    next: Option<String>,
 }
 
 /// `POST /gallery/works/{id}/hide` (an admin).
@@ -561,6 +624,9 @@ pub async fn hide(
         .hide(admin, work_id, &form.reason, &metadata(&page)?)
         .await
     {
+        Ok(()) if form.next.as_deref() == Some("reports") => {
+            Ok(page.redirect("/admin/reports?done=hidden"))
+        }
         Ok(()) => Ok(page.redirect("/gallery?sort=new&done=hidden")),
         Err(error) => {
             let text = message(&page, error)?;

@@ -130,6 +130,10 @@ const TEMPLATES: &[(&str, &str)] = &[
         include_str!("templates/admin/promotions.html"),
     ),
     (
+        "admin/reports.html",
+        include_str!("templates/admin/reports.html"),
+    ),
+    (
         "admin/_promotion.html",
         include_str!("templates/admin/_promotion.html"),
     ),

@@ -1386,7 +1386,7 @@ async fn the_likes_page_goes_on_past_its_first_page() {
 }
 
 /// A page form, as a browser in Chinese sends it: the session cookie, its CSRF token, our Origin.
-async fn page_post(
+pub(crate) async fn page_post(
     app: &TestApp,
     token: &str,
     path: &str,
@@ -1415,7 +1415,7 @@ async fn page_post(
         .unwrap()
 }
 
-async fn page_text(app: &TestApp, token: &str, path: &str) -> String {
+pub(crate) async fn page_text(app: &TestApp, token: &str, path: &str) -> String {
     let response = app
         .http
         .get(format!("{}{path}", app.address))

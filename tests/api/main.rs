@@ -27,6 +27,7 @@ mod promotions;
 mod readme;
 mod redeem;
 mod replay;
+mod reports;
 mod revenue;
 mod settlements;
 mod sockets;

@@ -734,7 +734,7 @@ async fn a_form_that_cannot_be_read_is_a_page_in_the_readers_language() {
 
 /// A signed-in reader's form, sent as htmx sends it: the session cookie (Chinese pages), the
 /// CSRF header, from the site itself.
-async fn htmx_form(
+pub(crate) async fn htmx_form(
     client: &reqwest::Client,
     base: &str,
     token: &str,

@@ -1084,3 +1084,64 @@ def test_a_phone_user_sets_a_username_and_password_then_logs_in_with_them(stack,
     other = person("zh")
     other.login(name, "西湖 correct horse")
     assert other.page.locator(".who .name").inner_text() == page.locator(".who .name").inner_text()
+
+
+def test_a_reader_reports_a_work_by_keyboard_and_an_admin_hides_it_from_the_queue(stack, person):
+    """On a phone's screen and with the keyboard: a reader reports a work in Chinese ("other"
+    without a note is refused by name, what was chosen kept) and is answered in the form without
+    a reload; an admin finds the work in the reports' queue with the reason and the note, hides
+    it from there, and it is gone from the gallery."""
+    admin = stack.token(*ADMIN)
+    creator = unique("zuozhe")
+    assert stack.api("POST", "/api/v1/auth/register", body={"username": creator, "password": "correct horse"})[0] == 201
+    token = stack.token(creator, "correct horse")
+    me = stack.api("GET", "/api/v1/me", token)[1]
+    assert stack.api("POST", f"/api/v1/admin/accounts/{me['id']}/grants", admin, {"amount": "5", "reason": "创作激励"})[0] == 201
+    status, task = stack.api("POST", "/api/v1/tasks", token, {"prompt": "老小区的夜景，路灯下的单元门", "steps": 4})
+    assert status == 201, task
+    wait_until(lambda: stack.api("GET", f"/api/v1/tasks/{task['task_id']}", token)[1]["status"] == "succeeded", "the image")
+    status, work = stack.api("POST", "/api/v1/gallery/works", token, {"task_id": task["task_id"], "title": "单元门的灯", "prompt_shown": True})
+    assert status == 201, work
+
+    reader = person("zh", (390, 844))
+    reader.register(unique("jubao"))
+    page = reader.go(f"/gallery/works/{work['work_id']}")
+    page.evaluate("window.__stayed = true")
+    summary = page.locator(".report-work > summary")
+    summary.focus()
+    page.keyboard.press("Enter")
+    other = page.get_by_label("其他", exact=True)
+    other.focus()
+    page.keyboard.press("Space")
+    assert other.is_checked()
+    submit = page.get_by_role("button", name="提交举报")
+    submit.focus()
+    page.keyboard.press("Enter")
+    page.locator("#report-messages .notice.error", has_text="选择“其他”原因时必须填写").wait_for()
+    assert other.is_checked(), "the reason chosen is kept"
+    page.fill("#report-note", "画的是我家楼下，没经过我们同意")
+    submit.focus()
+    page.keyboard.press("Enter")
+    page.locator("#report-messages .notice.success", has_text="已收到你的举报").wait_for()
+    assert page.evaluate("window.__stayed === true"), "the page reloaded"
+    shot(page, "flow-report-sent-zh-phone")
+
+    staff = person("zh")
+    staff.login(*ADMIN)
+
+    def queued():
+        return staff.go("/admin/reports").get_by_role("heading", name="单元门的灯").count() > 0
+
+    wait_until(queued, "the reported work in the admins' queue")
+    page = staff.page
+    section = page.locator("section.reported", has=page.get_by_role("heading", name="单元门的灯"))
+    assert "画的是我家楼下，没经过我们同意" in section.inner_text()
+    assert "其他 × 1" in section.inner_text()
+    shot(page, "flow-admin-reports-zh-desktop")
+    section.get_by_role("button", name="隐藏").click()
+    page.wait_for_url("**/admin/reports?done=hidden")
+    page.locator(".notice.success", has_text="作品已隐藏").wait_for()
+    assert page.get_by_role("heading", name="单元门的灯").count() == 0
+    assert stack.api("GET", f"/api/v1/gallery/works/{work['work_id']}")[0] == 404
+    wait_until(lambda: any(row["work_id"] == work["work_id"] and row["status"] == "hidden"
+                           for row in stack.api("GET", "/api/v1/me/works", token)[1]), "the creator's list saying hidden")

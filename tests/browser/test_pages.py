@@ -93,6 +93,16 @@ def showcase(stack):
     assert stack.api("PUT", f"/api/v1/gallery/creators/{user_id}/follow", fan)[0] == 200
     fan_id = stack.api("GET", "/api/v1/me", fan)[1]["id"]
     assert stack.api("PUT", f"/api/v1/gallery/creators/{fan_id}/follow", token)[0] == 200
+    # Two readers report the work with the hidden prompt: the admins' queue has something to show.
+    assert stack.api("PUT", f"/api/v1/gallery/works/{hidden['work_id']}/report", fan,
+                     {"reason": "infringement", "note": "和我去年发在微博上的照片构图一模一样"})[0] == 204
+    passer_name = unique("luren")
+    assert stack.api("POST", "/api/v1/auth/register", body={"username": passer_name, "password": "correct horse"})[0] == 201
+    passer = stack.token(passer_name, "correct horse")
+    assert stack.api("PUT", f"/api/v1/gallery/works/{hidden['work_id']}/report", passer, {"reason": "spam"})[0] == 204
+    wait_until(lambda: any(work["work_id"] == hidden["work_id"] and work["reports"] == 2
+                           for work in stack.api("GET", "/api/v1/admin/gallery/reports", admin)[1]["works"]),
+               "the reports in the queue")
     # Two API keys on the settings page, one of them revoked.
     assert stack.api("POST", "/api/v1/me/keys", token, {"name": "商品图后台", "scopes": ["tasks:write", "tasks:read"]})[0] == 201
     status, old_key = stack.api("POST", "/api/v1/me/keys", token, {"name": "旧脚本", "scopes": ["account:read"]})
@@ -145,6 +155,7 @@ def admin_pages(showcase):
         ("admin-user", f"/admin/users/{showcase['user_id']}"),
         ("admin-codes", "/admin/codes"),
         ("admin-promotions", "/admin/promotions"),
+        ("admin-reports", "/admin/reports"),
         ("admin-audit", f"/admin/audit?account={showcase['name']}&code={showcase['code']}"),
     ]
 
@@ -222,7 +233,7 @@ def test_every_page_in_both_languages_at_both_sizes_is_screenshot(stack, browser
                 shoot(page, f"{name}-{lang}-{size}")
                 shots += 1
             admin.close()
-    assert shots == 2 * 2 * (6 + 19 + 1 + 7)
+    assert shots == 2 * 2 * (6 + 19 + 1 + 8)
     assert not too_wide, f"pages wider than the screen (name, pixels): {too_wide}"
 
 

@@ -8,6 +8,7 @@
 //! - `like-<work id>-<user id>`: one user's like of one work ([`like`]).
 //! - `follow-<follower id>-<creator id>`: one user following one creator ([`follow`]).
 //! - `block-<user id>-<creator id>`: one user blocking one creator ([`block`]).
+//! - `report-<work id>-<user id>`: one user's report of one work to the admins ([`report`]).
 //!
 //! A like and a follow are once per pair. The pair's own stream makes that so under any race:
 //! two likes of one user at once (a double click reaching two processes) append at the same
@@ -19,6 +20,7 @@
 pub mod block;
 pub mod follow;
 pub mod like;
+pub mod report;
 pub mod work;
 
 pub(crate) use crate::text::{InvalidText, checked_text};

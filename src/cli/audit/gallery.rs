@@ -6,7 +6,10 @@
 //! - each like and follow event names the pair its stream is for;
 //! - every work's row has the status, title and images its events give, and a like count equal
 //!   to the likes its pairs' streams hold now;
-//! - `work_likes` and `follows` hold exactly the pairs whose streams say "yes" now.
+//! - `work_likes` and `follows` hold exactly the pairs whose streams say "yes" now;
+//! - `work_reports` holds exactly one row per report stream, with its reason, and the status its
+//!   stream and its work give: dismissed when the stream says so, else upheld when the work is
+//!   hidden, else open.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -16,6 +19,7 @@ use uuid::Uuid;
 use zhihui_domain::gallery::block::{Block, BlockEvent, block_stream};
 use zhihui_domain::gallery::follow::{Follow, FollowEvent, follow_stream};
 use zhihui_domain::gallery::like::{Like, LikeEvent, like_stream};
+use zhihui_domain::gallery::report::{Report, ReportEvent, ReportState, report_stream};
 use zhihui_domain::gallery::work::{Work, WorkEvent, WorkState, WorkStatus};
 use zhihui_domain::{Decider, DomainEvent};
 
@@ -30,6 +34,7 @@ pub(super) struct GalleryFold {
     /// Blocks are only checked for their pairs (no read model holds them: Redis is rebuilt from
     /// the streams).
     blocks: BTreeMap<(Uuid, Uuid), Option<DateTime<Utc>>>,
+    reports: BTreeMap<(Uuid, Uuid), ReportState>,
     twice: Vec<(String, u64)>,
     misfiled: Vec<(String, u64)>,
 }
@@ -83,6 +88,32 @@ impl GalleryFold {
                     .push((stream.to_owned(), recorded.stream_version));
             }
             *state = Like::evolve(*state, &event);
+            return Ok(true);
+        }
+        if stream.starts_with("report-") {
+            let event = ReportEvent::from_stored(
+                &recorded.event_type,
+                recorded.schema_version,
+                &recorded.payload,
+            )?;
+            let (work_id, reporter) = match &event {
+                ReportEvent::Reported(e) => (e.work_id, e.reporter),
+                ReportEvent::Dismissed(e) => (e.work_id, e.reporter),
+            };
+            if report_stream(work_id, reporter) != stream {
+                self.misfiled
+                    .push((stream.to_owned(), recorded.stream_version));
+            }
+            let state = self
+                .reports
+                .remove(&(work_id, reporter.as_uuid()))
+                .unwrap_or_else(Report::initial_state);
+            if matches!(event, ReportEvent::Reported(_)) && state != ReportState::None {
+                self.twice
+                    .push((stream.to_owned(), recorded.stream_version));
+            }
+            self.reports
+                .insert((work_id, reporter.as_uuid()), Report::evolve(state, &event));
             return Ok(true);
         }
         if stream.starts_with("block-") {
@@ -250,6 +281,7 @@ impl GalleryFold {
                 },
             ));
         }
+        self.compare_reports(client, differences).await?;
         let followed: BTreeSet<(Uuid, Uuid)> = client
             .query("SELECT follower, creator FROM follows", &[])
             .await
@@ -273,6 +305,68 @@ impl GalleryFold {
                     "a follow of the events is missing".into()
                 },
             ));
+        }
+        Ok(())
+    }
+
+    async fn compare_reports(
+        &self,
+        client: &tokio_postgres::Client,
+        differences: &mut Vec<Difference>,
+    ) -> anyhow::Result<()> {
+        let rows = client
+            .query(
+                "SELECT work_id, reporter, reason, status FROM work_reports",
+                &[],
+            )
+            .await
+            .context("reading work_reports")?;
+        let mut seen = BTreeSet::new();
+        for row in rows {
+            let pair: (Uuid, Uuid) = (row.get(0), row.get(1));
+            let key = format!("{}/{}", pair.0, pair.1);
+            seen.insert(pair);
+            let reason: String = row.get(2);
+            let status: String = row.get(3);
+            let made = match self.reports.get(&pair) {
+                Some(ReportState::Open(made)) => (made, "open"),
+                Some(ReportState::Dismissed(made)) => (made, "dismissed"),
+                Some(ReportState::None) | None => {
+                    differences.push(Difference {
+                        read_model: "work_reports",
+                        key,
+                        detail: "a report the events do not hold".into(),
+                    });
+                    continue;
+                }
+            };
+            let hidden = self
+                .works
+                .get(&pair.0)
+                .is_some_and(|work| work.status == WorkStatus::Hidden);
+            let folded_status = match made.1 {
+                "open" if hidden => "upheld",
+                other => other,
+            };
+            if made.0.reason.as_str() != reason || folded_status != status {
+                differences.push(Difference {
+                    read_model: "work_reports",
+                    key,
+                    detail: format!(
+                        "{reason}, {status}; the events say {}, {folded_status}",
+                        made.0.reason.as_str()
+                    ),
+                });
+            }
+        }
+        for (pair, state) in &self.reports {
+            if *state != ReportState::None && !seen.contains(pair) {
+                differences.push(Difference {
+                    read_model: "work_reports",
+                    key: format!("{}/{}", pair.0, pair.1),
+                    detail: "a report of the events is missing".into(),
+                });
+            }
         }
         Ok(())
     }

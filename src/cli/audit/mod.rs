@@ -232,6 +232,7 @@ pub async fn verify(
         "like-".into(),
         "follow-".into(),
         "block-".into(),
+        "report-".into(),
     ]);
     let mut after = None;
     let mut events_read = 0u64;

@@ -110,6 +110,8 @@ pub struct GallerySettings {
     pub likes_per_minute: u32,
     /// Follows and unfollows one user may send per minute.
     pub follows_per_minute: u32,
+    /// Reports one user may send per hour (of any works).
+    pub reports_per_hour: u32,
     /// When Redis may have lost writes it had acknowledged (a master restarted, a replica took
     /// its place), the gallery worker applies the log again from where it stood this long
     /// before it noticed (from the log's beginning if it has not been leading that long).

@@ -88,6 +88,7 @@ impl Settings {
                 && gallery.cache_capacity >= 1
                 && gallery.likes_per_minute >= 1
                 && gallery.follows_per_minute >= 1
+                && gallery.reports_per_hour >= 1
                 && gallery.redis_loss_window_ms >= 1,
             "gallery: inbox_max and hot_max must be at least 10, hot_recompute_ms at least 100, cache_ttl_ms at least 10, the rest at least 1"
         );

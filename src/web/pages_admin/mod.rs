@@ -20,7 +20,10 @@ use super::render::{Page, WebError, account_name, ser};
 use crate::http::ApiError;
 use crate::http::extract::Admin;
 
+mod reports;
 mod sales;
+
+pub use reports::{dismiss_reports, reports};
 pub use sales::*;
 
 /// Days of daily active users the overview charts.
