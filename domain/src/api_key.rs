@@ -50,7 +50,7 @@ pub enum Scope {
     /// Register, change and read webhook endpoints and their deliveries.
     #[serde(rename = "webhooks")]
     Webhooks,
-    /// Publish and unpublish works, like, follow; read one's feed and likes.
+    /// Publish and unpublish works, like, follow, block, report; read one's feed and likes.
     #[serde(rename = "gallery:write")]
     GalleryWrite,
     /// Every admin endpoint (only an admin's key may hold it).

@@ -52,6 +52,8 @@ pub struct PlatformReadings {
     pub tasks_by_status: Vec<(String, i64)>,
     pub points_frozen: rust_decimal::Decimal,
     pub queue_depth: u64,
+    /// Works with open reports (the admins' queue).
+    pub works_reported: i64,
     pub projection_lags: Vec<crate::platform::projector::Lag>,
 }
 
@@ -83,12 +85,21 @@ pub async fn platform_readings(state: &AppState) -> Result<PlatformReadings, Api
         .await
         .context("summing frozen points")?
         .get(0);
+    let works_reported: i64 = client
+        .query_one(
+            "SELECT count(DISTINCT work_id) FROM work_reports WHERE status = 'open'",
+            &[],
+        )
+        .await
+        .context("counting reported works")?
+        .get(0);
     drop(client);
     let depth = state.tasks.queue.len().await?;
     Ok(PlatformReadings {
         tasks_by_status: by_status,
         points_frozen: frozen,
         queue_depth: depth,
+        works_reported,
         projection_lags: crate::platform::projector::lags(&state.event_store, &state.pg_pool)
             .await?,
     })
@@ -102,6 +113,7 @@ async fn scrape_gauges(state: &AppState) -> Result<(), ApiError> {
     }
     metrics::gauge!("zhihui_points_frozen").set(decimal_to_f64(readings.points_frozen));
     metrics::gauge!("zhihui_queue_depth").set(readings.queue_depth as f64);
+    metrics::gauge!("zhihui_gallery_works_reported").set(readings.works_reported as f64);
     for lag in readings.projection_lags {
         metrics::gauge!("zhihui_projection_lag_events", "projection" => lag.projection)
             .set(lag.events as f64);

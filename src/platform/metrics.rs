@@ -76,6 +76,12 @@ pub const METRICS: &[Described] = &[
         "points held by tasks not yet settled, over all accounts",
     ),
     described(
+        "zhihui_gallery_works_reported",
+        Kind::Gauge,
+        &[],
+        "works with reports no admin has handled yet",
+    ),
+    described(
         "zhihui_projection_lag_events",
         Kind::Gauge,
         &["projection"],
@@ -190,6 +196,7 @@ pub const SHARED_GAUGES: &[&str] = &[
     "zhihui_tasks",
     "zhihui_queue_depth",
     "zhihui_points_frozen",
+    "zhihui_gallery_works_reported",
     "zhihui_projection_lag_events",
     "zhihui_projection_lag_seconds",
 ];

@@ -394,6 +394,11 @@ async fn a_reader_reports_a_work_from_its_page_and_an_admin_hides_it_from_the_qu
         queue.contains("违反社区规范："),
         "the hide reason is filled in"
     );
+    let overview = page_text(app, &admin, "/admin").await;
+    assert!(
+        overview.contains(r#"data-testid="works-reported">1<"#),
+        "{overview}"
+    );
     let refused = app
         .http
         .get(format!("{}/admin/reports", app.address))
@@ -425,6 +430,8 @@ async fn a_reader_reports_a_work_from_its_page_and_an_admin_hides_it_from_the_qu
     assert!(!queue.contains("山间小屋"));
     assert!(queue.contains("没有待处理的举报"));
     assert_eq!(statuses(app, &work).await, ["upheld", "upheld"]);
+    let overview = page_text(app, &admin, "/admin").await;
+    assert!(overview.contains(r#"data-testid="works-reported">0<"#));
 }
 
 /// A form posted as htmx posts it; the fragment answered.

@@ -52,7 +52,15 @@ def test_a_user_prioritises_a_waiting_task_and_it_moves_ahead_for_its_fee(stack,
     task_id = page.locator("#tasks article.task", has_text="夏夜的星空").first.get_attribute("data-task-id")
     token = stack.token(name, "correct horse")
     status, task = stack.api("GET", f"/api/v1/tasks/{task_id}", token)
-    assert status == 200 and task["prioritised"] == 1 and task["position"] == 1, task
+    passed = stack.api("GET", f"/api/v1/tasks/{first.get_attribute('data-task-id')}", token)[1]
+    assert status == 200 and task["prioritised"] == 1, task
+    # On a loaded machine a server may free up meanwhile: then the task at place 1 is the one
+    # that goes, never the task it passed.
+    if task["status"] == "queued":
+        assert task["position"] == 1, task
+    else:
+        assert task["status"] in ("dispatched", "running", "succeeded"), task
+    assert not (task["status"] == "queued" and passed["status"] != "queued"), (task, passed)
     # Free the servers for the tests after this one.
     for card in page.locator("#tasks article.task").all():
         if card.get_attribute("data-status") in ("queued", "dispatched", "running"):

@@ -1,8 +1,9 @@
-//! The gallery half of `audit verify`: the work, like and follow streams folded again and
-//! compared with `works`, `work_likes` and `follows`.
+//! The gallery half of `audit verify`: the work, like, follow, block and report streams folded
+//! again and compared with `works`, `work_likes`, `follows` and `work_reports`.
 //!
 //! What is checked:
-//! - no like, follow or block recorded twice in a row on its pair's stream (once per pair);
+//! - no like, follow, block or report recorded twice in a row on its pair's stream (once per
+//!   pair);
 //! - each like and follow event names the pair its stream is for;
 //! - every work's row has the status, title and images its events give, and a like count equal
 //!   to the likes its pairs' streams hold now;
