@@ -317,7 +317,9 @@ async fn a_retried_submit_creates_one_task_and_one_freeze() {
 
 /// Where a prioritise puts a task, from the queue's scores alone: the full jump when its gap has
 /// an integer, fewer places when it has none, the front when the jump reaches it, and no room
-/// when every gap ahead is spent.
+/// when every gap ahead is spent. The plain read (by the score the task's events give it)
+/// answers the common cases in one round trip and agrees with the script wherever it answers;
+/// the script answers the rest, and whenever the queue holds the task at another score.
 #[tokio::test]
 async fn a_prioritise_target_jumps_as_far_as_the_scores_ahead_allow() {
     use zhihui::tasks::queue::{FRONT_STEP, PrioritiseTarget};
@@ -330,43 +332,89 @@ async fn a_prioritise_target_jumps_as_far_as_the_scores_ahead_allow() {
             for score in scores {
                 let id = Uuid::now_v7();
                 queue.enqueue(id, score, None).await.unwrap();
-                ids.push(id);
+                ids.push((id, score));
             }
             ids
         }
     };
-    let target = |id| async move { queue.prioritise_target(id, 10).await.unwrap() };
+    // The target by the script, checked to be the same with the task's score known, and with a
+    // wrong score known (the queue disagrees: the script decides).
+    let target = |(id, score): (Uuid, i64)| async move {
+        let by_rank = queue.prioritise_target(id, None, 10).await.unwrap();
+        assert_eq!(
+            queue.prioritise_target(id, Some(score), 10).await.unwrap(),
+            by_rank
+        );
+        assert_eq!(
+            queue
+                .prioritise_target(id, Some(score + 1), 10)
+                .await
+                .unwrap(),
+            by_rank
+        );
+        assert_eq!(
+            queue
+                .prioritise_target_by_score(id, score + 1, 10)
+                .await
+                .unwrap(),
+            None
+        );
+        by_rank
+    };
+    let plain = |(id, score): (Uuid, i64)| async move {
+        queue
+            .prioritise_target_by_score(id, score, 10)
+            .await
+            .unwrap()
+    };
     let emptied = || async {
         for (id, _) in queue.entries().await.unwrap() {
             queue.remove(id).await.unwrap();
         }
     };
 
-    // Twelve ahead, spaced: ten places, between the scores of ranks 1 and 2.
+    // Twelve ahead, spaced: ten places, between the scores of ranks 1 and 2, read plainly.
     let spaced: Vec<i64> = (1..=13).map(|n| n * 100).collect();
     let ids = queued(&spaced).await;
-    assert_eq!(
-        target(ids[12]).await,
-        PrioritiseTarget::Ahead {
-            rank: 12,
-            to_score: 250,
-            places: 10
-        }
-    );
+    let ten_places = PrioritiseTarget::Ahead {
+        to_score: 250,
+        places: 10,
+    };
+    assert_eq!(target(ids[12]).await, ten_places);
+    assert_eq!(plain(ids[12]).await, Some(ten_places));
     assert_eq!(target(ids[0]).await, PrioritiseTarget::AlreadyFirst);
-    assert_eq!(target(Uuid::now_v7()).await, PrioritiseTarget::NotQueued);
-    // Three ahead: the jump reaches the front.
+    assert_eq!(plain(ids[0]).await, None);
+    let stranger = Uuid::now_v7();
+    for known in [None, Some(500)] {
+        assert_eq!(
+            queue.prioritise_target(stranger, known, 10).await.unwrap(),
+            PrioritiseTarget::NotQueued
+        );
+    }
+    assert_eq!(
+        plain((stranger, 500)).await,
+        Some(PrioritiseTarget::NotQueued)
+    );
+    // Exactly ten ahead: the jump reaches the front, read plainly.
+    let to_front = PrioritiseTarget::Ahead {
+        to_score: 100 - FRONT_STEP,
+        places: 10,
+    };
+    assert_eq!(target(ids[10]).await, to_front);
+    assert_eq!(plain(ids[10]).await, Some(to_front));
+    // Three ahead: fewer than the jump, which only the script's rank tells; the front.
     assert_eq!(
         target(ids[3]).await,
         PrioritiseTarget::Ahead {
-            rank: 3,
             to_score: 100 - FRONT_STEP,
             places: 3
         }
     );
+    assert_eq!(plain(ids[3]).await, None);
     emptied().await;
 
-    // No integer between ranks 1 and 2, nor 2 and 3: eight places, between ranks 3 and 4.
+    // No integer between ranks 1 and 2, nor 2 and 3: eight places, between ranks 3 and 4, which
+    // only the script finds.
     let ids = queued(&[
         100, 200, 201, 202, 300, 400, 500, 600, 700, 800, 900, 1000, 1100,
     ])
@@ -374,16 +422,17 @@ async fn a_prioritise_target_jumps_as_far_as_the_scores_ahead_allow() {
     assert_eq!(
         target(ids[12]).await,
         PrioritiseTarget::Ahead {
-            rank: 12,
             to_score: 251,
             places: 8
         }
     );
+    assert_eq!(plain(ids[12]).await, None);
     emptied().await;
 
     // Every gap ahead spent.
     let ids = queued(&(100..=112).collect::<Vec<i64>>()).await;
     assert_eq!(target(ids[12]).await, PrioritiseTarget::NoRoom);
+    assert_eq!(plain(ids[12]).await, None);
 }
 
 #[tokio::test]

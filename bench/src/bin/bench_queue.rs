@@ -40,7 +40,9 @@
 //!   last on both sides. BullMQ drains the jobs its `addBulk` added (no priority: its wait list,
 //!   not its prioritized sorted set); ours drains the tasks of our first enqueue pass.
 //! - prioritise: a random sample (JOBS / 5) of waiting tasks: `prioritise_target` (jump up to the
-//!   setting's `prioritise_jump_max` places, read only) then `move_to` (ZADD XX), two round trips.
+//!   setting's `prioritise_jump_max` places, read only, given the score the task's events give
+//!   it, as the product gives it: ZSCORE and ZRANGE BYSCORE in one round trip, the script by rank
+//!   where that cannot answer) then `move_to` (ZADD XX), two round trips.
 //!   / `job.changePriority({ priority: 1 })`, one script.
 //! - cancel: another sample, disjoint: `remove` (ZREM). / `job.remove()` (one script that also
 //!   deletes the job's hash).
@@ -405,6 +407,9 @@ async fn ours_run(
     let to_cancel = ids.split_off(ids.len() - sample);
     ids.truncate(sample);
     let to_prioritise = ids;
+    // Each task's score, as the product knows it from the task's events; read before the phase.
+    let known_scores: Arc<std::collections::HashMap<TaskId, i64>> =
+        Arc::new(queue.entries().await?.into_iter().collect());
 
     eprintln!("[ours] prioritise: {sample} tasks (jump up to {jump_max} places)");
     let moved = Arc::new(AtomicUsize::new(0));
@@ -417,8 +422,12 @@ async fn ours_run(
             let queue = queue.clone();
             let moved = moved.clone();
             let already_first = already_first.clone();
+            let known_score = known_scores.get(&task_id).copied();
             async move {
-                match queue.prioritise_target(task_id, jump_max).await? {
+                match queue
+                    .prioritise_target(task_id, known_score, jump_max)
+                    .await?
+                {
                     PrioritiseTarget::Ahead { to_score, .. } => {
                         queue.move_to(task_id, to_score).await?;
                         moved.fetch_add(1, Ordering::Relaxed);

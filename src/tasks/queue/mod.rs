@@ -69,7 +69,6 @@ pub enum PrioritiseTarget {
     /// Every gap ahead is exhausted (practically never: 4096 scores per millisecond).
     NoRoom,
     Ahead {
-        rank: u64,
         to_score: i64,
         places: u32,
     },
@@ -92,6 +91,18 @@ pub(crate) fn parse_score(text: &str) -> anyhow::Result<i64> {
     // Exact: checked above.
     #[allow(clippy::cast_possible_truncation)]
     Ok(value as i64)
+}
+
+/// An integer score or count as Redis answers it: an integer, or a score's text (RESP2) or double
+/// (RESP3).
+fn score_value(value: &redis::Value) -> anyhow::Result<i64> {
+    match value {
+        redis::Value::Int(n) => Ok(*n),
+        redis::Value::BulkString(bytes) => parse_score(std::str::from_utf8(bytes)?),
+        redis::Value::SimpleString(text) => parse_score(text),
+        redis::Value::Double(value) => parse_score(&value.to_string()),
+        other => anyhow::bail!("unexpected queue answer {other:?}"),
+    }
 }
 
 fn parse_task_id(text: &str) -> anyhow::Result<TaskId> {
@@ -354,8 +365,90 @@ impl TaskQueue {
             .collect()
     }
 
-    /// Where a prioritise of `task_id` would put it (reads only).
+    /// Where a prioritise of `task_id` would put it (reads only). `known_score` is the score its
+    /// events give it. When the queue holds the task at that score, one round trip of two plain
+    /// commands answers: its score, and the scores of the tasks `jump_max` and `jump_max + 1`
+    /// places ahead (ahead by score is ahead by rank: tickets only increase and a move lands
+    /// strictly between two scores, so no two tasks share one). Otherwise (the queue disagrees,
+    /// fewer tasks ahead than the jump, no integer between the two scores) the script reads by
+    /// rank. The plain read costs Redis one walk of the sorted set where the script's rank and
+    /// range cost two, and no script call.
     pub async fn prioritise_target(
+        &self,
+        task_id: TaskId,
+        known_score: Option<i64>,
+        jump_max: u32,
+    ) -> anyhow::Result<PrioritiseTarget> {
+        if let Some(score) = known_score
+            && let Some(target) = self
+                .prioritise_target_by_score(task_id, score, jump_max)
+                .await?
+        {
+            return Ok(target);
+        }
+        self.prioritise_target_by_rank(task_id, jump_max).await
+    }
+
+    /// The plain read of `prioritise_target` alone; `None` when it cannot answer (the script
+    /// must).
+    pub async fn prioritise_target_by_score(
+        &self,
+        task_id: TaskId,
+        score: i64,
+        jump_max: u32,
+    ) -> anyhow::Result<Option<PrioritiseTarget>> {
+        let mut connection = self.redis.connection().await?;
+        let (held, ahead): (Option<redis::Value>, Vec<redis::Value>) = redis::pipe()
+            .zscore(self.queue_key(), task_id.to_string())
+            .cmd("ZRANGE")
+            .arg(self.queue_key())
+            .arg(format!("({score}"))
+            .arg("-inf")
+            .arg("BYSCORE")
+            .arg("REV")
+            .arg("LIMIT")
+            .arg(jump_max - 1)
+            .arg(2)
+            .arg("WITHSCORES")
+            .query_async(&mut connection)
+            .await
+            .context("finding a prioritise target")?;
+        let Some(held) = held else {
+            return Ok(Some(PrioritiseTarget::NotQueued));
+        };
+        if score_value(&held)? != score {
+            return Ok(None);
+        }
+        // Nearest first: the task `jump_max` places ahead, then the one before it (member and
+        // score flat under RESP2, in pairs under RESP3).
+        let flat: Vec<&redis::Value> = ahead
+            .iter()
+            .flat_map(|entry| match entry {
+                redis::Value::Array(pair) => pair.iter().collect(),
+                single => vec![single],
+            })
+            .collect();
+        let scores = flat
+            .into_iter()
+            .skip(1)
+            .step_by(2)
+            .map(score_value)
+            .collect::<anyhow::Result<Vec<i64>>>()?;
+        Ok(match scores.as_slice() {
+            [front] => Some(PrioritiseTarget::Ahead {
+                to_score: front - FRONT_STEP,
+                places: jump_max,
+            }),
+            [behind, before] if behind - before >= 2 => Some(PrioritiseTarget::Ahead {
+                to_score: before + (behind - before) / 2,
+                places: jump_max,
+            }),
+            _ => None,
+        })
+    }
+
+    /// `prioritise_target` by the task's rank, in one script.
+    async fn prioritise_target_by_rank(
         &self,
         task_id: TaskId,
         jump_max: u32,
@@ -369,23 +462,15 @@ impl TaskQueue {
             .invoke_async(&mut connection)
             .await
             .context("finding a prioritise target")?;
-        let number = |value: &redis::Value| -> anyhow::Result<i64> {
-            match value {
-                redis::Value::Int(n) => Ok(*n),
-                redis::Value::BulkString(bytes) => parse_score(std::str::from_utf8(bytes)?),
-                other => anyhow::bail!("unexpected prioritise answer {other:?}"),
-            }
-        };
         match answer.as_slice() {
-            [code] => Ok(match number(code)? {
+            [code] => Ok(match score_value(code)? {
                 -1 => PrioritiseTarget::NotQueued,
                 0 => PrioritiseTarget::AlreadyFirst,
                 _ => PrioritiseTarget::NoRoom,
             }),
-            [rank, score, places] => Ok(PrioritiseTarget::Ahead {
-                rank: u64::try_from(number(rank)?)?,
-                to_score: number(score)?,
-                places: u32::try_from(number(places)?)?,
+            [_rank, score, places] => Ok(PrioritiseTarget::Ahead {
+                to_score: score_value(score)?,
+                places: u32::try_from(score_value(places)?)?,
             }),
             other => anyhow::bail!("unexpected prioritise answer {other:?}"),
         }

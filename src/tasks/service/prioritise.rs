@@ -42,7 +42,7 @@ impl TaskService {
             .await?;
         let target = match self
             .queue
-            .prioritise_target(task_id, settings.prioritise_jump_max)
+            .prioritise_target(task_id, state.score, settings.prioritise_jump_max)
             .await
         {
             Ok(target) => target,
