@@ -11,7 +11,7 @@ use uuid::Uuid;
 use zhihui_domain::gallery::report::{
     Report, ReportCommand, ReportNote, ReportReason, report_stream,
 };
-use zhihui_domain::gallery::work::{Work, WorkId, work_stream};
+use zhihui_domain::gallery::work::{Work, WorkId, WorkStatus, work_stream};
 use zhihui_domain::rule::{Broken, Rule};
 use zhihui_domain::user::UserId;
 
@@ -28,7 +28,8 @@ pub struct ReportedWork {
     /// The work's status now (`published`, `unpublished`): a creator may take a reported work
     /// down before an admin looks.
     pub status: String,
-    /// The first image, for a thumbnail.
+    /// The first image, for a thumbnail; none once the work is taken down (nobody sees it
+    /// any more, nor is it in a hurry to be hidden).
     pub cover: Option<String>,
     pub reports: u64,
     /// How many open reports give each reason, the most given first.
@@ -145,8 +146,36 @@ impl GalleryService {
         Ok(dismissed)
     }
 
-    /// The works with open reports, the most reported first (then the longest waiting).
+    /// The works with open reports, the most reported first (then the longest waiting), as they
+    /// are now: the read model trails the works' events by a projection's batch, and an admin who
+    /// has just hidden a work must not find it in the queue again. A work's cached card (dropped
+    /// on every process when the work changes) says it is still published; without one, its
+    /// stream says what became of it, and a hidden work leaves the queue.
     pub async fn reported_works(&self) -> anyhow::Result<Vec<ReportedWork>> {
+        let mut current = Vec::new();
+        for mut work in self.reported_works_projected().await? {
+            let published = match self.card(work.work_id).await? {
+                Some(_) => true,
+                None => {
+                    let loaded =
+                        command::load::<Work>(&self.store, &work_stream(work.work_id)).await?;
+                    match loaded.state.status {
+                        WorkStatus::Hidden => continue,
+                        status => status.is_visible(),
+                    }
+                }
+            };
+            if !published {
+                work.status = "unpublished".to_owned();
+                work.cover = None;
+            }
+            current.push(work);
+        }
+        Ok(current)
+    }
+
+    /// `reported_works` as the read model has them.
+    async fn reported_works_projected(&self) -> anyhow::Result<Vec<ReportedWork>> {
         let client = crate::platform::postgres::checkout(&self.pool)
             .await
             .context("getting a connection")?;

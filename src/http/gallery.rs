@@ -1131,8 +1131,7 @@ pub async fn reports(state: web::Data<AppState>, _admin: Admin) -> Result<HttpRe
         .map(|work| ReportedWorkResponse {
             cover: work
                 .cover
-                .filter(|_| work.status == "published")
-                .map(|image| format!("/api/v1/gallery/works/{}/images/{image}", work.work_id)),
+                .map(|image| public_image_path(work.work_id, &image)),
             work_id: work.work_id,
             title: work.title,
             creator: work.creator,

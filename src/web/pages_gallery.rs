@@ -238,31 +238,59 @@ pub async fn work(
     query: web::Query<DoneQuery>,
 ) -> Result<HttpResponse, WebError> {
     let work_id = Uuid::parse_str(&path).map_err(|_| not_found(&page))?;
-    let Some(view) = page.state().gallery.view(work_id, viewer(&page)).await? else {
-        return Err(not_found(&page));
+    work_page(&page, work_id, query.done.as_deref(), None).await
+}
+
+/// A report sent without JavaScript and refused: the work's page again, its report form open
+/// with the refusal in it and the reader's choices kept.
+struct RefusedReport<'a> {
+    message: String,
+    form: &'a ReportForm,
+}
+
+/// A work's page; `done` is the action it confirms.
+async fn work_page(
+    page: &Page,
+    work_id: Uuid,
+    done: Option<&str>,
+    refused_report: Option<RefusedReport<'_>>,
+) -> Result<HttpResponse, WebError> {
+    let Some(view) = page.state().gallery.view(work_id, viewer(page)).await? else {
+        return Err(not_found(page));
     };
     let card = &view.card;
-    let own = viewer(&page).is_some_and(|user| user.as_uuid() == card.creator);
-    page.render(
-        "work.html",
-        context! {
-            work => work_context(card, view.likes, view.liked_by_viewer),
-            description => card.description.clone(),
-            prompt => card.prompt.clone(),
-            negative_prompt => card.negative_prompt.clone(),
-            settings => super::render::ser(&card.settings),
-            first_likers => view.first_likers.clone(),
-            own,
-            published_now => own && query.done.as_deref() == Some("published"),
-            reported_now => query.done.as_deref() == Some("reported"),
-            report_reasons => zhihui_domain::gallery::report::ReportReason::ALL
-                .iter()
-                .map(|reason| reason.as_str())
-                .collect::<Vec<_>>(),
-            next => encode_path(page.request.path()),
-        },
-    )
-    .await
+    let own = viewer(page).is_some_and(|user| user.as_uuid() == card.creator);
+    let refused = refused_report.is_some();
+    let mut response = page
+        .render(
+            "work.html",
+            context! {
+                work => work_context(card, view.likes, view.liked_by_viewer),
+                description => card.description.clone(),
+                prompt => card.prompt.clone(),
+                negative_prompt => card.negative_prompt.clone(),
+                settings => super::render::ser(&card.settings),
+                first_likers => view.first_likers.clone(),
+                own,
+                published_now => own && done == Some("published"),
+                reported_now => done == Some("reported"),
+                report_reasons => zhihui_domain::gallery::report::ReportReason::ALL
+                    .iter()
+                    .map(|reason| reason.as_str())
+                    .collect::<Vec<_>>(),
+                report_refused => refused_report.map(|refused| context! {
+                    message => refused.message,
+                    reason => refused.form.reason.clone(),
+                    note => refused.form.note.clone(),
+                }),
+                next => encode_path(&format!("/gallery/works/{work_id}")),
+            },
+        )
+        .await?;
+    if refused {
+        *response.status_mut() = StatusCode::UNPROCESSABLE_ENTITY;
+    }
+    Ok(response)
 }
 
 #[derive(Debug, Deserialize)]
@@ -599,7 +627,13 @@ pub async fn report(
         ),
         Ok(()) => Ok(page.redirect(&format!("/gallery/works/{work_id}?done=reported"))),
         Err(text) if page.is_htmx() => page.alert("#report-messages", "error", &text),
-        Err(_) => Err(page.refusal(StatusCode::UNPROCESSABLE_ENTITY, "error.bad_form")),
+        Err(message) => {
+            let refused = RefusedReport {
+                message,
+                form: &form,
+            };
+            work_page(&page, work_id, None, Some(refused)).await
+        }
     }
 }
 

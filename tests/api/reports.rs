@@ -228,6 +228,10 @@ async fn a_report_is_made_once_on_two_processes_and_an_admin_dismisses_or_hides_
         )
         .await;
     assert_eq!(hide.status(), 204);
+    // Off the queue at once on the process that hid it, before the read model has the hide.
+    let works = queue(app, &admin).await;
+    assert_eq!(works.len(), 1, "{works:?}");
+    assert_eq!(works[0]["work_id"], market.as_str());
     // A report decided while the work was still visible, recorded just after the hiding.
     let me = json_of(app.get_as(&xiaogang, "/api/v1/me").await).await;
     let late = UserId::from_uuid(Uuid::parse_str(me["id"].as_str().unwrap()).unwrap());
@@ -364,6 +368,25 @@ async fn a_reader_reports_a_work_from_its_page_and_an_admin_hides_it_from_the_qu
     let path = format!("/gallery/works/{work}/report");
     let none = page_post(app, &reader, &path, &[("note", "")]).await;
     assert_eq!(none.status(), 422);
+    // Without JavaScript, a refusal is the work's page again, the form open with the refusal in
+    // it and the reader's choices kept.
+    let none = none.text().await.unwrap();
+    assert!(none.contains("请选择举报原因"), "{none}");
+    assert!(none.contains(r#"<details class="report-work" open>"#));
+    let long_note = "楼".repeat(201);
+    let too_long = page_post(
+        app,
+        &reader,
+        &path,
+        &[("reason", "infringement"), ("note", &long_note)],
+    )
+    .await;
+    assert_eq!(too_long.status(), 422);
+    let too_long = too_long.text().await.unwrap();
+    assert!(too_long.contains("最多 200 个字符"), "{too_long}");
+    assert!(too_long.contains(r#"value="infringement" required checked"#));
+    assert!(too_long.contains(&format!(r#"value="{long_note}""#)));
+    assert!(too_long.contains("山间小屋"));
     let bare = htmx(app, &reader, &path, &[("reason", "other"), ("note", "")]).await;
     assert!(bare.contains("选择“其他”原因时必须填写"), "{bare}");
     let done = htmx(
@@ -382,6 +405,11 @@ async fn a_reader_reports_a_work_from_its_page_and_an_admin_hides_it_from_the_qu
     assert_eq!(plain.status(), 303);
     let landed = page_text(app, &other, &format!("/gallery/works/{work}?done=reported")).await;
     assert!(landed.contains("已收到你的举报"));
+    let again = page_post(app, &other, &path, &[("reason", "spam"), ("note", "")]).await;
+    assert_eq!(again.status(), 422);
+    let again = again.text().await.unwrap();
+    assert!(again.contains("你已经举报过这件作品"), "{again}");
+    assert!(again.contains(r#"value="spam" required checked"#));
 
     // The admins' queue.
     app.project().await;
@@ -424,11 +452,12 @@ async fn a_reader_reports_a_work_from_its_page_and_an_admin_hides_it_from_the_qu
         hidden.headers()["location"].to_str().unwrap(),
         "/admin/reports?done=hidden"
     );
-    app.project().await;
+    // Gone from the queue at once, before the read model has the hide.
     let queue = page_text(app, &admin, "/admin/reports?done=hidden").await;
     assert!(queue.contains("作品已隐藏，它的举报已成立"));
-    assert!(!queue.contains("山间小屋"));
+    assert!(!queue.contains("山间小屋"), "{queue}");
     assert!(queue.contains("没有待处理的举报"));
+    app.project().await;
     assert_eq!(statuses(app, &work).await, ["upheld", "upheld"]);
     let overview = page_text(app, &admin, "/admin").await;
     assert!(overview.contains(r#"data-testid="works-reported">0<"#));

@@ -44,12 +44,10 @@ pub async fn reports(
             _ => page.t("admin.hide_reason_plain", &[]),
         };
         let taken_down = work.status != "published";
-        // A work taken down by its creator has no public picture (nor a reason to be hidden
-        // in a hurry); a visible one is shown as everyone sees it, labelled.
+        // As everyone sees it, labelled.
         let cover = work
             .cover
-            .filter(|_| !taken_down)
-            .map(|image| format!("/api/v1/gallery/works/{}/images/{image}", work.work_id));
+            .map(|image| crate::http::gallery::public_image_path(work.work_id, &image));
         shown.push(context! {
             id => work.work_id.to_string(),
             title => work.title,
